@@ -1,0 +1,664 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, embedsignature=True
+"""fp_dcp._aio: aligned page-locked buffers and an O_DIRECT I/O engine.
+
+Private to fp_dcp. The engines (kernel AIO, io_uring, a pthread pool) and the
+write/read pipelines are C (fpio.c); this module holds Python's side of them:
+buffers, validation, the GIL, and errors. See docs/NATIVE.md.
+"""
+
+from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
+                             PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES)
+from libc.errno cimport errno, EINVAL, EIO
+from libc.stdlib cimport malloc, calloc, free
+from libc.string cimport memset
+
+import array
+import os
+import warnings
+
+include "fpio.pxi"
+
+ENGINES = ("aio", "uring", "threads")
+cdef dict _KIND = {"aio": FPIO_AIO, "uring": FPIO_URING, "threads": FPIO_THREADS}
+
+# Chosen from the measurements in docs/NATIVE.md (benchmarks/tune_engine.py).
+_AUTO_ORDER = ("aio", "uring", "threads")
+DEFAULT_QUEUE_DEPTH = 16
+DEFAULT_BLOCK_SIZE = 1 << 20
+DEFAULT_READ_QUEUE_DEPTH = 16
+DEFAULT_READ_BLOCK_SIZE = 1 << 20
+DEFAULT_COALESCE_GAP = 64 * 1024
+_MAX_QUEUE_DEPTH = 4096
+_MAX_BLOCK_SIZE = 1 << 30
+
+# process-wide counters for leak tests (touched with the GIL held)
+cdef Py_ssize_t _n_buffers = 0
+cdef Py_ssize_t _locked_bytes = 0
+cdef Py_ssize_t _n_engines = 0
+cdef bint _mlock_warned = False
+cdef int _fault_open_direct = 0
+
+
+# ---------------------------------------------------------------- errors
+
+cdef object _oserror(int err, str what, object path):
+    """The one place an errno becomes an exception: OSError picks the subclass
+    (FileNotFoundError, PermissionError, ...) from the errno."""
+    msg = os.strerror(err)
+    if what:
+        msg = f"{msg} ({what})"
+    return OSError(err, msg, path)
+
+
+cdef object _pipeline_error(fpio_result *res, list paths, str kind):
+    path = paths[res.file] if res.file >= 0 else None
+    if res.eof:
+        return OSError(EIO, f"unexpected end of file at offset {res.at} "
+                            f"(needed up to {res.need}): file truncated?", path)
+    op = res.op.decode()
+    if res.len:
+        what = f"{op} of {res.len} bytes at offset {res.at}, {kind} engine"
+    else:
+        what = f"{op}, {kind} engine"
+    return _oserror(res.err, what, path)
+
+
+# ---------------------------------------------------------------- small functions
+
+def page_size():
+    """The kernel's page size in bytes."""
+    return sysconf(_SC_PAGESIZE)
+
+
+def probe_alignment(path):
+    """(memory_alignment, offset_alignment) for O_DIRECT on the file system
+    holding `path` (a file or a directory), from statx(STATX_DIOALIGN); a
+    directory is asked through a probe file created and removed in it.
+    (4096, 4096) when the kernel or file system gives no answer."""
+    cdef uint32_t mem = 0, off = 0
+    cdef bytes b = os.fsencode(path)
+    cdef int rc = fpio_dioalign(b, &mem, &off)
+    if rc < 0:
+        raise _oserror(-rc, "statx", path)
+    if (mem == 0 or off == 0) and os.path.isdir(path):
+        fd, probe = _probe_file(path, 0)
+        try:
+            rc = fpio_dioalign(os.fsencode(probe), &mem, &off)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+        if rc < 0:
+            raise _oserror(-rc, "statx", probe)
+    if mem == 0 or off == 0:
+        return (4096, 4096)
+    return (int(mem), int(off))
+
+
+cdef tuple _probe_file(directory, int extra_flags):
+    """Create a uniquely named empty file in `directory`: (fd, path) or OSError."""
+    cdef bytes b
+    cdef int fd, err = 0
+    cdef int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | extra_flags
+    for _ in range(100):
+        probe = os.path.join(directory, f".fp_dcp_probe.{os.getpid()}.{os.urandom(6).hex()}")
+        b = os.fsencode(probe)
+        fd = c_open(b, flags, 0o600)
+        if fd >= 0:
+            return fd, probe
+        err = errno
+        if err != 17:  # EEXIST: try another name
+            break
+        if extra_flags & O_DIRECT and err == EINVAL:
+            break
+    raise _oserror(err, "open", directory)
+
+
+def direct_io_supported(directory):
+    """Whether files in `directory` can be opened with O_DIRECT (EINVAL -> False)."""
+    try:
+        fd, probe = _probe_file(directory, O_DIRECT)
+    except OSError as e:
+        if e.errno == EINVAL:
+            try:  # O_CREAT may have created it before O_DIRECT was refused
+                for name in os.listdir(directory):
+                    if name.startswith(f".fp_dcp_probe.{os.getpid()}."):
+                        os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+            return False
+        raise
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
+cdef const int64_t[::1] _i64(obj, str name) except *:
+    """A contiguous int64 view of a sequence (numpy int64 arrays without a copy)."""
+    cdef const int64_t[::1] v
+    try:
+        v = obj
+    except (ValueError, TypeError, BufferError):
+        try:
+            v = array.array("q", obj)
+        except (TypeError, OverflowError) as e:
+            raise TypeError(f"{name} must be a sequence of integers: {e}") from None
+    return v
+
+
+cdef Py_ssize_t _acquire(list objs, Py_buffer *views, int flags, str name) except -1:
+    """Get a buffer on every object; on failure release what was taken and raise."""
+    cdef Py_ssize_t i = 0
+    try:
+        for i in range(len(objs)):
+            PyObject_GetBuffer(objs[i], &views[i], flags)
+    except BaseException as e:
+        for j in range(i):
+            PyBuffer_Release(&views[j])
+        raise type(e)(f"{name}[{i}]: {e}") from e
+    return len(objs)
+
+
+cdef void _release_all(Py_buffer *views, Py_ssize_t n):
+    for i in range(n):
+        PyBuffer_Release(&views[i])
+
+
+cdef _copy_pieces(object one, offsets, list many, bint gather):
+    """gather: many[i] -> one at offsets[i]; scatter: one at offsets[i] -> many[i]."""
+    cdef Py_buffer big
+    cdef Py_ssize_t n = len(many), i, got = 0
+    cdef const int64_t[::1] offs = _i64(offsets, "offsets")
+    if offs.shape[0] != n:
+        raise ValueError(f"{n} buffers but {offs.shape[0]} offsets")
+    PyObject_GetBuffer(one, &big, PyBUF_WRITABLE if gather else PyBUF_SIMPLE)
+    cdef Py_buffer *views = <Py_buffer *>calloc(n + 1, sizeof(Py_buffer))
+    cdef char **dst = <char **>malloc((n + 1) * sizeof(char *))
+    cdef char **src = <char **>malloc((n + 1) * sizeof(char *))
+    cdef int64_t *lens = <int64_t *>malloc((n + 1) * sizeof(int64_t))
+    try:
+        if views == NULL or dst == NULL or src == NULL or lens == NULL:
+            raise MemoryError()
+        got = _acquire(many, views, PyBUF_SIMPLE if gather else PyBUF_WRITABLE,
+                       "srcs" if gather else "dsts")
+        for i in range(n):
+            if offs[i] < 0 or offs[i] + views[i].len > big.len:
+                raise ValueError(f"piece {i}: [{offs[i]}, {offs[i] + views[i].len}) is outside "
+                                 f"the {big.len}-byte buffer")
+            lens[i] = views[i].len
+            if gather:
+                dst[i] = <char *>big.buf + offs[i]
+                src[i] = <char *>views[i].buf
+            else:
+                dst[i] = <char *>views[i].buf
+                src[i] = <char *>big.buf + offs[i]
+        with nogil:
+            fpio_copy_many(dst, src, lens, n)
+    finally:
+        _release_all(views, got)
+        PyBuffer_Release(&big)
+        free(views)
+        free(dst)
+        free(src)
+        free(lens)
+
+
+def copy_gather(dst, dst_offsets, list srcs):
+    """Copy srcs[i] into the writable buffer dst at dst_offsets[i] (memcpy, GIL released)."""
+    _copy_pieces(dst, dst_offsets, srcs, True)
+
+
+def copy_scatter(src, src_offsets, list dsts):
+    """Fill each writable dsts[i] from src at src_offsets[i] (memcpy, GIL released)."""
+    _copy_pieces(src, src_offsets, dsts, False)
+
+
+def stats():
+    """Process-wide live counters: buffers, locked_bytes, engines, inflight."""
+    return {"buffers": _n_buffers, "locked_bytes": _locked_bytes,
+            "engines": _n_engines, "inflight": fpio_inflight()}
+
+
+def _set_fault(str what, int err=0, long after=0):
+    """Fault injection for tests. what="io": the completion after `after`
+    successful ones reports -err; what="open_direct": every open with O_DIRECT
+    fails with err (err=0 clears). what="" clears both."""
+    global _fault_open_direct
+    if what == "io":
+        fpio_fault_set(err, after)
+    elif what == "open_direct":
+        _fault_open_direct = err
+    elif what == "":
+        fpio_fault_set(0, 0)
+        _fault_open_direct = 0
+    else:
+        raise ValueError(f"unknown fault {what!r}: valid are 'io', 'open_direct', ''")
+
+
+# ---------------------------------------------------------------- AlignedBuffer
+
+cdef void _warn_mlock(int err, Py_ssize_t size):
+    global _mlock_warned
+    if _mlock_warned:
+        return
+    _mlock_warned = True
+    warnings.warn(f"fp_dcp: page-locking is off: mlock of {size} bytes failed: "
+                  f"{os.strerror(err)} (raise `ulimit -l` / RLIMIT_MEMLOCK or grant "
+                  f"CAP_IPC_LOCK); buffers stay pageable", RuntimeWarning, stacklevel=3)
+
+
+cdef class AlignedBuffer:
+    """`size_bytes` of memory aligned to `alignment`, page-locked (mlock) when
+    the process may, prefaulted with the GIL released. A writable 1-D
+    unsigned-byte buffer: numpy.frombuffer/torch.frombuffer/memoryview view it
+    without copying. close() frees it now (refused while views exist)."""
+    cdef char *_ptr
+    cdef Py_ssize_t _size
+    cdef Py_ssize_t _alignment
+    cdef bint _locked
+    cdef bint _closed
+    cdef int _exports
+    cdef Py_ssize_t _shape[1]
+    cdef Py_ssize_t _strides[1]
+
+    def __cinit__(self, Py_ssize_t size_bytes, Py_ssize_t alignment=4096, bint lock=True,
+                  bint prefault=True):
+        global _n_buffers, _locked_bytes
+        if size_bytes < 0:
+            raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")
+        if alignment < <Py_ssize_t>sizeof(void *) or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two >= {sizeof(void *)}, got {alignment}")
+        cdef void *p = NULL
+        cdef size_t alloc = size_bytes if size_bytes > 0 else 1
+        cdef int rc = posix_memalign(&p, alignment, alloc)
+        if rc != 0:  # a positive errno, not -1
+            raise MemoryError(f"posix_memalign({alignment}, {size_bytes}): {os.strerror(rc)}")
+        self._ptr = <char *>p
+        self._size = size_bytes
+        self._alignment = alignment
+        self._shape[0] = size_bytes
+        self._strides[0] = 1
+        _n_buffers += 1
+        if size_bytes >= (4 << 20):
+            madvise(p, alloc, MADV_HUGEPAGE)  # fewer page faults to touch it; advisory
+        if prefault:
+            with nogil:
+                memset(p, 0, alloc)
+        if lock and size_bytes > 0:
+            with nogil:
+                rc = mlock(p, size_bytes)
+                if rc != 0:
+                    rc = errno
+            if rc == 0:
+                self._locked = True
+                _locked_bytes += size_bytes
+            else:
+                _warn_mlock(rc, size_bytes)
+
+    cdef void _free(self) noexcept:
+        global _n_buffers, _locked_bytes
+        if self._ptr == NULL:
+            return
+        if self._locked:
+            munlock(self._ptr, self._size)
+            _locked_bytes -= self._size
+            self._locked = False
+        free(self._ptr)
+        self._ptr = NULL
+        self._closed = True
+        _n_buffers -= 1
+
+    def __dealloc__(self):
+        self._free()
+
+    cdef char *_check(self) except NULL:
+        if self._ptr == NULL:
+            raise ValueError("AlignedBuffer is closed")
+        return self._ptr
+
+    def close(self):
+        """Free the memory now; views must be released first (BufferError)."""
+        if self._exports > 0:
+            raise BufferError(f"AlignedBuffer has {self._exports} exported view(s); "
+                              f"release them before close()")
+        self._free()
+
+    @property
+    def address(self):
+        return <uintptr_t>self._check()
+
+    @property
+    def size(self):
+        return self._size
+
+    @property
+    def alignment(self):
+        return self._alignment
+
+    @property
+    def locked(self):
+        return self._locked
+
+    @property
+    def closed(self):
+        return self._ptr == NULL
+
+    def __len__(self):
+        return self._size
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        if self._ptr == NULL:
+            return "<AlignedBuffer closed>"
+        return (f"<AlignedBuffer size={self._size} alignment={self._alignment} "
+                f"locked={bool(self._locked)} at {<uintptr_t>self._ptr:#x}>")
+
+    def __getbuffer__(self, Py_buffer *buf, int flags):
+        buf.buf = self._check()
+        buf.obj = self
+        buf.len = self._size
+        buf.readonly = 0
+        buf.itemsize = 1
+        buf.format = NULL
+        if flags & PyBUF_FORMAT:
+            buf.format = b"B"
+        buf.ndim = 1
+        buf.shape = self._shape if flags & PyBUF_ND else NULL
+        buf.strides = self._strides if flags & PyBUF_STRIDES == PyBUF_STRIDES else NULL
+        buf.suboffsets = NULL
+        buf.internal = NULL
+        self._exports += 1
+
+    def __releasebuffer__(self, Py_buffer *buf):
+        self._exports -= 1
+
+
+# ---------------------------------------------------------------- engines
+
+cdef object _try_engine(int kind, int qd, int nthreads, char **slots, int nslots,
+                     int64_t slot_size, fpio_engine **out):
+    """Set an engine up: None, or (errno, the refused call) when the kernel refuses it."""
+    cdef const char *cwhy = NULL
+    cdef int rc
+    with nogil:
+        rc = fpio_engine_open(kind, qd, nthreads, slots, nslots, slot_size, out, &cwhy)
+    if rc < 0:
+        return (-rc, cwhy.decode())
+    return None
+
+
+def available_engines():
+    """The engines that can be set up on this kernel right now, in ENGINES order."""
+    cdef fpio_engine *e = NULL
+    out = []
+    for name in ENGINES:
+        if _try_engine(_KIND[name], 1, 1, NULL, 2, 0, &e) is None:
+            fpio_engine_close(e)
+            out.append(name)
+    return out
+
+
+cdef class Engine:
+    """An I/O engine with its pool of queue_depth + 1 aligned, page-locked
+    bounce buffers, reused by every call. See docs/NATIVE.md."""
+    cdef fpio_engine *_e
+    cdef readonly str kind
+    cdef readonly int queue_depth
+    cdef readonly Py_ssize_t block_size
+    cdef readonly int read_queue_depth
+    cdef readonly Py_ssize_t read_block_size
+    cdef readonly Py_ssize_t alignment
+    cdef list _pool
+    cdef char **_slots
+    cdef bint _busy
+    cdef bint _counted
+
+    def __init__(self, str kind="auto", *, int queue_depth=DEFAULT_QUEUE_DEPTH,
+                 Py_ssize_t block_size=DEFAULT_BLOCK_SIZE, read_queue_depth=None,
+                 read_block_size=None, Py_ssize_t alignment=4096, int threads=4):
+        global _n_engines
+        if self._pool is not None:
+            raise RuntimeError("Engine.__init__ called twice")
+        if kind != "auto" and kind not in _KIND:
+            raise ValueError(f"unknown engine {kind!r}: valid are 'auto', "
+                             + ", ".join(repr(k) for k in ENGINES))
+        if alignment < 512 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two >= 512, got {alignment}")
+        rqd = queue_depth if read_queue_depth is None else int(read_queue_depth)
+        rbs = block_size if read_block_size is None else int(read_block_size)
+        for name, qd in (("queue_depth", queue_depth), ("read_queue_depth", rqd)):
+            if not 1 <= qd <= _MAX_QUEUE_DEPTH:
+                raise ValueError(f"{name} must be in [1, {_MAX_QUEUE_DEPTH}], got {qd}")
+        for name, bs in (("block_size", block_size), ("read_block_size", rbs)):
+            if bs <= 0 or bs % alignment or bs > _MAX_BLOCK_SIZE:
+                raise ValueError(f"{name} must be a positive multiple of alignment "
+                                 f"({alignment}) up to {_MAX_BLOCK_SIZE}, got {bs}")
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.queue_depth = queue_depth
+        self.block_size = block_size
+        self.read_queue_depth = rqd
+        self.read_block_size = rbs
+        self.alignment = alignment
+
+        cdef int qd_max = max(queue_depth, rqd)
+        cdef Py_ssize_t slot_size = max(block_size, rbs)
+        cdef int nslots = qd_max + 1
+        self._pool = []
+        self._slots = <char **>calloc(nslots, sizeof(char *))
+        if self._slots == NULL:
+            raise MemoryError()
+        for i in range(nslots):
+            buf = AlignedBuffer(slot_size, alignment)
+            self._pool.append(buf)
+            self._slots[i] = <char *><uintptr_t>buf.address
+
+        for name in (_AUTO_ORDER if kind == "auto" else (kind,)):
+            why = _try_engine(_KIND[name], qd_max, threads, self._slots, nslots, slot_size,
+                              &self._e)
+            if why is None:
+                self.kind = name
+                break
+        if self._e == NULL:
+            self._free_pool()
+            err, call = why
+            raise _oserror(err, f"{name} engine refused by the kernel: {call} failed"
+                           + ("; kernel.io_uring_disabled or a seccomp filter?" if name == "uring" else ""),
+                           None)
+        self._counted = True
+        _n_engines += 1
+
+    cdef void _free_pool(self):
+        if self._pool is not None:
+            for buf in self._pool:
+                (<AlignedBuffer>buf)._free()
+            self._pool = []
+        free(self._slots)
+        self._slots = NULL
+
+    def close(self):
+        """Tear the engine down (idempotent)."""
+        if self._busy:
+            raise RuntimeError("Engine.close() while a call is running in another thread")
+        self._close()
+
+    cdef void _close(self) noexcept:
+        global _n_engines
+        if self._e != NULL:
+            with nogil:
+                fpio_engine_close(self._e)
+            self._e = NULL
+        self._free_pool()
+        if self._counted:
+            self._counted = False
+            _n_engines -= 1
+
+    def __dealloc__(self):
+        if self._e != NULL:
+            fpio_engine_close(self._e)
+            self._e = NULL
+        if self._counted:
+            self._counted = False
+            _n_engines_dec()
+        # the pool's AlignedBuffers free themselves
+        free(self._slots)
+        self._slots = NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self._e == NULL else "open"
+        return (f"<Engine {self.kind} {state} qd={self.queue_depth} block={self.block_size} "
+                f"read_qd={self.read_queue_depth} read_block={self.read_block_size} "
+                f"alignment={self.alignment}>")
+
+    @property
+    def closed(self):
+        return self._e == NULL
+
+    cdef _enter(self):
+        if self._e == NULL:
+            raise ValueError("Engine is closed")
+        if self._busy:
+            raise RuntimeError("Engine is in use by another thread: use one engine per thread")
+        self._busy = True
+
+    # -------------------------------------------------- files
+
+    def open(self, path, str mode, direct=None):
+        """Open `path` for the engine: mode "w" (create/truncate, 0o644) or "r".
+        direct=None tries O_DIRECT and falls back to buffered on EINVAL;
+        True requires it; False never asks. Returns an fd (close it with os.close)."""
+        cdef int flags
+        if mode == "w":
+            flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC
+        elif mode == "r":
+            flags = O_RDONLY | O_CLOEXEC
+        else:
+            raise ValueError(f"mode must be 'w' or 'r', got {mode!r}")
+        cdef bytes b = os.fsencode(path)
+        cdef const char *cpath = b
+        cdef int fd = -1, err = 0
+        if direct is None or direct:
+            if _fault_open_direct:
+                err = _fault_open_direct
+            else:
+                with nogil:
+                    fd = c_open(cpath, flags | O_DIRECT, 0o644)
+                    if fd < 0:
+                        err = errno
+            if fd < 0 and err == EINVAL and direct is None:
+                err = 0
+        if fd < 0 and err == 0:
+            with nogil:
+                fd = c_open(cpath, flags, 0o644)
+                if fd < 0:
+                    err = errno
+        if fd < 0:
+            raise _oserror(err, "open" + (" with O_DIRECT" if direct else ""), path)
+        return fd
+
+    @staticmethod
+    def is_direct(int fd):
+        """Whether fd was opened with O_DIRECT."""
+        cdef int fl = fcntl(fd, F_GETFL)
+        if fl < 0:
+            raise _oserror(errno, f"fcntl(F_GETFL) on fd {fd}", None)
+        return bool(fl & O_DIRECT)
+
+    # -------------------------------------------------- I/O
+
+    def write(self, fds, paths, file_index, file_offset, list sources, bint sync=True):
+        """Write sources[i] at file_offset[i] of fds[file_index[i]]. See docs/NATIVE.md."""
+        cdef fpio_result res
+        self._run(True, fds, paths, file_index, file_offset, sources, sync, 0, &res)
+        return {"bytes": res.bytes, "bytes_on_disk": res.bytes_io, "requests": res.requests,
+                "zero_copy_bytes": res.zc_bytes, "seconds": res.seconds}
+
+    def read(self, fds, paths, file_index, file_offset, list dests,
+             Py_ssize_t coalesce_gap=DEFAULT_COALESCE_GAP):
+        """Fill dests[i] from file_offset[i] of fds[file_index[i]]. See docs/NATIVE.md."""
+        cdef fpio_result res
+        if coalesce_gap < 0:
+            raise ValueError(f"coalesce_gap must be >= 0, got {coalesce_gap}")
+        self._run(False, fds, paths, file_index, file_offset, dests, False, coalesce_gap, &res)
+        return {"bytes": res.bytes, "bytes_read": res.bytes_io, "requests": res.requests,
+                "direct_bytes": res.zc_bytes, "seconds": res.seconds}
+
+    cdef _run(self, bint write, fds, paths, file_index, file_offset, list bufs, bint sync,
+              int64_t gap, fpio_result *res):
+        cdef Py_ssize_t n = len(bufs), nfiles = len(fds), i, got = 0
+        cdef const int64_t[::1] fi = _i64(file_index, "file_index")
+        cdef const int64_t[::1] fo = _i64(file_offset, "file_offset")
+        paths = list(paths)
+        if fi.shape[0] != n or fo.shape[0] != n:
+            raise ValueError(f"{n} buffers but {fi.shape[0]} file_index and "
+                             f"{fo.shape[0]} file_offset entries")
+        if len(paths) != nfiles:
+            raise ValueError(f"{nfiles} fds but {len(paths)} paths")
+        cdef int *cfds = <int *>malloc((nfiles + 1) * sizeof(int))
+        cdef Py_buffer *views = <Py_buffer *>calloc(n + 1, sizeof(Py_buffer))
+        cdef fpio_piece *pieces = <fpio_piece *>malloc((n + 1) * sizeof(fpio_piece))
+        cdef int64_t f, o, ln, pf = -1, po = 0, end = 0
+        cdef int64_t bs = self.block_size if write else self.read_block_size
+        cdef int qd = self.queue_depth if write else self.read_queue_depth
+        cdef int64_t align = self.alignment
+        cdef int rc
+        self._enter()
+        try:
+            if cfds == NULL or views == NULL or pieces == NULL:
+                raise MemoryError()
+            for i in range(nfiles):
+                cfds[i] = fds[i]
+            got = _acquire(bufs, views, PyBUF_SIMPLE if write else PyBUF_WRITABLE,
+                           "sources" if write else "dests")
+            for i in range(n):
+                f = fi[i]
+                o = fo[i]
+                ln = views[i].len
+                if f < 0 or f >= nfiles:
+                    raise ValueError(f"piece {i}: file_index {f} is not in [0, {nfiles})")
+                if o < 0:
+                    raise ValueError(f"piece {i}: file_offset {o} is negative")
+                if f < pf or (f == pf and o < po):
+                    raise ValueError(f"piece {i}: pieces must be sorted by (file_index, "
+                                     f"file_offset); ({f}, {o}) follows ({pf}, {po})")
+                if f != pf:
+                    end = 0
+                if write and ln > 0 and o < end:
+                    raise ValueError(f"piece {i}: [{o}, {o + ln}) of file {f} overlaps an "
+                                     f"earlier piece ending at {end}")
+                if o + ln > end:
+                    end = o + ln
+                pf = f
+                po = o
+                pieces[i].ptr = <char *>views[i].buf
+                pieces[i].len = ln
+                pieces[i].off = o
+                pieces[i].file = <int32_t>f
+            with nogil:
+                if write:
+                    rc = fpio_write(self._e, cfds, nfiles, pieces, n, bs, qd, align, sync, res)
+                else:
+                    rc = fpio_read(self._e, cfds, nfiles, pieces, n, bs, qd, align, gap, res)
+            if rc != 0:
+                raise _pipeline_error(res, paths, self.kind)
+        finally:
+            self._busy = False
+            _release_all(views, got)
+            free(cfds)
+            free(views)
+            free(pieces)
+
+
+cdef void _n_engines_dec() noexcept:
+    global _n_engines
+    _n_engines -= 1

@@ -1,0 +1,67 @@
+# Declarations only: the C core (fpio.h) and the few libc calls _aio.pyx makes itself.
+from libc.stdint cimport int32_t, int64_t, uint32_t, uintptr_t
+
+cdef extern from "fpio.h" nogil:
+    enum:
+        FPIO_AIO
+        FPIO_URING
+        FPIO_THREADS
+
+    ctypedef struct fpio_engine:
+        pass
+
+    ctypedef struct fpio_piece:
+        char *ptr
+        int64_t len
+        int64_t off
+        int32_t file
+
+    ctypedef struct fpio_result:
+        int err
+        int file
+        int eof
+        const char *op
+        int64_t at
+        int64_t len
+        int64_t need
+        int64_t bytes
+        int64_t bytes_io
+        int64_t requests
+        int64_t zc_bytes
+        double seconds
+
+    int fpio_engine_open(int kind, int qd_max, int nthreads, char **slots, int nslots,
+                         int64_t slot_size, fpio_engine **out, const char **why)
+    void fpio_engine_close(fpio_engine *e)
+    int fpio_engine_broken(const fpio_engine *e)
+    int fpio_write(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
+                   int64_t npieces, int64_t block_size, int qd, int64_t align, int sync,
+                   fpio_result *res)
+    int fpio_read(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
+                  int64_t npieces, int64_t block_size, int qd, int64_t align, int64_t gap,
+                  fpio_result *res)
+    long fpio_inflight()
+    void fpio_fault_set(int err, long after)
+    int fpio_dioalign(const char *path, uint32_t *mem, uint32_t *off)
+    void fpio_copy_many(char *const *dst, char *const *src, const int64_t *len, int64_t n)
+
+cdef extern from "<stdlib.h>" nogil:
+    int posix_memalign(void **memptr, size_t alignment, size_t size)
+
+cdef extern from "<sys/mman.h>" nogil:
+    int mlock(const void *addr, size_t len)
+    int munlock(const void *addr, size_t len)
+    int madvise(void *addr, size_t length, int advice)
+    int MADV_HUGEPAGE
+
+cdef extern from "<fcntl.h>" nogil:
+    int c_open "open"(const char *path, int flags, int mode)
+    int fcntl(int fd, int cmd)
+    int O_RDONLY, O_WRONLY, O_RDWR, O_CREAT, O_TRUNC, O_EXCL, O_CLOEXEC, O_DIRECT
+    int F_GETFL
+
+cdef extern from "<unistd.h>" nogil:
+    int c_close "close"(int fd)
+    int c_unlink "unlink"(const char *path)
+    long sysconf(int name)
+    int _SC_PAGESIZE
