@@ -1,0 +1,678 @@
+"""Shared helpers for the fp_dcp benchmarks.
+
+Everything a benchmark needs besides the thing it measures:
+
+- sizes: ``parse_size("4GiB")``, ``fmt_size``;
+- state dicts: a seeded *spec* (``make_spec``) that any process can turn into
+  the same state dict (``build_state_dict``) or a zeroed copy to load into
+  (``build_state_dict(..., zero=True)``), and ``verify_state_dict`` that checks
+  a loaded dict bit for bit against the spec without a second copy in memory;
+- memory: ``rss_bytes``, ``peak_rss_bytes``, ``reset_peak_rss`` (VmRSS / VmHWM
+  of the calling process; the reset writes 5 to /proc/self/clear_refs);
+- caches: ``drop_caches`` (sync + drop_caches when root);
+- children: ``run_child`` starts ``python <script> --child <json>`` and reads
+  the one result line the child prints with ``emit_result``;
+- raw device: ``raw_device_io`` (fio O_DIRECT libaio if on PATH, else a
+  single-request O_DIRECT loop in Python);
+- machine: ``hardware_info(dir)``, ``check_free_space``;
+- output: ``summarize``, ``format_table``, ``write_json``.
+
+Only the standard library is imported at module level; torch is imported by the
+functions that need it, so a parent process that only orchestrates stays small.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import platform
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+RESULT_MARKER = "@@BENCH_RESULT "
+
+# --------------------------------------------------------------------------
+# sizes
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": KiB,
+    "m": 1000**2, "mb": 1000**2, "mib": MiB,
+    "g": 1000**3, "gb": 1000**3, "gib": GiB,
+    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """``"4GiB"`` -> 4294967296, ``"1M"`` -> 1000000, ``"512"`` -> 512.
+
+    Binary units (KiB, MiB, GiB) are powers of 1024; K/KB, M/MB, G/GB are
+    powers of 1000, except in ``parse_block_size`` where fio's habit (1M means
+    1 MiB) is followed.
+    """
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse size {text!r} (examples: 4GiB, 256MiB, 1.5GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_block_size(text: str) -> int:
+    """fio-style block sizes: ``1M``, ``1MiB`` and ``1MB`` all mean 1 MiB."""
+    m = re.fullmatch(r"\s*([0-9]+)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise ValueError(f"cannot parse block size {text!r} (examples: 1M, 4M, 512K)")
+    return int(m.group(1)) * {"": 1, "k": KiB, "m": MiB, "g": GiB}[m.group(2).lower()]
+
+
+def fmt_size(n: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# --------------------------------------------------------------------------
+# state-dict generation
+
+# One pool of random values per dtype; a tensor is filled from slices of its
+# dtype's pool at offsets derived from (seed, tensor index, chunk index), so
+# any process regenerates or verifies any tensor without storing a copy and
+# generation runs at memcpy speed instead of RNG speed.
+POOL_ELEMS = 4 * MiB
+CHUNK_ELEMS = POOL_ELEMS // 2
+
+DTYPES = ("float32", "bfloat16", "float16", "int64", "bool")
+
+
+@dataclass
+class TensorSpec:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    index: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class StateDictSpec:
+    """A deterministic description of a state dict (JSON-able)."""
+
+    mix: str
+    seed: int
+    tensors: list[TensorSpec]
+    objects: dict[str, Any] = field(default_factory=dict)  # non-tensor items
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(t.numel * _ELEM_SIZE[t.dtype] for t in self.tensors)
+
+    def to_json(self) -> dict:
+        return {"mix": self.mix, "seed": self.seed, "objects": self.objects,
+                "tensors": [[t.key, t.dtype, list(t.shape), t.index] for t in self.tensors]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "StateDictSpec":
+        return cls(d["mix"], d["seed"],
+                   [TensorSpec(k, dt, tuple(s), i) for k, dt, s, i in d["tensors"]],
+                   d["objects"])
+
+
+_ELEM_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "bool": 1}
+
+
+def make_spec(mix: str, size_bytes: int, seed: int = 0) -> StateDictSpec:
+    """Describe a state dict of about ``size_bytes`` of tensor payload.
+
+    ``large``: 32–64 2-d tensors of float32/bfloat16 of 0.75x–1.25x the mean
+    size, plus a ``step`` int.
+    ``small``: thousands of tensors of 1 KiB – 4 MiB (log-uniform), dtypes
+    float32 / bfloat16 / float16 / int64 / bool, 0-d to 3-d, plus non-tensor
+    items (ints, floats, strings, small dicts) that DCP stores as bytes.
+    """
+    rng = random.Random(seed)
+    tensors: list[TensorSpec] = []
+    objects: dict[str, Any] = {"step": 1000 + seed}
+    if mix == "large":
+        n = max(32, min(64, round(size_bytes / (64 * MiB))))
+        weights = [rng.uniform(0.75, 1.25) for _ in range(n)]
+        total_w = sum(weights)
+        cols = 4096
+        for i, w in enumerate(weights):
+            dtype = "float32" if i % 2 == 0 else "bfloat16"
+            nbytes = size_bytes * w / total_w
+            rows = max(1, int(nbytes // (cols * _ELEM_SIZE[dtype])))
+            tensors.append(TensorSpec(f"model.layers.{i}.weight", dtype, (rows, cols), i))
+    elif mix == "small":
+        dtypes, dweights = zip(*[("float32", 40), ("bfloat16", 25), ("float16", 10),
+                                 ("int64", 15), ("bool", 10)])
+        total = 0
+        i = 0
+        lo, hi = math.log(KiB), math.log(4 * MiB)
+        while total < size_bytes:
+            dtype = rng.choices(dtypes, dweights)[0]
+            es = _ELEM_SIZE[dtype]
+            r = rng.random()
+            if r < 0.05:
+                shape: tuple[int, ...] = ()
+            else:
+                numel = max(1, int(math.exp(rng.uniform(lo, hi))) // es)
+                numel = min(numel, (size_bytes - total) // es + 1)
+                ndim = rng.choice((1, 2, 2, 3))
+                if ndim == 1:
+                    shape = (numel,)
+                else:
+                    c = rng.choice((1, 3, 17, 64, 128, 257, 1024))
+                    rows = max(1, numel // c)
+                    if ndim == 3 and rows >= 8:
+                        a = rng.choice((2, 4, 8))
+                        shape = (a, rows // a, c)
+                    else:
+                        shape = (rows, c)
+            kind = rng.choice(("weight", "bias", "exp_avg", "exp_avg_sq", "mask", "idx"))
+            t = TensorSpec(f"model.block{i // 8}.t{i % 8}.{kind}", dtype, shape, i)
+            tensors.append(t)
+            total += t.numel * es
+            i += 1
+        for j in range(24):
+            if j % 3 == 0:
+                objects[f"meta.count{j}"] = rng.randrange(1 << 40)
+            elif j % 3 == 1:
+                objects[f"meta.name{j}"] = "run-" + "".join(rng.choices("abcdefgh", k=12))
+            else:
+                objects[f"meta.cfg{j}"] = {"lr": round(rng.uniform(1e-5, 1e-3), 8),
+                                           "schedule": rng.choice(("cosine", "linear")),
+                                           "warmup": rng.randrange(1000)}
+    else:
+        raise ValueError(f"unknown mix {mix!r}: choose large or small")
+    return StateDictSpec(mix, seed, tensors, objects)
+
+
+class _Pools:
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._pools: dict[str, Any] = {}
+
+    def get(self, dtype: str):
+        import torch
+
+        p = self._pools.get(dtype)
+        if p is None:
+            g = torch.Generator().manual_seed(self.seed * 131 + DTYPES.index(dtype))
+            if dtype in ("float32", "bfloat16", "float16"):
+                p = torch.randn(POOL_ELEMS, generator=g).to(getattr(torch, dtype))
+            elif dtype == "int64":
+                p = torch.randint(-(1 << 62), 1 << 62, (POOL_ELEMS,), generator=g, dtype=torch.int64)
+            else:
+                p = torch.randint(0, 2, (POOL_ELEMS,), generator=g, dtype=torch.uint8).bool()
+            self._pools[dtype] = p
+        return p
+
+
+def _chunks(seed: int, t: TensorSpec):
+    """Yield (start, length, pool_offset) covering the tensor's flat elements."""
+    n = t.numel
+    j = 0
+    for start in range(0, n, CHUNK_ELEMS):
+        length = min(CHUNK_ELEMS, n - start)
+        off = random.Random((seed << 40) ^ (t.index << 16) ^ j).randrange(POOL_ELEMS - length + 1)
+        yield start, length, off
+        j += 1
+
+
+def _placeholder(value: Any) -> Any:
+    """A same-typed value that differs from ``value`` (what a load must overwrite)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return -1
+    if isinstance(value, float):
+        return -1.0
+    if isinstance(value, str):
+        return ""
+    if isinstance(value, dict):
+        return {k: _placeholder(v) for k, v in value.items()}
+    return None
+
+
+class StateDictFactory:
+    """Builds and verifies the state dict of a spec; keeps the random pools."""
+
+    def __init__(self, spec: StateDictSpec):
+        self.spec = spec
+        self.pools = _Pools(spec.seed)
+
+    def build(self, zero: bool = False) -> dict:
+        """The state dict (flat tensor keys, plus the spec's non-tensor items).
+
+        ``zero=True`` gives the preallocated target of a load: zeroed tensors
+        (pages touched) and placeholder non-tensor items.
+        """
+        import copy
+
+        import torch
+
+        sd: dict[str, Any] = {}
+        for t in self.spec.tensors:
+            dt = getattr(torch, t.dtype)
+            if zero:
+                sd[t.key] = torch.zeros(t.shape, dtype=dt)
+                continue
+            x = torch.empty(t.shape, dtype=dt)
+            flat = x.view(-1)
+            pool = self.pools.get(t.dtype)
+            for start, length, off in _chunks(self.spec.seed, t):
+                flat[start:start + length].copy_(pool[off:off + length])
+            sd[t.key] = x
+        for k, v in self.spec.objects.items():
+            sd[k] = _placeholder(v) if zero else copy.deepcopy(v)
+        return sd
+
+    def verify(self, sd: dict, originals: dict | None = None, max_errors: int = 5) -> list[str]:
+        """Compare ``sd`` with the spec bit for bit; return a list of problems.
+
+        ``originals`` (key -> tensor object before the load) also checks the
+        load wrote into the preallocated tensors instead of replacing them.
+        """
+        import torch
+
+        errors: list[str] = []
+
+        def err(msg: str) -> bool:
+            errors.append(msg)
+            return len(errors) >= max_errors
+
+        for t in self.spec.tensors:
+            x = sd.get(t.key)
+            if not isinstance(x, torch.Tensor):
+                if err(f"{t.key}: missing or not a tensor ({type(x).__name__})"):
+                    break
+                continue
+            if originals is not None and x is not originals.get(t.key):
+                if err(f"{t.key}: replaced by a new tensor, not loaded into the preallocated one"):
+                    break
+                continue
+            if str(x.dtype) != f"torch.{t.dtype}" or tuple(x.shape) != t.shape:
+                if err(f"{t.key}: got {x.dtype} {tuple(x.shape)}, want {t.dtype} {t.shape}"):
+                    break
+                continue
+            flat = x.reshape(-1)
+            pool = self.pools.get(t.dtype)
+            for start, length, off in _chunks(self.spec.seed, t):
+                if not torch.equal(flat[start:start + length], pool[off:off + length]):
+                    err(f"{t.key}: elements {start}..{start + length} differ")
+                    break
+            if len(errors) >= max_errors:
+                break
+        for k, v in self.spec.objects.items():
+            if sd.get(k) != v:
+                if err(f"{k}: got {sd.get(k)!r}, want {v!r}"):
+                    break
+        return errors
+
+
+# --------------------------------------------------------------------------
+# memory
+
+
+def _status_kb(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def rss_bytes() -> int:
+    kb = _status_kb("VmRSS")
+    if kb is None:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KiB
+    return kb * KiB
+
+
+def peak_rss_bytes() -> int:
+    """Peak RSS of this process (VmHWM; since the last ``reset_peak_rss``)."""
+    kb = _status_kb("VmHWM")
+    if kb is None:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KiB
+    return kb * KiB
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0). False if not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------
+# page cache
+
+
+def drop_caches() -> tuple[bool, str]:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``. Returns (done, why not)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True, ""
+    except OSError as e:
+        return False, f"cannot drop page cache ({e.strerror}; needs root): loads are WARM"
+
+
+# --------------------------------------------------------------------------
+# child processes
+
+
+def emit_result(result: dict) -> None:
+    """Child side: print the one result line the parent reads."""
+    sys.stdout.flush()
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+
+
+def run_child(script: str | Path, spec: dict, timeout_s: float | None = None,
+              extra_env: dict | None = None) -> dict:
+    """Run ``python script --child <json spec>``; return its result dict.
+
+    The result gets ``rc``, ``wall_s`` and, when the child printed no result
+    line, ``ok=False`` with ``error`` holding the tail of its output. Memory is
+    measured by the child itself (``rss_bytes`` / ``peak_rss_bytes``), since it
+    alone knows when its state dict was ready.
+    """
+    env = dict(os.environ)
+    if extra_env:
+        env.update(extra_env)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, str(script), "--child", json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, errtxt = proc.communicate(timeout=timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, errtxt = proc.communicate()
+        timed_out = True
+    result: dict | None = None
+    for line in reversed(out.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            result = json.loads(line[len(RESULT_MARKER):])
+            break
+    if result is None:
+        tail = (errtxt or out or "").strip().splitlines()[-8:]
+        why = f"timed out after {timeout_s}s" if timed_out else f"exit code {proc.returncode}"
+        result = {"ok": False, "error": f"child printed no result ({why}): " + " | ".join(tail)}
+    result["rc"] = proc.returncode
+    result["wall_s"] = time.perf_counter() - t0
+    if errtxt and not result.get("ok", False):
+        result.setdefault("stderr_tail", errtxt.strip().splitlines()[-8:])
+    return result
+
+
+# --------------------------------------------------------------------------
+# raw device
+
+
+def fio_path() -> str | None:
+    return shutil.which("fio")
+
+
+def raw_device_io(op: str, path: str | Path, nbytes: int, method: str = "auto",
+                  block_size: int = 4 * MiB, iodepth: int = 16) -> dict:
+    """Sequential O_DIRECT ``op`` ("write" or "read") of ``nbytes`` at ``path``.
+
+    ``method``: "fio" (libaio, one job, ``iodepth``), "python" (one request
+    at a time: os.pwritev/os.preadv of a page-aligned buffer), or "auto"
+    (fio if on PATH). A write ends with fsync. Returns
+    ``{"method", "bytes", "seconds", "note"}``; the read reads the file the
+    write left. ``nbytes`` is rounded up to a whole number of blocks.
+    """
+    if method == "auto":
+        method = "fio" if fio_path() else "python"
+    nbytes = -(-nbytes // block_size) * block_size
+    path = str(path)
+    if method == "fio":
+        fio = fio_path()
+        if fio is None:
+            raise RuntimeError("fio requested but not on PATH")
+        cmd = [fio, "--name=raw", f"--filename={path}", f"--rw={op}", f"--bs={block_size}",
+               f"--size={nbytes}", f"--iodepth={iodepth}", "--ioengine=libaio", "--direct=1",
+               "--numjobs=1", "--output-format=json", "--group_reporting"]
+        if op == "write":
+            cmd += ["--end_fsync=1"]
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if p.returncode != 0:
+            raise RuntimeError(f"fio failed ({p.returncode}): {p.stderr.strip()[-500:]}")
+        data = json.loads(p.stdout[p.stdout.index("{"):])
+        job = data["jobs"][0][op]
+        io_bytes = int(job["io_bytes"])
+        seconds = io_bytes / float(job["bw_bytes"]) if job["bw_bytes"] else float("inf")
+        return {"method": "fio", "bytes": io_bytes, "seconds": seconds, "wall_s": wall,
+                "note": f"fio {op} O_DIRECT libaio bs={fmt_size(block_size)} iodepth={iodepth} numjobs=1"
+                        + (" end_fsync=1" if op == "write" else ""),
+                "fio_version": data.get("fio version")}
+    if method != "python":
+        raise ValueError(f"unknown raw method {method!r}: choose fio, python or auto")
+    buf = mmap.mmap(-1, block_size)  # page aligned
+    if op == "write":
+        buf.write(os.urandom(block_size))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        try:
+            t0 = time.perf_counter()
+            for off in range(0, nbytes, block_size):
+                n = os.pwritev(fd, [buf], off)
+                if n != block_size:
+                    raise OSError(f"short write {n} at {off} in {path}")
+            os.fsync(fd)
+            seconds = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    elif op == "read":
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            t0 = time.perf_counter()
+            for off in range(0, nbytes, block_size):
+                n = os.preadv(fd, [buf], off)
+                if n != block_size:
+                    raise OSError(f"short read {n} at {off} in {path}")
+            seconds = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    else:
+        raise ValueError(f"op must be write or read, not {op!r}")
+    buf.close()
+    return {"method": "python", "bytes": nbytes, "seconds": seconds,
+            "note": f"python O_DIRECT {op}, bs={fmt_size(block_size)}, ONE request at a time "
+                    "(single-request baseline, below what the device can do with a queue)"}
+
+
+# --------------------------------------------------------------------------
+# machine
+
+
+def _mount_of(path: str | Path) -> tuple[str, str, str]:
+    """(mount point, file system type, source device) of the mount holding path."""
+    p = os.path.realpath(path)
+    best = ("", "?", "?")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                src, mnt, fstype = line.split()[:3]
+                mnt = mnt.replace("\\040", " ")
+                if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
+                    best = (mnt, fstype, src)
+    except OSError:
+        pass
+    return best
+
+
+def block_device_of(path: str | Path) -> dict:
+    """Name (and, where sysfs says, model / rotational / scheduler) of the disk."""
+    info: dict[str, Any] = {}
+    try:
+        st = os.stat(path)
+        major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+        sysdev = Path(f"/sys/dev/block/{major}:{minor}")
+        if sysdev.exists():
+            real = sysdev.resolve()
+            info["name"] = real.name
+            disk = real if (real / "queue").exists() else real.parent
+            info["disk"] = disk.name
+            for key, rel in (("model", "device/model"), ("rotational", "queue/rotational"),
+                             ("scheduler", "queue/scheduler"),
+                             ("logical_block_size", "queue/logical_block_size"),
+                             ("physical_block_size", "queue/physical_block_size")):
+                try:
+                    info[key] = (disk / rel).read_text().strip()
+                except OSError:
+                    pass
+    except OSError:
+        pass
+    if "name" not in info:
+        info["name"] = _mount_of(path)[2]
+    return info
+
+
+def hardware_info(target_dir: str | Path) -> dict:
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem = int(line.split()[1]) * KiB
+    except OSError:
+        pass
+    mnt, fstype, src = _mount_of(target_dir)
+    info = {
+        "cpu_model": cpu,
+        "cpu_cores": os.cpu_count(),
+        "ram_bytes": mem,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "target_dir": str(target_dir),
+        "mount_point": mnt,
+        "fs_type": fstype,
+        "mount_source": src,
+        "block_device": block_device_of(target_dir),
+    }
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    fio = fio_path()
+    if fio:
+        try:
+            info["fio"] = subprocess.run([fio, "--version"], capture_output=True,
+                                         text=True).stdout.strip()
+        except OSError:
+            pass
+    return info
+
+
+def hardware_lines(hw: dict) -> list[str]:
+    bd = hw.get("block_device", {})
+    return [
+        f"cpu: {hw['cpu_model']} x {hw['cpu_cores']} cores, RAM {fmt_size(hw['ram_bytes'] or 0)}, "
+        f"kernel {hw['kernel']}, python {hw['python']}, torch {hw.get('torch', '?')}",
+        f"target: {hw['target_dir']} on {hw['fs_type']} ({hw['mount_source']} mounted at "
+        f"{hw['mount_point']}), block device {bd.get('disk', bd.get('name', '?'))}"
+        + (f" model {bd['model']}" if bd.get("model") else "")
+        + (f" rotational={bd['rotational']}" if "rotational" in bd else ""),
+    ]
+
+
+def check_free_space(path: str | Path, need_bytes: int) -> None:
+    """Exit with a clear message if ``path`` has less than ``need_bytes`` free."""
+    free = shutil.disk_usage(path).free
+    if free < need_bytes:
+        sys.exit(f"error: {path} has {fmt_size(free)} free, this run needs {fmt_size(need_bytes)} "
+                 "(3x the state dict). Pass --dir on a larger file system or a smaller --size.")
+
+
+# --------------------------------------------------------------------------
+# output
+
+
+def summarize(values: Sequence[float]) -> dict:
+    v = [x for x in values if x is not None and math.isfinite(x)]
+    if not v:
+        return {"n": 0, "median": None, "min": None, "max": None}
+    return {"n": len(v), "median": statistics.median(v), "min": min(v), "max": max(v)}
+
+
+def fmt_num(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 or not _numeric(c) else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    out = [line(headers), line(["-" * w for w in widths])]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def _numeric(s: str) -> bool:
+    return bool(re.fullmatch(r"[-+]?[0-9.]+x?|-", s))
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=_json_default)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _json_default(o: Any):
+    if hasattr(o, "__dataclass_fields__"):
+        return asdict(o)
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)

@@ -1,0 +1,473 @@
+#!/usr/bin/env python
+"""Save / cold-load throughput of fp_dcp against stock DCP, torch.save and the raw device.
+
+Each contender runs in a fresh subprocess which regenerates the same seeded
+state dict, times only dcp.save (or the load into preallocated, zeroed
+tensors), and reports its RSS after generation and its peak RSS during the
+timed operation. Loads are verified bit for bit before they count. Contenders
+alternate (A B C A B C ...) over --repeat rounds; the table gives the median,
+min and max GB/s (1 GB = 1e9 bytes of tensor payload per second), the
+ratios fp_dcp / raw device and fp_dcp / stock, and PASS/FAIL against the
+project's targets. JSON with the machine description goes to --json.
+
+    python benchmarks/bench_save_load.py --quick                 # smoke test
+    python benchmarks/bench_save_load.py --size 4GiB --mix both  # the real run
+    python benchmarks/bench_save_load.py --engines aio,uring --repeat 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+SCRIPT = Path(__file__).resolve()
+REPO = SCRIPT.parents[1]
+
+# Targets ("Done when"): ratio name -> minimum (or maximum for RSS).
+SAVE_VS_RAW = {"large": 0.90, "small": 0.80}
+SAVE_VS_STOCK = 3.0
+LOAD_VS_RAW = 0.90
+LOAD_VS_STOCK = 1.5
+RSS_OVERHEAD_MAX = 300 * C.MiB
+
+
+# ==========================================================================
+# child side
+
+
+def _fp_dcp_import():
+    """Import the API from an installed fp_dcp, else from the repository checkout."""
+    try:
+        import fp_dcp  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "fp_dcp":
+            raise
+        sys.path.insert(1, str(REPO))
+    from fp_dcp import FastPersistOptions, FastPersistReader, FastPersistWriter
+    return FastPersistWriter, FastPersistReader, FastPersistOptions
+
+
+def _child(spec: dict) -> dict:
+    warnings.filterwarnings("ignore")
+    kind, op = spec["kind"], spec["op"]
+    if kind == "probe":
+        try:
+            _fp_dcp_import()
+            import fp_dcp
+            return {"ok": True, "version": getattr(fp_dcp, "__version__", "?"),
+                    "file": getattr(fp_dcp, "__file__", None)}
+        except Exception as e:  # any import failure means: skip fp_dcp
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+    path = Path(spec["path"])
+    if kind == "raw":
+        path.mkdir(parents=True, exist_ok=True)
+        r = C.raw_device_io("write" if op == "save" else "read", path / "raw.bin",
+                            spec["bytes"], method=spec["method"],
+                            block_size=spec["block_size"], iodepth=spec["iodepth"])
+        return {"ok": True, "verified": None, **r}
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    if kind == "fp_dcp":
+        Writer, Reader, Options = _fp_dcp_import()
+
+    sd_spec = C.StateDictSpec.from_json(spec["sd_spec"])
+    factory = C.StateDictFactory(sd_spec)
+    nbytes = sd_spec.payload_bytes
+    sd = factory.build(zero=(op == "load"))
+    originals = {t.key: sd[t.key] for t in sd_spec.tensors}
+    if op == "load":
+        for dt in {t.dtype for t in sd_spec.tensors}:  # pools for verification: before the baseline
+            factory.pools.get(dt)
+    import gc
+    gc.collect()
+    gen_peak = C.peak_rss_bytes()
+    base = C.rss_bytes()
+    reset_ok = C.reset_peak_rss()
+
+    engine = spec.get("engine")
+    if op == "save":
+        t0 = time.perf_counter()
+        if kind == "fp_dcp":
+            w = Writer(str(path), options=Options(engine=engine)) if engine else Writer(str(path))
+            dcp.save(sd, storage_writer=w)
+        elif kind == "stock":
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path),
+                                                             thread_count=spec["threads"]))
+        elif kind == "torch_save":
+            path.mkdir(parents=True, exist_ok=True)
+            with open(path / "state_dict.pt", "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            raise ValueError(f"unknown contender kind {kind!r}")
+        seconds = time.perf_counter() - t0
+        peak = C.peak_rss_bytes()
+        verified = None
+        errors: list[str] = []
+    else:
+        t0 = time.perf_counter()
+        if kind == "fp_dcp":
+            r = Reader(str(path), options=Options(engine=engine)) if engine else Reader(str(path))
+            dcp.load(sd, storage_reader=r)
+        elif kind == "stock":
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
+        elif kind == "torch_save":
+            loaded = torch.load(path / "state_dict.pt", weights_only=True)
+            for k, v in loaded.items():  # into the preallocated tensors, like the others
+                if isinstance(v, torch.Tensor) and isinstance(sd.get(k), torch.Tensor):
+                    sd[k].copy_(v)
+                else:
+                    sd[k] = v
+            del loaded
+        else:
+            raise ValueError(f"unknown contender kind {kind!r}")
+        seconds = time.perf_counter() - t0
+        peak = C.peak_rss_bytes()
+        errors = factory.verify(sd, originals)
+        verified = not errors
+    return {
+        "ok": not errors, "seconds": seconds, "bytes": nbytes, "verified": verified,
+        "errors": errors, "rss_base_bytes": base, "rss_peak_bytes": peak,
+        "rss_overhead_bytes": peak - base if reset_ok else max(0, peak - base),
+        "peak_reset": reset_ok, "generation_peak_bytes": gen_peak,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def child_main(spec_json: str) -> None:
+    try:
+        result = _child(json.loads(spec_json))
+    except BaseException as e:  # report, don't crash without a result line
+        import traceback
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                  "traceback": traceback.format_exc().splitlines()[-6:]}
+    C.emit_result(result)
+
+
+# ==========================================================================
+# parent side
+
+
+def _short(err: str | None, limit: int = 300) -> str:
+    """One line from a (possibly multi-line) error: its first and last lines."""
+    lines = [ln.strip() for ln in (err or "").splitlines() if ln.strip()]
+    if not lines:
+        return "unknown error"
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
+    cs: list[dict] = []
+    want = set(args.contenders.split(","))
+    if "fp_dcp" in want and fp_ok:
+        cs.append({"name": "fp_dcp", "kind": "fp_dcp", "engine": None, "role": "fp_dcp"})
+        for e in filter(None, args.engines.split(",")):
+            cs.append({"name": f"fp_dcp[{e}]", "kind": "fp_dcp", "engine": e, "role": "fp_dcp_engine"})
+    if "stock" in want:
+        cs.append({"name": "stock", "kind": "stock", "threads": 1, "role": "stock"})
+        if args.stock_threads and args.stock_threads != 1:
+            cs.append({"name": f"stock-t{args.stock_threads}", "kind": "stock",
+                       "threads": args.stock_threads, "role": "stock_tuned"})
+    if "torch.save" in want:
+        cs.append({"name": "torch.save", "kind": "torch_save", "role": "torch_save"})
+    if "raw" in want:
+        for bs in args.raw_bs.split(","):
+            b = C.parse_block_size(bs)
+            cs.append({"name": f"raw[{raw_method},{bs.strip()}]", "kind": "raw",
+                       "method": raw_method, "block_size": b,
+                       "iodepth": args.raw_iodepth if raw_method == "fio" else 1, "role": "raw"})
+    return cs
+
+
+def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: bool) -> dict:
+    sd_spec = C.make_spec(mix, args.size_bytes, args.seed)
+    nbytes = sd_spec.payload_bytes
+    print(f"\n== mix {mix}: {len(sd_spec.tensors)} tensors, {len(sd_spec.objects)} non-tensor items, "
+          f"{C.fmt_size(nbytes)} payload; {args.repeat} round(s) ==", flush=True)
+    runs: dict[str, dict[str, list[dict]]] = {c["name"]: {"save": [], "load": []} for c in contenders}
+    for rnd in range(args.repeat):
+        for c in contenders:
+            path = workdir / f"{mix}-{c['name'].replace('[', '_').replace(']', '').replace(',', '_')}"
+            shutil.rmtree(path, ignore_errors=True)
+            base = {k: v for k, v in c.items() if k not in ("name", "role")}
+            base.update(path=str(path), sd_spec=sd_spec.to_json(), bytes=nbytes)
+            for op in ("save", "load"):
+                if op == "load" and not runs[c["name"]]["save"][-1].get("ok"):
+                    runs[c["name"]]["load"].append({"ok": False, "error": "save failed, nothing to load"})
+                    continue
+                cold = C.drop_caches()[0] if can_drop else False
+                r = C.run_child(SCRIPT, {**base, "op": op}, timeout_s=args.child_timeout)
+                r["cold"] = cold if op == "load" else None
+                if r.get("ok") and r.get("seconds"):
+                    r["gbps"] = r["bytes"] / r["seconds"] / 1e9
+                runs[c["name"]][op].append(r)
+                status = (f"{r['gbps']:.2f} GB/s" if r.get("gbps")
+                          else "FAILED: " + _short(r.get("error") or "; ".join(r.get("errors", []))))
+                rss = (f"  rss +{C.fmt_size(r['rss_overhead_bytes'])}"
+                       if r.get("rss_overhead_bytes") is not None else "")
+                print(f"  round {rnd + 1} {c['name']:<18} {op:<4} {status}{rss}", flush=True)
+            if not args.keep:
+                shutil.rmtree(path, ignore_errors=True)
+    return {"mix": mix, "tensors": len(sd_spec.tensors), "objects": len(sd_spec.objects),
+            "payload_bytes": nbytes, "runs": runs}
+
+
+def _summaries(mix_result: dict, contenders: list[dict]) -> dict:
+    out = {}
+    for c in contenders:
+        out[c["name"]] = {}
+        for op in ("save", "load"):
+            rs = mix_result["runs"][c["name"]][op]
+            ok = [r for r in rs if r.get("ok")]
+            failed = [r for r in rs if not r.get("ok")]
+            s = C.summarize([r["gbps"] for r in ok])
+            ov = [r["rss_overhead_bytes"] for r in ok if r.get("rss_overhead_bytes") is not None]
+            base = [r["rss_base_bytes"] for r in ok if r.get("rss_base_bytes") is not None]
+            s.update(failed=len(failed), role=c["role"],
+                     rss_overhead_max_bytes=max(ov) if ov else None,
+                     rss_base_bytes=max(base) if base else None,
+                     cold=all(r.get("cold") for r in ok) if op == "load" and ok else None,
+                     first_error=(failed[0].get("error") or "; ".join(failed[0].get("errors", [])))
+                     if failed else None,
+                     note=ok[0].get("note") if ok else None)
+            out[c["name"]][op] = s
+    return out
+
+
+def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
+    def best(role: str, op: str):
+        vals = [(summ[c["name"]][op]["median"], c["name"]) for c in contenders
+                if c["role"] == role and summ[c["name"]][op]["median"]]
+        return max(vals) if vals else (None, None)
+
+    raw_w, raw_w_name = best("raw", "save")
+    raw_r, raw_r_name = best("raw", "load")
+    stock = {op: summ["stock"][op]["median"] if "stock" in summ else None for op in ("save", "load")}
+    tuned_name = next((c["name"] for c in contenders if c["role"] == "stock_tuned"), None)
+    tuned = {op: summ[tuned_name][op]["median"] if tuned_name else None for op in ("save", "load")}
+    rows = []
+    for c in contenders:
+        if c["kind"] != "fp_dcp":
+            continue
+        s = summ[c["name"]]
+        targets = c["role"] == "fp_dcp"
+
+        def add(op, what, num, den, den_name, minimum=None):
+            ratio = num / den if num and den else None
+            verdict = ""
+            if targets and minimum is not None:
+                verdict = "n/a" if ratio is None else ("PASS" if ratio >= minimum else "FAIL")
+            rows.append({"contender": c["name"], "op": op, "vs": what, "baseline": den_name,
+                         "ratio": ratio, "target": f">= {minimum:.2f}x" if minimum else "",
+                         "verdict": verdict})
+
+        add("save", "raw write", s["save"]["median"], raw_w, raw_w_name, SAVE_VS_RAW[mix])
+        add("save", "stock default", s["save"]["median"], stock["save"], "stock", SAVE_VS_STOCK)
+        add("save", "stock tuned", s["save"]["median"], tuned["save"], tuned_name)
+        add("load", "raw read", s["load"]["median"], raw_r, raw_r_name, LOAD_VS_RAW)
+        add("load", "stock reader", s["load"]["median"], stock["load"], "stock", LOAD_VS_STOCK)
+        add("load", "stock tuned ckpt", s["load"]["median"], tuned["load"], tuned_name)
+        for op in ("save", "load"):
+            ov = s[op]["rss_overhead_max_bytes"]
+            rows.append({"contender": c["name"], "op": op, "vs": "peak RSS overhead",
+                         "baseline": "", "ratio": None,
+                         "value": f"{ov / C.MiB:.0f} MiB" if ov is not None else "-",
+                         "target": f"<= {RSS_OVERHEAD_MAX // C.MiB} MiB",
+                         "verdict": ("" if not targets else "n/a" if ov is None
+                                     else "PASS" if ov <= RSS_OVERHEAD_MAX else "FAIL")})
+    return rows
+
+
+def print_report(mix_result: dict, summ: dict, ratios: list[dict], contenders: list[dict]) -> str:
+    lines = [f"mix {mix_result['mix']}: {mix_result['tensors']} tensors, {mix_result['objects']} "
+             f"non-tensor items, {C.fmt_size(mix_result['payload_bytes'])} payload"]
+    rows = []
+    for c in contenders:
+        for op in ("save", "load"):
+            s = summ[c["name"]][op]
+            status = "ok"
+            if s["failed"]:
+                status = f"FAILED {s['failed']}/{s['failed'] + s['n']}"
+            elif c["kind"] != "raw" and op == "load":
+                status = "verified" + ("" if s["cold"] else " WARM")
+            rows.append([c["name"], op, C.fmt_num(s["median"]), C.fmt_num(s["min"]),
+                         C.fmt_num(s["max"]), s["n"],
+                         "-" if s["rss_base_bytes"] is None or c["kind"] == "raw"
+                         else f"{s['rss_base_bytes'] / C.MiB:.0f}",
+                         "-" if s["rss_overhead_max_bytes"] is None or c["kind"] == "raw"
+                         else f"{s['rss_overhead_max_bytes'] / C.MiB:.0f}",
+                         status])
+    lines.append(C.format_table(["contender", "op", "GB/s med", "min", "max", "n",
+                                 "RSS base MiB", "peak over MiB", "status"], rows))
+    notes = {summ[c["name"]][op]["note"] for c in contenders if c["kind"] == "raw"
+             for op in ("save", "load") if summ[c["name"]][op]["note"]}
+    for n in sorted(notes):
+        lines.append(f"  raw: {n}")
+    for c in contenders:
+        for op in ("save", "load"):
+            e = summ[c["name"]][op]["first_error"]
+            if e:
+                lines.append(f"  {c['name']} {op} error: {_short(e)}")
+    if ratios:
+        lines.append("")
+        rrows = [[r["contender"], r["op"], r["vs"] + (f" ({r['baseline']})" if r["baseline"] else ""),
+                  r.get("value") or (f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"),
+                  r["target"], r["verdict"]] for r in ratios]
+        lines.append(C.format_table(["contender", "op", "vs", "ratio", "target", "verdict"], rrows))
+    text = "\n".join(lines)
+    print("\n" + text, flush=True)
+    return text
+
+
+def default_dir() -> Path:
+    return REPO.parent / "bench_tmp"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Save and cold-load throughput of fp_dcp vs stock DCP FileSystemWriter/Reader, "
+                    "torch.save/torch.load and the raw device. Each run is a fresh subprocess; "
+                    "loads are verified bit-exact; contenders alternate across rounds.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--size", default="4GiB",
+                   help="tensor payload of the generated state dict (e.g. 4GiB, 512MiB)")
+    p.add_argument("--mix", choices=("large", "small", "both"), default="both",
+                   help="large: 32-64 big float32/bfloat16 tensors; small: thousands of 1 KiB-4 MiB "
+                        "tensors of mixed dtypes/shapes (incl. 0-d) plus non-tensor items; both: each")
+    p.add_argument("--repeat", type=int, default=3, help="rounds; contenders alternate within a round")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: --size 256MiB --repeat 1 (overrides both)")
+    p.add_argument("--contenders", default="fp_dcp,stock,torch.save,raw",
+                   help="comma list from: fp_dcp, stock, torch.save, raw")
+    p.add_argument("--engines", default="",
+                   help="also run fp_dcp with FastPersistOptions(engine=E) for each E (e.g. aio,uring,threads)")
+    p.add_argument("--stock-threads", type=int, default=4,
+                   help="thread_count of the tuned stock FileSystemWriter (1 or 0: no tuned contender)")
+    p.add_argument("--raw", choices=("auto", "fio", "python"), default="auto",
+                   help="raw device method: fio (O_DIRECT libaio) if on PATH, else a single-request "
+                        "O_DIRECT loop in Python")
+    p.add_argument("--raw-bs", default="1M,4M",
+                   help="raw block sizes (one raw contender each; ratios use the fastest)")
+    p.add_argument("--raw-iodepth", type=int, default=16, help="fio iodepth")
+    p.add_argument("--dir", type=Path, default=None,
+                   help=f"target directory (default {default_dir()}); needs 3x --size free")
+    p.add_argument("--json", type=Path, default=None,
+                   help="JSON output (default bench_out/save_load-<timestamp>.json in the repo)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated state dict")
+    p.add_argument("--child-timeout", type=float, default=1800, help="seconds per subprocess")
+    p.add_argument("--no-drop-caches", action="store_true",
+                   help="do not drop the page cache before each run (loads are then WARM)")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints (in --dir) afterwards")
+    p.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.repeat = "256MiB", 1
+    args.size_bytes = C.parse_size(args.size)
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
+    bad = set(args.contenders.split(",")) - {"fp_dcp", "stock", "torch.save", "raw"}
+    if bad:
+        p.error(f"unknown contenders {sorted(bad)}: choose from fp_dcp, stock, torch.save, raw")
+    return args
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child_main(sys.argv[2])
+        return 0
+    args = parse_args(argv)
+    ts = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    target = args.dir or default_dir()
+    created_target = not target.exists()
+    target.mkdir(parents=True, exist_ok=True)
+    C.check_free_space(target, 3 * args.size_bytes)
+    workdir = target / f"save_load-{ts}-{os.getpid()}"
+    workdir.mkdir()
+
+    can_drop = False
+    if args.no_drop_caches:
+        print("warning: --no-drop-caches: loads are WARM (page cache not dropped)")
+    else:
+        can_drop, why = C.drop_caches()
+        if not can_drop:
+            print(f"warning: {why}")
+
+    fp_ok, fp_info = False, "not requested"
+    if "fp_dcp" in args.contenders.split(","):
+        probe = C.run_child(SCRIPT, {"kind": "probe", "op": "probe"}, timeout_s=300)
+        fp_ok = bool(probe.get("ok"))
+        fp_info = (f"fp_dcp {probe.get('version')} from {probe.get('file')}" if fp_ok
+                   else probe.get("error"))
+        if fp_ok:
+            print(f"using {fp_info}")
+        if not fp_ok:
+            print(f"SKIPPING fp_dcp contenders: cannot import FastPersistWriter/Reader/Options "
+                  f"from fp_dcp ({fp_info})")
+    raw_method = args.raw if args.raw != "auto" else ("fio" if C.fio_path() else "python")
+    if args.raw == "fio" and not C.fio_path():
+        sys.exit("error: --raw fio but fio is not on PATH")
+    contenders = build_contenders(args, fp_ok, raw_method)
+    if not contenders:
+        sys.exit("error: no contender left to run")
+
+    hw = C.hardware_info(target)
+    for line in C.hardware_lines(hw):
+        print(line)
+    print(f"raw device method: {raw_method}"
+          + ("" if raw_method == "fio" else
+             (" (fio not on PATH)" if not C.fio_path() else "")
+             + ": single-request Python O_DIRECT baseline, below the device's queued bandwidth"))
+    print(f"contenders: {', '.join(c['name'] for c in contenders)}; loads "
+          f"{'cold (page cache dropped before each run)' if can_drop else 'WARM'}")
+
+    mixes = ["large", "small"] if args.mix == "both" else [args.mix]
+    report = {"benchmark": "save_load", "timestamp": ts, "argv": sys.argv[1:],
+              "size_bytes": args.size_bytes, "repeat": args.repeat, "seed": args.seed,
+              "hardware": hw, "raw_method": raw_method, "cold_loads": can_drop,
+              "fp_dcp": {"available": fp_ok, "info": fp_info},
+              "contenders": contenders, "mixes": []}
+    texts = []
+    try:
+        for mix in mixes:
+            res = run_mix(args, mix, contenders, workdir, can_drop)
+            summ = _summaries(res, contenders)
+            ratios = _ratios(mix, summ, contenders)
+            texts.append(print_report(res, summ, ratios, contenders))
+            report["mixes"].append({**res, "summary": summ, "ratios": ratios})
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+            if created_target:
+                try:
+                    target.rmdir()
+                except OSError:
+                    pass
+    if not fp_ok and "fp_dcp" in args.contenders.split(","):
+        print(f"\nfp_dcp was SKIPPED ({fp_info}): no ratios or targets evaluated.")
+    report["table"] = "\n\n".join(hardware_text for hardware_text in
+                                  ["\n".join(C.hardware_lines(hw))] + texts)
+    out = args.json or REPO / "bench_out" / f"save_load-{ts}.json"
+    C.write_json(out, report)
+    print(f"\nJSON: {out}")
+    failed = any(s[op]["failed"] for m in report["mixes"] for s in m["summary"].values()
+                 for op in ("save", "load"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
