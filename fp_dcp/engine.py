@@ -1,0 +1,142 @@
+"""The facade between fp_dcp's Python layer and the native engine ``fp_dcp._aio``.
+
+It picks and configures an engine for a directory, opens and closes the data
+files, turns tensors into byte buffers the engine can read or fill without a
+copy, and owns page-locked buffers registered with CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from fp_dcp import _aio
+from fp_dcp.options import FastPersistOptions
+
+__all__ = ["IOSession", "tensor_bytes", "PinnedBuffer"]
+
+
+def tensor_bytes(t: torch.Tensor, name: str) -> np.ndarray:
+    """A 1-D uint8 numpy view of a CPU tensor's row-major bytes (no copy when
+    ``t`` is contiguous; a contiguous copy otherwise)."""
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{name}: fp_dcp stores strided tensors only, not {t.layout}; "
+            f"convert it (e.g. .to_dense()) before saving"
+        )
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: expected a CPU tensor, got one on {t.device}")
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class PinnedBuffer:
+    """A page-aligned, pre-faulted, page-locked host buffer; registered with
+    CUDA (``cudaHostRegister``) when CUDA is available so device-to-host copies
+    into it are DMA transfers."""
+
+    def __init__(self, size: int, alignment: int) -> None:
+        self.raw = _aio.AlignedBuffer(size, alignment)
+        self.size = size
+        self.cuda_registered = False
+        if torch.cuda.is_available():
+            rc = torch.cuda.cudart().cudaHostRegister(self.raw.address, size, 0)
+            self.cuda_registered = int(rc) == 0
+            if not self.cuda_registered:
+                warnings.warn(f"cudaHostRegister failed ({rc}); device-to-host copies will be staged", stacklevel=2)
+        self.tensor = torch.frombuffer(self.raw, dtype=torch.uint8, count=size)
+
+    def close(self) -> None:
+        if self.raw is None:
+            return
+        self.tensor = None
+        if self.cuda_registered:
+            torch.cuda.cudart().cudaHostUnregister(self.raw.address)
+            self.cuda_registered = False
+        self.raw.close()
+        self.raw = None
+
+
+class IOSession:
+    """An engine configured for one checkpoint directory, reused across saves
+    and loads of the same writer or reader (its bounce buffers are allocated,
+    pre-faulted and locked once)."""
+
+    def __init__(self, options: FastPersistOptions, directory: str) -> None:
+        self.options = options
+        self.directory = directory
+        if options.alignment_bytes is not None:
+            self.alignment = options.alignment_bytes
+        else:
+            # The file system's direct-I/O minimum, raised to its preferred block
+            # size so that no request straddles a physical block (no device RMW).
+            self.alignment = max(*_aio.probe_alignment(directory), os.statvfs(directory).f_bsize)
+        supported = _aio.direct_io_supported(directory)
+        if options.direct_io is True and not supported:
+            raise OSError(
+                22,
+                "the file system refuses O_DIRECT but FastPersistOptions.direct_io=True; "
+                "set direct_io=None to fall back to buffered I/O",
+                directory,
+            )
+        self.direct = supported and options.direct_io is not False
+        kind = options.engine
+        if kind == "auto" and not self.direct:
+            # Kernel AIO on a buffered fd blocks in io_submit; threads overlap.
+            kind = "threads"
+        kwargs = {"alignment": self.alignment}
+        if options.queue_depth is not None:
+            kwargs["queue_depth"] = options.queue_depth
+        if options.block_size_bytes is not None:
+            kwargs["block_size"] = options.block_size_bytes
+        self.engine = _aio.Engine(kind, **kwargs)
+        self.kind = self.engine.kind
+        self._lock = threading.Lock()
+
+    def matches(self, options: FastPersistOptions, directory: str) -> bool:
+        return self.options == options and os.path.realpath(self.directory) == os.path.realpath(directory)
+
+    @contextlib.contextmanager
+    def open_files(self, paths: Sequence[str], mode: str) -> Iterator[list[int]]:
+        """Open every path (O_DIRECT when the session uses it); close all on exit."""
+        fds: list[int] = []
+        try:
+            for p in paths:
+                fds.append(self.engine.open(p, mode, self.direct if self.direct else False))
+            yield fds
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def write(self, paths, file_index, file_offset, sources, *, sync: bool) -> dict:
+        with self.open_files(paths, "w") as fds, self._lock:
+            return self.engine.write(fds, list(paths), file_index, file_offset, sources, sync=sync)
+
+    def write_fds(self, fds, paths, file_index, file_offset, sources, *, sync: bool) -> dict:
+        with self._lock:
+            return self.engine.write(fds, list(paths), file_index, file_offset, sources, sync=sync)
+
+    def read(self, paths, file_index, file_offset, dests) -> dict:
+        with self.open_files(paths, "r") as fds, self._lock:
+            return self.engine.read(
+                fds, list(paths), file_index, file_offset, dests, coalesce_gap=self.options.coalesce_gap_bytes
+            )
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None

@@ -1,0 +1,344 @@
+"""The on-disk format: file names, the layout records and the metadata codec.
+
+A checkpoint is a directory holding
+
+* data files ``<save_id>.r<rank>.<k>.fpd``: raw tensor and bytes-item bytes,
+  no framing; each extent starts at the offset recorded in the metadata;
+  files are padded with zeros to the direct-I/O alignment;
+* the metadata file ``.fp_dcp.meta``, written last through a temporary name
+  and a rename: the commit point.  Its bytes are a fixed header followed by a
+  JSON document (see ``docs/FORMAT.md``); nothing in it is unpickled, so a
+  checkpoint from a stranger cannot run code when it is opened.
+
+Everything here is pure Python over plain data, so the codec can be fuzzed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import zlib
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "METADATA_NAME",
+    "CheckpointFormatError",
+    "Extent",
+    "StorageLayout",
+    "encode_metadata",
+    "decode_metadata",
+    "data_file_name",
+]
+
+FORMAT_NAME = "fp_dcp"
+FORMAT_VERSION = 1
+METADATA_NAME = ".fp_dcp.meta"
+STOCK_METADATA_NAME = ".metadata"
+DATA_SUFFIX = ".fpd"
+
+# header: magic (8) | format version u32 | crc32 of body u32 | body length u64
+_MAGIC = b"FPDCP\x00\r\n"
+_HEADER = struct.Struct("<8sIIQ")
+HEADER_SIZE = _HEADER.size
+# Refuse absurd metadata sizes before allocating (a corrupt length field).
+_MAX_BODY = 1 << 34
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint's metadata or layout is not something this version can load."""
+
+
+def data_file_name(save_id: str, rank: int, k: int) -> str:
+    return f"{save_id}.r{rank}.{k}{DATA_SUFFIX}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Extent:
+    """``length`` bytes of an item, from byte ``item_offset`` of its row-major
+    image, stored at ``file_offset`` of file number ``file``."""
+
+    file: int
+    file_offset: int
+    item_offset: int
+    length: int
+
+
+@dataclasses.dataclass
+class StorageLayout:
+    """``Metadata.storage_data`` of an fp_dcp checkpoint.
+
+    ``files[i]`` is ``(name, size_on_disk)``; ``extents[index]`` lists the
+    extents of one item, sorted by ``item_offset`` and covering
+    ``[0, item_nbytes)`` exactly once.
+    """
+
+    save_id: str
+    alignment: int
+    files: list[tuple[str, int]]
+    extents: dict[MetadataIndex, list[Extent]]
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: Any, where: str) -> torch.dtype:
+    value = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(value, torch.dtype):
+        raise CheckpointFormatError(
+            f"{where}: unknown dtype {name!r} (written by a newer torch?)"
+        )
+    return value
+
+
+def _enc(value: Any) -> Any:
+    """Plain data to JSON, keeping tuples and non-string keys apart."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Size):
+        return {"__size__": list(value)}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_enc(v) for v in value]}
+    if isinstance(value, list):
+        return [_enc(v) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            if any(k.startswith("__") and k.endswith("__") for k in value):
+                return {"__dict__": [[_enc(k), _enc(v)] for k, v in value.items()]}
+            return {k: _enc(v) for k, v in value.items()}
+        return {"__dict__": [[_enc(k), _enc(v)] for k, v in value.items()]}
+    raise TypeError(
+        f"cannot store a {type(value).__name__} in fp_dcp metadata (only plain data: "
+        f"None, bool, int, float, str, tuple, list, dict); a custom planner's "
+        f"planner_data must be plain data"
+    )
+
+
+def _dec(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_dec(v) for v in value]
+    if isinstance(value, dict):
+        if len(value) == 1:
+            ((tag, inner),) = value.items()
+            if tag == "__size__":
+                return torch.Size(_int_list(inner, "size"))
+            if tag == "__tuple__":
+                return tuple(_dec(v) for v in _list(inner, "tuple"))
+            if tag == "__dict__":
+                out = {}
+                for pair in _list(inner, "dict"):
+                    if not isinstance(pair, list) or len(pair) != 2:
+                        raise CheckpointFormatError("metadata: malformed dict entry")
+                    key = _dec(pair[0])
+                    try:
+                        out[key] = _dec(pair[1])
+                    except TypeError:
+                        raise CheckpointFormatError("metadata: unhashable dict key") from None
+                return out
+        return {k: _dec(v) for k, v in value.items()}
+    return value
+
+
+def _list(value: Any, what: str) -> list:
+    if not isinstance(value, list):
+        raise CheckpointFormatError(f"metadata: {what} is not a list")
+    return value
+
+
+def _int(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CheckpointFormatError(f"metadata: {what} is not an integer: {value!r}")
+    return value
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    return [_int(v, what) for v in _list(value, what)]
+
+
+def _index_key(index: MetadataIndex) -> list:
+    return [index.fqn, None if index.offset is None else list(index.offset)]
+
+
+def _index_from_key(key: Any) -> MetadataIndex:
+    if not (isinstance(key, list) and len(key) == 2 and isinstance(key[0], str)):
+        raise CheckpointFormatError(f"metadata: malformed item key {key!r}")
+    offset = None if key[1] is None else torch.Size(_int_list(key[1], "item offset"))
+    return MetadataIndex(key[0], offset)
+
+
+def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, Any]) -> bytes:
+    """The bytes of the metadata file: header + JSON body."""
+    sd_md: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            sd_md[fqn] = {
+                "type": "tensor",
+                "dtype": _dtype_name(md.properties.dtype),
+                "requires_grad": bool(md.properties.requires_grad),
+                "size": list(md.size),
+                "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks],
+            }
+        elif isinstance(md, BytesStorageMetadata):
+            sd_md[fqn] = {"type": "bytes"}
+        else:
+            raise TypeError(f"{fqn}: unknown storage metadata {type(md).__name__}")
+    sm = metadata.storage_meta
+    doc = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        **extra,
+        "dcp_version": metadata.version,
+        "save_id": layout.save_id,
+        "alignment": layout.alignment,
+        "files": [[name, size] for name, size in layout.files],
+        "state_dict_metadata": sd_md,
+        "extents": [
+            [_index_key(index), [[e.file, e.file_offset, e.item_offset, e.length] for e in exts]]
+            for index, exts in layout.extents.items()
+        ],
+        "planner_data": _enc(metadata.planner_data),
+        "storage_meta": None
+        if sm is None
+        else {
+            "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
+            "save_id": sm.save_id,
+            "modules": list(sm.modules),
+        },
+    }
+    body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    return _HEADER.pack(_MAGIC, FORMAT_VERSION, zlib.crc32(body), len(body)) + body
+
+
+def read_header(head: bytes, path: str) -> tuple[int, int, int]:
+    """(format_version, crc, body_length) from the first HEADER_SIZE bytes."""
+    if len(head) < HEADER_SIZE:
+        raise CheckpointFormatError(
+            f"{path}: metadata is truncated ({len(head)} bytes, the header alone is "
+            f"{HEADER_SIZE}); the checkpoint is incomplete or damaged"
+        )
+    magic, version, crc, length = _HEADER.unpack_from(head)
+    if magic != _MAGIC:
+        raise CheckpointFormatError(f"{path}: not an fp_dcp metadata file (bad magic bytes)")
+    if version != FORMAT_VERSION:
+        raise CheckpointFormatError(
+            f"{path}: fp_dcp format version {version}; this fp_dcp reads version "
+            f"{FORMAT_VERSION}. Load it with the fp_dcp release that wrote it"
+            + (" (a newer one)." if version > FORMAT_VERSION else ".")
+        )
+    if length > _MAX_BODY:
+        raise CheckpointFormatError(f"{path}: metadata length field is corrupt ({length})")
+    return version, crc, length
+
+
+def decode_metadata(data: bytes, path: str) -> tuple[Metadata, StorageLayout, dict[str, Any]]:
+    """Parse and validate a metadata file's bytes.  Never executes anything."""
+    _, crc, length = read_header(data, path)
+    body = data[HEADER_SIZE:]
+    if len(body) != length:
+        raise CheckpointFormatError(
+            f"{path}: metadata is truncated or has trailing bytes (body {len(body)} bytes, "
+            f"header says {length})"
+        )
+    if zlib.crc32(body) != crc:
+        raise CheckpointFormatError(f"{path}: metadata checksum mismatch: the file is corrupt")
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointFormatError(f"{path}: metadata is not valid JSON: {e}") from None
+    try:
+        return _from_doc(doc)
+    except CheckpointFormatError as e:
+        raise CheckpointFormatError(f"{path}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        raise CheckpointFormatError(f"{path}: malformed metadata ({type(e).__name__}: {e})") from None
+
+
+def _from_doc(doc: Any) -> tuple[Metadata, StorageLayout, dict[str, Any]]:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CheckpointFormatError("metadata does not describe an fp_dcp checkpoint")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise CheckpointFormatError(f"format version {doc.get('format_version')!r} in body")
+    sd_md: dict[str, Any] = {}
+    raw_sd = doc["state_dict_metadata"]
+    if not isinstance(raw_sd, dict):
+        raise CheckpointFormatError("state_dict_metadata is not a mapping")
+    for fqn, md in raw_sd.items():
+        if not isinstance(md, dict):
+            raise CheckpointFormatError(f"{fqn}: entry is not a mapping")
+        if md.get("type") == "bytes":
+            sd_md[fqn] = BytesStorageMetadata()
+            continue
+        if md.get("type") != "tensor":
+            raise CheckpointFormatError(f"{fqn}: unknown entry type {md.get('type')!r}")
+        size = _int_list(md["size"], f"{fqn} size")
+        chunks = []
+        for c in _list(md["chunks"], f"{fqn} chunks"):
+            offs, sizes = _int_list(c[0], f"{fqn} chunk offsets"), _int_list(c[1], f"{fqn} chunk sizes")
+            if len(offs) != len(size) or len(sizes) != len(size) or any(
+                o < 0 or s < 0 or o + s > d for o, s, d in zip(offs, sizes, size)
+            ):
+                raise CheckpointFormatError(f"{fqn}: chunk {offs}+{sizes} outside tensor {size}")
+            chunks.append(ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
+        props = TensorProperties(
+            dtype=_dtype_from_name(md["dtype"], fqn), requires_grad=bool(md.get("requires_grad", False))
+        )
+        sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+
+    files = []
+    for entry in _list(doc["files"], "files"):
+        name, size = entry
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise CheckpointFormatError(f"bad data file name {name!r}")
+        files.append((name, _int(size, f"size of {name}")))
+    extents: dict[MetadataIndex, list[Extent]] = {}
+    for key, raw_exts in _list(doc["extents"], "extents"):
+        index = _index_from_key(key)
+        exts = []
+        for r in _list(raw_exts, f"extents of {index.fqn}"):
+            f, fo, io_, ln = (_int(v, f"extent of {index.fqn}") for v in r)
+            if not 0 <= f < len(files) or fo < 0 or io_ < 0 or ln < 0 or fo + ln > files[f][1]:
+                raise CheckpointFormatError(
+                    f"{index.fqn}: extent (file {f}, offset {fo}, length {ln}) lies outside the data files"
+                )
+            exts.append(Extent(f, fo, io_, ln))
+        exts.sort(key=lambda e: e.item_offset)
+        extents[index] = exts
+    layout = StorageLayout(
+        save_id=str(doc["save_id"]),
+        alignment=_int(doc["alignment"], "alignment"),
+        files=files,
+        extents=extents,
+    )
+    sm_doc = doc.get("storage_meta")
+    storage_meta = None
+    if sm_doc is not None:
+        storage_meta = StorageMeta(
+            checkpoint_id=sm_doc.get("checkpoint_id"),
+            save_id=sm_doc.get("save_id"),
+            modules=list(sm_doc.get("modules") or []),
+        )
+    metadata = Metadata(
+        state_dict_metadata=sd_md,
+        planner_data=_dec(doc.get("planner_data")),
+        storage_data=layout,
+        storage_meta=storage_meta,
+        version=doc.get("dcp_version"),
+    )
+    extra = {k: doc.get(k) for k in ("writer", "torch_version", "created", "world_size")}
+    return metadata, layout, extra

@@ -1,0 +1,224 @@
+"""Every tunable of fp_dcp in one place.
+
+:class:`FastPersistOptions` is a frozen dataclass.  Each field can be set three
+ways, strongest first:
+
+1. an argument: ``FastPersistOptions(queue_depth=16)`` or
+   ``FastPersistWriter(path, queue_depth=16)``;
+2. an environment variable ``FP_DCP_<FIELD NAME IN CAPITALS>``
+   (``FP_DCP_ENGINE=uring``), read when the options object is created;
+3. the default below.
+
+Sizes carry their unit in the name (``*_bytes``); environment values for them
+accept suffixes (``64MiB``, ``4k``).  An unknown option name is an error that
+lists the valid ones.  Tests use :func:`override` to run the same code with a
+feature on and off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+from typing import Any, Iterator
+
+__all__ = ["FastPersistOptions", "override", "parse_size"]
+
+_ENV_PREFIX = "FP_DCP_"
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """``"64MiB"`` -> 67108864.  Units are binary (k = 1024)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a size: write a number with an optional unit "
+            f"(B, KiB, MiB, GiB, TiB), e.g. '64MiB'"
+        )
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+@dataclasses.dataclass(frozen=True)
+class FastPersistOptions:
+    """Options of :class:`~fp_dcp.FastPersistWriter` and :class:`~fp_dcp.FastPersistReader`.
+
+    Attributes:
+        engine: the asynchronous I/O engine: ``"auto"`` (kernel AIO or
+            io_uring, whichever measured faster here, falling back to
+            ``"threads"`` on file systems that refuse ``O_DIRECT``), ``"aio"``,
+            ``"uring"`` or ``"threads"`` (a pool of ``pwrite``/``pread``
+            threads).  The engine that ran is reported in
+            ``writer.last_stats["engine"]``.
+        direct_io: ``None`` opens files with ``O_DIRECT`` where the file
+            system allows it and buffered otherwise; ``True`` requires
+            ``O_DIRECT`` (an error where it is refused); ``False`` never uses it.
+        queue_depth: requests kept in flight; ``None`` takes the engine's
+            tuned default.
+        block_size_bytes: size of one request and of one bounce buffer;
+            ``None`` takes the engine's tuned default.  A multiple of the
+            file system's direct-I/O alignment.
+        alignment_bytes: alignment of offsets, lengths and memory for direct
+            I/O; ``None`` asks the file system (``statx`` ``STATX_DIOALIGN``,
+            else 4096).
+        pack_threshold_bytes: extents smaller than this are packed back to
+            back (at ``pack_alignment_bytes``) instead of each starting on an
+            aligned block, so thousands of small tensors do not waste a block
+            each.  Larger extents start aligned, so they are written and read
+            without a copy.
+        pack_alignment_bytes: alignment of packed small extents in the file
+            (keeps every element naturally aligned when viewed in place).
+        sync_files: ``fdatasync`` every data file and fsync the directory
+            before the checkpoint is committed.  Turning it off makes a crash
+            able to lose a checkpoint that was reported as saved.
+        coalesce_gap_bytes: on load, two byte runs of one file closer than
+            this are read by one request (bounded over-read).
+        cuda_chunk_bytes: size of each of the two page-locked buffers through
+            which CUDA tensors are copied to the host while the previous chunk
+            is being written.
+        overwrite: allow saving into a directory that holds a committed
+            checkpoint.  The old checkpoint stays loadable until the new one
+            commits.
+    """
+
+    engine: str = "auto"
+    direct_io: bool | None = None
+    queue_depth: int | None = None
+    block_size_bytes: int | None = None
+    alignment_bytes: int | None = None
+    pack_threshold_bytes: int = 256 * 1024
+    pack_alignment_bytes: int = 64
+    sync_files: bool = True
+    coalesce_gap_bytes: int = 64 * 1024
+    cuda_chunk_bytes: int = 64 << 20
+    overwrite: bool = True
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def _check(self) -> None:
+        from fp_dcp import _aio
+
+        valid = ("auto",) + tuple(_aio.ENGINES)
+        if self.engine not in valid:
+            raise ValueError(
+                f"FastPersistOptions.engine={self.engine!r} is not an engine; "
+                f"valid: {', '.join(valid)}"
+            )
+        for name in ("queue_depth", "block_size_bytes", "alignment_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"FastPersistOptions.{name} must be positive, got {value}")
+        a = self.alignment_bytes
+        if a is not None and a & (a - 1):
+            raise ValueError(f"FastPersistOptions.alignment_bytes must be a power of two, got {a}")
+        p = self.pack_alignment_bytes
+        if p <= 0 or p & (p - 1):
+            raise ValueError(f"FastPersistOptions.pack_alignment_bytes must be a power of two, got {p}")
+        for name in ("pack_threshold_bytes", "coalesce_gap_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"FastPersistOptions.{name} must be >= 0")
+        if self.cuda_chunk_bytes < (1 << 20):
+            raise ValueError("FastPersistOptions.cuda_chunk_bytes must be at least 1 MiB")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> "FastPersistOptions":
+        """Options from ``FP_DCP_*`` environment variables, then ``kwargs`` on top."""
+        _check_names(kwargs)
+        values: dict[str, Any] = {}
+        known = set(cls.field_names())
+        for key, raw in os.environ.items():
+            if not key.startswith(_ENV_PREFIX):
+                continue
+            name = key[len(_ENV_PREFIX):].lower()
+            if name not in known:
+                raise ValueError(
+                    f"environment variable {key} names no fp_dcp option; valid: "
+                    + ", ".join(_ENV_PREFIX + n.upper() for n in sorted(known))
+                )
+            values[name] = _parse_env(name, raw)
+        values.update(kwargs)
+        return cls(**values)
+
+    def replace(self, **kwargs: Any) -> "FastPersistOptions":
+        _check_names(kwargs)
+        return dataclasses.replace(self, **kwargs)
+
+
+def _check_names(kwargs: dict[str, Any]) -> None:
+    unknown = sorted(set(kwargs) - set(FastPersistOptions.field_names()))
+    if unknown:
+        raise TypeError(
+            f"unknown fp_dcp option(s) {', '.join(unknown)}; valid: "
+            + ", ".join(FastPersistOptions.field_names())
+        )
+
+
+def _parse_env(name: str, raw: str) -> Any:
+    field = {f.name: f for f in dataclasses.fields(FastPersistOptions)}[name]
+    text = raw.strip()
+    kind = str(field.type)
+    if "bool" in kind:
+        low = text.lower()
+        if low in ("", "none", "auto") and "None" in kind:
+            return None
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{_ENV_PREFIX}{name.upper()}={raw!r}: expected true/false")
+    if "int" in kind:
+        if text.lower() in ("", "none", "auto") and "None" in kind:
+            return None
+        try:
+            return parse_size(text) if name.endswith("_bytes") else int(text)
+        except ValueError as e:
+            raise ValueError(f"{_ENV_PREFIX}{name.upper()}={raw!r}: {e}") from None
+    return text
+
+
+@contextlib.contextmanager
+def override(**kwargs: Any) -> Iterator[None]:
+    """Set ``FP_DCP_*`` environment variables for the duration of a block.
+
+    ``with override(engine="threads"): ...`` makes every options object created
+    inside the block use the threads engine.  The previous environment is
+    restored in ``finally``, also when the block raises.
+    """
+    _check_names(kwargs)
+    saved = {}
+    try:
+        for name, value in kwargs.items():
+            key = _ENV_PREFIX + name.upper()
+            saved[key] = os.environ.get(key)
+            os.environ[key] = "none" if value is None else str(value)
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old

@@ -1,0 +1,112 @@
+"""Generated state dicts and bit-exact comparison, shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+# DCP wraps a rank's exception in CheckpointException (a BaseException) whose
+# text carries the original message and traceback.
+FAILED = (Exception, CheckpointException)
+
+# Every dtype DCP can save (torch.save can serialize), bool and complex included.
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+]
+
+
+def random_tensor(shape, dtype: torch.dtype, rng: np.random.Generator) -> torch.Tensor:
+    """Random bits of ``dtype`` (NaN payloads included: compare with bits_equal)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    if dtype == torch.bool:
+        return torch.from_numpy(rng.integers(0, 2, n, dtype=np.uint8).astype(bool)).reshape(shape)
+    esize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(rng.integers(0, 256, n * esize, dtype=np.uint8))
+    return raw.view(dtype).reshape(shape).clone()
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
+                       b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+
+
+def assert_sd_equal(a: Any, b: Any, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{path}: {type(b)} is not a tensor"
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert bits_equal(a, b), f"{path}: values differ"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for k in a:
+            assert_sd_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_sd_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def zeros_like_sd(sd: Any) -> Any:
+    """A target of the same structure: fresh zeroed tensors, non-tensors kept."""
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd, memory_format=torch.contiguous_format)
+    if isinstance(sd, dict):
+        return {k: zeros_like_sd(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [zeros_like_sd(v) for v in sd]
+    return None if not isinstance(sd, (int, float, str, bytes)) else type(sd)()
+
+
+def mixed_state_dict(seed: int = 0) -> dict[str, Any]:
+    """Every dtype and shape class: 0-d, empty, non-contiguous, views sharing
+    storage, nested dicts and lists, non-tensor items."""
+    rng = np.random.default_rng(seed)
+    sd: dict[str, Any] = {}
+    for i, dt in enumerate(DTYPES):
+        sd[f"d{i}_{str(dt)[6:]}"] = random_tensor((3, 5, 7), dt, rng)
+    base = random_tensor((64, 48), torch.float32, rng)
+    sd["scalar"] = random_tensor((), torch.bfloat16, rng)
+    sd["empty"] = random_tensor((0, 4), torch.float32, rng)
+    sd["empty1d"] = random_tensor((0,), torch.int64, rng)
+    sd["transposed"] = base.t()
+    sd["strided"] = base[::3, 1::2]
+    sd["view_a"] = base[:32]
+    sd["view_b"] = base[16:]
+    sd["big"] = random_tensor((1024, 1100), torch.float32, rng)  # > pack threshold, unaligned size
+    sd["nested"] = {
+        "layer": {"w": random_tensor((17, 3), torch.float16, rng), "b": random_tensor((17,), torch.float16, rng)},
+        "list": [random_tensor((5,), torch.int32, rng), random_tensor((2, 2), torch.complex64, rng)],
+    }
+    sd["step"] = 1234
+    sd["lr"] = 0.5
+    sd["name"] = "model-α"
+    sd["config"] = {"layers": [1, 2, 3], "act": "gelu"}
+    return sd

@@ -1,0 +1,198 @@
+"""The metadata file: golden header bytes, safe decoding, and every kind of
+damage refused with an error that names the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fp_dcp import FastPersistReader, FastPersistWriter
+from fp_dcp import format as fmt
+from tests._sd import FAILED
+from fp_dcp.reader import read_checkpoint_metadata
+from tests._sd import assert_sd_equal, mixed_state_dict, zeros_like_sd
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    sd = mixed_state_dict(11)
+    path = tmp_path / "c"
+    dcp.save(sd, storage_writer=FastPersistWriter(path))
+    return sd, path
+
+
+def meta_path(path):
+    return os.path.join(path, fmt.METADATA_NAME)
+
+
+def test_header_golden_bytes(ckpt):
+    _, path = ckpt
+    data = open(meta_path(path), "rb").read()
+    assert data[:8] == b"FPDCP\x00\r\n"
+    version, crc, length = struct.unpack_from("<IIQ", data, 8)
+    assert version == fmt.FORMAT_VERSION == 1
+    assert length == len(data) - 24 and crc == zlib.crc32(data[24:])
+    doc = json.loads(data[24:])
+    assert doc["format"] == "fp_dcp" and doc["format_version"] == 1
+
+
+def test_metadata_round_trip_preserves_dcp_metadata(ckpt):
+    _, path = ckpt
+    metadata, layout, extra = read_checkpoint_metadata(str(path))
+    blob = fmt.encode_metadata(metadata, layout, extra)
+    again, layout2, _ = fmt.decode_metadata(blob, "x")
+    assert again.state_dict_metadata == metadata.state_dict_metadata
+    assert again.planner_data == metadata.planner_data
+    assert layout2.extents == layout.extents and layout2.files == layout.files
+
+
+def _rewrite(path, body: bytes, version=fmt.FORMAT_VERSION):
+    with open(meta_path(path), "wb") as f:
+        f.write(struct.pack("<8sIIQ", b"FPDCP\x00\r\n", version, zlib.crc32(body), len(body)) + body)
+
+
+def _load(path):
+    target = {"step": 0}
+    dcp.load(target, storage_reader=FastPersistReader(path))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: d[:10], "truncated"),
+        (lambda d: d[:-5], "truncated"),
+        (lambda d: b"garbage!" + d[8:], "bad magic"),
+        (lambda d: d[:30] + bytes([d[30] ^ 1]) + d[31:], "checksum mismatch"),
+        (lambda d: b"", "truncated"),
+    ],
+)
+def test_damaged_metadata_is_refused_naming_the_file(ckpt, damage, message):
+    _, path = ckpt
+    data = open(meta_path(path), "rb").read()
+    with open(meta_path(path), "wb") as f:
+        f.write(damage(data))
+    with pytest.raises(fmt.CheckpointFormatError, match=message) as e:
+        read_checkpoint_metadata(str(path))
+    assert fmt.METADATA_NAME in str(e.value)
+    with pytest.raises(FAILED, match=message):
+        _load(path)
+
+
+def test_unknown_format_version_is_refused(ckpt):
+    _, path = ckpt
+    body = open(meta_path(path), "rb").read()[24:]
+    _rewrite(path, body, version=7)
+    with pytest.raises(fmt.CheckpointFormatError, match="format version 7; this fp_dcp reads version 1"):
+        read_checkpoint_metadata(str(path))
+
+
+def test_stock_checkpoint_points_to_the_converter(tmp_path):
+    dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(tmp_path / "s"))
+    with pytest.raises(fmt.CheckpointFormatError, match="stock torch.distributed.checkpoint.*fp-dcp convert"):
+        read_checkpoint_metadata(str(tmp_path / "s"))
+
+
+def test_missing_directory_and_interrupted_save(tmp_path, ckpt):
+    with pytest.raises(FileNotFoundError) as e:
+        read_checkpoint_metadata(str(tmp_path / "nope"))
+    assert "nope" in str(e.value)
+    _, path = ckpt
+    os.unlink(meta_path(path))
+    with pytest.raises(FileNotFoundError, match="interrupted before its commit"):
+        read_checkpoint_metadata(str(path))
+
+
+def test_truncated_or_missing_data_file_is_refused(ckpt):
+    _, path = ckpt
+    _, layout, _ = read_checkpoint_metadata(str(path))
+    name, size = layout.files[0]
+    os.truncate(os.path.join(path, name), size - 4096)
+    with pytest.raises(fmt.CheckpointFormatError, match=f"{name}: data file is truncated"):
+        read_checkpoint_metadata(str(path))
+    os.unlink(os.path.join(path, name))
+    with pytest.raises(FileNotFoundError, match="data file of the checkpoint is missing"):
+        read_checkpoint_metadata(str(path))
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/fp_dcp_pwned",))
+
+
+def test_metadata_crafted_to_run_code_runs_nothing(ckpt):
+    _, path = ckpt
+    if os.path.exists("/tmp/fp_dcp_pwned"):
+        os.unlink("/tmp/fp_dcp_pwned")
+    # a pickle payload as the whole file, and smuggled inside the JSON
+    with open(meta_path(path), "wb") as f:
+        f.write(pickle.dumps(_Boom()))
+    with pytest.raises(fmt.CheckpointFormatError):
+        read_checkpoint_metadata(str(path))
+    body = json.dumps({"format": "fp_dcp", "format_version": 1, "planner_data": pickle.dumps(_Boom()).hex()}).encode()
+    _rewrite(path, body)
+    with pytest.raises(fmt.CheckpointFormatError):
+        read_checkpoint_metadata(str(path))
+    assert not os.path.exists("/tmp/fp_dcp_pwned")
+
+
+def test_extent_outside_the_data_files_is_refused(ckpt):
+    _, path = ckpt
+    doc = json.loads(open(meta_path(path), "rb").read()[24:])
+    doc["extents"][0][1][0][1] = 1 << 40
+    _rewrite(path, json.dumps(doc).encode())
+    with pytest.raises(fmt.CheckpointFormatError, match="outside the data files"):
+        read_checkpoint_metadata(str(path))
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=200, deadline=None)
+def test_fuzzed_metadata_bytes_never_crash(body):
+    blob = struct.pack("<8sIIQ", b"FPDCP\x00\r\n", 1, zlib.crc32(body), len(body)) + body
+    with pytest.raises(fmt.CheckpointFormatError):
+        fmt.decode_metadata(blob, "fuzz")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@given(st.sampled_from(["state_dict_metadata", "files", "extents", "planner_data", "save_id", "alignment"]), json_values)
+@settings(max_examples=200, deadline=None)
+def test_fuzzed_metadata_fields_give_a_format_error_or_a_consistent_result(field, value):
+    sd_doc = {
+        "format": "fp_dcp", "format_version": 1, "save_id": "s", "alignment": 4096,
+        "files": [["f.fpd", 8192]],
+        "state_dict_metadata": {"w": {"type": "tensor", "dtype": "float32", "size": [4], "chunks": [[[0], [4]]]}},
+        "extents": [[["w", [0]], [[0, 0, 0, 16]]]],
+        "planner_data": {"w": {"__tuple__": ["w"]}},
+    }
+    sd_doc[field] = value
+    body = json.dumps(sd_doc).encode()
+    blob = struct.pack("<8sIIQ", b"FPDCP\x00\r\n", 1, zlib.crc32(body), len(body)) + body
+    try:
+        metadata, layout, _ = fmt.decode_metadata(blob, "fuzz")
+    except fmt.CheckpointFormatError:
+        return
+    for exts in layout.extents.values():
+        for e in exts:
+            assert 0 <= e.file < len(layout.files) and e.file_offset + e.length <= layout.files[e.file][1]
+
+
+def test_metadata_survives_the_loaded_round_trip(ckpt):
+    sd, path = ckpt
+    target = zeros_like_sd(sd)
+    dcp.load(target, storage_reader=FastPersistReader(path))
+    assert_sd_equal(sd, target)

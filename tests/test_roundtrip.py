@@ -1,0 +1,212 @@
+"""dcp.save / dcp.load round trips through fp_dcp, bit-exact, on one process;
+the same state dicts through the stock FileSystemWriter/Reader must give the
+same result (the uvloop habit: one suite, two backends)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fp_dcp import FastPersistOptions, FastPersistReader, FastPersistWriter, _aio
+from fp_dcp import format as fmt
+from tests._sd import FAILED
+from fp_dcp.options import override
+from tests._sd import DTYPES, assert_sd_equal, bits_equal, mixed_state_dict, random_tensor, zeros_like_sd
+
+BACKENDS = ["fp_dcp", "stock"]
+
+
+def save(sd, path, backend, **kw):
+    if backend == "fp_dcp":
+        writer = FastPersistWriter(path, **kw)
+    else:
+        writer = dcp.FileSystemWriter(path)
+    dcp.save(sd, storage_writer=writer)
+    return writer
+
+
+def load(sd, path, backend, **kw):
+    reader = FastPersistReader(path, **kw) if backend == "fp_dcp" else dcp.FileSystemReader(path)
+    dcp.load(sd, storage_reader=reader)
+    return reader
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_dtype_and_shape_class_round_trips(tmp_path, backend):
+    sd = mixed_state_dict(1)
+    save(sd, tmp_path / "ckpt", backend)
+    target = zeros_like_sd(sd)
+    load(target, tmp_path / "ckpt", backend)
+    assert_sd_equal(sd, target)
+
+
+def test_fp_dcp_and_stock_give_the_same_tensors(tmp_path):
+    sd = mixed_state_dict(2)
+    results = []
+    for backend in BACKENDS:
+        save(sd, tmp_path / backend, backend)
+        target = zeros_like_sd(sd)
+        load(target, tmp_path / backend, backend)
+        results.append(target)
+    assert_sd_equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("engine", _aio.available_engines())
+def test_each_engine_round_trips(tmp_path, engine):
+    sd = mixed_state_dict(3)
+    writer = save(sd, tmp_path / "c", "fp_dcp", engine=engine)
+    assert writer.last_stats["engine"] == engine
+    target = zeros_like_sd(sd)
+    reader = load(target, tmp_path / "c", "fp_dcp", engine=engine)
+    assert reader.last_stats["engine"] == engine
+    assert_sd_equal(sd, target)
+
+
+def test_fallback_on_a_file_system_without_o_direct(tmp_path, monkeypatch):
+    # tmpfs refuses O_DIRECT on older kernels (EINVAL at open); newer ones accept
+    # it, so inject the refusal where the probe would see it.
+    import tempfile
+
+    import fp_dcp.engine
+
+    monkeypatch.setattr(fp_dcp.engine._aio, "direct_io_supported", lambda d: False)
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path) as d:
+        sd = mixed_state_dict(4)
+        writer = save(sd, os.path.join(d, "c"), "fp_dcp")
+        assert writer.last_stats["direct_io"] is False
+        assert writer.last_stats["engine"] == "threads"
+        target = zeros_like_sd(sd)
+        load(target, os.path.join(d, "c"), "fp_dcp")
+        assert_sd_equal(sd, target)
+        with pytest.raises(FAILED, match="refuses O_DIRECT but FastPersistOptions.direct_io=True"):
+            save(sd, os.path.join(d, "c2"), "fp_dcp", direct_io=True)
+
+
+@st.composite
+def state_dicts(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    sd = {}
+    for i in range(draw(st.integers(1, 8))):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 9), max_size=3)))
+        t = random_tensor(shape, dtype, rng)
+        kind = draw(st.sampled_from(["plain", "transposed", "sliced"]))
+        if kind == "transposed" and t.dim() >= 2:
+            t = t.transpose(0, 1)
+        elif kind == "sliced" and t.dim() >= 1 and t.shape[-1] > 1:
+            t = t[..., ::2]
+        sd[f"t{i}"] = t
+    if draw(st.booleans()):
+        sd["extra"] = {"n": draw(st.integers()), "s": draw(st.text(max_size=8))}
+    return sd
+
+
+@given(state_dicts())
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_generated_state_dicts_round_trip_bit_exact(tmp_path, sd):
+    path = tmp_path / f"h{os.getpid()}"
+    save(sd, path, "fp_dcp")
+    target = zeros_like_sd(sd)
+    load(target, path, "fp_dcp")
+    assert_sd_equal(sd, target)
+
+
+def test_load_into_non_contiguous_and_other_dtype_targets(tmp_path):
+    rng = np.random.default_rng(5)
+    w = random_tensor((40, 30), torch.float32, rng)
+    save({"w": w}, tmp_path / "c", "fp_dcp")
+    t = torch.zeros(30, 40).t()  # a non-contiguous target
+    load({"w": t}, tmp_path / "c", "fp_dcp")
+    assert bits_equal(t.contiguous(), w)
+    # a target of another dtype is cast, as the stock reader does
+    w = torch.randn(40, 30)
+    save({"w": w}, tmp_path / "d", "fp_dcp")
+    for backend in BACKENDS:
+        save({"w": w}, tmp_path / backend, backend)
+        t = torch.zeros(40, 30, dtype=torch.float64)
+        load({"w": t}, tmp_path / backend, backend)
+        assert torch.equal(t, w.double())
+
+
+def test_partial_load_reads_only_the_keys_asked_for(tmp_path):
+    rng = np.random.default_rng(6)
+    sd = {"a": random_tensor((256, 1024), torch.float32, rng), "b": random_tensor((256, 1024), torch.float32, rng)}
+    save(sd, tmp_path / "c", "fp_dcp")
+    target = {"b": torch.zeros(256, 1024)}
+    reader = load(target, tmp_path / "c", "fp_dcp")
+    assert bits_equal(target["b"], sd["b"])
+    assert reader.last_stats["bytes"] == 256 * 1024 * 4
+    assert reader.last_stats["bytes_read"] == 256 * 1024 * 4  # aligned, so not one byte more
+
+
+def test_layout_is_aligned_for_large_and_packed_for_small(tmp_path):
+    rng = np.random.default_rng(7)
+    sd = {f"small{i}": random_tensor((10,), torch.float32, rng) for i in range(100)}
+    sd["large"] = random_tensor((1000, 1000), torch.float32, rng)
+    save(sd, tmp_path / "c", "fp_dcp")
+    meta, layout, _ = __import__("fp_dcp.reader", fromlist=["x"]).read_checkpoint_metadata(str(tmp_path / "c"))
+    exts = {idx.fqn: e for idx, es in layout.extents.items() for e in es}
+    assert exts["large"].file_offset % layout.alignment == 0
+    small = sorted(exts[f"small{i}"].file_offset for i in range(100))
+    # packed: 100 small tensors of 40 bytes take 100 * 64 bytes, not 100 blocks
+    assert small[-1] - small[0] == 99 * 64
+    (name, size), = layout.files
+    assert size % layout.alignment == 0
+    assert os.path.getsize(tmp_path / "c" / name) == size
+
+
+def test_one_writer_serves_a_series_of_saves_with_checkpoint_ids(tmp_path):
+    rng = np.random.default_rng(8)
+    writer = FastPersistWriter()
+    reader = FastPersistReader()
+    try:
+        for step in range(3):
+            sd = {"w": random_tensor((100, 100), torch.float32, rng), "step": step}
+            dcp.save(sd, storage_writer=writer, checkpoint_id=tmp_path / f"step{step}")
+            target = {"w": torch.zeros(100, 100), "step": -1}
+            dcp.load(target, storage_reader=reader, checkpoint_id=tmp_path / f"step{step}")
+            assert_sd_equal(sd, target)
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_saving_again_over_a_checkpoint_replaces_it_and_removes_old_files(tmp_path):
+    rng = np.random.default_rng(9)
+    old = {"w": random_tensor((64, 64), torch.float32, rng)}
+    new = {"w": random_tensor((64, 64), torch.float32, rng)}
+    save(old, tmp_path / "c", "fp_dcp")
+    old_files = {n for n in os.listdir(tmp_path / "c") if n.endswith(fmt.DATA_SUFFIX)}
+    save(new, tmp_path / "c", "fp_dcp")
+    new_files = {n for n in os.listdir(tmp_path / "c") if n.endswith(fmt.DATA_SUFFIX)}
+    assert old_files and new_files and not (old_files & new_files)
+    target = {"w": torch.zeros(64, 64)}
+    load(target, tmp_path / "c", "fp_dcp")
+    assert bits_equal(target["w"], new["w"])
+    with pytest.raises(FAILED, match="overwrite=False"):
+        save(new, tmp_path / "c", "fp_dcp", overwrite=False)
+
+
+def test_options_from_environment_and_override(tmp_path):
+    with override(engine="threads", queue_depth=3):
+        opts = FastPersistOptions.from_env()
+        assert opts.engine == "threads" and opts.queue_depth == 3
+    assert FastPersistOptions.from_env().engine == "auto"
+    with pytest.raises(TypeError, match="valid: engine"):
+        FastPersistWriter(tmp_path, no_such_option=1)
+    with pytest.raises(ValueError, match="valid: auto, aio"):
+        FastPersistOptions(engine="spdk")
+    os.environ["FP_DCP_BOGUS"] = "1"
+    try:
+        with pytest.raises(ValueError, match="FP_DCP_BOGUS names no fp_dcp option"):
+            FastPersistOptions.from_env()
+    finally:
+        del os.environ["FP_DCP_BOGUS"]
+    with override(cuda_chunk_bytes="16MiB"):
+        assert FastPersistOptions.from_env().cuda_chunk_bytes == 16 << 20
