@@ -419,6 +419,10 @@ def run_child(script: str | Path, spec: dict, timeout_s: float | None = None,
         proc.kill()
         out, errtxt = proc.communicate()
         timed_out = True
+    except BaseException:  # interrupted: take the child down with us
+        proc.kill()
+        proc.wait()
+        raise
     result: dict | None = None
     for line in reversed(out.splitlines()):
         if line.startswith(RESULT_MARKER):

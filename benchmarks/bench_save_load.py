@@ -22,6 +22,7 @@ import datetime as _dt
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -83,7 +84,7 @@ def _child(spec: dict) -> dict:
     if kind == "fp_dcp":
         Writer, Reader, Options = _fp_dcp_import()
 
-    sd_spec = C.StateDictSpec.from_json(spec["sd_spec"])
+    sd_spec = C.make_spec(spec["mix"], spec["size_bytes"], spec["seed"])
     factory = C.StateDictFactory(sd_spec)
     nbytes = sd_spec.payload_bytes
     sd = factory.build(zero=(op == "load"))
@@ -205,7 +206,10 @@ def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: boo
             path = workdir / f"{mix}-{c['name'].replace('[', '_').replace(']', '').replace(',', '_')}"
             shutil.rmtree(path, ignore_errors=True)
             base = {k: v for k, v in c.items() if k not in ("name", "role")}
-            base.update(path=str(path), sd_spec=sd_spec.to_json(), bytes=nbytes)
+            # the child rebuilds the spec from (mix, size, seed): a full spec of
+            # thousands of tensors would exceed the kernel's 128 KiB argv string limit
+            base.update(path=str(path), mix=mix, size_bytes=args.size_bytes, seed=args.seed,
+                        bytes=nbytes)
             for op in ("save", "load"):
                 if op == "load" and not runs[c["name"]]["save"][-1].get("ok"):
                     runs[c["name"]]["load"].append({"ok": False, "error": "save failed, nothing to load"})
@@ -391,6 +395,8 @@ def main(argv=None) -> int:
         child_main(sys.argv[2])
         return 0
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the child is killed and --dir cleaned up
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ts = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     target = args.dir or default_dir()
     created_target = not target.exists()
