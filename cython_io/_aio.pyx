@@ -220,18 +220,22 @@ def stats():
 
 def _set_fault(str what, int err=0, long after=0):
     """Fault injection for tests. what="io": the completion after `after`
-    successful ones reports -err; what="open_direct": every open with O_DIRECT
-    fails with err (err=0 clears). what="" clears both."""
+    successful ones reports -err; what="short": the next `after` completions
+    report half their bytes (short transfers); what="open_direct": every open
+    with O_DIRECT fails with err (err=0 clears). what="" clears them all."""
     global _fault_open_direct
     if what == "io":
         fpio_fault_set(err, after)
+    elif what == "short":
+        fpio_fault_short(after)
     elif what == "open_direct":
         _fault_open_direct = err
     elif what == "":
         fpio_fault_set(0, 0)
+        fpio_fault_short(0)
         _fault_open_direct = 0
     else:
-        raise ValueError(f"unknown fault {what!r}: valid are 'io', 'open_direct', ''")
+        raise ValueError(f"unknown fault {what!r}: valid are 'io', 'short', 'open_direct', ''")
 
 
 # ---------------------------------------------------------------- AlignedBuffer

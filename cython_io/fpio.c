@@ -26,6 +26,7 @@
 static long g_inflight;
 static int g_fault_err;
 static long g_fault_after;
+static long g_fault_short;
 
 long fpio_inflight(void) { return __atomic_load_n(&g_inflight, __ATOMIC_RELAXED); }
 
@@ -33,6 +34,11 @@ void fpio_fault_set(int err, long after)
 {
     __atomic_store_n(&g_fault_after, after, __ATOMIC_RELAXED);
     __atomic_store_n(&g_fault_err, err, __ATOMIC_RELEASE);
+}
+
+void fpio_fault_short(long count)
+{
+    __atomic_store_n(&g_fault_short, count, __ATOMIC_RELEASE);
 }
 
 /* The errno to report for this completion instead of its result, or 0. */
@@ -66,7 +72,13 @@ typedef struct fpio_req {
     int64_t reached;           /* file offset reached so far */
     int slot;                  /* bounce slot, -1 when zero-copy */
     int file;
+    int stalls;                /* attempts in a row that moved nothing new */
 } fpio_req;
+
+/* Short transfers in a row that end no further than the attempt before (an
+ * O_DIRECT retry restarts at an aligned offset) before giving up: at the end
+ * of a file a read stops moving forward. */
+#define FPIO_MAX_STALLS 16
 
 typedef struct {
     char *dst;
@@ -602,6 +614,9 @@ static void on_complete(pctx *c, fpio_req *r)
     int ferr = fault_take();
     if (ferr)
         res = -ferr;
+    if (res > 1 && __atomic_load_n(&g_fault_short, __ATOMIC_ACQUIRE) > 0
+        && __atomic_fetch_sub(&g_fault_short, 1, __ATOMIC_ACQ_REL) > 0)
+        res = (res + 1) / 2;  /* pretend the kernel moved only half of it */
     const char *op = r->write ? "write" : "read";
     if (res < 0) {
         set_err(c, (int)-res, r->file, op, r->off, r->len);
@@ -610,10 +625,15 @@ static void on_complete(pctx *c, fpio_req *r)
     }
     c->res->bytes_io += r->write ? 0 : res;
     int64_t reached = r->off + res;
-    if (res == 0 || reached <= r->reached) {
+    if (reached > r->reached) {
+        r->reached = reached;
+        r->stalls = 0;
+    } else if (res > 0 && r->stalls < FPIO_MAX_STALLS) {
+        r->stalls++;  /* a short transfer inside what an earlier attempt already moved */
+    } else {
         if (r->write) {
             set_err(c, EIO, r->file, "write made no progress", r->off, r->len);
-        } else if (!c->res->err) {
+        } else if (!c->res->err) {  /* reads stop moving forward at the end of the file */
             set_err(c, EIO, r->file, "read", r->reached, r->len);
             c->res->eof = 1;
             c->res->need = r->need_end;
@@ -621,8 +641,7 @@ static void on_complete(pctx *c, fpio_req *r)
         release(c, r);
         return;
     }
-    r->reached = reached;
-    if (reached >= r->need_end) {
+    if (r->reached >= r->need_end) {
         if (!r->write && r->slot >= 0 && !c->res->err)
             scatter(c, r);
         release(c, r);
@@ -632,8 +651,14 @@ static void on_complete(pctx *c, fpio_req *r)
         release(c, r);
         return;
     }
-    /* short transfer: go on from the aligned offset at or below where it stopped */
-    int64_t a = align_down(reached, c->A);
+    /* A short transfer: go on from where it stopped, or from the aligned offset
+     * below that when the fd is O_DIRECT (rewriting or rereading a few bytes). */
+    int64_t a = r->reached;
+    if (a % c->A) {
+        int fl = fcntl(r->fd, F_GETFL);
+        if (fl < 0 || (fl & O_DIRECT))
+            a = align_down(a, c->A);
+    }
     r->buf = r->base + (a - r->start);
     r->off = a;
     r->len = r->start + r->full - a;
@@ -706,6 +731,7 @@ static int issue(pctx *c, int file, char *buf, int64_t off, int64_t len, int64_t
     r->full = r->len = len;
     r->need_end = need_end;
     r->reached = off;
+    r->stalls = 0;
     r->slot = slot;
     r->res = 0;
     if (c->write)

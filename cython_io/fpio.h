@@ -72,6 +72,9 @@ long fpio_inflight(void);
 /* Fault injection for tests: after `after` more successful completions, the
  * next completion reports -err (the I/O itself happened). err == 0 clears. */
 void fpio_fault_set(int err, long after);
+/* ... and the next `count` completions report only half their bytes (a short
+ * write/read the pipeline must continue from). */
+void fpio_fault_short(long count);
 
 /* statx(STATX_DIOALIGN) on a path: fills mem/off with the kernel's answer
  * (0 when the kernel or file system does not report one). Returns 0 or -errno. */

@@ -42,6 +42,7 @@ cdef extern from "fpio.h" nogil:
                   fpio_result *res)
     long fpio_inflight()
     void fpio_fault_set(int err, long after)
+    void fpio_fault_short(long count)
     int fpio_dioalign(const char *path, uint32_t *mem, uint32_t *off)
     void fpio_copy_many(char *const *dst, char *const *src, const int64_t *len, int64_t n)
 

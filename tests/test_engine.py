@@ -1,0 +1,559 @@
+"""The native layer, fp_dcp._aio: buffers, the three engines, their pipelines
+and their errors. Every engine test runs once per engine this kernel allows
+(the same suite for aio, io_uring and the thread pool)."""
+
+import errno
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fp_dcp import _aio
+
+pytestmark = pytest.mark.usefixtures("aio_no_leaks")
+
+A = 4096            # alignment used by the small engines
+B = 4 * A           # their block size: small, so that small data spans many windows
+QD = 4
+KINDS = _aio.available_engines()
+HYP = settings(max_examples=25, deadline=None,
+               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def align_up(x, a=A):
+    return -(-x // a) * a
+
+
+def small_engine(kind, **kw):
+    kw.setdefault("queue_depth", QD)
+    kw.setdefault("block_size", B)
+    return _aio.Engine(kind, alignment=A, **kw)
+
+
+@pytest.fixture(params=KINDS)
+def kind(request):
+    return request.param
+
+
+def random_bytes(rng, n):
+    return rng.integers(0, 256, size=n, dtype=np.uint8)
+
+
+def write_files(eng, paths, layout, sources, sync=True, direct=None):
+    """layout: list of (file, offset); writes and closes; returns stats."""
+    fds = [eng.open(p, "w", direct=direct) for p in paths]
+    try:
+        return eng.write(fds, paths, [f for f, _ in layout], [o for _, o in layout], sources,
+                         sync=sync)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def read_files(eng, paths, layout, dests, direct=None, **kw):
+    fds = [eng.open(p, "r", direct=direct) for p in paths]
+    try:
+        return eng.read(fds, paths, [f for f, _ in layout], [o for _, o in layout], dests, **kw)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+# ------------------------------------------------------------------ small functions
+
+def test_page_size_and_alignment_probe(tmp_path):
+    assert _aio.page_size() == os.sysconf("SC_PAGESIZE")
+    f = tmp_path / "f"
+    f.write_bytes(b"x")
+    for p in (str(tmp_path), str(f), "/dev/shm"):
+        mem, off = _aio.probe_alignment(p)
+        for v in (mem, off):
+            assert v >= 1 and v & (v - 1) == 0, (p, mem, off)
+    with pytest.raises(FileNotFoundError) as ei:
+        _aio.probe_alignment(str(tmp_path / "missing"))
+    assert ei.value.filename == str(tmp_path / "missing")
+    assert [n for n in os.listdir(tmp_path) if n != "f"] == []  # the probe file is gone
+
+
+def test_direct_io_supported(tmp_path):
+    assert _aio.direct_io_supported(str(tmp_path)) is True
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(FileNotFoundError):
+        _aio.direct_io_supported(str(tmp_path / "missing"))
+
+
+def test_engines_and_names():
+    assert _aio.ENGINES == ("aio", "uring", "threads")
+    assert "threads" in KINDS
+    assert set(KINDS) <= set(_aio.ENGINES)
+    with pytest.raises(ValueError) as ei:
+        _aio.Engine("libaio")
+    for name in ("'auto'", "'aio'", "'uring'", "'threads'"):
+        assert name in str(ei.value)
+    with pytest.raises(ValueError, match="multiple of alignment"):
+        _aio.Engine("threads", block_size=A + 512, alignment=A)
+    with pytest.raises(ValueError, match="queue_depth"):
+        _aio.Engine("threads", queue_depth=0)
+    with _aio.Engine("auto", queue_depth=2, block_size=A) as eng:
+        assert eng.kind in KINDS
+        assert (eng.queue_depth, eng.block_size, eng.alignment) == (2, A, 4096)
+
+
+def test_engine_pool_and_close():
+    base = _aio.stats()
+    eng = _aio.Engine("threads", queue_depth=3, block_size=2 * A, alignment=A)
+    s = _aio.stats()
+    assert s["engines"] == base["engines"] + 1
+    assert s["buffers"] == base["buffers"] + 4  # queue_depth + 1 bounce buffers
+    eng.close()
+    eng.close()  # idempotent
+    assert _aio.stats() == base
+    with pytest.raises(ValueError, match="closed"):
+        eng.write([], [], [], [], [])
+
+
+def test_copy_gather_scatter():
+    rng = np.random.default_rng(1)
+    parts = [random_bytes(rng, n) for n in (0, 1, 100, 5000)]
+    offs = np.array([0, 3, 10, 200], dtype=np.int64)
+    big = bytearray(6000)
+    _aio.copy_gather(big, offs, parts)
+    for p, o in zip(parts, offs):
+        assert bytes(big[o:o + len(p)]) == p.tobytes()
+    back = [bytearray(len(p)) for p in parts]
+    _aio.copy_scatter(big, list(offs), back)
+    assert [bytes(b) for b in back] == [p.tobytes() for p in parts]
+    with pytest.raises(ValueError, match="piece 3"):
+        _aio.copy_gather(big, [0, 0, 0, 1001], parts)
+    with pytest.raises(ValueError, match="piece 0"):
+        _aio.copy_scatter(big, [-1], [bytearray(1)])
+    with pytest.raises(ValueError):
+        _aio.copy_gather(big, [0], parts)  # lengths differ
+    with pytest.raises(BufferError):
+        _aio.copy_gather(b"read-only", [0], [b"x"])
+
+
+# ------------------------------------------------------------------ AlignedBuffer
+
+@pytest.mark.parametrize("alignment", [4096, 65536])
+def test_aligned_buffer(alignment):
+    base = _aio.stats()
+    buf = _aio.AlignedBuffer(3 * alignment + 5, alignment)
+    assert buf.address % alignment == 0
+    assert buf.size == len(buf) == 3 * alignment + 5
+    assert buf.alignment == alignment
+    assert buf.locked  # root may lock; CI runs as root
+    assert _aio.stats()["buffers"] == base["buffers"] + 1
+    assert _aio.stats()["locked_bytes"] == base["locked_bytes"] + buf.size
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    assert arr.ctypes.data == buf.address  # zero copy
+    assert not arr.any()  # prefaulted with zeros
+    arr[:4] = [1, 2, 3, 4]
+    mv = memoryview(buf)
+    assert (mv.format, mv.itemsize, mv.ndim, mv.readonly) == ("B", 1, 1, False)
+    assert bytes(mv[:4]) == b"\x01\x02\x03\x04"
+    with pytest.raises(BufferError):
+        buf.close()
+    del arr
+    mv.release()
+    buf.close()
+    buf.close()
+    assert buf.closed
+    with pytest.raises(ValueError):
+        buf.address
+    with pytest.raises(ValueError):
+        memoryview(buf)
+    assert _aio.stats() == base
+
+
+def test_aligned_buffer_arguments():
+    with pytest.raises(ValueError):
+        _aio.AlignedBuffer(10, 3000)
+    with pytest.raises(ValueError):
+        _aio.AlignedBuffer(-1)
+    b = _aio.AlignedBuffer(0)
+    assert len(memoryview(b)) == 0
+    b = _aio.AlignedBuffer(A, lock=False, prefault=False)
+    assert not b.locked
+
+
+# ------------------------------------------------------------------ round trips
+
+def piece_layouts():
+    """Per file, a list of (gap, length, kind): kind 0 = packed from an unaligned
+    address, 1 = aligned address (any length), 2 = aligned offset and address
+    and at least a block long (the zero-copy path)."""
+    piece = st.one_of(
+        st.tuples(st.integers(0, 3 * B), st.integers(0, 3 * B + 100), st.just(0)),
+        st.tuples(st.integers(0, 2 * B), st.integers(1, B + 10), st.just(1)),
+        st.tuples(st.integers(0, 2 * B), st.integers(B, 3 * B + 5000), st.just(2)),
+    )
+    return st.lists(st.lists(piece, max_size=8), min_size=1, max_size=3)
+
+
+def build(rng, files):
+    """Sources, the (file, offset) layout and each file's expected bytes."""
+    layout, sources, expected = [], [], []
+    for f, pieces in enumerate(files):
+        cursor, chunks = 0, []
+        for gap, length, kind in pieces:
+            off = cursor + gap
+            data = random_bytes(rng, length)
+            if kind == 0:
+                holder = np.empty(length + 1, np.uint8)[1:]  # odd address
+                holder[:] = data
+                src = holder
+                assert length == 0 or src.ctypes.data % A
+            else:
+                if kind == 2:
+                    off = align_up(off)
+                ab = _aio.AlignedBuffer(length, A)
+                np.frombuffer(ab, np.uint8)[:] = data
+                src = ab
+            layout.append((f, off))
+            sources.append(src)
+            chunks.append((off, data))
+            cursor = off + length
+        end = max([o + len(d) for o, d in chunks if len(d)], default=0)
+        content = bytearray(align_up(end))
+        for o, d in chunks:
+            content[o:o + len(d)] = d.tobytes()
+        expected.append(bytes(content))
+    return layout, sources, expected
+
+
+@HYP
+@given(files=piece_layouts(), seed=st.integers(0, 2**32 - 1))
+def test_write_read_round_trip(kind, tmp_path, files, seed):
+    rng = np.random.default_rng(seed)
+    layout, sources, expected = build(rng, files)
+    paths = [str(tmp_path / f"f{i}") for i in range(len(files))]
+    with small_engine(kind) as eng:
+        ws = write_files(eng, paths, layout, sources)
+        for p, exp in zip(paths, expected):
+            with open(p, "rb") as fh:
+                got = fh.read()
+            assert len(got) == len(exp)  # the aligned end of the last piece
+            assert got == exp  # pieces in place, gaps and padding zero
+        lengths = [len(memoryview(s).cast("B")) for s in sources]
+        assert ws["bytes"] == sum(lengths)
+        assert sum(lengths) <= ws["bytes_on_disk"] <= sum(len(e) for e in expected)
+        assert ws["bytes_on_disk"] % A == 0
+        zc = [n for (kind_, n) in zip((k for fl in files for _, _, k in fl), lengths) if kind_ == 2]
+        assert ws["zero_copy_bytes"] == sum(n - n % A for n in zc)
+
+        dests = [bytearray(n) for n in lengths]
+        rs = read_files(eng, paths, layout, dests)
+        for d, s in zip(dests, sources):
+            assert bytes(d) == bytes(memoryview(s).cast("B"))
+        assert rs["bytes"] == sum(lengths)
+        assert _aio.stats()["inflight"] == 0
+
+
+@HYP
+@given(sizes=st.lists(st.integers(1, 12 * B + 777), min_size=1, max_size=3),
+       ranges=st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 4 * B + 9),
+                                 st.booleans(), st.integers(0, 2**31)), max_size=25),
+       gap=st.sampled_from([0, 100, 64 * 1024]),
+       seed=st.integers(0, 2**32 - 1))
+def test_read_overlapping_ranges(kind, tmp_path, sizes, ranges, gap, seed):
+    """Arbitrary (overlapping, unaligned) ranges of files whose size is not
+    aligned read back the file's bytes, into aligned and unaligned memory."""
+    rng = np.random.default_rng(seed)
+    paths, contents = [], []
+    for i, size in enumerate(sizes):
+        data = random_bytes(rng, size).tobytes()
+        p = tmp_path / f"r{i}"
+        p.write_bytes(data)
+        paths.append(str(p))
+        contents.append(data)
+    wanted = []
+    for start, length, aligned, f in ranges:
+        f %= len(sizes)
+        start %= sizes[f]
+        if aligned:
+            start -= start % A
+        length = min(length, sizes[f] - start)
+        wanted.append((f, start, length, aligned))
+    wanted.sort(key=lambda w: (w[0], w[1]))
+    dests, holders = [], []
+    for f, start, length, aligned in wanted:
+        if aligned:
+            ab = _aio.AlignedBuffer(length, A)
+            holders.append(ab)
+            dests.append(memoryview(ab))
+        else:
+            dests.append(np.empty(length + 1, np.uint8)[1:])
+    with small_engine(kind) as eng:
+        st_ = read_files(eng, paths, [(f, s) for f, s, _, _ in wanted], dests, coalesce_gap=gap)
+    for (f, start, length, _), d in zip(wanted, dests):
+        assert bytes(d) == contents[f][start:start + length]
+    assert st_["bytes"] == sum(w[2] for w in wanted)
+    for d in dests:
+        if isinstance(d, memoryview):
+            d.release()
+
+
+@pytest.mark.parametrize("direct", [None, False])
+def test_default_sizes_many_pieces(kind, tmp_path, direct):
+    """The default engine geometry, thousands of small packed tensors around
+    large aligned ones, direct and buffered fds."""
+    rng = np.random.default_rng(7)
+    layout, sources, expected = build(rng, [
+        [(0, 3 << 20, 2)] + [(int(g), int(n), 0) for g, n in
+                             zip(rng.integers(0, 64, 3000), rng.integers(1, 3000, 3000))]
+        + [(5, (5 << 20) + 3, 2), (0, 10, 0)],
+        [(100, 12345, 0)],
+    ])
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with _aio.Engine(kind) as eng:
+        ws = write_files(eng, paths, layout, sources, direct=direct)
+        for p, exp in zip(paths, expected):
+            assert open(p, "rb").read() == exp
+        assert ws["zero_copy_bytes"] > (8 << 20) - 2 * A
+        dests = [np.empty(len(memoryview(s).cast("B")) + 1, np.uint8)[1:] for s in sources]
+        read_files(eng, paths, layout, dests, direct=direct)
+        for d, s in zip(dests, sources):
+            assert bytes(d) == bytes(memoryview(s).cast("B"))
+
+
+def test_short_transfers_are_continued(kind, tmp_path):
+    rng = np.random.default_rng(3)
+    layout, sources, expected = build(rng, [[(0, 10 * B + 3, 2), (17, 5 * B, 0)]])
+    path = str(tmp_path / "s")
+    with small_engine(kind) as eng:
+        _aio._set_fault("short", after=7)
+        ws = write_files(eng, [path], layout, sources)
+        assert open(path, "rb").read() == expected[0]
+        assert ws["requests"] > 10 + 6  # the halves were resubmitted
+        _aio._set_fault("short", after=7)
+        dests = [bytearray(len(memoryview(s).cast("B"))) for s in sources]
+        rs = read_files(eng, [path], layout, dests)
+        assert [bytes(d) for d in dests] == [bytes(memoryview(s).cast("B")) for s in sources]
+        assert rs["bytes_read"] > rs["bytes"]
+
+
+# ------------------------------------------------------------------ errors
+
+def test_truncated_file(kind, tmp_path):
+    path = tmp_path / "t"
+    path.write_bytes(os.urandom(10000))
+    with small_engine(kind) as eng:
+        for off, n in ((9000, 3000), (20000, 10), (0, 10001)):
+            dest = bytearray(n)
+            with pytest.raises(OSError) as ei:
+                read_files(eng, [str(path)], [(0, off)], [dest])
+            assert ei.value.errno == errno.EIO
+            assert ei.value.filename == str(path)
+            assert "unexpected end of file" in str(ei.value)
+            assert f"needed up to {off + n}" in str(ei.value)
+            assert _aio.stats()["inflight"] == 0
+        dest = bytearray(1000)
+        read_files(eng, [str(path)], [(0, 9000)], [dest])  # the engine still works
+        assert bytes(dest) == path.read_bytes()[9000:]
+
+
+def test_open_errors(kind, tmp_path):
+    with small_engine(kind) as eng:
+        missing = str(tmp_path / "no" / "such")
+        for mode in ("w", "r"):
+            with pytest.raises(FileNotFoundError) as ei:
+                eng.open(missing, mode)
+            assert ei.value.filename == missing
+        with pytest.raises(IsADirectoryError) as ei:
+            eng.open(str(tmp_path), "w")
+        assert ei.value.filename == str(tmp_path)
+        with pytest.raises(ValueError, match="mode"):
+            eng.open(str(tmp_path / "x"), "a")
+
+
+def test_io_errors_name_the_path(kind, tmp_path):
+    good, ro = str(tmp_path / "good"), str(tmp_path / "ro")
+    open(ro, "wb").close()
+    data = np.ones(3 * B + 5, np.uint8)
+    with small_engine(kind) as eng:
+        # writing through an fd opened for reading
+        fds = [eng.open(good, "w"), eng.open(ro, "r")]
+        try:
+            with pytest.raises(OSError) as ei:
+                eng.write(fds, [good, ro], [0, 1], [0, 0], [data, data])
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert ei.value.errno == errno.EBADF
+        assert ei.value.filename == ro
+        assert _aio.stats()["inflight"] == 0
+        # a closed fd
+        fd = eng.open(good, "w")
+        os.close(fd)
+        with pytest.raises(OSError) as ei:
+            eng.write([fd], [good], [0], [0], [data])
+        assert ei.value.errno == errno.EBADF and ei.value.filename == good
+        with pytest.raises(OSError) as ei:
+            eng.read([fd], [good], [0], [0], [bytearray(10)])
+        assert ei.value.errno == errno.EBADF and ei.value.filename == good
+        # reading a directory: EISDIR from read(2), EINVAL from io_submit
+        fd = eng.open(str(tmp_path), "r")
+        try:
+            with pytest.raises(OSError) as ei:
+                eng.read([fd], [str(tmp_path)], [0], [0], [bytearray(10)])
+        finally:
+            os.close(fd)
+        assert ei.value.errno in (errno.EISDIR, errno.EINVAL)
+        assert ei.value.filename == str(tmp_path)
+        assert _aio.stats()["inflight"] == 0
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_injected_failure_mid_stream(kind, tmp_path, op):
+    """An error in the middle of a deep queue: everything in flight is waited
+    for, the error names the file it hit, and the engine stays usable."""
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    data = np.arange(20 * B, dtype=np.uint8)[1:]  # unaligned: every block via a bounce buffer
+    layout = [(0, 0), (1, 0)]
+    with small_engine(kind) as eng:
+        write_files(eng, paths, layout, [data, data])
+        _aio._set_fault("io", errno.ENOSPC if op == "write" else errno.EIO, after=25)
+        with pytest.raises(OSError) as ei:
+            if op == "write":
+                write_files(eng, paths, layout, [data, data])
+            else:
+                read_files(eng, paths, layout, [bytearray(len(data))] * 2)
+        assert ei.value.errno == (errno.ENOSPC if op == "write" else errno.EIO)
+        assert ei.value.filename == paths[1]  # the 26th request is in the second file
+        assert _aio.stats()["inflight"] == 0
+        out = bytearray(len(data))
+        write_files(eng, paths, layout, [data, data])
+        read_files(eng, paths, [(1, 0)], [out])
+        assert bytes(out) == data.tobytes()
+
+
+def test_validation(kind, tmp_path):
+    p = str(tmp_path / "v")
+    with small_engine(kind) as eng:
+        fd = eng.open(p, "w")
+        try:
+            cases = [
+                ([0, 0], [100, 0], "piece 1: pieces must be sorted"),
+                ([1, 0], [0, 0], "piece 1: pieces must be sorted"),
+                ([0, 0], [0, 5], "piece 1: .* overlaps"),
+                ([0, 2], [0, 100], "piece 1: file_index 2 is not in \\[0, 2\\)"),
+                ([0, 0], [-4, 100], "piece 0: file_offset -4"),
+            ]
+            for fi, fo, msg in cases:
+                with pytest.raises(ValueError, match=msg):
+                    eng.write([fd, fd], [p, p], fi, fo, [b"0123456789", b"abc"])
+            with pytest.raises(ValueError, match="1 fds but 2 paths"):
+                eng.write([fd], [p, p], [0], [0], [b"x"])
+            with pytest.raises(ValueError, match="2 buffers but 1"):
+                eng.write([fd], [p], [0], [0, 1], [b"x", b"y"])
+            with pytest.raises(TypeError, match="sources\\[1\\]"):
+                eng.write([fd], [p], [0, 0], [0, 1], [b"x", 3])
+            with pytest.raises(BufferError, match="dests\\[0\\]"):
+                eng.read([fd], [p], [0], [0], [b"read-only"])
+            # reads may overlap; zero-length pieces anywhere are fine
+            eng.write([fd], [p], np.array([0, 0, 0], np.int32), np.array([0, 5, 5]),
+                      [b"01234", b"", b"56789"])
+        finally:
+            os.close(fd)
+        assert open(p, "rb").read() == b"0123456789".ljust(A, b"\0")
+
+
+def test_tmpfs_and_buffered_fallback(kind):
+    """/dev/shm (tmpfs): the fd falls back to buffered when O_DIRECT is refused
+    (forced here: kernels since 6.6 accept O_DIRECT on tmpfs), and the
+    pipeline still writes and reads the right bytes."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    path = f"/dev/shm/fp_dcp_test_{os.getpid()}_{kind}"
+    rng = np.random.default_rng(5)
+    layout, sources, expected = build(rng, [[(0, 3 * B + 7, 2), (3, 100, 0), (B, 2 * B, 0)]])
+    try:
+        with small_engine(kind) as eng:
+            _aio._set_fault("open_direct", errno.EINVAL)
+            fd = eng.open(path, "w")
+            assert not eng.is_direct(fd)
+            os.close(fd)
+            with pytest.raises(OSError) as ei:
+                eng.open(path, "w", direct=True)
+            assert ei.value.errno == errno.EINVAL and ei.value.filename == path
+            write_files(eng, [path], layout, sources)
+            assert open(path, "rb").read() == expected[0]
+            dests = [bytearray(len(memoryview(s).cast("B"))) for s in sources]
+            read_files(eng, [path], layout, dests)
+            assert [bytes(d) for d in dests] == [bytes(memoryview(s).cast("B")) for s in sources]
+            _aio._set_fault("")
+            fd = eng.open(path, "r", direct=False)
+            assert not eng.is_direct(fd)
+            os.close(fd)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_direct_fd_on_ext4(kind, tmp_path):
+    with small_engine(kind) as eng:
+        fd = eng.open(str(tmp_path / "d"), "w")
+        try:
+            assert eng.is_direct(fd)
+        finally:
+            os.close(fd)
+
+
+# ------------------------------------------------------------------ the GIL
+
+@pytest.fixture(scope="module")
+def big_source():
+    return np.ones((256 << 20) + 1, np.uint8)[1:]  # 256 MiB at an unaligned address
+
+
+def test_gil_released(kind, tmp_path, big_source):
+    """Two threads writing 256 MiB each on their own engines overlap in time,
+    and a pure-Python thread keeps counting during a call."""
+    engines = [_aio.Engine(kind, queue_depth=8, block_size=1 << 20) for _ in range(2)]
+    paths = [str(tmp_path / f"g{i}") for i in range(2)]
+    windows = [None, None]
+    barrier = threading.Barrier(2)
+
+    def work(i):
+        barrier.wait()
+        t0 = time.perf_counter()
+        write_files(engines[i], [paths[i]], [(0, 0)], [big_source], sync=False)
+        windows[i] = (t0, time.perf_counter())
+
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert None not in windows
+        assert max(w[0] for w in windows) < min(w[1] for w in windows), windows
+
+        count, stop = [0], threading.Event()
+
+        def counter():
+            while not stop.is_set():
+                count[0] += 1
+
+        t = threading.Thread(target=counter)
+        t.start()
+        try:
+            time.sleep(0.01)
+            before = count[0]
+            write_files(engines[0], [paths[0]], [(0, 0)], [big_source], sync=False)
+            during = count[0] - before
+        finally:
+            stop.set()
+            t.join()
+        assert during > 1000, during
+    finally:
+        for e in engines:
+            e.close()
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)
