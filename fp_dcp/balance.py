@@ -1,0 +1,547 @@
+"""The balancer: which rank writes which bytes of which item, on which device.
+
+FastPersist's second technique: a checkpoint's bytes divided evenly over
+every rank and every storage device, so a job writes at the sum of its
+devices' bandwidth instead of at the pace of its most loaded rank.
+
+Inputs are one :class:`Holdings` per rank (what ``prepare_local_plan``
+records: each item this rank holds, keyed by a stable 64-bit hash of its
+``MetadataIndex``, with its byte size, and the rank's host and number of data
+directories).  The output, a :class:`Placement`, gives every rank a list of
+*pieces* ``(local item, item_offset, length, device)``.  The pieces of an
+item, over all ranks, tile ``[0, nbytes)`` exactly once.
+
+The algorithm (all of it deterministic: the same holdings give the same
+placement on any machine):
+
+1. Items are grouped by their *holder set* (the ranks that hold them).  An
+   item held by one rank (a shard) stays with it: its bytes are that rank's
+   fixed load.
+2. Holder sets of two or more ranks (DDP replicas, the replicated dimension
+   of HSDP or of a 2-D mesh) are processed smallest set first.  For each set
+   the balancer *water-fills*: it finds the level ``L`` at which
+   ``sum(max(0, L - load[r]))`` equals the set's bytes, so that the least
+   loaded holders take the most.  For nested or disjoint holder sets (every
+   DCP parallelism: DDP, FSDP, HSDP, TP x DP meshes) this is the optimal
+   max load.
+3. The set's items are laid end to end in a virtual stream which is cut into
+   consecutive segments of the ranks' quotas (ranks in order).  A cut that
+   falls inside an item moves to the nearest multiple of ``granularity``
+   from the item's start (so split items are aligned for direct I/O and
+   keep whole elements); items smaller than ``small_bytes`` are never split:
+   the cut moves to the nearer item boundary.  The bytes actually assigned
+   (after rounding) update the loads, so later sets compensate.
+4. Items whose size is unknown at plan time (bytes items: DCP does not give
+   their size before ``torch.save`` runs) and empty tensors are spread by
+   count: each goes to the holder with the fewest such items so far (then
+   the least bytes, then the lowest rank).
+5. Devices: the ranks of one host, in rank order, form a stream of their
+   bytes; the stream is cut into ``n_dirs`` equal parts (a cut near a rank
+   boundary moves onto it, so that with as many ranks as devices each rank
+   writes to one device; otherwise cuts inside items are aligned as above).
+   Each rank writes the bytes in part ``d`` to data directory ``d``.
+
+:class:`PlanCache` keeps placements by the hash of all ranks' holdings, so
+a second save with the same structure skips the planning.
+
+Nothing here touches a disk, a process group or torch: it is numbers in,
+numbers out, and tested with hypothesis (``tests/test_balance.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+__all__ = [
+    "UNSIZED",
+    "Holdings",
+    "RankPieces",
+    "Placement",
+    "PlanCache",
+    "item_key",
+    "make_holdings",
+    "structure_key",
+    "plan_placement",
+    "water_fill",
+    "cut_stream",
+]
+
+# ``nbytes`` of an item whose size is not known at plan time (a bytes item).
+UNSIZED = -1
+
+
+def item_key(fqn: str, offset: Sequence[int] | None) -> int:
+    """A stable 64-bit key of a ``MetadataIndex`` (``fqn`` and chunk
+    ``offset``): the same in every process (unlike ``hash``), so ranks can
+    name their items to the coordinator without sending the names.
+    A collision between two of a checkpoint's items has probability about
+    ``items**2 / 2**65`` (1e-10 for 100,000 items); the planner also refuses
+    a key whose holders disagree on its size."""
+    text = fqn + ("\0-" if offset is None else "\0" + ",".join(str(int(o)) for o in offset))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+@dataclasses.dataclass(frozen=True)
+class Holdings:
+    """What one rank holds (recorded by ``prepare_local_plan``).
+
+    ``keys[i]`` (uint64, :func:`item_key`) and ``nbytes[i]`` (int64,
+    ``UNSIZED`` for a bytes item) describe the rank's ``i``-th item in plan
+    order; pieces name items by that position.  ``granularity`` is the
+    alignment split points must keep (a power of two, a multiple of the
+    rank's direct-I/O alignment); items below ``small_bytes`` are never
+    split.  ``digest`` hashes all of it (see :func:`make_holdings`)."""
+
+    rank: int
+    host: str
+    n_dirs: int
+    granularity: int
+    small_bytes: int
+    keys: np.ndarray
+    nbytes: np.ndarray
+    digest: str
+    keys_digest: str = ""
+
+
+def make_holdings(
+    rank: int,
+    host: str,
+    keys: Sequence[int] | np.ndarray,
+    nbytes: Sequence[int] | np.ndarray,
+    *,
+    n_dirs: int = 1,
+    granularity: int = 64 << 10,
+    small_bytes: int = 256 << 10,
+) -> Holdings:
+    keys = np.asarray(keys, dtype=np.uint64).reshape(-1)
+    nbytes = np.asarray(nbytes, dtype=np.int64).reshape(-1)
+    if keys.shape != nbytes.shape:
+        raise ValueError(f"rank {rank}: {len(keys)} item keys but {len(nbytes)} sizes")
+    if n_dirs < 1:
+        raise ValueError(f"rank {rank}: n_dirs must be >= 1, got {n_dirs}")
+    if granularity <= 0 or granularity & (granularity - 1):
+        raise ValueError(f"rank {rank}: granularity must be a power of two, got {granularity}")
+    if len(nbytes) and nbytes.min() < UNSIZED:
+        raise ValueError(f"rank {rank}: negative item size")
+    keys_digest = hashlib.blake2b(np.ascontiguousarray(keys).tobytes(), digest_size=16).hexdigest()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{rank}\0{host}\0{n_dirs}\0{granularity}\0{small_bytes}\0{keys_digest}\0".encode())
+    h.update(np.ascontiguousarray(nbytes).tobytes())
+    return Holdings(rank, host, n_dirs, granularity, small_bytes, keys, nbytes, h.hexdigest(), keys_digest)
+
+
+def structure_key(holdings: Sequence[Holdings]) -> str:
+    """The cache key of a save's structure: every rank's digest, in rank order."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(str(len(holdings)).encode())
+    for x in holdings:
+        h.update(x.digest.encode())
+    return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPieces:
+    """One rank's share: piece ``i`` is bytes ``[offset[i], offset[i] +
+    length[i])`` of the rank's item number ``local[i]`` (its position in the
+    rank's :class:`Holdings`), written to data directory ``device[i]``.
+    ``length[i] == UNSIZED`` means the whole item, of a size known only when
+    it is written (a bytes item)."""
+
+    local: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    device: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    def sized_bytes(self) -> int:
+        return int(self.length[self.length > 0].sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where every byte goes.  ``loads[r]``: bytes (of sized items) rank ``r``
+    writes; ``device_loads[host]``: bytes per data directory of that host;
+    ``unsized_counts[r]``: bytes items rank ``r`` writes."""
+
+    pieces: list[RankPieces]
+    loads: np.ndarray
+    device_loads: dict[str, np.ndarray]
+    unsized_counts: np.ndarray
+    items: int
+    total_bytes: int
+    key: str
+
+    def balance(self) -> float:
+        """max / mean of the per-rank loads (1.0 is perfect)."""
+        mean = self.total_bytes / max(1, len(self.loads))
+        return float(self.loads.max()) / mean if mean > 0 else 1.0
+
+
+class PlanCache:
+    """A small LRU of placements keyed by :func:`structure_key`."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._entries: collections.OrderedDict[str, Placement] = collections.OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: str) -> Placement | None:
+        p = self._entries.get(key)
+        if p is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return p
+
+    def put(self, key: str, placement: Placement) -> None:
+        self._entries[key] = placement
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def water_fill(loads: np.ndarray, total: int) -> np.ndarray:
+    """Quotas ``q >= 0`` with ``sum(q) == total`` that minimise ``max(loads + q)``:
+    every rank below the level ``L`` is raised to it.  Floats."""
+    loads = np.asarray(loads, dtype=np.float64)
+    n = len(loads)
+    if n == 0 or total <= 0:
+        return np.zeros(n)
+    order = np.argsort(loads, kind="stable")
+    ls = loads[order]
+    prefix = np.cumsum(ls)
+    # filling the k lowest up to ls[k-1] costs k * ls[k-1] - prefix[k-1]
+    k_arr = np.arange(1, n + 1)
+    cost = k_arr * ls - prefix
+    k = int(np.searchsorted(cost, total, side="right"))  # ranks that end up filled
+    k = max(1, min(k, n))
+    level = (total + prefix[k - 1]) / k
+    q = np.maximum(0.0, level - loads)
+    q[loads >= level] = 0.0
+    s = q.sum()
+    if s > 0:
+        q *= total / s  # exact sum despite rounding
+    return q
+
+
+def cut_stream(
+    sizes: np.ndarray, quotas: np.ndarray, granularity: int, small_bytes: int
+) -> np.ndarray:
+    """Cut positions ``c[0] = 0 <= c[1] <= ... <= c[n] = sum(sizes)`` of a
+    stream of items of ``sizes`` (all > 0) into ``n = len(quotas)`` segments
+    of about the quotas' lengths.  A cut inside an item lies at a multiple of
+    ``granularity`` from the item's start (or at its end); items smaller than
+    ``small_bytes`` are not cut."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    total = int(sizes.sum())
+    n = len(quotas)
+    ideal = np.rint(np.cumsum(np.asarray(quotas, dtype=np.float64))).astype(np.int64)
+    ideal = np.clip(ideal, 0, total)
+    cuts = np.empty(n + 1, dtype=np.int64)
+    cuts[0] = 0
+    if n == 0:
+        return cuts
+    starts = np.cumsum(sizes) - sizes
+    inner = ideal[:-1]
+    j = np.searchsorted(starts, inner, side="right") - 1  # item holding each cut
+    j = np.clip(j, 0, len(sizes) - 1)
+    a = starts[j]
+    s = sizes[j]
+    o = inner - a
+    snapped = (o + granularity // 2) // granularity * granularity
+    snapped = np.minimum(snapped, s)
+    small = s < small_bytes
+    snapped = np.where(small, np.where(o * 2 <= s, 0, s), snapped)
+    cuts[1:-1] = a + snapped
+    cuts[-1] = total
+    np.maximum.accumulate(cuts, out=cuts)
+    return cuts
+
+
+def _segments(starts: np.ndarray, sizes: np.ndarray, cuts: np.ndarray):
+    """For each segment ``k``: (item positions, offsets in item, lengths)."""
+    ends = starts + sizes
+    out = []
+    for k in range(len(cuts) - 1):
+        lo, hi = int(cuts[k]), int(cuts[k + 1])
+        if hi <= lo:
+            out.append(None)
+            continue
+        j0 = int(np.searchsorted(ends, lo, side="right"))
+        j1 = int(np.searchsorted(starts, hi, side="left"))
+        idx = np.arange(j0, j1)
+        off = np.maximum(lo - starts[idx], 0)
+        end = np.minimum(hi - starts[idx], sizes[idx])
+        out.append((idx, off, end - off))
+    return out
+
+
+# ---------------------------------------------------------------- placement
+
+
+def plan_placement(holdings: Sequence[Holdings]) -> Placement:
+    """Balance the bytes of every item over the ranks that hold it and over
+    each host's data directories.  See the module docstring."""
+    world = len(holdings)
+    if world == 0:
+        raise ValueError("no ranks")
+    for r, h in enumerate(holdings):
+        if h.rank != r:
+            raise ValueError(f"holdings out of order: position {r} has rank {h.rank}")
+    if sum(len(h.keys) for h in holdings) == 0:
+        empty = np.zeros(0, np.int64)
+        return Placement(
+            pieces=[RankPieces(empty, empty, empty, empty) for _ in holdings],
+            loads=np.zeros(world, np.int64),
+            device_loads={},
+            unsized_counts=np.zeros(world, np.int64),
+            items=0,
+            total_bytes=0,
+            key=structure_key(holdings),
+        )
+    gran = max(h.granularity for h in holdings)
+    small = max(h.small_bytes for h in holdings)
+    key = structure_key(holdings)
+
+    counts = np.array([len(h.keys) for h in holdings], dtype=np.int64)
+    n_all = int(counts.sum())
+    keys = np.concatenate([h.keys for h in holdings]) if n_all else np.zeros(0, np.uint64)
+    sizes = np.concatenate([h.nbytes for h in holdings]) if n_all else np.zeros(0, np.int64)
+    # int32 where it fits: at 1,000 ranks these arrays hold millions of
+    # entries and first-touching fresh memory is the planner's main cost.
+    ranks = np.repeat(np.arange(world, dtype=np.int32), counts)
+    local = np.arange(n_all, dtype=np.int32) - np.repeat((np.cumsum(counts) - counts).astype(np.int32), counts)
+
+    # Unique items; each item's holdings sorted by rank.  (One sort of unique
+    # keys, a binary search, and one sort of the combined item*world+rank
+    # code: several times faster than np.unique(return_inverse) + lexsort.)
+    # Ranks of one replica group usually hold the same item list: look each
+    # distinct list up once.
+    distinct: dict[str, np.ndarray] = {}
+    for h in holdings:
+        distinct.setdefault(h.keys_digest or h.digest, h.keys)
+    uniq = np.unique(np.concatenate(list(distinct.values())))
+    n_items = len(uniq)
+    lookup = {d: np.searchsorted(uniq, k).astype(np.int32) for d, k in distinct.items()}
+    inv = np.concatenate([lookup[h.keys_digest or h.digest] for h in holdings])
+    order = np.argsort(inv.astype(np.int64) * world + ranks)
+    inv_s, rank_s, size_s, local_s = inv[order], ranks[order], sizes[order], local[order]
+    first = np.flatnonzero(np.r_[True, inv_s[1:] != inv_s[:-1]]) if n_all else np.zeros(0, np.int64)
+    nhold = np.diff(np.r_[first, n_all])
+    same = inv_s[1:] == inv_s[:-1]
+    dup = np.flatnonzero(same & (rank_s[1:] == rank_s[:-1]))
+    if len(dup):
+        i = order[dup[0]]
+        raise ValueError(
+            f"rank {int(ranks[i])} lists item #{int(local[i])} (key {int(keys[i]):#x}) twice in its plan"
+        )
+    bad = np.flatnonzero(same & (size_s[1:] != size_s[:-1]))
+    if len(bad):
+        i, k = order[bad[0]], order[bad[0] + 1]
+        raise ValueError(
+            f"ranks {int(ranks[i])} and {int(ranks[k])} hold the same item (rank {int(ranks[i])}'s "
+            f"item #{int(local[i])}) with different sizes ({int(sizes[i])} and {int(sizes[k])} bytes): "
+            f"a replicated value must have the same shape and dtype on every rank"
+        )
+    item_size = size_s[first]
+    item_order = local_s[first]  # plan position on the lowest holder: state-dict order
+
+    # Holder sets: a wrapping sum of per-rank random words, then checked exactly.
+    words = np.random.default_rng(0x5EED_FA57).integers(0, 2**63, world, dtype=np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        sig = np.add.reduceat(words[rank_s], first) if n_all else np.zeros(0, np.uint64)
+    sig_u, item_group = np.unique(np.stack([sig, nhold.astype(np.uint64)], axis=1), axis=0, return_inverse=True)
+    item_group = item_group.reshape(-1)
+    n_groups = len(sig_u)
+    _, rep = np.unique(item_group, return_index=True)  # first item of each group
+    pos_in_item = np.arange(n_all) - np.repeat(first, nhold)
+    rep_pos = first[rep[item_group[inv_s]]] + pos_in_item
+    if not np.array_equal(rank_s[rep_pos], rank_s):
+        raise RuntimeError("holder-set signature collision (report this as a bug in fp_dcp.balance)")
+    group_ranks = [rank_s[first[rep[g]] : first[rep[g]] + nhold[rep[g]]] for g in range(n_groups)]
+
+    loads = np.zeros(world, dtype=np.int64)
+    parts: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(world)]
+
+    def emit(rank: int, items: np.ndarray, off: np.ndarray, length: np.ndarray, hset: np.ndarray) -> None:
+        pos = int(np.searchsorted(hset, rank))
+        parts[rank].append((local_s[first[items] + pos], off, length))
+
+    sized = item_size > 0
+    # 1. singletons: fixed loads
+    single = sized & (nhold == 1)
+    if single.any():
+        idx = np.flatnonzero(single)
+        owner = rank_s[first[idx]]
+        np.add.at(loads, owner, item_size[idx])
+        idx = idx[np.lexsort((item_order[idx], owner))]
+        owner = rank_s[first[idx]]
+        bounds = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+        for b, e in zip(bounds, np.r_[bounds[1:], len(idx)]):
+            items = idx[b:e]
+            parts[int(owner[b])].append((local_s[first[items]], np.zeros(len(items), np.int64), item_size[items]))
+    # 2. shared holder sets, smallest first: water-fill, then cut the stream
+    multi = np.flatnonzero(sized & (nhold > 1))
+    if len(multi):
+        g_of = item_group[multi]
+        by_group = multi[np.lexsort((item_order[multi], g_of))]
+        g_sorted = item_group[by_group]
+        bounds = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
+        chunks = [(int(g_sorted[b]), by_group[b:e]) for b, e in zip(bounds, np.r_[bounds[1:], len(by_group)])]
+        chunks.sort(key=lambda c: (len(group_ranks[c[0]]), tuple(group_ranks[c[0]].tolist())))
+        for g, items in chunks:
+            hset = group_ranks[g]
+            sz = item_size[items]
+            quotas = water_fill(loads[hset], int(sz.sum()))
+            cuts = cut_stream(sz, quotas, gran, small)
+            starts = np.cumsum(sz) - sz
+            for k, seg in enumerate(_segments(starts, sz, cuts)):
+                if seg is None:
+                    continue
+                j, off, length = seg
+                r = int(hset[k])
+                loads[r] += int(length.sum())
+                emit(r, items[j], off, length, hset)
+    # 3. unsized (bytes) and empty items: spread by count
+    unsized_counts = np.zeros(world, dtype=np.int64)
+    rest = np.flatnonzero(~sized)
+    unsized_parts: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    if len(rest):
+        g_of = item_group[rest]
+        by_group = rest[np.lexsort((item_order[rest], g_of))]
+        g_sorted = item_group[by_group]
+        bounds = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
+        chunks = [(int(g_sorted[b]), by_group[b:e]) for b, e in zip(bounds, np.r_[bounds[1:], len(by_group)])]
+        chunks.sort(key=lambda c: (len(group_ranks[c[0]]), tuple(group_ranks[c[0]].tolist())))
+        for g, items in chunks:
+            hset = group_ranks[g]
+            rank_order = hset[np.lexsort((hset, loads[hset], unsized_counts[hset]))]
+            for i, u in enumerate(items.tolist()):
+                r = int(rank_order[i % len(rank_order)])
+                unsized_counts[r] += 1
+                pos = int(np.searchsorted(hset, r))
+                unsized_parts[r].append((int(local_s[first[u] + pos]), int(item_size[u])))
+
+    # 4. devices
+    hosts: dict[str, list[int]] = {}
+    for h in holdings:
+        hosts.setdefault(h.host, []).append(h.rank)
+    pieces: list[RankPieces | None] = [None] * world
+    device_loads: dict[str, np.ndarray] = {}
+    for host, members in hosts.items():
+        n_dirs = {holdings[r].n_dirs for r in members}
+        if len(n_dirs) != 1:
+            raise ValueError(
+                f"the ranks on host {host} have different numbers of data directories {sorted(n_dirs)}: "
+                f"give every rank of a host the same data_dirs"
+            )
+        (d,) = n_dirs
+        rank_arrays = []
+        for r in members:
+            if parts[r]:
+                loc = np.concatenate([p[0] for p in parts[r]])
+                off = np.concatenate([p[1] for p in parts[r]])
+                ln = np.concatenate([p[2] for p in parts[r]])
+            else:
+                loc = off = ln = np.zeros(0, np.int64)
+            rank_arrays.append((loc, off, ln))
+        devs, dloads = _stripe(rank_arrays, [int(loads[r]) for r in members], d, gran, small,
+                               [holdings[r].nbytes for r in members])
+        device_loads[host] = dloads
+        for r, (loc, off, ln, dev, last_dev) in zip(members, devs):
+            up = unsized_parts[r]
+            if up:
+                loc = np.concatenate([loc, np.array([p[0] for p in up], np.int64)])
+                off = np.concatenate([off, np.zeros(len(up), np.int64)])
+                ln = np.concatenate([ln, np.array([p[1] for p in up], np.int64)])
+                dev = np.concatenate([dev, np.full(len(up), last_dev, np.int64)])
+            pieces[r] = RankPieces(loc, off, ln, dev)
+    total = int(item_size[sized].sum())
+    return Placement(
+        pieces=pieces,  # type: ignore[arg-type]
+        loads=loads,
+        device_loads=device_loads,
+        unsized_counts=unsized_counts,
+        items=n_items,
+        total_bytes=total,
+        key=key,
+    )
+
+
+def _stripe(rank_arrays, rank_loads, n_dirs, gran, small, item_sizes):
+    """Assign the sized pieces of one host's ranks to its ``n_dirs`` devices.
+    Returns, per rank, ``(local, offset, length, device, device_of_its_end)``
+    (pieces split at device boundaries) and the bytes per device."""
+    if n_dirs == 1:
+        out = [(loc, off, ln, np.zeros(len(loc), np.int64), 0) for loc, off, ln in rank_arrays]
+        return out, np.array([sum(rank_loads)], dtype=np.int64)
+    total = sum(rank_loads)
+    rank_end = np.cumsum(rank_loads)
+    rank_start = rank_end - np.asarray(rank_loads, dtype=np.int64)
+    share = total / n_dirs
+    tol = max(gran, share * 0.005)
+    bounds = []
+    for d in range(1, n_dirs):
+        t = int(round(d * share))
+        near = rank_end[np.abs(rank_end - t) <= tol]
+        if len(near):
+            bounds.append(int(near[np.argmin(np.abs(near - t))]))
+            continue
+        i = int(np.searchsorted(rank_end, t, side="right"))  # rank holding byte t
+        i = min(i, len(rank_arrays) - 1)
+        loc, off, ln = rank_arrays[i]
+        pos = int(rank_start[i]) + np.cumsum(ln) - ln
+        j = max(0, int(np.searchsorted(pos, t, side="right")) - 1)
+        if len(ln) == 0:
+            bounds.append(t)
+            continue
+        x = t - int(pos[j])  # bytes into piece j
+        item_off = int(off[j]) + x
+        if int(item_sizes[i][loc[j]]) < small:
+            snapped = 0 if 2 * x <= int(ln[j]) else int(ln[j])
+        else:
+            snapped = min(max((item_off + gran // 2) // gran * gran - int(off[j]), 0), int(ln[j]))
+        bounds.append(int(pos[j]) + snapped)
+    bounds_arr = np.maximum.accumulate(np.array(bounds, dtype=np.int64))
+    out = []
+    dloads = np.zeros(n_dirs, dtype=np.int64)
+    for (loc, off, ln), start in zip(rank_arrays, rank_start.tolist()):
+        pos = start + np.cumsum(ln) - ln
+        end = pos + ln
+        # split the pieces that straddle a device boundary (last cut first,
+        # so the positions of the pieces before it stay valid)
+        for c in sorted({b for b in bounds_arr.tolist() if start < b < start + int(ln.sum())}, reverse=True):
+            p = int(np.searchsorted(pos, c, side="right")) - 1
+            if not pos[p] < c < end[p]:
+                continue
+            head = c - int(pos[p])
+            loc = np.insert(loc, p + 1, loc[p])
+            off = np.insert(off, p + 1, off[p] + head)
+            ln = np.insert(ln, p + 1, ln[p] - head)
+            ln[p] = head
+            pos = start + np.cumsum(ln) - ln
+            end = pos + ln
+        dev = np.searchsorted(bounds_arr, pos, side="right").astype(np.int64)
+        np.add.at(dloads, dev, ln)
+        tail = start + int(ln.sum())
+        last = int(np.searchsorted(bounds_arr, max(tail - 1, start), side="right"))
+        out.append((loc, off, ln, dev, last))
+    return out, dloads
