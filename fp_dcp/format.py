@@ -4,7 +4,10 @@ A checkpoint is a directory holding
 
 * data files ``<save_id>.r<rank>.<k>.fpd``: raw tensor and bytes-item bytes,
   no framing; each extent starts at the offset recorded in the metadata;
-  files are padded with zeros to the direct-I/O alignment;
+  files are padded with zeros to the direct-I/O alignment.  A writer given
+  several data directories (one per storage device) puts its files
+  ``<save_id>.r<rank>.d<device>.<k>.fpd`` in them instead, and the metadata
+  names those files by absolute path;
 * the metadata file ``.fp_dcp.meta``, written last through a temporary name
   and a rename: the commit point.  Its bytes are a fixed header followed by a
   JSON document (see ``docs/FORMAT.md``); nothing in it is unpickled, so a
@@ -41,6 +44,7 @@ __all__ = [
     "encode_metadata",
     "decode_metadata",
     "data_file_name",
+    "valid_data_file_name",
 ]
 
 FORMAT_NAME = "fp_dcp"
@@ -61,8 +65,25 @@ class CheckpointFormatError(ValueError):
     """A checkpoint's metadata or layout is not something this version can load."""
 
 
-def data_file_name(save_id: str, rank: int, k: int) -> str:
-    return f"{save_id}.r{rank}.{k}{DATA_SUFFIX}"
+def data_file_name(save_id: str, rank: int, k: int, device: int | None = None) -> str:
+    if device is None:
+        return f"{save_id}.r{rank}.{k}{DATA_SUFFIX}"
+    return f"{save_id}.r{rank}.d{device}.{k}{DATA_SUFFIX}"
+
+
+def valid_data_file_name(name: object) -> bool:
+    """A data file of the metadata's ``files`` list: a plain name (a file in
+    the checkpoint directory) or a normalised absolute path (a file in a data
+    directory).  Relative paths (``../x``), empty components, ``.``/``..`` and
+    NUL are refused, so a name can only point inside the checkpoint
+    directory or at an explicit absolute location."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        return False
+    if "/" not in name:
+        return name not in (".", "..")
+    if not name.startswith("/") or name.endswith("/") or "//" in name:
+        return False
+    return all(part not in ("", ".", "..") for part in name[1:].split("/"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +101,9 @@ class Extent:
 class StorageLayout:
     """``Metadata.storage_data`` of an fp_dcp checkpoint.
 
-    ``files[i]`` is ``(name, size_on_disk)``; ``extents[index]`` lists the
+    ``files[i]`` is ``(name, size_on_disk)``: ``name`` is a file of the
+    checkpoint directory or an absolute path (:func:`valid_data_file_name`);
+    a reader opens ``os.path.join(checkpoint_dir, name)``.  ``extents[index]`` lists the
     extents of one item, sorted by ``item_offset`` and covering
     ``[0, item_nbytes)`` exactly once.
     """
@@ -303,7 +326,7 @@ def _from_doc(doc: Any) -> tuple[Metadata, StorageLayout, dict[str, Any]]:
     files = []
     for entry in _list(doc["files"], "files"):
         name, size = entry
-        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+        if not valid_data_file_name(name):
             raise CheckpointFormatError(f"bad data file name {name!r}")
         files.append((name, _int(size, f"size of {name}")))
     extents: dict[MetadataIndex, list[Extent]] = {}
