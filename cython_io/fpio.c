@@ -879,6 +879,50 @@ static int read_piece(pctx *c, const fpio_piece *p)
     return 0;
 }
 
+/* Before writing: every fd must be open for writing, and a regular file is
+ * first extended (never shrunk) to the aligned end of its pieces, so that no
+ * write extends the file: ext4 completes extending O_DIRECT writes
+ * synchronously (one at a time), which halves throughput on fresh files. */
+static int presize(pctx *c, int nfiles, const fpio_piece *pieces, int64_t npieces)
+{
+    int64_t i = 0;
+    for (int f = 0; f < nfiles; f++) {
+        int64_t end = 0;
+        for (; i < npieces && pieces[i].file == f; i++)
+            if (pieces[i].len > 0 && pieces[i].off + pieces[i].len > end)
+                end = pieces[i].off + pieces[i].len;
+        if (end == 0)
+            continue;
+        end = align_up(end, c->A);
+        int fd = c->fds[f];
+        int fl = fcntl(fd, F_GETFL);
+        if (fl < 0) {
+            set_err(c, errno, f, "fcntl(F_GETFL)", 0, 0);
+            return -1;
+        }
+        if ((fl & O_ACCMODE) == O_RDONLY) {
+            set_err(c, EBADF, f, "fd is not open for writing", 0, 0);
+            return -1;
+        }
+        struct stat st;
+        if (fstat(fd, &st) < 0) {
+            set_err(c, errno, f, "fstat", 0, 0);
+            return -1;
+        }
+        if (!S_ISREG(st.st_mode) || st.st_size >= end)
+            continue;
+        int rc;
+        do {
+            rc = ftruncate(fd, end);
+        } while (rc < 0 && errno == EINTR);
+        if (rc < 0) {
+            set_err(c, errno, f, "ftruncate", end, 0);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static int run(fpio_engine *e, int write, const int *fds, int nfiles, const fpio_piece *pieces,
                int64_t npieces, int64_t bs, int qd, int64_t align, int64_t gap, int sync,
                fpio_result *res)
@@ -910,6 +954,8 @@ static int run(fpio_engine *e, int write, const int *fds, int nfiles, const fpio
         c.free_reqs = &e->reqs[i];
     }
 
+    if (write)
+        presize(&c, nfiles, pieces, npieces);
     for (int64_t i = 0; i < npieces && !res->err; i++) {
         const fpio_piece *p = &pieces[i];
         res->bytes += p->len;
