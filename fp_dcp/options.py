@@ -98,6 +98,28 @@ class FastPersistOptions:
         overwrite: allow saving into a directory that holds a committed
             checkpoint.  The old checkpoint stays loadable until the new one
             commits.
+        staging: how ``dcp.async_save`` stages (copies) the state dict into
+            the writer's host arena (``fp_dcp.staging``): ``"eager"`` copies
+            before ``async_save`` returns; ``"lazy"`` returns at once and
+            copies in the background (CPU: memcpy with the GIL released;
+            CUDA: a side stream), and ``async_save`` returns
+            ``AsyncSaveResponse``: wait on ``staging_completion`` before
+            changing the state (before ``optimizer.step()``).
+        staging_memory_limit_bytes: the most host memory the staging arena
+            may take (``None``: as much as the state dict needs).  Past it,
+            the tensors that do not fit stream through a ring of two slots
+            into a spill file, and staging completes only when they are
+            written there: the training waits for those bytes at disk speed.
+        staging_shared_memory: stage into shared memory (a ``memfd``) that
+            ``AsyncCheckpointerType.PROCESS`` hands to the checkpoint process
+            as one handle.  ``None``: start private and switch to shared the
+            first time a staged state dict is sent to a checkpoint process
+            (that save pays one extra copy); ``True``: shared from the first
+            save; ``False``: never (PROCESS mode then pays torch's per-tensor
+            shared-memory copies).
+        staging_spill_dir: where the spill file of
+            ``staging_memory_limit_bytes`` goes (unlinked at once; nothing
+            is left behind); ``None``: the checkpoint directory.
     """
 
     engine: str = "auto"
@@ -111,6 +133,10 @@ class FastPersistOptions:
     coalesce_gap_bytes: int = 64 * 1024
     cuda_chunk_bytes: int = 64 << 20
     overwrite: bool = True
+    staging: str = "eager"
+    staging_memory_limit_bytes: int | None = None
+    staging_shared_memory: bool | None = None
+    staging_spill_dir: str | None = None
 
     def __post_init__(self) -> None:
         self._check()
@@ -139,6 +165,11 @@ class FastPersistOptions:
                 raise ValueError(f"FastPersistOptions.{name} must be >= 0")
         if self.cuda_chunk_bytes < (1 << 20):
             raise ValueError("FastPersistOptions.cuda_chunk_bytes must be at least 1 MiB")
+        if self.staging not in ("eager", "lazy"):
+            raise ValueError(f"FastPersistOptions.staging={self.staging!r}; valid: eager, lazy")
+        limit = self.staging_memory_limit_bytes
+        if limit is not None and limit < (1 << 20):
+            raise ValueError(f"FastPersistOptions.staging_memory_limit_bytes must be at least 1 MiB, got {limit}")
 
     @classmethod
     def field_names(cls) -> list[str]:

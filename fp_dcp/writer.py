@@ -39,6 +39,7 @@ from fp_dcp import format as fmt
 from fp_dcp.engine import IOSession, PinnedBuffer, tensor_bytes
 from fp_dcp.layout import align_up, place_extents
 from fp_dcp.options import FastPersistOptions
+from fp_dcp.staging import AsyncStagingMixin
 
 __all__ = ["FastPersistWriter"]
 
@@ -85,7 +86,7 @@ def _expected_nbytes(item: WriteItem) -> int | None:
     return int(np.prod(td.chunk.sizes, dtype=np.int64)) * torch.empty((), dtype=td.properties.dtype).element_size()
 
 
-class FastPersistWriter(StorageWriter):
+class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     """Write a DCP checkpoint into the directory ``path``.
 
     ``options`` is a :class:`~fp_dcp.FastPersistOptions`; keyword arguments
@@ -418,7 +419,9 @@ class FastPersistWriter(StorageWriter):
             self._lock_fd = None
 
     def close(self) -> None:
-        """Release the engine, its page-locked buffers and any lock now."""
+        """Release the engine, its page-locked buffers and any lock now (after
+        the async save in flight, if any, and the staging arena)."""
+        self._close_staging()
         self._release_lock()
         if self._session is not None:
             self._session.close()
