@@ -23,13 +23,12 @@ cdef dict _KIND = {"aio": FPIO_AIO, "uring": FPIO_URING, "threads": FPIO_THREADS
 
 # Chosen from the measurements in docs/NATIVE.md (benchmarks/tune_engine.py).
 _AUTO_ORDER = ("aio", "uring", "threads")
-DEFAULT_QUEUE_DEPTH = 16
-DEFAULT_BLOCK_SIZE = 1 << 20
-DEFAULT_READ_QUEUE_DEPTH = 16
-DEFAULT_READ_BLOCK_SIZE = 1 << 20
+DEFAULT_QUEUE_DEPTH = 8
+DEFAULT_BLOCK_SIZE = 4 << 20
 DEFAULT_COALESCE_GAP = 64 * 1024
 _MAX_QUEUE_DEPTH = 4096
 _MAX_BLOCK_SIZE = 1 << 30
+_HUGE_PAGE = 2 << 20
 
 # process-wide counters for leak tests (touched with the GIL held)
 cdef Py_ssize_t _n_buffers = 0
@@ -273,7 +272,14 @@ cdef class AlignedBuffer:
             raise ValueError(f"alignment must be a power of two >= {sizeof(void *)}, got {alignment}")
         cdef void *p = NULL
         cdef size_t alloc = size_bytes if size_bytes > 0 else 1
-        cdef int rc = posix_memalign(&p, alignment, alloc)
+        cdef size_t place = alignment
+        cdef bint huge = size_bytes >= _HUGE_PAGE
+        if huge:
+            # whole transparent huge pages: fewer faults to prefault, and far fewer
+            # pages for the kernel to pin per O_DIRECT request
+            place = max(alignment, _HUGE_PAGE)
+            alloc = (alloc + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
+        cdef int rc = posix_memalign(&p, place, alloc)
         if rc != 0:  # a positive errno, not -1
             raise MemoryError(f"posix_memalign({alignment}, {size_bytes}): {os.strerror(rc)}")
         self._ptr = <char *>p
@@ -282,8 +288,8 @@ cdef class AlignedBuffer:
         self._shape[0] = size_bytes
         self._strides[0] = 1
         _n_buffers += 1
-        if size_bytes >= (4 << 20):
-            madvise(p, alloc, MADV_HUGEPAGE)  # fewer page faults to touch it; advisory
+        if huge:
+            madvise(p, alloc, MADV_HUGEPAGE)  # advisory: no error if THP is off
         if prefault:
             with nogil:
                 memset(p, 0, alloc)
@@ -416,7 +422,7 @@ cdef class Engine:
     cdef readonly int read_queue_depth
     cdef readonly Py_ssize_t read_block_size
     cdef readonly Py_ssize_t alignment
-    cdef list _pool
+    cdef AlignedBuffer _pool
     cdef char **_slots
     cdef bint _busy
     cdef bint _counted
@@ -425,7 +431,7 @@ cdef class Engine:
                  Py_ssize_t block_size=DEFAULT_BLOCK_SIZE, read_queue_depth=None,
                  read_block_size=None, Py_ssize_t alignment=4096, int threads=4):
         global _n_engines
-        if self._pool is not None:
+        if self._slots != NULL:
             raise RuntimeError("Engine.__init__ called twice")
         if kind != "auto" and kind not in _KIND:
             raise ValueError(f"unknown engine {kind!r}: valid are 'auto', "
@@ -452,14 +458,15 @@ cdef class Engine:
         cdef int qd_max = max(queue_depth, rqd)
         cdef Py_ssize_t slot_size = max(block_size, rbs)
         cdef int nslots = qd_max + 1
-        self._pool = []
         self._slots = <char **>calloc(nslots, sizeof(char *))
         if self._slots == NULL:
             raise MemoryError()
+        # the bounce buffers: one allocation, carved in slots (whole huge pages for all)
+        self._pool = AlignedBuffer(nslots * slot_size, alignment)
+        cdef char *base = self._pool._ptr
+        cdef int i
         for i in range(nslots):
-            buf = AlignedBuffer(slot_size, alignment)
-            self._pool.append(buf)
-            self._slots[i] = <char *><uintptr_t>buf.address
+            self._slots[i] = base + i * slot_size
 
         for name in (_AUTO_ORDER if kind == "auto" else (kind,)):
             why = _try_engine(_KIND[name], qd_max, threads, self._slots, nslots, slot_size,
@@ -476,11 +483,9 @@ cdef class Engine:
         self._counted = True
         _n_engines += 1
 
-    cdef void _free_pool(self):
+    cdef void _free_pool(self) noexcept:
         if self._pool is not None:
-            for buf in self._pool:
-                (<AlignedBuffer>buf)._free()
-            self._pool = []
+            self._pool._free()
         free(self._slots)
         self._slots = NULL
 
@@ -502,13 +507,14 @@ cdef class Engine:
             _n_engines -= 1
 
     def __dealloc__(self):
+        global _n_engines
         if self._e != NULL:
             fpio_engine_close(self._e)
             self._e = NULL
         if self._counted:
             self._counted = False
-            _n_engines_dec()
-        # the pool's AlignedBuffers free themselves
+            _n_engines -= 1
+        # the pool's AlignedBuffer frees itself
         free(self._slots)
         self._slots = NULL
 
@@ -661,8 +667,3 @@ cdef class Engine:
             free(cfds)
             free(views)
             free(pieces)
-
-
-cdef void _n_engines_dec() noexcept:
-    global _n_engines
-    _n_engines -= 1

@@ -108,7 +108,8 @@ def test_engine_pool_and_close():
     eng = _aio.Engine("threads", queue_depth=3, block_size=2 * A, alignment=A)
     s = _aio.stats()
     assert s["engines"] == base["engines"] + 1
-    assert s["buffers"] == base["buffers"] + 4  # queue_depth + 1 bounce buffers
+    assert s["buffers"] == base["buffers"] + 1  # one pool of queue_depth + 1 bounce buffers
+    assert s["locked_bytes"] == base["locked_bytes"] + 4 * 2 * A
     eng.close()
     eng.close()  # idempotent
     assert _aio.stats() == base
@@ -304,7 +305,7 @@ def test_default_sizes_many_pieces(kind, tmp_path, direct):
     large aligned ones, direct and buffered fds."""
     rng = np.random.default_rng(7)
     layout, sources, expected = build(rng, [
-        [(0, 3 << 20, 2)] + [(int(g), int(n), 0) for g, n in
+        [(0, 9 << 20, 2)] + [(int(g), int(n), 0) for g, n in
                              zip(rng.integers(0, 64, 3000), rng.integers(1, 3000, 3000))]
         + [(5, (5 << 20) + 3, 2), (0, 10, 0)],
         [(100, 12345, 0)],
@@ -314,7 +315,8 @@ def test_default_sizes_many_pieces(kind, tmp_path, direct):
         ws = write_files(eng, paths, layout, sources, direct=direct)
         for p, exp in zip(paths, expected):
             assert open(p, "rb").read() == exp
-        assert ws["zero_copy_bytes"] > (8 << 20) - 2 * A
+        assert eng.block_size <= 5 << 20
+        assert ws["zero_copy_bytes"] == (9 << 20) + (5 << 20)
         dests = [np.empty(len(memoryview(s).cast("B")) + 1, np.uint8)[1:] for s in sources]
         read_files(eng, paths, layout, dests, direct=direct)
         for d, s in zip(dests, sources):
