@@ -98,6 +98,21 @@ class FastPersistOptions:
         overwrite: allow saving into a directory that holds a committed
             checkpoint.  The old checkpoint stays loadable until the new one
             commits.
+        data_dirs: directories for the data files, one per storage device
+            (mount point / NVMe drive) of a node; the ranks of a node stripe
+            their bytes over them (see ``fp_dcp.balance``).  Empty (the
+            default): the data files go in the checkpoint directory (one
+            path, e.g. a shared file system).  Otherwise each rank writes
+            under ``<data_dir>/<checkpoint name>-<hash of its path>/`` and the
+            metadata, which stays in the checkpoint directory, records every
+            data file's absolute path; a loading process must see the data
+            directories at the same paths.  In the environment:
+            ``FP_DCP_DATA_DIRS=/nvme0/ckpt:/nvme1/ckpt``.
+        split_alignment_bytes: replicated items are divided among the ranks
+            that hold them by byte range; split points lie at multiples of
+            this (raised to the direct-I/O alignment) from the item's start.
+            A power of two.  Items smaller than ``pack_threshold_bytes`` are
+            never split.
         staging: how ``dcp.async_save`` stages (copies) the state dict into
             the writer's host arena (``fp_dcp.staging``): ``"eager"`` copies
             before ``async_save`` returns; ``"lazy"`` returns at once and
@@ -133,6 +148,8 @@ class FastPersistOptions:
     coalesce_gap_bytes: int = 64 * 1024
     cuda_chunk_bytes: int = 64 << 20
     overwrite: bool = True
+    data_dirs: tuple[str, ...] = ()
+    split_alignment_bytes: int = 64 * 1024
     staging: str = "eager"
     staging_memory_limit_bytes: int | None = None
     staging_shared_memory: bool | None = None
