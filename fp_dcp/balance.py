@@ -323,81 +323,95 @@ def plan_placement(holdings: Sequence[Holdings]) -> Placement:
 
     counts = np.array([len(h.keys) for h in holdings], dtype=np.int64)
     n_all = int(counts.sum())
-    keys = np.concatenate([h.keys for h in holdings]) if n_all else np.zeros(0, np.uint64)
-    sizes = np.concatenate([h.nbytes for h in holdings]) if n_all else np.zeros(0, np.int64)
-    # int32 where it fits: at 1,000 ranks these arrays hold millions of
-    # entries and first-touching fresh memory is the planner's main cost.
+    rank_start = np.cumsum(counts) - counts
+    keys = np.concatenate([h.keys for h in holdings])
+    sizes = np.concatenate([h.nbytes for h in holdings])
     ranks = np.repeat(np.arange(world, dtype=np.int32), counts)
-    local = np.arange(n_all, dtype=np.int32) - np.repeat((np.cumsum(counts) - counts).astype(np.int32), counts)
 
-    # Unique items; each item's holdings sorted by rank.  (One sort of unique
-    # keys, a binary search, and one sort of the combined item*world+rank
-    # code: several times faster than np.unique(return_inverse) + lexsort.)
-    # Ranks of one replica group usually hold the same item list: look each
-    # distinct list up once.
-    distinct: dict[str, np.ndarray] = {}
-    for h in holdings:
-        distinct.setdefault(h.keys_digest or h.digest, h.keys)
-    uniq = np.unique(np.concatenate(list(distinct.values())))
-    n_items = len(uniq)
-    lookup = {d: np.searchsorted(uniq, k).astype(np.int32) for d, k in distinct.items()}
-    inv = np.concatenate([lookup[h.keys_digest or h.digest] for h in holdings])
-    order = np.argsort(inv.astype(np.int64) * world + ranks)
-    inv_s, rank_s, size_s, local_s = inv[order], ranks[order], sizes[order], local[order]
-    first = np.flatnonzero(np.r_[True, inv_s[1:] != inv_s[:-1]]) if n_all else np.zeros(0, np.int64)
+    # Unique items, each item's holdings in rank order: one stable sort of
+    # the keys (the holdings are concatenated in rank order).  At 1,024 ranks
+    # these arrays hold millions of entries and every pass over them counts
+    # (np.unique(return_inverse), lexsort or a searchsorted per holding are
+    # several times slower).
+    order = np.argsort(keys, kind="stable")
+    keys_sorted = keys[order]
+    new_item = np.empty(n_all, dtype=bool)
+    new_item[0] = True
+    np.not_equal(keys_sorted[1:], keys_sorted[:-1], out=new_item[1:])
+    del keys_sorted
+    first = np.flatnonzero(new_item)
+    n_items = len(first)
     nhold = np.diff(np.r_[first, n_all])
-    same = inv_s[1:] == inv_s[:-1]
+    rank_s, size_s = ranks[order], sizes[order]
+    same = ~new_item[1:]
     dup = np.flatnonzero(same & (rank_s[1:] == rank_s[:-1]))
     if len(dup):
-        i = order[dup[0]]
+        i = int(order[dup[0]])
         raise ValueError(
-            f"rank {int(ranks[i])} lists item #{int(local[i])} (key {int(keys[i]):#x}) twice in its plan"
+            f"rank {int(ranks[i])} lists item #{i - int(rank_start[ranks[i]])} (key {int(keys[i]):#x}) "
+            f"twice in its plan"
         )
     bad = np.flatnonzero(same & (size_s[1:] != size_s[:-1]))
     if len(bad):
-        i, k = order[bad[0]], order[bad[0] + 1]
+        i, k = int(order[bad[0]]), int(order[bad[0] + 1])
         raise ValueError(
             f"ranks {int(ranks[i])} and {int(ranks[k])} hold the same item (rank {int(ranks[i])}'s "
-            f"item #{int(local[i])}) with different sizes ({int(sizes[i])} and {int(sizes[k])} bytes): "
-            f"a replicated value must have the same shape and dtype on every rank"
+            f"item #{i - int(rank_start[ranks[i]])}) with different sizes ({int(sizes[i])} and "
+            f"{int(sizes[k])} bytes): a replicated value must have the same shape and dtype on every rank"
         )
-    item_size = size_s[first]
-    item_order = local_s[first]  # plan position on the lowest holder: state-dict order
+    del same, size_s
+    item_size = sizes[order[first]]
+    item_rank0 = rank_s[first]  # the lowest holder
+    item_order = order[first] - rank_start[item_rank0]  # its plan position: state-dict order
 
-    # Holder sets: a wrapping sum of per-rank random words, then checked exactly.
-    words = np.random.default_rng(0x5EED_FA57).integers(0, 2**63, world, dtype=np.int64).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        sig = np.add.reduceat(words[rank_s], first) if n_all else np.zeros(0, np.uint64)
-    sig_u, item_group = np.unique(np.stack([sig, nhold.astype(np.uint64)], axis=1), axis=0, return_inverse=True)
-    item_group = item_group.reshape(-1)
-    n_groups = len(sig_u)
-    _, rep = np.unique(item_group, return_index=True)  # first item of each group
-    pos_in_item = np.arange(n_all) - np.repeat(first, nhold)
-    rep_pos = first[rep[item_group[inv_s]]] + pos_in_item
-    if not np.array_equal(rank_s[rep_pos], rank_s):
-        raise RuntimeError("holder-set signature collision (report this as a bug in fp_dcp.balance)")
-    group_ranks = [rank_s[first[rep[g]] : first[rep[g]] + nhold[rep[g]]] for g in range(n_groups)]
+    # Holder sets of the items held by several ranks: a wrapping sum of
+    # per-rank random words, then checked exactly.
+    multi_all = np.flatnonzero(nhold > 1)
+    item_group = np.full(n_items, -1, dtype=np.int64)
+    group_ranks: list[np.ndarray] = []
+    if len(multi_all):
+        rank_m = rank_s[np.repeat(nhold > 1, nhold)]
+        nh = nhold[multi_all]
+        first_m = np.cumsum(nh) - nh
+        words = np.random.default_rng(0x5EED_FA57).integers(0, 2**63, world, dtype=np.int64).astype(np.uint64)
+        with np.errstate(over="ignore"):
+            sig = np.add.reduceat(words[rank_m], first_m) + nh.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        o = np.argsort(sig, kind="stable")
+        new_group = np.empty(len(o), dtype=bool)
+        new_group[0] = True
+        sig_sorted = sig[o]
+        np.not_equal(sig_sorted[1:], sig_sorted[:-1], out=new_group[1:])
+        group_m = np.empty(len(o), dtype=np.int64)
+        group_m[o] = np.cumsum(new_group) - 1
+        rep = o[new_group]  # the first item of each group (positions in multi_all)
+        item_m = np.repeat(np.arange(len(multi_all)), nh)
+        rep_pos = first_m[rep[group_m[item_m]]] + (np.arange(len(rank_m)) - first_m[item_m])
+        if not np.array_equal(rank_m[rep_pos], rank_m):
+            raise RuntimeError("holder-set signature collision (report this as a bug in fp_dcp.balance)")
+        item_group[multi_all] = group_m
+        group_ranks = [rank_m[first_m[r] : first_m[r] + nh[r]] for r in rep.tolist()]
 
     loads = np.zeros(world, dtype=np.int64)
     parts: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(world)]
 
     def emit(rank: int, items: np.ndarray, off: np.ndarray, length: np.ndarray, hset: np.ndarray) -> None:
         pos = int(np.searchsorted(hset, rank))
-        parts[rank].append((local_s[first[items] + pos], off, length))
+        parts[rank].append((order[first[items] + pos] - rank_start[rank], off, length))
 
     sized = item_size > 0
     # 1. singletons: fixed loads
     single = sized & (nhold == 1)
     if single.any():
-        idx = np.flatnonzero(single)
-        owner = rank_s[first[idx]]
-        np.add.at(loads, owner, item_size[idx])
-        idx = idx[np.lexsort((item_order[idx], owner))]
-        owner = rank_s[first[idx]]
-        bounds = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
-        for b, e in zip(bounds, np.r_[bounds[1:], len(idx)]):
-            items = idx[b:e]
-            parts[int(owner[b])].append((local_s[first[items]], np.zeros(len(items), np.int64), item_size[items]))
+        # in holding order, i.e. by (rank, plan position): no sort needed
+        mask = np.zeros(n_all, dtype=bool)
+        mask[order[first[single]]] = True
+        pos = np.flatnonzero(mask)
+        owner_count = np.bincount(ranks[pos], minlength=world)
+        loads += np.bincount(ranks[pos], weights=sizes[pos], minlength=world).astype(np.int64)
+        ends = np.cumsum(owner_count)
+        for r in np.flatnonzero(owner_count).tolist():
+            p = pos[ends[r] - owner_count[r] : ends[r]]
+            parts[r].append((p - rank_start[r], np.zeros(len(p), np.int64), sizes[p]))
     # 2. shared holder sets, smallest first: water-fill, then cut the stream
     multi = np.flatnonzero(sized & (nhold > 1))
     if len(multi):
@@ -424,6 +438,11 @@ def plan_placement(holdings: Sequence[Holdings]) -> Placement:
     unsized_counts = np.zeros(world, dtype=np.int64)
     rest = np.flatnonzero(~sized)
     unsized_parts: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for u in rest[nhold[rest] == 1].tolist():  # held by one rank: that one
+        r = int(item_rank0[u])
+        unsized_counts[r] += 1
+        unsized_parts[r].append((int(item_order[u]), int(item_size[u])))
+    rest = rest[nhold[rest] > 1]
     if len(rest):
         g_of = item_group[rest]
         by_group = rest[np.lexsort((item_order[rest], g_of))]
@@ -438,7 +457,7 @@ def plan_placement(holdings: Sequence[Holdings]) -> Placement:
                 r = int(rank_order[i % len(rank_order)])
                 unsized_counts[r] += 1
                 pos = int(np.searchsorted(hset, r))
-                unsized_parts[r].append((int(local_s[first[u] + pos]), int(item_size[u])))
+                unsized_parts[r].append((int(order[first[u] + pos] - rank_start[r]), int(item_size[u])))
 
     # 4. devices
     hosts: dict[str, list[int]] = {}
