@@ -3,13 +3,20 @@
 Call sequence (``torch.distributed.checkpoint.state_dict_saver``):
 
 1. every rank: ``reset`` / ``set_up_storage_writer`` / ``prepare_local_plan``
-   — records what this rank holds in ``SavePlan.storage_data``;
+   — records what this rank holds (every item and its size, its host, its
+   data directories) in ``SavePlan.storage_data``, which survives the
+   planner's dedup of replicated items;
 2. coordinator: ``prepare_global_plan`` — names this save (``save_id``) and
-   tells every rank which data files are its own;
-3. every rank: ``write_data`` — lays its items out in its files (large
-   extents aligned, small ones packed) and streams them through the native
-   engine (O_DIRECT, queue of aligned requests, zero-copy where the source is
-   aligned, page-locked double buffers for CUDA tensors);
+   balances the bytes (:mod:`fp_dcp.balance`): replicated items are divided
+   by byte range among all the ranks that hold them, each host's bytes are
+   striped over its data directories; the placement is cached by structure,
+   so the next save of the same state-dict structure skips it.  Each rank's
+   plan carries its pieces ``(item, byte range, device)``, including pieces
+   of items the planner's dedup removed from its plan;
+3. every rank: ``write_data`` — lays its pieces out in one file per device
+   (large extents aligned, small ones packed) and streams them through the
+   native engine (O_DIRECT, queue of aligned requests, zero-copy where the
+   source is aligned, page-locked double buffers for CUDA tensors);
 4. coordinator: ``finish`` — writes the metadata through a temporary name and
    a rename (the commit), syncs the directory, then removes the data files of
    the checkpoint it superseded.
@@ -20,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import fcntl
+import hashlib
 import io
 import os
 import secrets
@@ -35,6 +43,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 import fp_dcp
+from fp_dcp import balance
 from fp_dcp import format as fmt
 from fp_dcp.engine import IOSession, PinnedBuffer, tensor_bytes
 from fp_dcp.layout import align_up, place_extents
@@ -45,29 +54,46 @@ __all__ = ["FastPersistWriter"]
 
 _LOCK_NAME = ".fp_dcp.lock"
 
+# Placements by structure (fp_dcp.balance.structure_key), shared by the
+# writers of this process: a training loop that builds a new writer for each
+# save still plans once.
+_PLAN_CACHE = balance.PlanCache(capacity=8)
+
 
 @dataclasses.dataclass(frozen=True)
 class _LocalInfo:
-    """What ``prepare_local_plan`` records for the coordinator."""
+    """What ``prepare_local_plan`` records for the coordinator: every item
+    this rank holds (``holdings``: keys and byte sizes, in plan order) and
+    its host and number of data directories."""
 
     rank: int
     host: str
+    holdings: balance.Holdings | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class _Assignment:
-    """What ``prepare_global_plan`` hands each rank."""
+    """What ``prepare_global_plan`` hands each rank: its pieces (byte ranges
+    of items it holds, by position in its ``prepare_local_plan`` items, and
+    the data directory of each), under this save's ``save_id``."""
 
     save_id: str
     rank: int
+    pieces: balance.RankPieces | None = None
+    n_items: int = 0
+    plan_key: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class _Written:
     """``WriteResult.storage_data``: where an item's bytes went.
 
-    ``extents`` holds ``(file_name, file_offset, item_offset, length)``;
-    ``file_sizes`` is set on one result per file: its size on disk."""
+    ``extents`` holds ``(file_name, file_offset, item_offset, length)`` (a
+    rank may write several byte ranges of an item, and several ranks parts
+    of one item: each rank sends one result per item it wrote, and
+    ``finish`` merges them); ``file_name`` is a plain name in the checkpoint
+    directory or an absolute path in a data directory; ``file_sizes`` is set
+    on one result per file: its size on disk."""
 
     extents: tuple[tuple[str, int, int, int], ...]
     file_sizes: tuple[tuple[str, int], ...] = ()
@@ -97,7 +123,14 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     them at once.
 
     After each save, :attr:`last_stats` holds what happened on this rank:
-    engine, bytes, seconds, throughput.
+    engine, bytes, seconds, throughput; on the coordinator
+    :attr:`last_plan` describes the placement (balance, planning seconds,
+    whether it came from the cache).
+
+    With several ranks, the bytes of replicated items are divided among all
+    the ranks that hold them and each host's bytes are striped over
+    ``options.data_dirs`` (one directory per storage device; by default the
+    data files go in ``path``).
     """
 
     def __init__(
@@ -110,6 +143,13 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         base = options if options is not None else FastPersistOptions.from_env()
         self.options = base.replace(**option_kwargs) if option_kwargs else base
         self.path = None if path is None else os.fspath(path)
+        self.data_dirs = _data_dirs_option(self.options.data_dirs)
+        a = self.options.split_alignment_bytes
+        if a <= 0 or a & (a - 1):
+            raise ValueError(f"FastPersistOptions.split_alignment_bytes must be a power of two, got {a}")
+        self.last_plan: dict[str, Any] = {}
+        self._sessions: dict[str, IOSession] = {}
+        self._local_items: list[WriteItem] = []
         self.save_id = self._new_save_id()
         self.rank = 0
         self.is_coordinator = True
@@ -161,25 +201,88 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                 "pass another path or FastPersistOptions(overwrite=True)",
                 directory,
             )
-        self._engine()  # fail before any rank writes if the engine cannot run here
-        return dataclasses.replace(plan, storage_data=_LocalInfo(self.rank, socket.gethostname()))
+        if not plan.usable:
+            raise ValueError(
+                "FastPersistWriter got an empty cached plan (DefaultSavePlanner(enable_plan_caching=True)): "
+                "it needs every rank's items to balance them and caches its own placement by structure; "
+                "use a planner without plan caching"
+            )
+        granularity = self.options.split_alignment_bytes
+        dirs = self._data_directories()
+        for d, by_path in dirs:
+            try:
+                if by_path and not os.path.isdir(d):
+                    os.makedirs(d, exist_ok=True)
+                    if self.options.sync_files:
+                        _fsync_dir(os.path.dirname(d))
+            except OSError as e:
+                raise type(e)(e.errno, f"cannot create the data directory: {e.strerror}", d) from None
+            # fail before any rank writes if the engine cannot run here
+            granularity = max(granularity, self._engine_for(d).alignment)
+        self._local_items = list(plan.items)
+        sizes = []
+        for item in self._local_items:
+            n = None if item.type == WriteItemType.BYTE_IO else _expected_nbytes(item)
+            sizes.append(balance.UNSIZED if n is None else n)
+        host = socket.gethostname()
+        holdings = balance.make_holdings(
+            self.rank,
+            host,
+            [balance.item_key(it.index.fqn, it.index.offset) for it in self._local_items],
+            sizes,
+            n_dirs=len(dirs),
+            granularity=granularity,
+            small_bytes=self.options.pack_threshold_bytes,
+        )
+        return dataclasses.replace(plan, storage_data=_LocalInfo(self.rank, host, holdings))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._acquire_lock()
+        t0 = time.perf_counter()
+        holdings = []
+        for rank, plan in enumerate(plans):
+            info = plan.storage_data
+            if not isinstance(info, _LocalInfo) or info.holdings is None:
+                raise RuntimeError(
+                    f"FastPersistWriter.prepare_global_plan: rank {rank}'s plan did not pass through its "
+                    f"prepare_local_plan (a custom save function, or a planner that drops storage_data?)"
+                )
+            holdings.append(info.holdings)
+        key = balance.structure_key(holdings)
+        placement = _PLAN_CACHE.get(key)
+        cached = placement is not None
+        if placement is None:
+            placement = balance.plan_placement(holdings)
+            _PLAN_CACHE.put(key, placement)
+        self.last_plan = {
+            "cached": cached,
+            "seconds": time.perf_counter() - t0,
+            "ranks": len(plans),
+            "items": placement.items,
+            "bytes": placement.total_bytes,
+            "balance": placement.balance(),
+            "rank_bytes": placement.loads.tolist(),
+            "device_bytes": {h: v.tolist() for h, v in placement.device_loads.items()},
+        }
         return [
-            dataclasses.replace(plan, storage_data=_Assignment(self.save_id, rank))
+            dataclasses.replace(
+                plan,
+                storage_data=_Assignment(self.save_id, rank, placement.pieces[rank], len(holdings[rank].keys), key),
+            )
             for rank, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment = plan.storage_data
-        if not isinstance(assignment, _Assignment):
+        if not isinstance(assignment, _Assignment) or assignment.pieces is None:
             raise RuntimeError(
                 "FastPersistWriter.write_data got a plan that did not pass through its "
                 "prepare_global_plan (a custom save function?)"
             )
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(self._write(assignment, plan.items, planner))
+        # The pieces name this rank's own items (those of prepare_local_plan,
+        # including the ones the planner's dedup removed from plan.items).
+        fut.set_result(self._write(assignment, self._local_items, planner))
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -187,6 +290,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         directory = self._directory()
         try:
             layout = self._layout_from_results(results)
+            _check_layout_covers(metadata, layout)
             metadata.storage_meta = self.storage_meta()
             blob = fmt.encode_metadata(
                 metadata,
@@ -213,6 +317,10 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             if self.options.sync_files:
                 _fsync_dir(directory)
             self._remove_superseded(directory, {name for name, _ in layout.files})
+            for data_dir, by_path in self._data_directories():  # this checkpoint's sub-directories
+                if by_path and os.path.isdir(data_dir):
+                    keep = {os.path.basename(n) for n, _ in layout.files if os.path.dirname(n) == data_dir}
+                    self._remove_superseded(data_dir, keep)
         finally:
             self._release_lock()
         metadata.storage_data = layout
@@ -235,63 +343,173 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             self._session = IOSession(self.options, directory)
         return self._session
 
+    def _engine_for(self, directory: str) -> IOSession:
+        """The session of a data directory (that of the checkpoint directory
+        is :meth:`_engine`'s)."""
+        if directory == self._directory():
+            return self._engine()
+        session = self._sessions.get(directory)
+        if session is None or not session.matches(self.options, directory):
+            if session is not None:
+                session.close()
+            session = self._sessions[directory] = IOSession(self.options, directory)
+        return session
+
+    def _data_directories(self) -> list[tuple[str, bool]]:
+        """``(directory, named by absolute path)`` of each of this rank's
+        devices: the checkpoint directory by default; with
+        ``options.data_dirs``, a sub-directory of each named after the
+        checkpoint (so one data directory can serve many checkpoints, and
+        cleaning up after a save touches only this checkpoint's files)."""
+        directory = self._directory()
+        if not self.data_dirs:
+            return [(directory, False)]
+        out = []
+        real = os.path.realpath(directory)
+        for d in self.data_dirs:
+            if os.path.realpath(d) == real:
+                out.append((directory, False))
+            else:
+                out.append((os.path.join(d, _data_subdir_name(directory)), True))
+        return out
+
     def _write(self, assignment: _Assignment, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         t0 = time.perf_counter()
-        cpu: list[tuple[WriteItem, Any]] = []
-        cuda: list[tuple[WriteItem, torch.Tensor]] = []
-        for item in items:
+        pieces = assignment.pieces
+        assert pieces is not None
+        if assignment.n_items != len(items):
+            raise RuntimeError(
+                f"rank {self.rank}: the global plan was made for {assignment.n_items} items of this rank, "
+                f"but its prepare_local_plan recorded {len(items)} (was the writer reused by another save?)"
+            )
+        sources: dict[int, tuple[str, Any]] = {}
+
+        def source(li: int) -> tuple[str, Any]:
+            """("cpu", uint8 numpy array / memoryview) or ("cuda", flat uint8 tensor)."""
+            if li in sources:
+                return sources[li]
+            item = items[li]
             data = planner.resolve_data(item)
             name = _item_name(item)
             if item.type == WriteItemType.BYTE_IO:
                 if not isinstance(data, io.BytesIO):
                     raise TypeError(f"{name}: the planner resolved a bytes item to {type(data).__name__}, not BytesIO")
-                cpu.append((item, data.getbuffer()))
-                continue
-            if not isinstance(data, torch.Tensor):
-                raise TypeError(f"{name}: the planner resolved a tensor item to {type(data).__name__}")
-            expected = _expected_nbytes(item)
-            actual = data.numel() * data.element_size()
-            if expected is not None and expected != actual:
-                raise ValueError(
-                    f"{name}: the planner planned {expected} bytes but resolved a tensor of "
-                    f"{actual} bytes ({tuple(data.shape)}, {data.dtype})"
-                )
-            if data.device.type == "cuda":
-                cuda.append((item, data.detach()))
-            elif data.device.type == "cpu":
-                cpu.append((item, tensor_bytes(data, name)))
+                out = ("cpu", data.getbuffer())
             else:
-                cpu.append((item, tensor_bytes(data.detach().cpu(), name)))
+                if not isinstance(data, torch.Tensor):
+                    raise TypeError(f"{name}: the planner resolved a tensor item to {type(data).__name__}")
+                expected = _expected_nbytes(item)
+                actual = data.numel() * data.element_size()
+                if expected is not None and expected != actual:
+                    raise ValueError(
+                        f"{name}: the planner planned {expected} bytes but resolved a tensor of "
+                        f"{actual} bytes ({tuple(data.shape)}, {data.dtype})"
+                    )
+                if data.device.type == "cuda":
+                    t = data.detach()
+                    flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+                    out = ("cuda", flat)
+                elif data.device.type == "cpu":
+                    out = ("cpu", tensor_bytes(data, name))
+                else:
+                    out = ("cpu", tensor_bytes(data.detach().cpu(), name))
+            sources[li] = out
+            return out
+
+        # device -> ([(item, item_offset, host bytes)], [(item, item_offset, CUDA bytes)])
+        by_device: dict[int, tuple[list, list]] = {}
+        for li, off, length, dev in zip(
+            pieces.local.tolist(), pieces.offset.tolist(), pieces.length.tolist(), pieces.device.tolist()
+        ):
+            kind, buf = source(li)
+            n = len(buf) if kind == "cpu" else int(buf.numel())
+            if length == balance.UNSIZED:
+                off, length = 0, n
+            if off + length > n:
+                raise RuntimeError(
+                    f"{_item_name(items[li])}: the plan assigns bytes {off}..{off + length} of an item of {n} bytes"
+                )
+            by_device.setdefault(dev, ([], []))[0 if kind == "cpu" else 1].append((li, off, buf[off : off + length]))
         resolve_s = time.perf_counter() - t0
 
-        session = self._engine()
-        directory = self._directory()
-        results: list[WriteResult] = []
-        stats: dict[str, Any] = {"engine": session.kind, "direct_io": session.direct, "bytes": 0, "requests": 0}
-        if cpu:
-            name = fmt.data_file_name(assignment.save_id, assignment.rank, 0)
-            lengths = [len(buf) for _, buf in cpu]
-            offsets, end = place_extents(
-                lengths, session.alignment, self.options.pack_threshold_bytes, self.options.pack_alignment_bytes
-            )
-            s = session.write(
-                [os.path.join(directory, name)],
-                np.zeros(len(cpu), dtype=np.int64),
-                np.asarray(offsets, dtype=np.int64),
-                [buf for _, buf in cpu],
-                sync=self.options.sync_files,
-            )
+        dirs = self._data_directories()
+        devices = sorted(by_device)
+        if any(d >= len(dirs) for d in devices):
+            raise RuntimeError(f"rank {self.rank}: the plan uses device {max(devices)} but this rank has {len(dirs)}")
+
+        def write_device(dev: int):
+            directory, by_path = dirs[dev]
+            session = self._engine_for(directory)
+            tag = dev if self.data_dirs else None
+            cpu, cuda = by_device[dev]
+            extents: list[tuple[int, str, int, int, int]] = []  # (item, file, file_offset, item_offset, length)
+            file_sizes: list[tuple[str, int]] = []
+            stats: dict[str, Any] = {"bytes": 0, "requests": 0}
+            for k, group in ((0, cpu), (1, cuda)):
+                if not group:
+                    continue
+                name = fmt.data_file_name(assignment.save_id, assignment.rank, k, tag)
+                path = os.path.join(directory, name)
+                recorded = path if by_path else name
+                if k == 0:
+                    lengths = [len(b) for _, _, b in group]
+                    offsets, end = place_extents(
+                        lengths, session.alignment, self.options.pack_threshold_bytes, self.options.pack_alignment_bytes
+                    )
+                    s = session.write(
+                        [path],
+                        np.zeros(len(group), dtype=np.int64),
+                        np.asarray(offsets, dtype=np.int64),
+                        [b for _, _, b in group],
+                        sync=self.options.sync_files,
+                    )
+                    _add_stats(stats, s)
+                else:
+                    offsets, lengths, end = self._write_cuda(session, path, [b for _, _, b in group], stats)
+                file_sizes.append((recorded, align_up(end, session.alignment)))
+                extents += [(li, recorded, fo, io_, n) for (li, io_, _), fo, n in zip(group, offsets, lengths)]
+            if by_path and self.options.sync_files:
+                _fsync_dir(directory)  # the new files' entries (the coordinator syncs the checkpoint directory)
+            return extents, file_sizes, stats, session.kind, session.direct
+
+        if len(devices) > 1:  # one thread per device: the engine releases the GIL
+            with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="fp_dcp-device") as pool:
+                done = list(pool.map(write_device, devices))
+        else:
+            done = [write_device(d) for d in devices]
+
+        stats: dict[str, Any] = {"engine": None, "direct_io": None, "bytes": 0, "requests": 0}
+        per_item: dict[int, list[tuple[str, int, int, int]]] = {}
+        size_of: dict[str, int] = {}
+        sizes_on: dict[int, list[tuple[str, int]]] = {}
+        for extents, file_sizes, s, kind, direct in done:
+            stats["engine"], stats["direct_io"] = kind, direct
             _add_stats(stats, s)
-            results += _results(cpu, lengths, offsets, name, align_up(end, session.alignment))
-        if cuda:
-            name = fmt.data_file_name(assignment.save_id, assignment.rank, 1)
-            results += self._write_cuda(session, directory, name, cuda, stats)
+            size_of.update(file_sizes)
+            for li, fname, fo, io_, n in extents:
+                per_item.setdefault(li, []).append((fname, fo, io_, n))
+        for fname in size_of:  # each file's size travels with one result
+            li = min(li for li, exts in per_item.items() if any(e[0] == fname for e in exts))
+            sizes_on.setdefault(li, []).append((fname, size_of[fname]))
+        results = [
+            WriteResult(
+                index=items[li].index,
+                size_in_bytes=sum(e[3] for e in exts),
+                storage_data=_Written(extents=tuple(exts), file_sizes=tuple(sizes_on.get(li, ()))),
+            )
+            for li, exts in sorted(per_item.items())
+        ]
+        if stats["engine"] is None:  # nothing to write on this rank
+            session = self._engine_for(dirs[0][0])
+            stats["engine"], stats["direct_io"] = session.kind, session.direct
         seconds = time.perf_counter() - t0
         stats.update(
             seconds=seconds,
             resolve_seconds=resolve_s,
             gbps=stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
-            items=len(items),
+            items=len(per_item),
+            pieces=len(pieces),
+            devices=len(devices),
         )
         self.last_stats = stats
         return results
@@ -299,20 +517,19 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     def _write_cuda(
         self,
         session: IOSession,
-        directory: str,
-        name: str,
-        items: list[tuple[WriteItem, torch.Tensor]],
+        path: str,
+        flat: list[torch.Tensor],
         stats: dict[str, Any],
-    ) -> list[WriteResult]:
-        """Copy CUDA tensors to the host through two page-locked buffers on a
-        side stream, chunk by chunk, writing chunk k while chunk k+1 is copied."""
+    ) -> tuple[list[int], list[int], int]:
+        """Copy CUDA byte ranges (flat uint8 tensors) to the host through two
+        page-locked buffers on a side stream, chunk by chunk, writing chunk k
+        while chunk k+1 is copied.  Returns their file offsets, lengths and
+        the end of the last one."""
         align = session.alignment
-        flat = [t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8) for _, t in items]
         lengths = [int(f.numel()) for f in flat]
         # Every CUDA extent starts aligned, so chunk windows never share a block.
         offsets, end = place_extents(lengths, align, 0, align)
         chunk = align_up(min(self.options.cuda_chunk_bytes, max(end, align)), align)
-        path = os.path.join(directory, name)
         buffers = [PinnedBuffer(chunk, align) for _ in range(2)]
         device = flat[0].device
         stream = torch.cuda.Stream(device=device)
@@ -357,7 +574,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             pending = srcs = host = None  # drop the views before freeing the buffers
             for b in buffers:
                 b.close()
-        return _results(items, lengths, offsets, name, align_up(end, align))
+        return offsets, lengths, end
 
     def _layout_from_results(self, results: list[list[WriteResult]]) -> fmt.StorageLayout:
         files: dict[str, int] = {}
@@ -426,6 +643,9 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         if self._session is not None:
             self._session.close()
             self._session = None
+        for session in self._sessions.values():
+            session.close()
+        self._sessions.clear()
 
     def __enter__(self) -> "FastPersistWriter":
         return self
@@ -440,20 +660,64 @@ def _add_stats(stats: dict[str, Any], s: dict[str, Any]) -> None:
     stats["zero_copy_bytes"] = stats.get("zero_copy_bytes", 0) + s.get("zero_copy_bytes", 0)
 
 
-def _results(pairs, lengths, offsets, file_name: str, file_size: int) -> list[WriteResult]:
-    out = []
-    for k, ((item, _), n, off) in enumerate(zip(pairs, lengths, offsets)):
-        out.append(
-            WriteResult(
-                index=item.index,
-                size_in_bytes=n,
-                storage_data=_Written(
-                    extents=((file_name, off, 0, n),),
-                    file_sizes=((file_name, file_size),) if k == 0 else (),
-                ),
+def _data_dirs_option(value: Any) -> tuple[str, ...]:
+    """``options.data_dirs`` as absolute paths: a sequence of paths, or one
+    string of paths separated by ``os.pathsep`` (the environment's form)."""
+    if value is None or value == "" or value == ():
+        return ()
+    if isinstance(value, (str, os.PathLike)):
+        parts = [p for p in os.fspath(value).split(os.pathsep) if p.strip()]
+    else:
+        parts = [os.fspath(p) for p in value]
+    dirs = tuple(os.path.abspath(p) for p in parts)
+    seen: dict[str, str] = {}
+    for d in dirs:
+        real = os.path.realpath(d)
+        if real in seen:
+            raise ValueError(
+                f"FastPersistOptions.data_dirs names one directory twice ({seen[real]!r} and {d!r}): "
+                f"give one directory per storage device"
             )
-        )
-    return out
+        seen[real] = d
+    return dirs
+
+
+def _data_subdir_name(checkpoint_dir: str) -> str:
+    """The sub-directory of a data directory that holds one checkpoint's
+    files: its name and a hash of its absolute path (two checkpoints never
+    share one, so removing one's stale files cannot touch another's)."""
+    path = os.path.abspath(checkpoint_dir)
+    digest = hashlib.blake2b(path.encode(), digest_size=6).hexdigest()
+    return f"{os.path.basename(path) or 'checkpoint'}-{digest}"
+
+
+def _check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout) -> None:
+    """Before the commit: every stored item's extents, merged from all ranks,
+    tile its bytes exactly once (a tensor's size comes from the metadata; a
+    bytes item must be gap-free from 0)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from fp_dcp.layout import check_extents_cover
+
+    for index, exts in layout.extents.items():
+        md = metadata.state_dict_metadata.get(index.fqn)
+        nbytes = sum(e.length for e in exts)
+        if isinstance(md, TensorStorageMetadata):
+            esize = torch.empty((), dtype=md.properties.dtype).element_size()
+            for chunk in md.chunks:
+                if index.offset is None or chunk.offsets == index.offset:
+                    nbytes = int(np.prod(chunk.sizes, dtype=np.int64)) * esize
+                    break
+        try:
+            check_extents_cover(index.fqn, exts, nbytes)
+        except fmt.CheckpointFormatError as e:
+            raise RuntimeError(f"fp_dcp wrote an inconsistent layout, refusing to commit it: {e}") from None
+    stored = {(i.fqn, None if i.offset is None else tuple(i.offset)) for i in layout.extents}
+    for fqn, md in metadata.state_dict_metadata.items():
+        keys = [(fqn, tuple(c.offsets)) for c in md.chunks] if isinstance(md, TensorStorageMetadata) else [(fqn, None)]
+        for key in keys:
+            if key not in stored:
+                raise RuntimeError(f"fp_dcp wrote no bytes for {key}, refusing to commit the checkpoint")
 
 
 def _fsync_dir(directory: str) -> None:
