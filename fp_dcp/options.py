@@ -135,6 +135,25 @@ class FastPersistOptions:
         staging_spill_dir: where the spill file of
             ``staging_memory_limit_bytes`` goes (unlinked at once; nothing
             is left behind); ``None``: the checkpoint directory.
+        read_buffer_budget_bytes: on load, the most memory the reader's
+            temporaries take (targets of another dtype or device, dense
+            slices read as whole ranges and copied out with one strided
+            copy, shared replicated boxes); a stored chunk is never read
+            whole to be sliced.  At least 1 MiB.
+        max_overread_percent: on load, bytes read beyond those the targets
+            need, in percent of them, that the reader may spend to merge
+            nearby pieces into fewer requests (gaps of at most
+            ``coalesce_gap_bytes``).  Gaps that hold no whole alignment
+            block are always read through (their blocks are read anyway).
+        strict_dtype: on load, a target tensor whose dtype differs from the
+            stored one is an error naming the tensor, instead of being cast
+            as the stock reader does.
+        share_replicated_reads: on load, a box that several ranks need
+            (e.g. every rank of a data-parallel restart) is read from disk
+            by one of them and sent to the others over the process group
+            (``FastPersistReader(process_group=...)`` when ``dcp.load`` is
+            given one), inside DCP's read step.  Wins when the disk, not the
+            network, is the bottleneck.
     """
 
     engine: str = "auto"
@@ -154,6 +173,10 @@ class FastPersistOptions:
     staging_memory_limit_bytes: int | None = None
     staging_shared_memory: bool | None = None
     staging_spill_dir: str | None = None
+    read_buffer_budget_bytes: int = 64 << 20
+    max_overread_percent: int = 5
+    strict_dtype: bool = False
+    share_replicated_reads: bool = False
 
     def __post_init__(self) -> None:
         self._check()
@@ -187,6 +210,12 @@ class FastPersistOptions:
         limit = self.staging_memory_limit_bytes
         if limit is not None and limit < (1 << 20):
             raise ValueError(f"FastPersistOptions.staging_memory_limit_bytes must be at least 1 MiB, got {limit}")
+        if self.read_buffer_budget_bytes < (1 << 20):
+            raise ValueError(
+                f"FastPersistOptions.read_buffer_budget_bytes must be at least 1 MiB, got {self.read_buffer_budget_bytes}"
+            )
+        if self.max_overread_percent < 0:
+            raise ValueError(f"FastPersistOptions.max_overread_percent must be >= 0, got {self.max_overread_percent}")
 
     @classmethod
     def field_names(cls) -> list[str]:

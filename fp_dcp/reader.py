@@ -1,40 +1,86 @@
 """``FastPersistReader``: a DCP ``StorageReader`` that reads only the bytes each
-rank needs.
+rank needs, into any world size and sharding (Universal Checkpointing).
 
 For every ``ReadItem`` (a box of a stored chunk that lands in a box of a
-target tensor) the reader computes the byte runs of the stored row-major
-chunk (:func:`fp_dcp.layout.box_runs`), maps them onto the stored extents,
-and hands all pieces, sorted by file and offset, to the native engine, which
-coalesces near neighbours into aligned requests and reads straight into the
-target tensor wherever the target is a contiguous CPU tensor of the stored
-dtype (otherwise into a bounded temporary and one copy).
+target tensor) the reader describes the bytes as a grid of runs contiguous in
+both the stored chunk and the target (:func:`fp_dcp.readplan.box_grid`), maps
+them onto the stored extents (a chunk may be split over several files and
+ranks), and decides — in Python, so the decision is the planner's, not the
+engine's — how to read them:
+
+* runs are read straight into the target tensor wherever it is a CPU tensor
+  of the stored dtype (contiguous or not: a column slice is read row by row
+  into its rows);
+* many small runs whose gaps hold no whole alignment block (a dense slice of
+  the last dimension) are read as a few ranges into a bounded temporary and
+  moved with one strided copy, instead of one request and one Python object
+  per run;
+* targets of another dtype or device are read into a bounded temporary and
+  cast with ``copy_``, as the stock reader does (``strict_dtype=True`` makes
+  that an error);
+* across items, gaps between pieces are read through only where that costs
+  no whole block, or within the over-read budget
+  (``max_overread_percent``); the engine is called with ``coalesce_gap=0``.
+
+Temporaries never exceed ``read_buffer_budget_bytes`` (one arena, reused for
+the whole load); a stored chunk is never read whole to be sliced.
+
+With ``share_replicated_reads=True``, a box that several ranks need (every
+rank of a DDP-style restart needs every replicated tensor) is read from disk
+by one of them and sent to the others over the load's process group, inside
+DCP's own ``read_data`` step: every rank runs the same sequence of
+collectives, errors included.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import math
 import os
 import secrets
 import time
-from torch.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
+from fp_dcp import _aio
 from fp_dcp import format as fmt
-from fp_dcp.engine import IOSession, tensor_bytes
-from fp_dcp.layout import box_runs, check_extents_cover, map_runs_to_extents
+from fp_dcp.engine import IOSession
+from fp_dcp.layout import check_extents_cover
 from fp_dcp.options import FastPersistOptions
+from fp_dcp.readplan import (
+    Grid,
+    box_grid,
+    free_merge_level,
+    level_span,
+    map_ranges,
+    plan_fillers,
+    split_box,
+    split_runs,
+    strides_non_overlapping,
+    unit_starts,
+)
 
 __all__ = ["FastPersistReader", "read_checkpoint_metadata"]
 
-# Temporaries (targets that are not contiguous CPU tensors of the stored dtype)
-# are read in batches of at most this many bytes.
-_TEMP_BUDGET_BYTES = 256 << 20
+# Runs at least this long are always read straight into their target: the
+# per-run cost (one memoryview, one engine piece) is negligible beside them.
+_MERGE_RUN_MAX_BYTES = 64 << 10
+# A sub-grid is read through a temporary only if it saves this many runs.
+_MERGE_MIN_RUNS = 16
+# Runs longer than this are cut, so one engine call (and one progress step)
+# stays bounded.
+_MAX_PIECE_BYTES = 64 << 20
+# Bounds of one engine call.
+_MAX_BATCH_PIECES = 1 << 20
+_MAX_BATCH_BYTES = 1 << 30
+_PROGRESS_BATCH_BYTES = 256 << 20
 
 
 def read_checkpoint_metadata(directory: str) -> tuple[Metadata, fmt.StorageLayout, dict[str, Any]]:
@@ -76,31 +122,74 @@ def read_checkpoint_metadata(directory: str) -> tuple[Metadata, fmt.StorageLayou
     return metadata, layout, extra
 
 
+@dataclasses.dataclass(frozen=True)
+class _SharedUnit:
+    """A part (``offsets``/``lengths``) of a box (``box``) of a stored chunk
+    that several ``ranks`` need: ``owner`` reads it from disk and sends it to
+    the others."""
+
+    fqn: str
+    chunk: tuple[int, ...] | None
+    box: tuple[tuple[int, ...], tuple[int, ...]]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    nbytes: int
+    owner: int
+    ranks: tuple[int, ...]
+
+    @property
+    def key(self) -> tuple:
+        return (self.fqn, self.chunk, self.box[0], self.box[1])
+
+
+@dataclasses.dataclass
+class _SharePlan:
+    """``LoadPlan.storage_data`` when replicated reads are shared: the same
+    list on every rank (the collectives follow it)."""
+
+    plan_id: str
+    units: list[_SharedUnit]
+    rounds: list[tuple[int, int]]
+
+
 class FastPersistReader(StorageReader):
     """Load a checkpoint written by :class:`~fp_dcp.FastPersistWriter` from
     ``path``, into any world size and sharding.
 
-    ``options`` / keyword arguments as for the writer (``engine``,
-    ``coalesce_gap_bytes``, ...).  After each load :attr:`last_stats` holds
-    this rank's bytes needed, bytes read from disk, seconds and engine.
+    ``options`` / keyword arguments as for the writer; the reader's own are
+    ``read_buffer_budget_bytes``, ``max_overread_percent``, ``strict_dtype``,
+    ``share_replicated_reads`` and ``coalesce_gap_bytes`` (see
+    :class:`~fp_dcp.FastPersistOptions`).  ``process_group``: the group passed
+    to ``dcp.load`` when it is not the default one (used only by
+    ``share_replicated_reads``).
+
+    After each load :attr:`last_stats` holds this rank's ``bytes`` (needed by
+    its targets), ``bytes_read`` (read from disk, alignment included),
+    ``requests``, ``pieces``, ``seconds`` and the engine; with sharing,
+    ``shared_bytes_sent`` / ``shared_bytes_received``.
     """
 
     def __init__(
         self,
         path: str | os.PathLike | None = None,
         options: FastPersistOptions | None = None,
+        *,
+        process_group: Any = None,
         **option_kwargs: Any,
     ) -> None:
         super().__init__()
         base = options if options is not None else FastPersistOptions.from_env()
         self.options = base.replace(**option_kwargs) if option_kwargs else base
         self.path = None if path is None else os.fspath(path)
+        self.process_group = process_group
         self.load_id = secrets.token_hex(8)
         self.layout: fmt.StorageLayout | None = None
         self.state_dict_metadata: dict[str, Any] = {}
         self.last_stats: dict[str, Any] = {}
+        self.progress: Callable[[int, int], None] | None = None  # (bytes done, bytes total), for tools
         self._session: IOSession | None = None
-        self._checked: set[MetadataIndex] = set()
+        self._ext_cache: dict[MetadataIndex, tuple[np.ndarray, ...]] = {}
+        self._use_collectives = True
 
     # ----------------------------------------------------------- DCP protocol
 
@@ -109,7 +198,7 @@ class FastPersistReader(StorageReader):
             self.path = os.fspath(checkpoint_id)
         self.load_id = secrets.token_hex(8)
         self.layout = None
-        self._checked = set()
+        self._ext_cache = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -121,7 +210,7 @@ class FastPersistReader(StorageReader):
     def checkpoint_id(self) -> str | None:
         return self.path
 
-    def read_metadata(self, *args: Any) -> Metadata:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata, _, _ = read_checkpoint_metadata(self._directory())
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -135,22 +224,42 @@ class FastPersistReader(StorageReader):
             )
         self.layout = metadata.storage_data
         self.state_dict_metadata = metadata.state_dict_metadata
+        self._use_collectives = bool(kwargs.get("use_collectives", True))
+        self._ext_cache = {}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        if not self.options.share_replicated_reads or len(plans) < 2:
+            return plans
+        share = self._plan_sharing(plans)
+        if share is None:
+            return plans
+        return [dataclasses.replace(p, storage_data=share) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         t0 = time.perf_counter()
-        self._read(plan.items, planner)
+        self.last_stats = {}
+        share = self._agreed_share_plan(plan)
+        self._read(plan.items, planner, share)
         self.last_stats["seconds"] = time.perf_counter() - t0
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    # ------------------------------------------------------------- internals
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+    def __enter__(self) -> "FastPersistReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ----------------------------------------------------------- helpers
 
     def _directory(self) -> str:
         if self.path is None:
@@ -167,118 +276,655 @@ class FastPersistReader(StorageReader):
             self._session = IOSession(self.options, directory)
         return self._session
 
-    def _extents(self, index: MetadataIndex, nbytes: int) -> list[fmt.Extent]:
+    def _extents(self, fqn: str, chunk: Any, nbytes: int) -> tuple[np.ndarray, ...]:
+        """The item's extents as arrays (item offsets, lengths, files, file offsets)."""
         assert self.layout is not None
-        key = MetadataIndex(index.fqn, index.offset)
+        key = MetadataIndex(fqn, chunk)
+        cached = self._ext_cache.get(key)
+        if cached is not None:
+            return cached
         exts = self.layout.extents.get(key)
         if exts is None:
             raise fmt.CheckpointFormatError(
-                f"{self.path}: no stored bytes for {index.fqn}"
-                + ("" if index.offset is None else f" (chunk at {list(index.offset)})")
+                f"{self.path}: no stored bytes for {fqn}"
+                + ("" if chunk is None else f" (chunk at {list(chunk)})")
                 + "; the checkpoint metadata is inconsistent"
             )
-        if key not in self._checked:
-            check_extents_cover(index.fqn, exts, nbytes)
-            self._checked.add(key)
-        return exts
-
-    def _chunk_sizes(self, req: ReadItem) -> tuple[list[int], torch.dtype]:
-        md = self.state_dict_metadata.get(req.storage_index.fqn)
-        if not isinstance(md, TensorStorageMetadata):
-            raise fmt.CheckpointFormatError(f"{req.storage_index.fqn}: not a tensor in the checkpoint")
-        offset = req.storage_index.offset
-        for chunk in md.chunks:
-            if offset is None or chunk.offsets == offset:
-                return list(chunk.sizes), md.properties.dtype
-        raise fmt.CheckpointFormatError(
-            f"{req.storage_index.fqn}: the checkpoint has no chunk at {list(offset)}"
+        check_extents_cover(fqn, exts, nbytes)
+        arrays = tuple(
+            np.array([getattr(e, f) for e in exts], dtype=np.int64)
+            for f in ("item_offset", "length", "file", "file_offset")
         )
+        self._ext_cache[key] = arrays
+        return arrays
 
-    def _read(self, items: list[ReadItem], planner: LoadPlanner) -> None:
+    def _chunk_sizes(self, fqn: str, chunk: Any) -> tuple[list[int], torch.dtype]:
+        md = self.state_dict_metadata.get(fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            raise fmt.CheckpointFormatError(f"{self.path}: {fqn} is not a tensor in the checkpoint")
+        for c in md.chunks:
+            if chunk is None or list(c.offsets) == list(chunk):
+                return [int(s) for s in c.sizes], md.properties.dtype
+        raise fmt.CheckpointFormatError(f"{self.path}: {fqn}: the checkpoint has no chunk at {list(chunk)}")
+
+    # ----------------------------------------------------------- the load
+
+    def _read(self, items: list[ReadItem], planner: LoadPlanner, share: _SharePlan | None) -> None:
         session = self._engine()
         directory = self._directory()
         assert self.layout is not None
-        paths = [os.path.join(directory, name) for name, _ in self.layout.files]
-        stats = {"engine": session.kind, "bytes": 0, "bytes_read": 0, "requests": 0, "items": len(items)}
+        t0 = time.perf_counter()
+        run = _Run(self, session, [os.path.join(directory, name) for name, _ in self.layout.files])
+        try:
+            if share is not None:
+                items = _share_reads(self, run, items, planner, share)
+            jobs: list[_Job] = []
+            for req in items:
+                jobs.extend(self._plan_item(req, planner, run))
+            run.stats["plan_seconds"] = time.perf_counter() - t0
+            run.execute(jobs)
+        finally:
+            run.close()
+        self.last_stats.update(run.stats)
 
-        batch: _ReadBatch = _ReadBatch()
-        for req in items:
-            if req.type == LoadItemType.BYTE_IO:
-                exts = self.layout.extents.get(MetadataIndex(req.storage_index.fqn, req.storage_index.offset)) or []
-                nbytes = sum(e.length for e in exts)
-                self._extents(req.storage_index, nbytes)
-                target = np.empty(nbytes, dtype=np.uint8)
-                batch.add(req, target, None, None, *map_runs_to_extents(np.zeros(1, np.int64), nbytes, exts))
+    def _plan_item(self, req: ReadItem, planner: LoadPlanner, run: "_Run") -> list["_Job"]:
+        fqn, chunk = req.storage_index.fqn, req.storage_index.offset
+        if req.type == LoadItemType.BYTE_IO:
+            assert self.layout is not None
+            exts = self.layout.extents.get(MetadataIndex(fqn, chunk)) or []
+            nbytes = sum(e.length for e in exts)
+            arrays = self._extents(fqn, chunk, nbytes)
+            buf = np.empty(nbytes, dtype=np.uint8)
+            done = lambda: planner.load_bytes(req, io.BytesIO(buf.tobytes()))  # noqa: E731
+            if nbytes == 0:
+                return [_Job.empty(done=done)]
+            rng, within, files, offs, lens = map_ranges(np.zeros(1, np.int64), np.array([nbytes]), *arrays)
+            return [_Job(files, offs, lens, within, buf=buf, needed=nbytes, done=done)]
+        sizes, dtype = self._chunk_sizes(fqn, chunk)
+        dest = planner.resolve_tensor(req).detach()
+        if list(dest.shape) != [int(n) for n in req.lengths]:
+            raise ValueError(
+                f"{req.dest_index.fqn}: the planner's target has shape {list(dest.shape)}, "
+                f"the read needs {list(req.lengths)}"
+            )
+        self._check_dtype(req, dtype, dest.dtype)
+        commit = lambda: planner.commit_tensor(req, dest)  # noqa: E731
+        return self._plan_box(fqn, chunk, sizes, dtype, list(req.storage_offsets), list(req.lengths), dest, run, commit)
+
+    def _check_dtype(self, req: ReadItem, stored: torch.dtype, target: torch.dtype) -> None:
+        if target != stored and self.options.strict_dtype:
+            raise TypeError(
+                f"{req.dest_index.fqn}: the checkpoint stores {req.storage_index.fqn} as {stored}, the "
+                f"target tensor is {target}; FastPersistOptions.strict_dtype=True refuses to cast. Load "
+                f"into a {stored} tensor, or set strict_dtype=False to cast as the stock reader does"
+            )
+
+    def _plan_box(self, fqn, chunk, sizes, dtype, offsets, lengths, dest, run, commit) -> list["_Job"]:
+        """Jobs that read box ``offsets+lengths`` of a stored chunk into ``dest``."""
+        esize = _element_size(dtype)
+        arrays = self._extents(fqn, chunk, math.prod(sizes) * esize)
+        needed = math.prod(lengths) * esize
+        if needed == 0:
+            return [_Job.empty(done=commit)]
+        in_place = (
+            dest.device.type == "cpu"
+            and dest.dtype == dtype
+            and not dest.is_conj()
+            and not dest.is_neg()
+            and strides_non_overlapping(dest.shape, dest.stride())
+        )
+        a = run.alignment
+        if in_place:
+            grid = box_grid(sizes, offsets, lengths, esize, dest.stride())
+            buf = _storage_bytes(dest)
+            level = self._merge_level(grid, a)
+            if level is None:
+                jobs = _direct_jobs(grid, arrays, buf, needed)
+            else:
+                jobs = _unit_jobs(grid, level, arrays, run, needed, _numpy_copier(buf, grid, level))
+            jobs[-1].add_done(commit)
+            return jobs
+        # another dtype or device, or a target that overlaps itself: through a
+        # temporary, bounded by the budget, and copy_ (which casts).
+        jobs = []
+        dgrid = box_grid(sizes, offsets, lengths, esize, dest.stride())
+        level = self._merge_level(dgrid, a) if strides_non_overlapping(dest.shape, dest.stride()) else None
+        if level is not None:
+            jobs = _unit_jobs(dgrid, level, arrays, run, needed, _torch_copier(dest, dtype, dgrid, level, run))
+        else:
+            for sub_off, sub_len in split_box(lengths, esize, run.cap):
+                sub_needed = math.prod(sub_len) * esize
+                grid = box_grid(sizes, [o + s for o, s in zip(offsets, sub_off)], sub_len, esize)
+                target = dest[tuple(slice(s, s + n) for s, n in zip(sub_off, sub_len))]
+                jobs.extend(_packed_temp_jobs(grid, arrays, sub_needed, target, dtype, run))
+        jobs[-1].add_done(commit)
+        return jobs
+
+    @staticmethod
+    def _merge_level(grid: Grid, alignment: int) -> int | None:
+        """The level at which sub-grids are read through a temporary, or None
+        (runs straight into the target)."""
+        g = len(grid.counts)
+        if g == 0 or grid.run >= _MERGE_RUN_MAX_BYTES:
+            return None
+        level = free_merge_level(grid, alignment)
+        if level == g or math.prod(grid.counts[level:]) < _MERGE_MIN_RUNS:
+            return None
+        return level
+
+    # ----------------------------------------------------------- sharing
+
+    def _plan_sharing(self, plans: list[LoadPlan]) -> _SharePlan | None:
+        """On the coordinator: boxes that several ranks need, each assigned to
+        one owner (the least loaded), cut to the buffer budget, in rounds."""
+        needers: dict[tuple, list[int]] = {}
+        for rank, plan in enumerate(plans):
+            for req in plan.items:
+                if req.type != LoadItemType.TENSOR:
+                    continue
+                idx = req.storage_index
+                key = (idx.fqn, None if idx.offset is None else tuple(idx.offset),
+                       tuple(req.storage_offsets), tuple(req.lengths))
+                ranks = needers.setdefault(key, [])
+                if not ranks or ranks[-1] != rank:
+                    ranks.append(rank)
+        cap = max(1 << 20, self.options.read_buffer_budget_bytes // 4)
+        load = [0] * len(plans)
+        units: list[_SharedUnit] = []
+        shared = sorted((k for k, r in needers.items() if len(r) > 1), key=lambda k: (k[0], k[1] or (), k[2]))
+        for fqn, chunk, offsets, lengths in shared:
+            ranks = tuple(needers[(fqn, chunk, offsets, lengths)])
+            md = self.state_dict_metadata.get(fqn)
+            if not isinstance(md, TensorStorageMetadata):
                 continue
-            sizes, dtype = self._chunk_sizes(req)
-            esize = torch.empty((), dtype=dtype).element_size()
-            exts = self._extents(req.storage_index, int(np.prod(sizes, dtype=np.int64)) * esize)
-            starts, run_len = box_runs(sizes, list(req.storage_offsets), list(req.lengths), esize)
-            dest = planner.resolve_tensor(req).detach()
-            if list(dest.shape) != list(req.lengths):
-                raise ValueError(
-                    f"{req.dest_index.fqn}: the planner's target has shape {list(dest.shape)}, "
-                    f"the read needs {list(req.lengths)}"
-                )
-            in_place = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype
-            target = dest if in_place else torch.empty(list(req.lengths), dtype=dtype)
-            batch.add(req, tensor_bytes(target, req.dest_index.fqn), dest, None if in_place else target,
-                      *map_runs_to_extents(starts, run_len, exts))
-            if batch.temp_bytes >= _TEMP_BUDGET_BYTES:
-                batch.flush(session, paths, planner, stats)
-                batch = _ReadBatch()
-        batch.flush(session, paths, planner, stats)
-        self.last_stats = stats
+            esize = _element_size(md.properties.dtype)
+            for sub_off, sub_len in split_box(lengths, esize, cap):
+                nbytes = math.prod(sub_len) * esize
+                owner = min(ranks, key=lambda r: (load[r], r))
+                load[owner] += nbytes
+                units.append(_SharedUnit(fqn, chunk, (offsets, lengths),
+                                         tuple(o + s for o, s in zip(offsets, sub_off)),
+                                         tuple(sub_len), nbytes, owner, ranks))
+        if not units:
+            return None
+        rounds, start, size = [], 0, 0
+        for i, u in enumerate(units):
+            if i > start and size + u.nbytes > self.options.read_buffer_budget_bytes:
+                rounds.append((start, i))
+                start, size = i, 0
+            size += u.nbytes
+        rounds.append((start, len(units)))
+        return _SharePlan(secrets.token_hex(8), units, rounds)
+
+    def _agreed_share_plan(self, plan: LoadPlan) -> _SharePlan | None:
+        """The sharing plan if every rank of the group received the same one
+        (one all_gather; a planner that dropped ``storage_data`` on some rank
+        turns sharing off everywhere instead of hanging the others)."""
+        if not self.options.share_replicated_reads or not self._use_collectives:
+            return None
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if dist.get_world_size(self.process_group) < 2:
+            return None
+        share = plan.storage_data if isinstance(plan.storage_data, _SharePlan) else None
+        ids: list[Any] = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(ids, None if share is None else share.plan_id, group=self.process_group)
+        if share is None or any(i != share.plan_id for i in ids):
+            return None
+        return share
+
+
+# --------------------------------------------------------------------------
+# jobs: pieces of one engine call, and what to do once they are read
+
+
+class _Job:
+    """Pieces (file, file offset, length, position) read into ``buf`` (the
+    target's bytes) or, when ``temp`` > 0, into ``temp`` bytes of the arena;
+    then ``post(arena_offset)`` and the ``done`` callbacks."""
+
+    __slots__ = ("files", "offs", "lens", "pos", "buf", "temp", "post", "needed", "done", "temp_off", "units")
+
+    def __init__(self, files, offs, lens, pos, *, buf=None, temp=0, post=None, needed=0, done=None, units=0):
+        self.files, self.offs, self.lens, self.pos = files, offs, lens, pos
+        self.buf, self.temp, self.post, self.needed = buf, temp, post, needed
+        self.units = units  # ranges read whole into the arena
+        self.done = [] if done is None else [done]
+        self.temp_off = 0
+
+    @classmethod
+    def empty(cls, done=None) -> "_Job":
+        z = np.zeros(0, dtype=np.int64)
+        return cls(z, z, z, z, done=done)
+
+    def add_done(self, fn: Callable[[], None]) -> None:
+        self.done.append(fn)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _storage_bytes(t: torch.Tensor) -> np.ndarray:
+    """A writable uint8 numpy view of the memory from ``t``'s first element to
+    its last (``t`` on the CPU, non-negative strides)."""
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    flat = t.as_strided((span,), (1,), t.storage_offset())
+    return flat.view(torch.uint8).numpy()
+
+
+def _direct_jobs(grid: Grid, arrays, buf: np.ndarray, needed: int) -> list[_Job]:
+    """Every run straight into the target's bytes (cut at extents and at
+    ``_MAX_PIECE_BYTES``), one job per ``_MAX_BATCH_PIECES`` runs."""
+    src, dst, _ = unit_starts(grid, len(grid.counts))
+    src, dst, lens = split_runs(src, dst, grid.run, _MAX_PIECE_BYTES)
+    jobs = []
+    step = _MAX_BATCH_PIECES // 2
+    for a in range(0, len(src), step):
+        s, d, n = src[a : a + step], dst[a : a + step], lens[a : a + step]
+        rng, within, files, offs, plen = map_ranges(s, n, *arrays)
+        jobs.append(_Job(files, offs, plen, d[rng] + within, buf=buf, needed=int(n.sum())))
+    return jobs
+
+
+def _unit_spans(grid: Grid, level: int, cnt: np.ndarray) -> np.ndarray:
+    if level == len(grid.counts):
+        return np.full(len(cnt), grid.run, dtype=np.int64)
+    inner = level_span(grid, level + 1)
+    return (cnt - 1) * grid.src_strides[level] + inner
+
+
+def _slab_level(grid: Grid, level: int, cap: int) -> tuple[int, int | None]:
+    """A level at or inside ``level`` whose sub-grids can be cut along their
+    outer dimension into slabs of at most ``cap`` bytes; the slab length."""
+    g = len(grid.counts)
+    while level < g:
+        inner = level_span(grid, level + 1)
+        if inner <= cap:
+            stride = grid.src_strides[level]
+            return level, max(1, (cap - inner) // stride + 1)
+        level += 1
+    return g, None
+
+
+def _unit_jobs(grid: Grid, level: int, arrays, run: "_Run", needed: int, copier) -> list[_Job]:
+    """Sub-grids over dimensions ``level..`` read as whole ranges into the
+    arena (aligned, so large ones are read without a bounce copy), then moved
+    by ``copier(arena_offset, unit_offsets, dst_starts, counts)``."""
+    a = run.alignment
+    level, slab = _slab_level(grid, level, run.cap)
+    src, dst, cnt = unit_starts(grid, level, slab)
+    spans = _unit_spans(grid, level, cnt)
+    runs_per_index = math.prod(grid.counts[level + 1 :]) if level < len(grid.counts) else 1
+    rng, within, files, offs, lens = map_ranges(src, spans, *arrays)
+    # a unit that is one piece of one file is widened to aligned bounds
+    # (clamped to the file's end) so the engine can read it in place
+    one = np.bincount(rng, minlength=len(src)) == 1
+    head = np.zeros(len(src), dtype=np.int64)
+    wide = np.array(spans, dtype=np.int64)
+    single = one[rng]
+    p_head = np.where(single, offs % a, 0)
+    p_end = np.where(single, np.minimum(-(-(offs + lens) // a) * a, run.file_sizes[files]), offs + lens)
+    head[rng[single]] = p_head[single]
+    wide[rng[single]] = (p_end - (offs - p_head))[single]
+    sizes = -(-wide // a) * a
+    unit_off = np.cumsum(sizes) - sizes
+    jobs = []
+    start = 0
+    n = len(src)
+    piece_start = np.searchsorted(rng, np.arange(n + 1), side="left")
+    while start < n:
+        # as many units as fit in one cap of arena
+        end = int(np.searchsorted(unit_off + sizes, unit_off[start] + run.cap, side="right"))
+        end = max(end, start + 1)
+        p0, p1 = piece_start[start], piece_start[end]
+        base = int(unit_off[start])
+        r = rng[p0:p1]
+        pos = unit_off[r] - base + np.where(single[p0:p1], 0, head[r] + within[p0:p1])
+        j_offs = offs[p0:p1] - p_head[p0:p1]
+        j_lens = p_end[p0:p1] - j_offs
+        u_off = unit_off[start:end] - base + head[start:end]
+        d, c = dst[start:end], cnt[start:end]
+        job_needed = int(c.sum()) * runs_per_index * grid.run
+        post = (lambda arena, arena_off, u_off=u_off, d=d, c=c: copier(arena, arena_off, u_off, d, c))
+        jobs.append(_Job(files[p0:p1], j_offs, j_lens, pos, temp=int(unit_off[end - 1] + sizes[end - 1]) - base,
+                         post=post, needed=job_needed, units=end - start))
+        start = end
+    return jobs
+
+
+def _unit_shape(grid: Grid, level: int, count: int, esize: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Shape and source / destination strides (units of ``esize`` bytes) of a
+    sub-grid over ``level..`` with ``count`` indices of its outer dimension."""
+    g = len(grid.counts)
+    shape = tuple([count] + list(grid.counts[level + 1 :])) if level < g else ()
+    ss = tuple(s // esize for s in grid.src_strides[level:]) if level < g else ()
+    ds = tuple(s // esize for s in grid.dst_strides[level:]) if level < g else ()
+    return shape + (grid.run // esize,), ss + (1,), ds + (1,)
+
+
+def _numpy_copier(buf: np.ndarray, grid: Grid, level: int):
+    """Strided byte copies from the arena into the target's bytes."""
+
+    def copy(arena: np.ndarray, arena_off: int, u_off, dst, cnt) -> None:
+        for o, d, c in zip(u_off.tolist(), dst.tolist(), cnt.tolist()):
+            shape, ss, ds = _unit_shape(grid, level, c, 1)
+            src = np.ndarray(shape, np.uint8, arena, arena_off + o, ss)
+            np.copyto(np.ndarray(shape, np.uint8, buf, d, ds), src)
+
+    return copy
+
+
+def _torch_copier(dest: torch.Tensor, dtype: torch.dtype, grid: Grid, level: int, run: "_Run"):
+    """Strided copies from the arena (stored dtype) into ``dest`` (any dtype or
+    device): ``copy_`` casts as the stock reader does."""
+    esize = _element_size(dtype)
+
+    def copy(arena: np.ndarray, arena_off: int, u_off, dst, cnt) -> None:
+        typed = run.arena_typed(dtype)
+        for o, d, c in zip(u_off.tolist(), dst.tolist(), cnt.tolist()):
+            shape, ss, ds = _unit_shape(grid, level, c, esize)
+            src = typed.as_strided(shape, ss, (arena_off + o) // esize)
+            dest.as_strided(shape, ds, dest.storage_offset() + d // esize).copy_(src)
+
+    return copy
+
+
+def _packed_temp_jobs(grid: Grid, arrays, needed: int, target: torch.Tensor, dtype: torch.dtype, run: "_Run") -> list[_Job]:
+    """Runs into a packed temporary of the stored dtype, then ``target.copy_``."""
+    src, dst, _ = unit_starts(grid, len(grid.counts))
+    rng, within, files, offs, lens = map_ranges(src, np.full(len(src), grid.run, dtype=np.int64), *arrays)
+    esize = _element_size(dtype)
+    shape = tuple(target.shape)
+
+    def post(arena: np.ndarray, arena_off: int) -> None:
+        t = run.arena_typed(dtype).narrow(0, arena_off // esize, needed // esize).view(shape)
+        target.copy_(t)
+
+    a = run.alignment
+    return [_Job(files, offs, lens, dst[rng] + within, temp=-(-needed // a) * a, post=post, needed=needed, units=1)]
+
+
+# --------------------------------------------------------------------------
+# execution
+
+
+class _Run:
+    """The state of one load on one rank: open files, the arena, the stats."""
+
+    def __init__(self, reader: FastPersistReader, session: IOSession, paths: list[str]) -> None:
+        self.reader = reader
+        self.session = session
+        self.paths = paths
+        self.alignment = session.alignment
+        opts = reader.options
+        self.budget = opts.read_buffer_budget_bytes
+        self.cap = max(self.alignment, self.budget // 4)
+        assert reader.layout is not None
+        self.file_sizes = np.array([size for _, size in reader.layout.files] or [0], dtype=np.int64)
+        self.fds: dict[int, int] = {}
+        self.arena: Any = None
+        self.arena_np: np.ndarray | None = None
+        self.arena_t: torch.Tensor | None = None
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self.scratch = np.empty(max(2 * self.alignment, opts.coalesce_gap_bytes), dtype=np.uint8)
+        self.stats: dict[str, Any] = {
+            "engine": session.kind,
+            "bytes": 0,
+            "bytes_read": 0,
+            "requests": 0,
+            "pieces": 0,
+            "fillers": 0,
+            "filler_bytes_paid": 0,
+            "engine_calls": 0,
+            "temp_bytes": 0,
+            "temp_units": 0,
+            "read_seconds": 0.0,
+            "copy_seconds": 0.0,
+        }
+        self.total = 0
+        self.done_bytes = 0
+        self.paid_left = 0
 
     def close(self) -> None:
-        if self._session is not None:
-            self._session.close()
-            self._session = None
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+        self._typed = {}
+        self.arena_t = None
+        self.arena_np = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
 
-    def __enter__(self) -> "FastPersistReader":
-        return self
+    def arena_typed(self, dtype: torch.dtype) -> torch.Tensor:
+        t = self._typed.get(dtype)
+        if t is None:
+            assert self.arena_t is not None
+            t = self._typed[dtype] = self.arena_t.view(dtype)
+        return t
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class _ReadBatch:
-    """Pieces of several read items, read by one engine call."""
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[ReadItem, np.ndarray, torch.Tensor | None, torch.Tensor | None]] = []
-        self.files: list[np.ndarray] = []
-        self.offsets: list[np.ndarray] = []
-        self.dests: list[memoryview] = []
-        self.temp_bytes = 0
-
-    def add(self, req, buf, dest, temp, files, offsets, lengths, positions) -> None:
-        self.entries.append((req, buf, dest, temp))
-        if temp is not None:
-            self.temp_bytes += len(buf)
-        view = memoryview(buf)
-        self.files.append(files)
-        self.offsets.append(offsets)
-        self.dests.extend(view[p : p + n] for p, n in zip(positions.tolist(), lengths.tolist()))
-
-    def flush(self, session: IOSession, paths, planner: LoadPlanner, stats: dict[str, Any]) -> None:
-        if not self.entries:
+    def _ensure_arena(self, size: int) -> None:
+        if self.arena is not None and self.arena.size >= size:
             return
-        files = np.concatenate(self.files) if self.files else np.zeros(0, np.int64)
-        offsets = np.concatenate(self.offsets) if self.offsets else np.zeros(0, np.int64)
-        order = np.lexsort((offsets, files))
-        dests = [self.dests[i] for i in order.tolist()]
-        used, local = np.unique(files, return_inverse=True)  # open only the files this batch reads
-        s = session.read([paths[i] for i in used.tolist()], local[order].astype(np.int64), offsets[order], dests)
-        for key in ("bytes", "bytes_read", "requests"):
-            stats[key] += s.get(key, 0)
-        dests.clear()
-        self.dests.clear()
-        for req, buf, dest, temp in self.entries:
-            if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(buf.tobytes()))
-                continue
-            if temp is not None:
-                dest.copy_(temp)
-            planner.commit_tensor(req, dest)
-        self.entries.clear()
+        self._typed = {}
+        self.arena_t = None
+        self.arena_np = None
+        if self.arena is not None:
+            self.arena.close()
+        size = -(-size // (1 << 20)) * (1 << 20)  # whole MiB: every dtype views it
+        self.arena = _aio.AlignedBuffer(size, max(self.alignment, 4096), lock=False)
+        self.arena_np = np.frombuffer(self.arena, dtype=np.uint8)
+        self.arena_t = torch.frombuffer(self.arena, dtype=torch.uint8)
+        self.stats["temp_bytes"] = size
+
+    def _fd(self, file: int) -> int:
+        fd = self.fds.get(file)
+        if fd is None:
+            fd = self.fds[file] = self.session.engine.open(self.paths[file], "r", self.session.direct or False)
+        return fd
+
+    def execute(self, jobs: list[_Job]) -> None:
+        needed = sum(j.needed for j in jobs)
+        self.total += needed
+        self.stats["bytes"] += needed
+        self.paid_left += needed * self.reader.options.max_overread_percent // 100
+        temp_total = sum(j.temp for j in jobs)
+        if temp_total:
+            self._ensure_arena(min(self.budget, temp_total))
+        max_bytes = _PROGRESS_BATCH_BYTES if self.reader.progress else _MAX_BATCH_BYTES
+        batch: list[_Job] = []
+        used = pieces = nbytes = 0
+        for job in jobs:
+            if batch and (used + job.temp > self.budget or pieces + len(job.offs) > _MAX_BATCH_PIECES
+                          or nbytes + job.needed > max_bytes):
+                self._flush(batch)
+                batch, used, pieces, nbytes = [], 0, 0, 0
+            job.temp_off = used
+            used += job.temp
+            pieces += len(job.offs)
+            nbytes += job.needed
+            batch.append(job)
+        self._flush(batch)
+
+    def _flush(self, batch: list[_Job]) -> None:
+        if not batch:
+            return
+        files = np.concatenate([j.files for j in batch])
+        offs = np.concatenate([j.offs for j in batch])
+        lens = np.concatenate([j.lens for j in batch])
+        if len(offs):
+            keep = lens > 0
+            views: list[memoryview] = []
+            arena_mv = memoryview(self.arena) if self.arena is not None else None
+            for j in batch:
+                if j.temp:
+                    base = arena_mv[j.temp_off : j.temp_off + j.temp]
+                else:
+                    base = memoryview(j.buf)
+                views.extend(base[p : p + n] for p, n in zip(j.pos.tolist(), j.lens.tolist()))
+            if not keep.all():
+                idx = np.flatnonzero(keep)
+                files, offs, lens = files[idx], offs[idx], lens[idx]
+                views = [views[i] for i in idx.tolist()]
+            order = np.lexsort((offs, files))
+            files, offs, lens = files[order], offs[order], lens[order]
+            views = [views[i] for i in order.tolist()]
+            ffiles, foffs, flens, paid = plan_fillers(
+                files, offs, lens, self.alignment, self.paid_left, self.reader.options.coalesce_gap_bytes
+            )
+            self.paid_left -= paid
+            self.stats["filler_bytes_paid"] += paid
+            self.stats["fillers"] += len(foffs)
+            self.stats["pieces"] += len(offs)
+            if len(foffs):
+                scratch = memoryview(self.scratch)
+                views.extend(scratch[:n] for n in flens.tolist())
+                files = np.concatenate([files, ffiles])
+                offs = np.concatenate([offs, foffs])
+                lens = np.concatenate([lens, flens])
+                order = np.lexsort((offs, files))
+                files, offs = files[order], offs[order]
+                views = [views[i] for i in order.tolist()]
+            used, local = np.unique(files, return_inverse=True)
+            fds = [self._fd(int(f)) for f in used.tolist()]
+            t0 = time.perf_counter()
+            s = self.session.engine.read(
+                fds, [self.paths[int(f)] for f in used.tolist()], local.astype(np.int64), offs, views, coalesce_gap=0
+            )
+            self.stats["read_seconds"] += time.perf_counter() - t0
+            self.stats["bytes_read"] += s.get("bytes_read", 0)
+            self.stats["requests"] += s.get("requests", 0)
+            self.stats["engine_calls"] += 1
+            del views
+        t0 = time.perf_counter()
+        for j in batch:
+            self.stats["temp_units"] += j.units
+            if j.post is not None:
+                j.post(self.arena_np, j.temp_off)
+            for fn in j.done:
+                fn()
+            self.done_bytes += j.needed
+        self.stats["copy_seconds"] += time.perf_counter() - t0
+        if self.reader.progress is not None:
+            self.reader.progress(self.done_bytes, self.total)
+
+
+# --------------------------------------------------------------------------
+# replicated reads shared over the process group
+
+
+def _read_key(req: ReadItem) -> tuple:
+    idx = req.storage_index
+    return (idx.fqn, None if idx.offset is None else tuple(idx.offset),
+            tuple(req.storage_offsets), tuple(req.lengths))
+
+
+def _share_reads(reader: FastPersistReader, run: _Run, items: list[ReadItem], planner: LoadPlanner,
+                 share: _SharePlan) -> list[ReadItem]:
+    """Read the shared boxes this rank owns, exchange every shared box with
+    the ranks that need it, and return the items still to read from disk.
+
+    Every rank runs the same collectives in the same order: per round one
+    ``all_gather_object`` of errors (so a failed read raises on every rank
+    instead of leaving the others waiting), then the point-to-point sends and
+    receives of that round's boxes.
+    """
+    import torch.distributed as dist
+
+    group = reader.process_group
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    by_key: dict[tuple, list[ReadItem]] = {}
+    for req in items:
+        if req.type == LoadItemType.TENSOR:
+            by_key.setdefault(_read_key(req), []).append(req)
+    covered: set[int] = set()
+    sent = received = 0
+    for r0, r1 in share.rounds:
+        error: str | None = None
+        posts: list[Callable[[], None]] = []
+        transfers: list[tuple[int, _SharedUnit, torch.Tensor]] = []
+        try:
+            jobs: list[_Job] = []
+            for ui in range(r0, r1):
+                u = share.units[ui]
+                reqs = by_key.get(u.key, [])
+                if rank not in u.ranks or not reqs:
+                    continue
+                chunk = None if u.chunk is None else list(u.chunk)
+                sizes, dtype = reader._chunk_sizes(u.fqn, chunk)
+                buf, finish = _shared_buffer(reader, reqs, u, dtype, planner)
+                covered.update(id(r) for r in reqs)
+                if u.owner == rank:
+                    jobs.extend(reader._plan_box(u.fqn, chunk, sizes, dtype, list(u.offsets), list(u.lengths),
+                                                 buf, run, lambda: None))
+                transfers.append((ui, u, buf))
+                posts.append(finish)
+            run.execute(jobs)
+        except BaseException as e:  # noqa: BLE001 - reported to every rank below
+            error = f"{type(e).__name__}: {e}"
+        errors: list[Any] = [None] * world
+        dist.all_gather_object(errors, error, group=group)
+        failed = {r: e for r, e in enumerate(errors) if e is not None}
+        if failed:
+            first = min(failed)
+            raise RuntimeError(
+                f"shared read failed on rank {first}: {failed[first]}"
+                + ("" if first == rank else " (this rank stopped because of it)")
+            )
+        works = []
+        for ui, u, buf in transfers:
+            tag = ui % (1 << 30)
+            if u.owner == rank:
+                for r in u.ranks:
+                    if r != rank:
+                        works.append(dist.isend(buf, group=group, group_dst=r, tag=tag))
+                        sent += u.nbytes
+            else:
+                works.append(dist.irecv(buf, group=group, group_src=u.owner, tag=tag))
+                received += u.nbytes
+        for w in works:
+            w.wait()
+        for fn in posts:
+            fn()
+    run.stats["shared_bytes_sent"] = sent
+    run.stats["shared_bytes_received"] = received
+    return [r for r in items if id(r) not in covered]
+
+
+def _shared_buffer(reader: FastPersistReader, reqs: list[ReadItem], u: _SharedUnit, dtype: torch.dtype,
+                   planner: LoadPlanner) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A contiguous CPU tensor of the stored dtype holding part ``u``: a
+    target itself when one is such a tensor, else a fresh one; and what to do
+    once it is filled (copy into the other targets, which casts; commit each
+    target once its last part has arrived)."""
+    direct = None
+    targets = []
+    last = all(s + n == o + m for s, n, o, m in zip(u.offsets, u.lengths, *u.box))
+    for req in reqs:
+        dest = planner.resolve_tensor(req).detach()
+        if list(dest.shape) != list(u.box[1]):
+            raise ValueError(
+                f"{req.dest_index.fqn}: the planner's target has shape {list(dest.shape)}, "
+                f"the read needs {list(u.box[1])}"
+            )
+        reader._check_dtype(req, dtype, dest.dtype)
+        rel = [s - o for s, o in zip(u.offsets, u.box[0])]
+        view = dest[tuple(slice(r, r + n) for r, n in zip(rel, u.lengths))]
+        if (direct is None and view.device.type == "cpu" and view.dtype == dtype and view.is_contiguous()
+                and not view.is_conj() and not view.is_neg()):
+            direct = view
+        targets.append((req, dest, view))
+    buf = direct if direct is not None else torch.empty(list(u.lengths), dtype=dtype)
+
+    def finish() -> None:
+        for req, dest, view in targets:
+            if view is not buf:
+                view.copy_(buf)
+            if last:
+                planner.commit_tensor(req, dest)
+
+    return buf, finish

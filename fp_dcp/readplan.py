@@ -1,0 +1,330 @@
+"""Pure planning of a load's reads: which byte ranges of which files to read,
+into which memory, and where the planner (not the engine) allows over-read.
+
+Nothing here touches a disk, a tensor or a process group: every function
+takes and returns plain numbers and numpy arrays, so it can be tested with
+hypothesis.  The reader (:mod:`fp_dcp.reader`) turns the result into engine
+calls and copies.
+
+The model.  A ``ReadItem`` needs a box of a stored row-major chunk and lands it
+in a box of a target tensor.  :func:`box_grid` describes that as a *grid* of
+equal *runs*: byte ranges contiguous both in the stored chunk and in the
+target, laid out along a few outer dimensions with a source and a destination
+stride each (dimensions that are contiguous on both sides are merged, so a
+dim-0 slice is one run and a last-dim slice of a matrix is one run per row).
+
+A run is read straight into the target when it is large, or when the gaps
+between runs hold whole alignment blocks (reading them would cost disk
+bytes).  When the gaps are smaller than one alignment block, the blocks under
+a gap are read anyway, so :func:`free_merge_level` lets whole sub-grids be read
+as one range into a bounded temporary and copied out with one strided copy —
+one request and one Python object per sub-grid instead of one per run.
+
+Across items, :func:`plan_fillers` decides which gaps between the pieces of
+one engine call are read through (a *filler* piece into scratch memory): the
+free ones (no whole block in the gap, so the blocks are read anyway and the
+engine must not read them twice), then the cheapest paid ones while the
+over-read stays within a budget.  The engine is called with
+``coalesce_gap=0``, so it merges exactly the pieces the planner made
+contiguous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+__all__ = [
+    "Grid",
+    "box_grid",
+    "free_merge_level",
+    "level_span",
+    "unit_starts",
+    "split_runs",
+    "map_ranges",
+    "plan_fillers",
+    "split_box",
+    "strides_non_overlapping",
+]
+
+_I64 = np.int64
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """Runs of ``run`` bytes at ``src_base + sum(i_d * src_strides[d])`` of the
+    source and ``dst_base + sum(i_d * dst_strides[d])`` of the destination, for
+    every index ``i`` of the outer dimensions ``counts`` (outermost first; each
+    count > 1).  ``run == 0`` means the box is empty."""
+
+    counts: tuple[int, ...]
+    src_strides: tuple[int, ...]
+    dst_strides: tuple[int, ...]
+    run: int
+    src_base: int = 0
+    dst_base: int = 0
+
+    @property
+    def n_runs(self) -> int:
+        return math.prod(self.counts) if self.run else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_runs * self.run
+
+
+def row_major_strides(sizes: Sequence[int], element_size: int) -> list[int]:
+    strides = [element_size] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * max(int(sizes[d + 1]), 1)
+    return strides
+
+
+def box_grid(
+    chunk_sizes: Sequence[int],
+    box_offsets: Sequence[int],
+    box_lengths: Sequence[int],
+    element_size: int,
+    dst_strides: Sequence[int] | None = None,
+) -> Grid:
+    """The run grid of the box ``box_offsets + box_lengths`` of a row-major
+    chunk of shape ``chunk_sizes``, landing in a destination whose strides (in
+    elements) are ``dst_strides`` (``None``: a packed, row-major box).
+
+    Source offsets are bytes of the chunk's image; destination offsets are
+    ``element_size``-scaled element offsets from the destination's first
+    element (bytes when the destination has the stored dtype).
+    """
+    ndim = len(chunk_sizes)
+    if len(box_offsets) != ndim or len(box_lengths) != ndim:
+        raise ValueError("box and chunk ranks differ")
+    for o, n, s in zip(box_offsets, box_lengths, chunk_sizes):
+        if o < 0 or n < 0 or o + n > s:
+            raise ValueError(f"box {list(box_offsets)}+{list(box_lengths)} outside chunk {list(chunk_sizes)}")
+    src = row_major_strides(chunk_sizes, element_size)
+    if dst_strides is None:
+        dst = row_major_strides(box_lengths, element_size)
+    else:
+        if len(dst_strides) != ndim:
+            raise ValueError("destination strides and box ranks differ")
+        dst = [int(s) * element_size for s in dst_strides]
+    base = sum(int(o) * s for o, s in zip(box_offsets, src))
+    if any(int(n) == 0 for n in box_lengths):
+        return Grid((), (), (), 0, base, 0)
+    dims = [(int(n), s, d) for n, s, d in zip(box_lengths, src, dst) if int(n) != 1]
+    run = element_size
+    while dims and dims[-1][1] == run and dims[-1][2] == run:
+        run *= dims.pop()[0]
+    merged: list[tuple[int, int, int]] = []
+    for n, s, d in dims:
+        if merged and merged[-1][1] == n * s and merged[-1][2] == n * d:
+            merged[-1] = (merged[-1][0] * n, s, d)
+        else:
+            merged.append((n, s, d))
+    return Grid(
+        tuple(m[0] for m in merged), tuple(m[1] for m in merged), tuple(m[2] for m in merged), run, base, 0
+    )
+
+
+def level_span(grid: Grid, level: int) -> int:
+    """Bytes of the source spanned by one sub-grid over dimensions
+    ``level..`` (``level == len(counts)``: one run)."""
+    span = grid.run
+    for d in range(len(grid.counts) - 1, level - 1, -1):
+        span += (grid.counts[d] - 1) * grid.src_strides[d]
+    return span
+
+
+def free_merge_level(grid: Grid, alignment: int) -> int:
+    """The outermost level ``m`` such that every gap inside a sub-grid over
+    dimensions ``m..`` is shorter than one alignment block (reading through
+    such a gap reads no block that the runs around it do not already touch).
+    ``len(counts)`` when even neighbouring runs are a block or more apart.
+    Needs source strides that decrease outwards-in (a row-major source)."""
+    level = len(grid.counts)
+    span = grid.run
+    for d in range(len(grid.counts) - 1, -1, -1):
+        gap = grid.src_strides[d] - span
+        if gap < 0 or gap >= alignment:
+            break
+        level = d
+        span += (grid.counts[d] - 1) * grid.src_strides[d]
+    return level
+
+
+def _outer_offsets(counts: Sequence[int], strides: Sequence[int], base: int) -> np.ndarray:
+    out = np.full(1, base, dtype=_I64)
+    for n, s in zip(counts, strides):
+        out = (out[:, None] + np.arange(n, dtype=_I64)[None, :] * s).reshape(-1)
+    return out
+
+
+def unit_starts(grid: Grid, level: int, slab: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sub-grids over dimensions ``level..``, in row-major order: their source
+    starts, destination starts, and the number of indices of dimension
+    ``level`` each covers.  With ``slab``, dimension ``level`` is cut into
+    pieces of at most ``slab`` indices (bounding each sub-grid's span); for
+    ``level == len(counts)`` the third array is all ones."""
+    g = len(grid.counts)
+    src = _outer_offsets(grid.counts[:level], grid.src_strides[:level], grid.src_base)
+    dst = _outer_offsets(grid.counts[:level], grid.dst_strides[:level], grid.dst_base)
+    if level == g:
+        return src, dst, np.ones(len(src), dtype=_I64)
+    n = grid.counts[level]
+    step = n if slab is None else max(1, min(int(slab), n))
+    firsts = np.arange(0, n, step, dtype=_I64)
+    cnt = np.minimum(step, n - firsts)
+    k = len(firsts)
+    src = (src[:, None] + firsts[None, :] * grid.src_strides[level]).reshape(-1)
+    dst = (dst[:, None] + firsts[None, :] * grid.dst_strides[level]).reshape(-1)
+    return src, dst, np.tile(cnt, len(src) // k)
+
+
+def split_runs(
+    starts: np.ndarray, dests: np.ndarray, length: int, max_length: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut runs of ``length`` bytes (at ``starts`` / ``dests``) into pieces of at
+    most ``max_length`` bytes.  Returns starts, dests and lengths."""
+    if length <= max_length or len(starts) == 0:
+        return starts, dests, np.full(len(starts), length, dtype=_I64)
+    k = -(-length // max_length)
+    cuts = np.arange(k, dtype=_I64) * max_length
+    lens = np.minimum(max_length, length - cuts)
+    return (
+        (starts[:, None] + cuts[None, :]).reshape(-1),
+        (dests[:, None] + cuts[None, :]).reshape(-1),
+        np.tile(lens, len(starts)),
+    )
+
+
+def map_ranges(
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    ext_item_offsets: np.ndarray,
+    ext_lengths: np.ndarray,
+    ext_files: np.ndarray,
+    ext_file_offsets: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Cut byte ranges of an item (``[starts[i], starts[i] + lengths[i])``) at
+    its extents' boundaries.  The extents must be sorted by item offset and
+    tile the item.  Returns, per piece: the range it belongs to, its offset
+    from that range's start, its file, its file offset and its length."""
+    starts = np.asarray(starts, dtype=_I64)
+    lengths = np.asarray(lengths, dtype=_I64)
+    ext_item_offsets = np.asarray(ext_item_offsets, dtype=_I64)
+    if len(ext_item_offsets) == 1 or len(starts) == 0:
+        n = len(starts)
+        delta = int(ext_file_offsets[0]) - int(ext_item_offsets[0]) if len(ext_item_offsets) else 0
+        f = int(ext_files[0]) if len(ext_files) else 0
+        return (
+            np.arange(n, dtype=_I64),
+            np.zeros(n, dtype=_I64),
+            np.full(n, f, dtype=_I64),
+            starts + delta,
+            lengths,
+        )
+    ends = starts + lengths
+    first = np.searchsorted(ext_item_offsets, starts, side="right") - 1
+    last = np.searchsorted(ext_item_offsets, ends - 1, side="right") - 1
+    count = last - first + 1
+    rng = np.repeat(np.arange(len(starts), dtype=_I64), count)
+    # position of each piece within its range's group of extents
+    within = np.arange(len(rng), dtype=_I64) - np.repeat(np.cumsum(count) - count, count)
+    j = first[rng] + within
+    e_start = ext_item_offsets[j]
+    e_end = e_start + np.asarray(ext_lengths, dtype=_I64)[j]
+    a = np.maximum(starts[rng], e_start)
+    b = np.minimum(ends[rng], e_end)
+    return rng, a - starts[rng], np.asarray(ext_files, dtype=_I64)[j], np.asarray(ext_file_offsets, dtype=_I64)[j] + (a - e_start), b - a
+
+
+def plan_fillers(
+    files: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    alignment: int,
+    budget_bytes: int,
+    max_gap_bytes: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Gaps to read through, for pieces sorted by (file, offset) (they may
+    overlap).  A gap that holds no whole aligned block is always filled (its
+    blocks are read for the pieces around it; left open, the engine would read
+    them twice).  Others, cheapest first, while the whole blocks they add stay
+    within ``budget_bytes`` and the gap is at most ``max_gap_bytes``.
+
+    Returns the fillers' files, offsets and lengths, and the paid bytes.
+    """
+    n = len(offsets)
+    if n < 2:
+        z = np.zeros(0, dtype=_I64)
+        return z, z, z, 0
+    files = np.asarray(files, dtype=_I64)
+    offsets = np.asarray(offsets, dtype=_I64)
+    ends = offsets + np.asarray(lengths, dtype=_I64)
+    # running end of everything before, restarted at each file
+    shift = files << 52
+    prev_end = np.maximum.accumulate(ends + shift)[:-1] - shift[1:]
+    same = files[1:] == files[:-1]
+    nxt = offsets[1:]
+    gap = nxt - prev_end
+    valid = same & (gap > 0)
+    a = alignment
+    first_block = -(-prev_end // a) * a
+    paid = (nxt // a) * a - first_block  # bytes of whole blocks inside the gap
+    free = valid & (paid <= 0)
+    cand = np.flatnonzero(valid & ~free & (gap <= max_gap_bytes))
+    chosen = np.zeros(len(gap), dtype=bool)
+    chosen[free] = True
+    used = 0
+    if len(cand) and budget_bytes > 0:
+        order = cand[np.argsort(paid[cand], kind="stable")]
+        total = np.cumsum(paid[order])
+        k = int(np.searchsorted(total, budget_bytes, side="right"))
+        chosen[order[:k]] = True
+        used = int(total[k - 1]) if k else 0
+    idx = np.flatnonzero(chosen)
+    return files[1:][idx], prev_end[idx], gap[idx], used
+
+
+def split_box(lengths: Sequence[int], element_size: int, max_bytes: int) -> list[tuple[list[int], list[int]]]:
+    """Cut a box (``lengths``) into sub-boxes (offsets, lengths) of at most
+    ``max_bytes`` each (a single element may exceed it), outermost dimension
+    first, in row-major order."""
+    lengths = [int(n) for n in lengths]
+    total = math.prod(lengths) * element_size
+    big = [i for i, n in enumerate(lengths) if n > 1]
+    if total <= max_bytes or total == 0 or not big:
+        return [([0] * len(lengths), lengths)]
+    d = big[0]
+    inner = math.prod(lengths[d + 1 :]) * element_size
+    out = []
+    if inner <= max_bytes:
+        rows = max(1, max_bytes // inner)
+        for r in range(0, lengths[d], rows):
+            offs = [0] * len(lengths)
+            offs[d] = r
+            lens = list(lengths)
+            lens[d] = min(rows, lengths[d] - r)
+            out.append((offs, lens))
+        return out
+    sub = split_box(lengths[d + 1 :], element_size, max_bytes)
+    for r in range(lengths[d]):
+        for so, sl in sub:
+            out.append(([0] * d + [r] + so, lengths[:d] + [1] + sl))
+    return out
+
+
+def strides_non_overlapping(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """True when no two indices of a tensor with these sizes and strides share
+    an element (a sufficient check: sorted by stride, each stride clears the
+    extent of the dimensions below it)."""
+    dims = sorted((int(st), int(n)) for n, st in zip(sizes, strides) if int(n) > 1)
+    extent = 1
+    for st, n in dims:
+        if st < extent:
+            return False
+        extent = st * (n - 1) + extent
+    return all(int(st) >= 0 for st in strides)

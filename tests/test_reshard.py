@@ -1,0 +1,631 @@
+"""Resharded loads (Universal Checkpointing): the reader rebuilds any target
+sharding from exactly the bytes it needs.
+
+* pure planning functions (``fp_dcp.readplan``) against naive references;
+* one process, hand-made ``ReadItem``s of random boxes into every kind of
+  target (contiguous, strided, transposed, another dtype): bit-exact, and the
+  bytes read from disk stay within the blocks the needed bytes touch plus the
+  over-read budget;
+* gloo worlds: DTensor Shard(0) on 4 ranks -> Shard(0) on 3 and 2, Shard(1)
+  on 2, a 2-D mesh -> 1-D, 2 -> 4 ranks; FSDP2 + AdamW saved on 4 ranks and
+  restarted on 2 ranks and on one process without a process group; partial
+  loads; dtype casts and ``strict_dtype``; shared replicated reads.  Every
+  load is compared bit for bit with the stock reader's load of the same state.
+
+The worlds are few and each checks many cases: starting one costs seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fp_dcp import readplan
+from fp_dcp.format import Extent
+from fp_dcp.layout import box_runs, map_runs_to_extents
+from tests._dist import run_ranks
+from tests._sd import FAILED, bits_equal
+
+# --------------------------------------------------------------------------
+# helpers shared by every part
+
+
+def needed_blocks(path: str, items, alignment: int) -> tuple[int, int]:
+    """(bytes the read items need, bytes of the aligned blocks those bytes
+    touch), computed with fp_dcp.layout's reference functions."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from fp_dcp.reader import read_checkpoint_metadata
+
+    md, layout, _ = read_checkpoint_metadata(path)
+    blocks: dict[int, set] = {}
+    needed = 0
+    for req in items:
+        key = MetadataIndex(req.storage_index.fqn, req.storage_index.offset)
+        exts = layout.extents[key]
+        tmd = md.state_dict_metadata[req.storage_index.fqn]
+        if not hasattr(tmd, "chunks"):
+            starts, run = np.zeros(1, np.int64), sum(e.length for e in exts)
+        else:
+            chunk = next(c for c in tmd.chunks if req.storage_index.offset is None
+                         or list(c.offsets) == list(req.storage_index.offset))
+            esize = torch.empty((), dtype=tmd.properties.dtype).element_size()
+            starts, run = box_runs(list(chunk.sizes), list(req.storage_offsets), list(req.lengths), esize)
+        files, offs, lens, _ = map_runs_to_extents(starts, run, exts)
+        for f, o, n in zip(files.tolist(), offs.tolist(), lens.tolist()):
+            if n:
+                needed += n
+                blocks.setdefault(f, set()).update(range(o // alignment, (o + n - 1) // alignment + 1))
+    return needed, sum(len(b) for b in blocks.values()) * alignment
+
+
+def assert_read_bound(stats: dict, needed: int, touched: int, alignment: int, what: str) -> None:
+    """Bytes read <= the blocks the needed bytes touch, plus the over-read
+    budget (5%), plus one block per engine call and per temporary unit (a
+    block shared by two of them may be read twice)."""
+    assert stats["bytes"] == needed, f"{what}: reader needed {stats['bytes']}, the items need {needed}"
+    slack = alignment * (2 * stats["engine_calls"] + stats.get("temp_units", 0))
+    bound = touched + needed * 5 // 100 + slack
+    assert stats["bytes_read"] <= bound, f"{what}: read {stats['bytes_read']} > bound {bound} ({stats})"
+
+
+class RecordingPlanner:
+    """A DefaultLoadPlanner that keeps the items of this rank's final plan."""
+
+    def __new__(cls, *args, **kwargs):
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        class _Recording(DefaultLoadPlanner):
+            items: list = []
+
+            def finish_plan(self, new_plan):
+                self.items = list(new_plan.items)
+                return super().finish_plan(new_plan)
+
+        return _Recording(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------
+# pure planning functions
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_box_grid_matches_box_runs(data):
+    ndim = data.draw(st.integers(1, 4))
+    sizes = data.draw(st.lists(st.integers(1, 6), min_size=ndim, max_size=ndim))
+    offs = [data.draw(st.integers(0, s - 1)) for s in sizes]
+    lens = [data.draw(st.integers(1, s - o)) for s, o in zip(sizes, offs)]
+    esize = data.draw(st.sampled_from([1, 2, 4, 8]))
+    grid = readplan.box_grid(sizes, offs, lens, esize)
+    src, dst, _ = readplan.unit_starts(grid, len(grid.counts))
+    # byte by byte: every byte of the box, in row-major order of the box
+    got = (src[:, None] + np.arange(grid.run)[None, :]).reshape(-1)
+    starts, run = box_runs(sizes, offs, lens, esize)
+    want = (starts[:, None] + np.arange(run)[None, :]).reshape(-1)
+    assert np.array_equal(got, want)
+    assert np.array_equal((dst[:, None] + np.arange(grid.run)[None, :]).reshape(-1), np.arange(len(want)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_box_grid_into_strided_targets_and_merge_levels(data):
+    ndim = data.draw(st.integers(1, 3))
+    sizes = data.draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim))
+    offs = [data.draw(st.integers(0, s - 1)) for s in sizes]
+    lens = [data.draw(st.integers(1, s - o)) for s, o in zip(sizes, offs)]
+    perm = data.draw(st.permutations(range(ndim)))
+    pad = data.draw(st.integers(0, 2))
+    # a target laid out in another dimension order, inside a padded buffer
+    outer = torch.zeros([lens[p] + pad for p in perm]).permute(*np.argsort(perm).tolist())
+    dest = outer[tuple(slice(0, n) for n in lens)]
+    grid = readplan.box_grid(sizes, offs, lens, 1, dest.stride())
+    full = torch.arange(math.prod(sizes), dtype=torch.float32).reshape(sizes)
+    src, dst, _ = readplan.unit_starts(grid, len(grid.counts))
+    flat_src = full.reshape(-1)
+    base = dest.as_strided((1 + sum((n - 1) * s for n, s in zip(dest.shape, dest.stride())),), (1,), dest.storage_offset())
+    for s, d in zip(src.tolist(), dst.tolist()):
+        base[d : d + grid.run] = flat_src[s : s + grid.run]
+    assert torch.equal(dest, full[tuple(slice(o, o + n) for o, n in zip(offs, lens))])
+    # every sub-grid of the free merge level spans its runs without a whole block in a gap
+    level = readplan.free_merge_level(grid, 4)
+    assert 0 <= level <= len(grid.counts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_map_ranges_matches_map_runs_to_extents(data):
+    total = data.draw(st.integers(1, 400))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, total - 1), max_size=5)))) if total > 1 else []
+    bounds = [0] + cuts + [total]
+    exts = [Extent(i % 3, 1000 * i + 7 * i, a, b - a) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    run = data.draw(st.integers(1, total))
+    starts = np.array(sorted(data.draw(st.lists(st.integers(0, total - run), min_size=1, max_size=6))), dtype=np.int64)
+    arrays = [np.array([getattr(e, f) for e in exts], dtype=np.int64)
+              for f in ("item_offset", "length", "file", "file_offset")]
+    rng, within, files, offs, lens = readplan.map_ranges(starts, np.full(len(starts), run), *arrays)
+    f2, o2, l2, d2 = map_runs_to_extents(starts, run, exts)
+    assert np.array_equal(files, f2) and np.array_equal(offs, o2) and np.array_equal(lens, l2)
+    assert np.array_equal(rng * run + within, d2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_plan_fillers_fills_free_gaps_and_stays_in_budget(data):
+    a = 64
+    n = data.draw(st.integers(1, 30))
+    offs = np.array(sorted(data.draw(st.lists(st.integers(0, 3000), min_size=n, max_size=n))), dtype=np.int64)
+    lens = np.array(data.draw(st.lists(st.integers(0, 200), min_size=n, max_size=n)), dtype=np.int64)
+    files = np.zeros(n, dtype=np.int64)
+    budget = data.draw(st.integers(0, 500))
+    ff, fo, fl, paid = readplan.plan_fillers(files, offs, lens, a, budget, 256)
+    assert paid <= budget
+    assert np.all(fl > 0)
+    end = np.maximum.accumulate(offs + lens)
+    for i in range(1, n):
+        gap_start, gap_end = end[i - 1], offs[i]
+        whole_blocks = (gap_end // a) * a - (-(-gap_start // a) * a)
+        filled = np.any((fo == gap_start) & (fl == gap_end - gap_start))
+        if gap_end > gap_start and whole_blocks <= 0:
+            assert filled, (i, gap_start, gap_end)
+        if filled:
+            assert gap_end > gap_start
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.integers(1, 600))
+def test_split_box_tiles_the_box_within_the_cap(lengths, cap):
+    parts = readplan.split_box(lengths, 4, cap)
+    seen = np.zeros(lengths, dtype=np.int32)
+    for offs, lens in parts:
+        assert math.prod(lens) * 4 <= max(cap, 4)
+        seen[tuple(slice(o, o + n) for o, n in zip(offs, lens))] += 1
+    assert np.all(seen == 1)
+
+
+def test_strides_non_overlapping():
+    a = torch.zeros(5, 7)
+    assert readplan.strides_non_overlapping(a.shape, a.stride())
+    assert readplan.strides_non_overlapping(a[:, 1:3].shape, a[:, 1:3].stride())
+    assert readplan.strides_non_overlapping(a.t().shape, a.t().stride())
+    e = torch.zeros(3, 1).expand(3, 4)
+    assert not readplan.strides_non_overlapping(e.shape, e.stride())
+
+
+# --------------------------------------------------------------------------
+# one process: random boxes into every kind of target
+
+
+class _Planner:
+    def __init__(self, targets):
+        self.targets, self.committed, self.loaded = targets, [], {}
+
+    def resolve_tensor(self, req):
+        return self.targets[req.dest_index.fqn]
+
+    def commit_tensor(self, req, tensor):
+        self.committed.append(req.dest_index.fqn)
+
+    def load_bytes(self, req, value):
+        self.loaded[req.dest_index.fqn] = value.read()
+
+
+def _target(kind: str, lens: list[int], dtype: torch.dtype) -> torch.Tensor:
+    if kind == "contiguous":
+        return torch.zeros(lens, dtype=dtype)
+    if kind == "strided":  # a window of a larger tensor (a column slice)
+        return torch.zeros([n + 3 for n in lens], dtype=dtype)[tuple(slice(1, 1 + n) for n in lens)]
+    if kind == "transposed":
+        return torch.zeros(lens[::-1], dtype=dtype).permute(*reversed(range(len(lens))))
+    if kind == "cast":
+        return torch.zeros(lens, dtype=torch.float64 if dtype != torch.float64 else torch.bfloat16)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 64 << 20])
+def test_random_boxes_into_every_target_kind_are_exact_and_read_only_needed_blocks(tmp_path, budget):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from fp_dcp import FastPersistReader, FastPersistWriter
+
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "wide": torch.randn(96, 4096, generator=g),  # 16 KiB rows: column slices are sparse runs
+        "narrow": torch.randn(3000, 96, generator=g),  # 384-byte rows: column slices are dense
+        "cube": torch.randn(24, 40, 72, generator=g).to(torch.bfloat16),
+        "ints": torch.randint(0, 1 << 40, (777, 33), generator=g),
+        "small": torch.randn(5, 3, generator=g),
+    }
+    path = str(tmp_path / "c")
+    dcp.save(sd, storage_writer=FastPersistWriter(path), no_dist=True)
+    reader = FastPersistReader(path, read_buffer_budget_bytes=budget)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    rng = np.random.default_rng(budget)
+    kinds = ["contiguous", "strided", "transposed", "cast"]
+    for trial in range(120):
+        name = list(sd)[trial % len(sd)]
+        full = sd[name]
+        offs = [int(rng.integers(0, s)) for s in full.shape]
+        lens = [int(rng.integers(1, s - o + 1)) for s, o in zip(full.shape, offs)]
+        if trial % 7 == 0:  # whole rows
+            offs[1:] = [0] * (len(offs) - 1)
+            lens[1:] = list(full.shape[1:])
+        kind = kinds[(trial // len(sd)) % len(kinds)]
+        dest = _target(kind, lens, full.dtype)
+        planner = _Planner({"t": dest})
+        req = ReadItem(LoadItemType.TENSOR, MetadataIndex("t", [0] * len(lens)), [0] * len(lens),
+                       MetadataIndex(name, [0] * len(lens)), offs, lens)
+        reader.read_data(LoadPlan([req]), planner)
+        want = full[tuple(slice(o, o + n) for o, n in zip(offs, lens))].to(dest.dtype)
+        assert bits_equal(dest, want), (trial, name, offs, lens, kind)
+        assert planner.committed == ["t"]
+        needed, touched = needed_blocks(path, [req], 4096)
+        assert_read_bound(reader.last_stats, needed, touched, 4096, f"trial {trial} {name} {offs} {lens} {kind}")
+    reader.close()
+
+
+def test_dense_last_dim_slice_is_read_in_few_requests(tmp_path):
+    """A slice of 90 of 96 columns of 3000 rows: one range per slab, not one
+    request per row; bytes read = the span (its gaps hold no whole block)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistReader, FastPersistWriter
+
+    full = torch.randn(3000, 96)
+    path = str(tmp_path / "c")
+    dcp.save({"x": full}, storage_writer=FastPersistWriter(path), no_dist=True)
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    dest = torch.zeros(3000, 90)
+    reader = FastPersistReader(path)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    req = ReadItem(LoadItemType.TENSOR, MetadataIndex("t", [0, 0]), [0, 0], MetadataIndex("x", [0, 0]), [0, 3], [3000, 90])
+    reader.read_data(LoadPlan([req]), _Planner({"t": dest}))
+    assert torch.equal(dest, full[:, 3:93])
+    s = reader.last_stats
+    assert s["pieces"] <= 4 and s["requests"] <= 8, s
+    assert s["bytes_read"] <= 3000 * 96 * 4 + 2 * 4096, s
+    reader.close()
+
+
+def test_strict_dtype_refuses_a_cast_and_names_the_tensor(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistReader, FastPersistWriter
+
+    path = str(tmp_path / "c")
+    dcp.save({"layer.w": torch.randn(8, 8)}, storage_writer=FastPersistWriter(path), no_dist=True)
+    target = {"layer.w": torch.zeros(8, 8, dtype=torch.bfloat16)}
+    dcp.load(target, storage_reader=FastPersistReader(path), no_dist=True)  # casts, as the stock reader
+    with pytest.raises(FAILED, match=r"layer\.w.*torch\.float32.*strict_dtype"):
+        dcp.load({"layer.w": torch.zeros(8, 8, dtype=torch.bfloat16)},
+                 storage_reader=FastPersistReader(path, strict_dtype=True), no_dist=True)
+
+
+# --------------------------------------------------------------------------
+# gloo worlds
+
+_N = 16  # global batch of the FSDP2 training
+_STEPS_BEFORE = 3
+_STEPS_AFTER = 10
+
+
+def _full(name: str, shape, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+# name -> (global shape, saved placements on a 1-D mesh, or "2d")
+_DT = {
+    "w": ((96, 40), "s0"),
+    "odd": ((50, 70), "s0"),  # uneven shards
+    "big": ((1024, 520), "s0"),  # 2 MiB: runs long enough to read straight into the targets
+    "cols": ((40, 2000), "s1"),
+    "grid2d": ((60, 36), "2d"),
+}
+
+
+def _placements(kind: str):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {"s0": [Shard(0)], "s1": [Shard(1)], "rep": [Replicate()]}[kind]
+
+
+def _dtensor_sd(ws: int, placements: dict[str, str], zero: bool, dtype=None):
+    """The DTensor state dict on a 1-D mesh of ``ws`` ranks (a 2x2 mesh for
+    "2d" entries when saving on 4 ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ws,))
+    sd = {}
+    for name, (shape, saved) in _DT.items():
+        kind = placements.get(name, saved)
+        if kind == "2d" and ws != 4:  # the 2x2 mesh exists only on 4 ranks: loads go 2-D -> 1-D
+            kind = "s0"
+        full = torch.zeros(shape, dtype=dtype or torch.float32) if zero else _full(name, shape)
+        if kind == "2d":
+            mesh2 = init_device_mesh("cpu", (2, 2))
+            sd[name] = distribute_tensor(full, mesh2, [Shard(0), Shard(1)])
+        else:
+            sd[name] = distribute_tensor(full, mesh, _placements(kind))
+    sd["rep"] = torch.zeros(300, 64) if zero else _full("rep", (300, 64))  # every rank holds it (DDP style)
+    sd["step"] = 0 if zero else 7
+    return sd
+
+
+def _expected_local(sd: dict) -> dict:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out = {}
+    for name, t in sd.items():
+        if isinstance(t, DTensor):
+            full = _full(name, tuple(t.shape)).to(t.dtype)
+            out[name] = distribute_tensor(full, t.device_mesh, t.placements).to_local()
+        elif isinstance(t, torch.Tensor):
+            out[name] = _full(name, tuple(t.shape)).to(t.dtype)
+    return out
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _model():
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+def _batch(step: int, rank: int, ws: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(_N, 16, generator=g), torch.randn(_N, 8, generator=g)
+    n = _N // ws
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+
+
+def _fsdp(ws: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (ws,))
+    model = _model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(model, opt, steps, first, rank, ws):
+    import torch.distributed as dist
+
+    losses = []
+    for s in range(first, first + steps):
+        x, y = _batch(s, rank, ws)
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if dist.is_initialized():
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= ws
+        losses.append(loss.item())
+    return losses
+
+
+def _save_world(rank, ws, root):
+    """4 ranks: the DTensor state and an FSDP2 model + AdamW after a few
+    steps, each saved by fp_dcp and by the stock writer; then the
+    uninterrupted run's next losses."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from fp_dcp import FastPersistWriter
+
+    sd = _dtensor_sd(ws, {}, zero=False)
+    dcp.save(sd, storage_writer=FastPersistWriter(os.path.join(root, "dt")))
+    dcp.save(sd, storage_writer=FileSystemWriter(os.path.join(root, "dt_stock")))
+    model, opt = _fsdp(ws)
+    _train(model, opt, _STEPS_BEFORE, 0, rank, ws)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.save(state, storage_writer=FastPersistWriter(os.path.join(root, "fsdp")))
+    dcp.save(state, storage_writer=FileSystemWriter(os.path.join(root, "fsdp_stock")))
+    return _train(model, opt, _STEPS_AFTER, _STEPS_BEFORE, rank, ws)
+
+
+def _load_both(root: str, name: str, make, **reader_kw):
+    """Load the same fresh target from fp_dcp and from the stock checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from fp_dcp import FastPersistReader
+
+    ours, stock = make(), make()
+    reader = FastPersistReader(os.path.join(root, name), **reader_kw)
+    planner = RecordingPlanner()
+    dcp.load(ours, storage_reader=reader, planner=planner)
+    dcp.load(stock, storage_reader=FileSystemReader(os.path.join(root, name + "_stock")))
+    for k, t in stock.items():
+        if isinstance(t, torch.Tensor):
+            assert bits_equal(_local(ours[k]), _local(t)), f"{name}/{k}: fp_dcp and the stock reader differ"
+        else:
+            assert ours[k] == t, k
+    return ours, reader.last_stats, planner.items
+
+
+def _check_dt_load(root, ws, placements, dtype=None, **reader_kw):
+    ours, stats, items = _load_both(root, "dt", lambda: _dtensor_sd(ws, placements, zero=True, dtype=dtype), **reader_kw)
+    for k, want in _expected_local(ours).items():
+        assert bits_equal(_local(ours[k]), want), f"{k} ({placements.get(k)}) on {ws} ranks"
+    assert ours["step"] == 7
+    needed, touched = needed_blocks(os.path.join(root, "dt"), items, 4096)
+    assert_read_bound(stats, needed, touched, 4096, f"dt {placements} on {ws} ranks")
+    return stats
+
+
+def _fsdp_restart(root, rank, ws):
+    """Load the FSDP2 checkpoint (stock and ours must agree bit for bit),
+    then train on: fp_dcp's restart and the stock restart give identical
+    losses."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from fp_dcp import FastPersistReader
+
+    runs = {}
+    for name, reader in (("fp", FastPersistReader(os.path.join(root, "fsdp"))),
+                         ("stock", FileSystemReader(os.path.join(root, "fsdp_stock")))):
+        model, opt = _fsdp(ws) if ws > 1 else (_model(), None)
+        if opt is None:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, storage_reader=reader, no_dist=ws == 1)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        loaded = {k: _local(v).clone() for k, v in get_state_dict(model, opt)[0].items()}
+        runs[name] = (loaded, _train(model, opt, _STEPS_AFTER, _STEPS_BEFORE, rank, ws))
+    for k in runs["fp"][0]:
+        assert bits_equal(runs["fp"][0][k], runs["stock"][0][k]), k
+    assert runs["fp"][1] == runs["stock"][1], (runs["fp"][1], runs["stock"][1])
+    return runs["fp"][1]
+
+
+def _partial_load(root, rank, ws):
+    """Model only, then two keys of the DTensor state: the reader needs and
+    reads only those bytes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from fp_dcp import FastPersistReader
+
+    model, _ = _fsdp(ws)
+    msd = get_model_state_dict(model)
+    reader = FastPersistReader(os.path.join(root, "fsdp"))
+    planner = RecordingPlanner()
+    dcp.load({"model": msd}, storage_reader=reader, planner=planner)
+    assert all(i.storage_index.fqn.startswith("model.") for i in planner.items)
+    local_bytes = sum(_local(v).numel() * _local(v).element_size() for v in msd.values())
+    needed, touched = needed_blocks(os.path.join(root, "fsdp"), planner.items, 4096)
+    assert needed == local_bytes
+    assert_read_bound(reader.last_stats, needed, touched, 4096, "model only")
+
+    sd = _dtensor_sd(ws, {}, zero=True)
+    part = {"odd": sd["odd"], "cols": sd["cols"]}
+    reader = FastPersistReader(os.path.join(root, "dt"))
+    planner = RecordingPlanner()
+    dcp.load(part, storage_reader=reader, planner=planner)
+    want = _expected_local(part)
+    assert all(bits_equal(_local(part[k]), want[k]) for k in part)
+    local_bytes = sum(_local(v).numel() * 4 for v in part.values())
+    needed, touched = needed_blocks(os.path.join(root, "dt"), planner.items, 4096)
+    assert needed == local_bytes == reader.last_stats["bytes"]
+    assert_read_bound(reader.last_stats, needed, touched, 4096, "two keys")
+    total = sum(os.path.getsize(os.path.join(root, "dt", f)) for f in os.listdir(os.path.join(root, "dt")))
+    assert reader.last_stats["bytes_read"] < total / 4
+
+
+def _world_3(rank, ws, root):
+    _check_dt_load(root, ws, {"grid2d": "s0", "cols": "s0"})
+    # every rank needs all of "rep": with sharing, it is read from disk once in all
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistReader
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ws,))
+    out = {}
+    for share in (False, True):
+        target = {"rep": torch.zeros(300, 64), "w": distribute_tensor(torch.zeros(96, 40), mesh, [Replicate()])}
+        reader = FastPersistReader(os.path.join(root, "dt"), share_replicated_reads=share,
+                                   read_buffer_budget_bytes=1 << 20)
+        dcp.load(target, storage_reader=reader)
+        assert bits_equal(target["rep"], _full("rep", (300, 64)))
+        assert bits_equal(target["w"].to_local(), _full("w", (96, 40)))
+        got = torch.tensor([reader.last_stats["bytes_read"], reader.last_stats.get("shared_bytes_received", 0)])
+        dist.all_reduce(got)
+        out[share] = got.tolist()
+    return out
+
+
+def _world_2(rank, ws, root):
+    s0 = _check_dt_load(root, ws, {"grid2d": "s0"})
+    s1 = _check_dt_load(root, ws, {k: "s1" for k in _DT})
+    # targets of another dtype are cast as the stock reader casts
+    _check_dt_load(root, ws, {}, dtype=torch.bfloat16)
+    _check_dt_load(root, ws, {k: "s1" for k in _DT}, dtype=torch.float64)
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistReader, FastPersistWriter
+
+    try:
+        dcp.load(_dtensor_sd(ws, {}, zero=True, dtype=torch.bfloat16),
+                 storage_reader=FastPersistReader(os.path.join(root, "dt"), strict_dtype=True))
+        raise AssertionError("strict_dtype did not refuse a cast")
+    except FAILED as e:
+        assert "strict_dtype" in str(e) and "torch.float32" in str(e), str(e)
+    _partial_load(root, rank, ws)
+    losses = _fsdp_restart(root, rank, ws)
+    # a 2-rank checkpoint for the 2 -> 4 world
+    sd = _dtensor_sd(ws, {}, zero=False)
+    for name in ("grid2d",):
+        sd.pop(name)
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    dcp.save(sd, storage_writer=FastPersistWriter(os.path.join(root, "dt2")))
+    dcp.save(sd, storage_writer=FileSystemWriter(os.path.join(root, "dt2_stock")))
+    return {"losses": losses, "stats": (s0, s1)}
+
+
+def _world_4_from_2(rank, ws, root):
+    for placements in ({}, {k: "s1" for k in _DT}):
+
+        def make(placements=placements):
+            sd = _dtensor_sd(ws, placements, zero=True)
+            sd.pop("grid2d")
+            return sd
+
+        ours, stats, items = _load_both(root, "dt2", make)
+        for k, want in _expected_local(ours).items():
+            assert bits_equal(_local(ours[k]), want), k
+        needed, touched = needed_blocks(os.path.join(root, "dt2"), items, 4096)
+        assert_read_bound(stats, needed, touched, 4096, f"2 -> 4 {placements}")
+    return True
+
+
+def test_resharded_loads_fsdp2_restart_partial_and_shared_reads(tmp_path):
+    root = str(tmp_path)
+    reference = run_ranks(4, _save_world, root)[0]
+
+    shared = run_ranks(3, _world_3, root)[0]
+    plain, with_share = shared[False], shared[True]
+    rep_bytes = 300 * 64 * 4 + 96 * 40 * 4
+    assert plain[0] >= 3 * rep_bytes  # every rank read both tensors
+    assert with_share[0] < plain[0] - rep_bytes  # ... with sharing about once in all
+    assert with_share[1] == 2 * rep_bytes  # two ranks received each box from its owner
+
+    out = run_ranks(2, _world_2, root)[0]
+    np.testing.assert_allclose(out["losses"], reference, rtol=1e-5, atol=1e-7)
+
+    assert all(run_ranks(4, _world_4_from_2, root))
+
+    # one process, no process group: the FSDP2 checkpoint into a plain model
+    losses = _fsdp_restart(root, 0, 1)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-7)
