@@ -614,9 +614,9 @@ cdef class Engine:
                              f"{fo.shape[0]} file_offset entries")
         if len(paths) != nfiles:
             raise ValueError(f"{nfiles} fds but {len(paths)} paths")
-        cdef int *cfds = <int *>malloc((nfiles + 1) * sizeof(int))
-        cdef Py_buffer *views = <Py_buffer *>calloc(n + 1, sizeof(Py_buffer))
-        cdef fpio_piece *pieces = <fpio_piece *>malloc((n + 1) * sizeof(fpio_piece))
+        cdef int *cfds = NULL
+        cdef Py_buffer *views = NULL
+        cdef fpio_piece *pieces = NULL
         cdef int64_t f, o, ln, pf = -1, po = 0, end = 0
         cdef int64_t bs = self.block_size if write else self.read_block_size
         cdef int qd = self.queue_depth if write else self.read_queue_depth
@@ -624,6 +624,9 @@ cdef class Engine:
         cdef int rc
         self._enter()
         try:
+            cfds = <int *>malloc((nfiles + 1) * sizeof(int))
+            views = <Py_buffer *>calloc(n + 1, sizeof(Py_buffer))
+            pieces = <fpio_piece *>malloc((n + 1) * sizeof(fpio_piece))
             if cfds == NULL or views == NULL or pieces == NULL:
                 raise MemoryError()
             for i in range(nfiles):

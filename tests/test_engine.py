@@ -559,3 +559,28 @@ def test_gil_released(kind, tmp_path, big_source):
         for p in paths:
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def test_one_engine_one_thread(kind, tmp_path, big_source):
+    """A second call on an engine that is busy in another thread is refused,
+    and the running call is not disturbed by the refusal."""
+    eng = _aio.Engine(kind, queue_depth=8, block_size=1 << 20)
+    path, small = str(tmp_path / "busy"), str(tmp_path / "small")
+    started, result = threading.Event(), []
+
+    def work():
+        started.set()
+        result.append(write_files(eng, [path], [(0, 0)], [big_source], sync=False))
+
+    try:
+        t = threading.Thread(target=work)
+        t.start()
+        started.wait()
+        time.sleep(0.02)
+        with pytest.raises(RuntimeError, match="another thread"):
+            write_files(eng, [small], [(0, 0)], [b"x"])
+        t.join()
+        assert result and result[0]["bytes"] == len(big_source)
+        write_files(eng, [small], [(0, 0)], [b"x"])  # free again
+    finally:
+        eng.close()
