@@ -101,13 +101,17 @@ cdef tuple _probe_file(directory, int extra_flags):
     for _ in range(100):
         probe = os.path.join(directory, f".fp_dcp_probe.{os.getpid()}.{os.urandom(6).hex()}")
         b = os.fsencode(probe)
-        fd = c_open(b, flags, 0o600)
+        if extra_flags & O_DIRECT and _fault_open_direct:
+            fd, err = -1, _fault_open_direct
+        else:
+            fd = c_open(b, flags, 0o600)
+            err = errno
         if fd >= 0:
             return fd, probe
-        err = errno
-        if err != 17:  # EEXIST: try another name
+        if err == EINVAL and extra_flags & O_DIRECT:
+            c_unlink(b)  # O_CREAT may have made the file before O_DIRECT was refused
             break
-        if extra_flags & O_DIRECT and err == EINVAL:
+        if err != 17:  # EEXIST: try another name
             break
     raise _oserror(err, "open", directory)
 
@@ -118,12 +122,6 @@ def direct_io_supported(directory):
         fd, probe = _probe_file(directory, O_DIRECT)
     except OSError as e:
         if e.errno == EINVAL:
-            try:  # O_CREAT may have created it before O_DIRECT was refused
-                for name in os.listdir(directory):
-                    if name.startswith(f".fp_dcp_probe.{os.getpid()}."):
-                        os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
             return False
         raise
     os.close(fd)

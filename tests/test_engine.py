@@ -82,6 +82,13 @@ def test_page_size_and_alignment_probe(tmp_path):
 def test_direct_io_supported(tmp_path):
     assert _aio.direct_io_supported(str(tmp_path)) is True
     assert os.listdir(tmp_path) == []
+    _aio._set_fault("open_direct", errno.EINVAL)  # as tmpfs before 6.6, overlayfs, FUSE
+    assert _aio.direct_io_supported(str(tmp_path)) is False
+    _aio._set_fault("open_direct", errno.EACCES)
+    with pytest.raises(PermissionError):
+        _aio.direct_io_supported(str(tmp_path))
+    _aio._set_fault("")
+    assert os.listdir(tmp_path) == []
     with pytest.raises(FileNotFoundError):
         _aio.direct_io_supported(str(tmp_path / "missing"))
 
