@@ -160,8 +160,9 @@ cdef void _release_all(Py_buffer *views, Py_ssize_t n):
         PyBuffer_Release(&views[i])
 
 
-cdef _copy_pieces(object one, offsets, list many, bint gather):
+cdef _copy_pieces(object one, offsets, many, bint gather):
     """gather: many[i] -> one at offsets[i]; scatter: one at offsets[i] -> many[i]."""
+    many = list(many)
     cdef Py_buffer big
     cdef Py_ssize_t n = len(many), i, got = 0
     cdef const int64_t[::1] offs = _i64(offsets, "offsets")
@@ -199,12 +200,12 @@ cdef _copy_pieces(object one, offsets, list many, bint gather):
         free(lens)
 
 
-def copy_gather(dst, dst_offsets, list srcs):
+def copy_gather(dst, dst_offsets, srcs):
     """Copy srcs[i] into the writable buffer dst at dst_offsets[i] (memcpy, GIL released)."""
     _copy_pieces(dst, dst_offsets, srcs, True)
 
 
-def copy_scatter(src, src_offsets, list dsts):
+def copy_scatter(src, src_offsets, dsts):
     """Fill each writable dsts[i] from src at src_offsets[i] (memcpy, GIL released)."""
     _copy_pieces(src, src_offsets, dsts, False)
 
@@ -584,14 +585,14 @@ cdef class Engine:
 
     # -------------------------------------------------- I/O
 
-    def write(self, fds, paths, file_index, file_offset, list sources, bint sync=True):
+    def write(self, fds, paths, file_index, file_offset, sources, bint sync=True):
         """Write sources[i] at file_offset[i] of fds[file_index[i]]. See docs/NATIVE.md."""
         cdef fpio_result res
         self._run(True, fds, paths, file_index, file_offset, sources, sync, 0, &res)
         return {"bytes": res.bytes, "bytes_on_disk": res.bytes_io, "requests": res.requests,
                 "zero_copy_bytes": res.zc_bytes, "seconds": res.seconds}
 
-    def read(self, fds, paths, file_index, file_offset, list dests,
+    def read(self, fds, paths, file_index, file_offset, dests,
              Py_ssize_t coalesce_gap=DEFAULT_COALESCE_GAP):
         """Fill dests[i] from file_offset[i] of fds[file_index[i]]. See docs/NATIVE.md."""
         cdef fpio_result res
@@ -601,8 +602,9 @@ cdef class Engine:
         return {"bytes": res.bytes, "bytes_read": res.bytes_io, "requests": res.requests,
                 "direct_bytes": res.zc_bytes, "seconds": res.seconds}
 
-    cdef _run(self, bint write, fds, paths, file_index, file_offset, list bufs, bint sync,
+    cdef _run(self, bint write, fds, paths, file_index, file_offset, bufs, bint sync,
               int64_t gap, fpio_result *res):
+        bufs = list(bufs)
         cdef Py_ssize_t n = len(bufs), nfiles = len(fds), i, got = 0
         cdef const int64_t[::1] fi = _i64(file_index, "file_index")
         cdef const int64_t[::1] fo = _i64(file_offset, "file_offset")

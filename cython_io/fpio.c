@@ -543,8 +543,6 @@ void fpio_engine_close(fpio_engine *e)
     free(e);
 }
 
-int fpio_engine_broken(const fpio_engine *e) { return e->broken; }
-
 /* ------------------------------------------------------------------ */
 /* The pipeline                                                        */
 /* ------------------------------------------------------------------ */

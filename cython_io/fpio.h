@@ -53,8 +53,6 @@ typedef struct {
 int fpio_engine_open(int kind, int qd_max, int nthreads, char **slots, int nslots,
                      int64_t slot_size, fpio_engine **out, const char **why);
 void fpio_engine_close(fpio_engine *e);
-/* 1 when a fatal error left the engine unusable (its requests could not be reaped). */
-int fpio_engine_broken(const fpio_engine *e);
 
 /* Pipelines (call without the GIL). Pieces sorted by (file, off); for writes
  * they do not overlap. block_size: multiple of align, <= slot_size;

@@ -33,7 +33,6 @@ cdef extern from "fpio.h" nogil:
     int fpio_engine_open(int kind, int qd_max, int nthreads, char **slots, int nslots,
                          int64_t slot_size, fpio_engine **out, const char **why)
     void fpio_engine_close(fpio_engine *e)
-    int fpio_engine_broken(const fpio_engine *e)
     int fpio_write(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
                    int64_t npieces, int64_t block_size, int qd, int64_t align, int sync,
                    fpio_result *res)

@@ -129,7 +129,7 @@ def test_copy_gather_scatter():
     parts = [random_bytes(rng, n) for n in (0, 1, 100, 5000)]
     offs = np.array([0, 3, 10, 200], dtype=np.int64)
     big = bytearray(6000)
-    _aio.copy_gather(big, offs, parts)
+    _aio.copy_gather(big, offs, tuple(parts))  # any sequence of buffers
     for p, o in zip(parts, offs):
         assert bytes(big[o:o + len(p)]) == p.tobytes()
     back = [bytearray(len(p)) for p in parts]
