@@ -407,9 +407,10 @@ def plan_placement(holdings: Sequence[Holdings]) -> Placement:
         mask[order[first[single]]] = True
         pos = np.flatnonzero(mask)
         owner_count = np.bincount(ranks[pos], minlength=world)
-        loads += np.bincount(ranks[pos], weights=sizes[pos], minlength=world).astype(np.int64)
         ends = np.cumsum(owner_count)
-        for r in np.flatnonzero(owner_count).tolist():
+        owners = np.flatnonzero(owner_count)
+        loads[owners] += np.add.reduceat(sizes[pos], (ends - owner_count)[owners])
+        for r in owners.tolist():
             p = pos[ends[r] - owner_count[r] : ends[r]]
             parts[r].append((p - rank_start[r], np.zeros(len(p), np.int64), sizes[p]))
     # 2. shared holder sets, smallest first: water-fill, then cut the stream
