@@ -288,6 +288,28 @@ def test_data_directories_stripe_each_hosts_bytes_and_old_files_go(tmp_path):
     assert on_disk == {n for n, _ in layout2.files}
 
 
+def test_data_file_names_are_plain_names_or_normalised_absolute_paths():
+    from fp_dcp import format as fmt
+
+    for ok in ("a.fpd", "/nvme0/ckpt-1a2b/x.r0.d0.0.fpd", "/x"):
+        assert fmt.valid_data_file_name(ok), ok
+    for bad in ("", ".", "..", "../x", "a/b", "/a/../b", "/a//b", "/a/./b", "/a/", "/", "a\0b", None, 3):
+        assert not fmt.valid_data_file_name(bad), bad
+
+
+def test_data_dirs_from_the_environment_and_one_dir_twice_is_refused(tmp_path):
+    from fp_dcp import FastPersistWriter
+    from fp_dcp.options import override
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    with override(data_dirs=f"{a}{os.pathsep}{b}"):
+        assert FastPersistWriter(tmp_path / "c").data_dirs == (a, b)
+    with pytest.raises(ValueError, match="names one directory twice"):
+        FastPersistWriter(tmp_path / "c", data_dirs=(a, a + "/"))
+    with pytest.raises(ValueError, match="power of two"):
+        FastPersistWriter(tmp_path / "c", split_alignment_bytes=3000)
+
+
 def _two_saves_same_structure(rank, world_size, path):
     import torch
     import torch.distributed.checkpoint as dcp
