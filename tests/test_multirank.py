@@ -365,3 +365,22 @@ def test_a_write_failure_on_one_rank_fails_all_and_keeps_the_previous_checkpoint
     for outcome, old_intact in out:
         assert "No space left on device (injected)" in outcome, outcome
         assert old_intact
+
+
+def test_planner_plan_caching_is_refused_with_the_reason(tmp_path):
+    """DefaultSavePlanner(enable_plan_caching=True) sends an empty plan from a
+    rank whose plan did not change; the writer needs the items (and caches
+    its own placement), so it says so instead of writing a stale plan."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from fp_dcp import FastPersistWriter
+    from tests._sd import FAILED
+
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    sd = {"w": torch.ones(10)}
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path / "a"), planner=planner)
+    with pytest.raises(FAILED, match="use a planner without plan caching"):
+        dcp.save(sd, storage_writer=FastPersistWriter(tmp_path / "b"), planner=planner)
+    assert not os.path.exists(tmp_path / "b" / ".fp_dcp.meta")
