@@ -123,6 +123,7 @@ import copy
 import ctypes
 import dataclasses
 import functools
+import gc
 import mmap
 import os
 import secrets
@@ -153,6 +154,11 @@ _PAGE = _aio.page_size()
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _ARENA_PREFIX = "fp_dcp-arena-"
 _SPILL_PREFIX = ".fp_dcp-spill-"
+
+# Eager staging splits its memcpy over up to this many threads, in pieces of
+# at most _COPY_PIECE bytes.
+_MAX_COPY_THREADS = 4
+_COPY_PIECE = 64 << 20
 
 # Where a staged tensor lives.
 _ARENA, _SPILL, _EMPTY = 0, 1, 2
@@ -309,6 +315,7 @@ class _Save:
         self.collectives = True
         self.staged = False  # staging finished (the save may start)
         self.process = False  # pickled for a checkpoint process
+        self.reporting = False  # ... whose writer reports through the arena header
         self.arena: _Arena | None = None
         self.refs: list[weakref.ref] = []  # the staged dict / lazy future
         self.snapshot: weakref.ref | None = None
@@ -329,10 +336,10 @@ class _Save:
         while not self.done.is_set():
             t = self.thread
             if t is None:
-                if self.done.wait(0.05):
-                    break
                 if self._orphaned():
                     self.finish(None)
+                elif not self.done.wait(0.05):
+                    gc.collect()  # a staged dict caught in a reference cycle
                 continue
             if t is not me:
                 t.join(0.1)
@@ -343,6 +350,9 @@ class _Save:
             self._ended()
 
     def _ended(self) -> None:
+        if self.process and not self.reporting:
+            self.finish(None)  # no way to learn how it went here: the future tells
+            return
         if self.process and self.arena is not None:
             state, msg = self.arena.read_status(self.seq)
             if state == _OK:
@@ -446,7 +456,7 @@ def _mlock(address: int, size: int) -> bool:
         _mlock_warned = True
         err = ctypes.get_errno()
         warnings.warn(
-            f"fp_dcp: the shared staging arena is not page-locked: mlock of {size} bytes "
+            f"fp_dcp: the staging arena is not page-locked: mlock of {size} bytes "
             f"failed: {os.strerror(err)} (raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK)",
             RuntimeWarning,
             stacklevel=3,
@@ -610,6 +620,7 @@ class _Spill:
             self.session.close()
             raise
         os.unlink(self.path)  # nothing is left behind, whatever happens
+        self.dev = os.fstat(self.fd).st_dev
         self.size = 0
 
     def resize(self, size: int) -> None:
@@ -825,7 +836,10 @@ class _Snapshot:
         if self.rec.thread is None:
             self.rec.thread = threading.current_thread()
         if self.shared_option is False:
-            return (dict, (dict(staged),))
+            # torch pickles each tensor by moving its storage to a shared
+            # segment: hand it fresh views, not the ones cached for reuse.
+            fresh = _views(self.arena.buf, _attach_spill(*self.spill) if self.spill else None, self.layout)
+            return (dict, (dict(_build(self.skeleton, fresh, self.values)),))
         arena = self.stager.share(self)
         return (_rebuild, (arena.handle(), self.spill, self.layout, self.skeleton, self.values))
 
@@ -893,6 +907,9 @@ class _Stager:
         self.saves: collections.deque[_Save] = collections.deque()
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.ring_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.copy_threads = 1
+        self.copy_piece = _COPY_PIECE
         self.streams: dict[torch.device, Any] = {}
         self.last_future: weakref.ref | None = None
         self.last_stats: dict[str, Any] = {}
@@ -924,6 +941,8 @@ class _Stager:
             while self.saves and self.saves[0].done.is_set() and self.saves[0] is not prev:
                 self.saves.popleft()
         if mode == "eager":
+            # The training waits for an eager copy: use the cores it would use.
+            self.copy_threads = max(1, min(torch.get_num_threads(), _MAX_COPY_THREADS))
             try:
                 self._wait(prev)
                 staged = self._stage_now(writer, rec, skeleton, metas, leaves, values, events)
@@ -931,6 +950,9 @@ class _Stager:
                 rec.finish(e, reported=True)  # raised here: nothing to report later
                 raise
             return staged
+        # A lazy copy overlaps the forward/backward pass: one thread, leaving
+        # the other cores to the training.
+        self.copy_threads = 1
         if self.pool is None:
             self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-stage")
         fut = _StagingFuture()
@@ -1058,10 +1080,14 @@ class _Stager:
                 "has no directory to spill into: set staging_spill_dir or FastPersistWriter(path)"
             )
         s = self.spill
-        if s is None or s.directory != directory:
-            if s is not None:
+        if s is not None and s.directory != directory:
+            # A new checkpoint directory each save: keep the spill file (and
+            # its engine) while the new one is on the same file system.
+            os.makedirs(directory, exist_ok=True)
+            if os.stat(directory).st_dev != s.dev:
                 s.close()
-                self.spill = None
+                self.spill = s = None
+        if s is None:
             self.spill = s = _Spill(directory, options)
         s.drop_cache()
         return s
@@ -1111,7 +1137,7 @@ class _Stager:
                 ev.record(s)
                 done.append(ev)
         if sources:
-            _aio.copy_gather(arena.buf, np.asarray(offsets, dtype=np.int64), sources)
+            self._gather(arena, offsets, sources)
         for dst, src in slow:
             dst.copy_(src)
         for ev in done:
@@ -1119,6 +1145,37 @@ class _Stager:
         del views
         if spill is not None:
             self._stream(arena, layout, leaves, events, spill)
+
+    def _gather(self, arena: _Arena, offsets: list[int], sources: list[np.ndarray]) -> None:
+        """memcpy every source to its arena offset, the GIL released; split
+        over ``self.copy_threads`` threads (eager staging: the training is
+        waiting anyway) in pieces of at most ``self.copy_piece`` bytes."""
+        k = self.copy_threads
+        piece_max = self.copy_piece
+        total = sum(len(b) for b in sources)
+        if k <= 1 or total < 2 * piece_max:
+            _aio.copy_gather(arena.buf, np.asarray(offsets, dtype=np.int64), sources)
+            return
+        groups: list[tuple[list[int], list[np.ndarray]]] = [([], []) for _ in range(k)]
+        loads = [0] * k
+        for off, b in zip(offsets, sources):
+            for lo in range(0, len(b), piece_max):
+                g = loads.index(min(loads))
+                piece = b[lo : lo + piece_max]
+                groups[g][0].append(off + lo)
+                groups[g][1].append(piece)
+                loads[g] += len(piece)
+        if self.copy_pool is None:
+            self.copy_pool = concurrent.futures.ThreadPoolExecutor(k - 1, thread_name_prefix="fp_dcp-copy")
+        futs = [
+            self.copy_pool.submit(_aio.copy_gather, arena.buf, np.asarray(o, dtype=np.int64), b)
+            for o, b in groups[1:]
+        ]
+        try:
+            _aio.copy_gather(arena.buf, np.asarray(groups[0][0], dtype=np.int64), groups[0][1])
+        finally:
+            for f in futs:
+                f.result()
 
     def _stream(self, arena: _Arena, layout: _Layout, leaves, events: dict, spill: _Spill) -> None:
         """Tensors past the limit: copy a slot, write it while the next slot is
@@ -1151,7 +1208,7 @@ class _Stager:
                     pending[s] = None
                 stop = min(start + slot, layout.spill_bytes)
                 base = layout.ring_offset + s * slot
-                offs, srcs, ev = [], [], None
+                offs, srcs, evs = [], [], []
                 for off, n, src, dev in items:
                     a, b = max(off, start), min(off + n, stop)
                     if b <= a:
@@ -1163,12 +1220,13 @@ class _Stager:
                             host.copy_(src[a - off : b - off], non_blocking=True)
                             ev = torch.cuda.Event()
                             ev.record(st)
+                            evs.append(ev)
                     else:
                         offs.append(base + a - start)
                         srcs.append(src[a - off : b - off])
                 if srcs:
                     _aio.copy_gather(arena.buf, np.asarray(offs, dtype=np.int64), srcs)
-                if ev is not None:
+                for ev in evs:
                     ev.synchronize()
                 view = memoryview(arena.buf)[base : base + (stop - start)]
                 pending[s] = self.ring_pool.submit(spill.write, start, view)
@@ -1223,6 +1281,7 @@ class _Stager:
                 if rec.thread is None:
                     rec.thread = threading.current_thread()
                 arena = self.share(snap)
+                rec.reporting = True
                 return (*arena.handle(), rec.seq, {})
         return None
 
@@ -1258,6 +1317,8 @@ class _Stager:
                 rec.wait()
         if self.ring_pool is not None:
             self.ring_pool.shutdown(wait=True)
+        if self.copy_pool is not None:
+            self.copy_pool.shutdown(wait=True)
         with self.lock:
             self.saves.clear()
             self.views = None

@@ -127,6 +127,22 @@ def test_staged_dict_keeps_structure_and_values(tmp_path, aio_no_leaks):
         del staged, big
 
 
+def test_eager_copy_split_over_threads(tmp_path, aio_no_leaks):
+    g = torch.Generator().manual_seed(1)
+    sd = {"one": torch.randn(3 << 18, generator=g), "many": [torch.randn(1000 + i, generator=g) for i in range(50)]}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with FastPersistWriter(tmp_path / "ck", sync_files=False) as w:
+            w._stager().copy_piece = 64 * 1024  # many pieces over three threads
+            staged = w.stage(sd)
+            assert w._stager().copy_threads == 3 and w._stager().copy_pool is not None
+            assert_sd_equal(sd, staged)
+            del staged
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_arena_grows_with_the_structure(tmp_path, aio_no_leaks):
     sd = {"a": torch.ones(1 << 18)}
     with FastPersistWriter(tmp_path / "ck", sync_files=False) as w:
@@ -474,7 +490,7 @@ def test_cuda_staging_side_stream_and_ring(tmp_path, mode, aio_no_leaks):
             sd["w"].zero_()
         _wait(resp)
         assert w._stager().arena.cuda_registered
-        out = {k: (torch.zeros_like(v, device="cpu") if isinstance(v, torch.Tensor) else v) for k, v in expected.items()}
+        out = {k: (torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v) for k, v in expected.items()}
         dcp.load(out, storage_reader=FastPersistReader(tmp_path / "ck"))
         assert_sd_equal(expected, out)
     limited = {"a": torch.randn(1 << 20, device="cuda"), "b": torch.randn(1 << 20, device="cuda")}
