@@ -16,6 +16,8 @@ import array
 import os
 import warnings
 
+import numpy as np
+
 include "fpio.pxi"
 
 ENGINES = ("aio", "uring", "threads")
@@ -210,6 +212,64 @@ def copy_scatter(src, src_offsets, dsts):
     _copy_pieces(src, src_offsets, dsts, False)
 
 
+# ---------------------------------------------------------------- checksums
+
+# buffers at least this long are checksummed with the GIL released
+cdef Py_ssize_t _CRC_NOGIL_BYTES = 64 * 1024
+
+
+def crc32c(data, unsigned int seed=0):
+    """The CRC-32C (Castagnoli, as iSCSI/ext4/RocksDB) of a contiguous buffer.
+    ``seed`` is the CRC of what came before (as ``zlib.crc32``): ``crc32c(b,
+    crc32c(a)) == crc32c(a + b)``. SSE4.2 instruction where the CPU has it."""
+    cdef Py_buffer view
+    cdef uint32_t out
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        if view.len >= _CRC_NOGIL_BYTES:
+            with nogil:
+                out = fpio_crc32c(seed, view.buf, view.len)
+        else:
+            out = fpio_crc32c(seed, view.buf, view.len)
+    finally:
+        PyBuffer_Release(&view)
+    return out
+
+
+def crc32c_combine(unsigned int crc1, unsigned int crc2, uint64_t len2):
+    """The CRC-32C of ``a + b`` from ``crc32c(a)``, ``crc32c(b)`` and ``len(b)``."""
+    return fpio_crc32c_combine(crc1, crc2, len2)
+
+
+def crc32c_blocks(data, Py_ssize_t block_bytes):
+    """numpy uint32 array: the CRC-32C of each ``block_bytes`` of ``data``
+    from its start (the last block shorter; one entry, 0, for empty data)."""
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+    cdef Py_buffer view
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    cdef Py_ssize_t n = view.len, nb = max(1, (n + block_bytes - 1) // block_bytes), i
+    out = np.zeros(nb, dtype=np.uint32)
+    cdef uint32_t[::1] o = out
+    cdef const char *base = <const char *>view.buf
+    try:
+        with nogil:
+            for i in range(nb):
+                if n:
+                    o[i] = fpio_crc32c(0, base + i * block_bytes, min(block_bytes, n - i * block_bytes))
+    finally:
+        PyBuffer_Release(&view)
+    return out
+
+
+def _crc32c_impl(which=None):
+    """Tests: "hw" or "sw" forces the CRC implementation (process-wide); returns
+    the one in use ("sw" where the CPU has no SSE4.2)."""
+    if which not in (None, "hw", "sw"):
+        raise ValueError(f"which must be None, 'hw' or 'sw', got {which!r}")
+    return "hw" if fpio_crc32c_impl(-1 if which is None else (1 if which == "hw" else 0)) else "sw"
+
+
 def stats():
     """Process-wide live counters: buffers, locked_bytes, engines, inflight."""
     return {"buffers": _n_buffers, "locked_bytes": _locked_bytes,
@@ -220,7 +280,9 @@ def _set_fault(str what, int err=0, long after=0):
     """Fault injection for tests. what="io": the completion after `after`
     successful ones reports -err; what="short": the next `after` completions
     report half their bytes (short transfers); what="open_direct": every open
-    with O_DIRECT fails with err (err=0 clears). what="" clears them all."""
+    with O_DIRECT fails with err (err=0 clears); what="kill": after `after`
+    completions the process sends itself signal `err` (a crash mid-save;
+    err=0 clears). what="" clears them all."""
     global _fault_open_direct
     if what == "io":
         fpio_fault_set(err, after)
@@ -228,12 +290,15 @@ def _set_fault(str what, int err=0, long after=0):
         fpio_fault_short(after)
     elif what == "open_direct":
         _fault_open_direct = err
+    elif what == "kill":
+        fpio_fault_kill(err, after)
     elif what == "":
         fpio_fault_set(0, 0)
         fpio_fault_short(0)
+        fpio_fault_kill(0, 0)
         _fault_open_direct = 0
     else:
-        raise ValueError(f"unknown fault {what!r}: valid are 'io', 'short', 'open_direct', ''")
+        raise ValueError(f"unknown fault {what!r}: valid are 'io', 'short', 'open_direct', 'kill', ''")
 
 
 # ---------------------------------------------------------------- AlignedBuffer
@@ -585,25 +650,39 @@ cdef class Engine:
 
     # -------------------------------------------------- I/O
 
-    def write(self, fds, paths, file_index, file_offset, sources, bint sync=True):
-        """Write sources[i] at file_offset[i] of fds[file_index[i]]. See docs/NATIVE.md."""
+    def write(self, fds, paths, file_index, file_offset, sources, bint sync=True, checksums=False,
+              checksum_origin=None):
+        """Write sources[i] at file_offset[i] of fds[file_index[i]]. See docs/NATIVE.md.
+        checksums=True: stats["crc32c"] holds the CRC-32C of each source; an int
+        N: of each N-byte block of each source, blocks counted from byte
+        -checksum_origin[i] of source i (default 0: from its start);
+        stats["crc32c_first"][i] is the index of source i's first CRC."""
         cdef fpio_result res
-        self._run(True, fds, paths, file_index, file_offset, sources, sync, 0, &res)
-        return {"bytes": res.bytes, "bytes_on_disk": res.bytes_io, "requests": res.requests,
-                "zero_copy_bytes": res.zc_bytes, "seconds": res.seconds}
+        out = {}
+        self._run(True, fds, paths, file_index, file_offset, sources, sync, 0, checksums,
+                  checksum_origin, out, &res)
+        stats = {"bytes": res.bytes, "bytes_on_disk": res.bytes_io, "requests": res.requests,
+                 "zero_copy_bytes": res.zc_bytes, "seconds": res.seconds}
+        stats.update(out)
+        return stats
 
     def read(self, fds, paths, file_index, file_offset, dests,
-             Py_ssize_t coalesce_gap=DEFAULT_COALESCE_GAP):
-        """Fill dests[i] from file_offset[i] of fds[file_index[i]]. See docs/NATIVE.md."""
+             Py_ssize_t coalesce_gap=DEFAULT_COALESCE_GAP, checksums=False, checksum_origin=None):
+        """Fill dests[i] from file_offset[i] of fds[file_index[i]]. See docs/NATIVE.md.
+        checksums as for write(), of what landed in each dest."""
         cdef fpio_result res
         if coalesce_gap < 0:
             raise ValueError(f"coalesce_gap must be >= 0, got {coalesce_gap}")
-        self._run(False, fds, paths, file_index, file_offset, dests, False, coalesce_gap, &res)
-        return {"bytes": res.bytes, "bytes_read": res.bytes_io, "requests": res.requests,
-                "direct_bytes": res.zc_bytes, "seconds": res.seconds}
+        out = {}
+        self._run(False, fds, paths, file_index, file_offset, dests, False, coalesce_gap, checksums,
+                  checksum_origin, out, &res)
+        stats = {"bytes": res.bytes, "bytes_read": res.bytes_io, "requests": res.requests,
+                 "direct_bytes": res.zc_bytes, "seconds": res.seconds}
+        stats.update(out)
+        return stats
 
     cdef _run(self, bint write, fds, paths, file_index, file_offset, bufs, bint sync,
-              int64_t gap, fpio_result *res):
+              int64_t gap, checksums, checksum_origin, dict out, fpio_result *res):
         bufs = list(bufs)
         cdef Py_ssize_t n = len(bufs), nfiles = len(fds), i, got = 0
         cdef const int64_t[::1] fi = _i64(file_index, "file_index")
@@ -622,6 +701,33 @@ cdef class Engine:
         cdef int qd = self.queue_depth if write else self.read_queue_depth
         cdef int64_t align = self.alignment
         cdef int rc
+        cdef int64_t crc_block = 0
+        cdef fpio_crc crc
+        cdef fpio_crc *crcp = NULL
+        cdef int64_t[::1] crc_first
+        cdef uint32_t[::1] crc_out
+        cdef const int64_t[::1] crc_org
+        cdef int64_t org
+        if checksums is True:
+            crcp = &crc
+        elif checksums is not False and checksums is not None:
+            if isinstance(checksums, bool) or not isinstance(checksums, int) or not 0 < checksums <= _MAX_BLOCK_SIZE:
+                raise ValueError(f"checksums must be False, True or a block size in bytes in "
+                                 f"[1, {_MAX_BLOCK_SIZE}], got {checksums!r}")
+            crc_block = checksums
+            crcp = &crc
+        crc.origin = NULL
+        if checksum_origin is not None:
+            if crc_block == 0:
+                raise ValueError("checksum_origin needs checksums=<block size>")
+            crc_org = _i64(checksum_origin, "checksum_origin")
+            if crc_org.shape[0] != n:
+                raise ValueError(f"{n} buffers but {crc_org.shape[0]} checksum_origin entries")
+            for i in range(n):
+                if crc_org[i] < 0:
+                    raise ValueError(f"piece {i}: checksum_origin {crc_org[i]} is negative")
+            if n:
+                crc.origin = &crc_org[0]
         self._enter()
         try:
             cfds = <int *>malloc((nfiles + 1) * sizeof(int))
@@ -657,13 +763,32 @@ cdef class Engine:
                 pieces[i].len = ln
                 pieces[i].off = o
                 pieces[i].file = <int32_t>f
+            if crcp != NULL:
+                first = np.empty(n + 1, dtype=np.int64)
+                crc_first = first
+                crc_first[0] = 0
+                for i in range(n):
+                    ln = pieces[i].len
+                    org = crc.origin[i] if crc.origin != NULL else 0
+                    crc_first[i + 1] = crc_first[i] + (
+                        1 if crc_block == 0 or ln == 0
+                        else (org + ln - 1) // crc_block - org // crc_block + 1)
+                crcs = np.zeros(crc_first[n], dtype=np.uint32)
+                crc_out = crcs
+                crc.block = crc_block
+                crc.first = &crc_first[0]
+                crc.out = &crc_out[0] if crc_first[n] > 0 else NULL
             with nogil:
                 if write:
-                    rc = fpio_write(self._e, cfds, nfiles, pieces, n, bs, qd, align, sync, res)
+                    rc = fpio_write(self._e, cfds, nfiles, pieces, n, bs, qd, align, sync, crcp, res)
                 else:
-                    rc = fpio_read(self._e, cfds, nfiles, pieces, n, bs, qd, align, gap, res)
+                    rc = fpio_read(self._e, cfds, nfiles, pieces, n, bs, qd, align, gap, crcp, res)
             if rc != 0:
                 raise _pipeline_error(res, paths, self.kind)
+            if crcp != NULL:
+                out["crc32c"] = crcs
+                if crc_block:
+                    out["crc32c_first"] = first
         finally:
             self._busy = False
             _release_all(views, got)

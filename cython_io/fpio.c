@@ -7,6 +7,7 @@
 #include <linux/aio_abi.h>
 #include <linux/io_uring.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -27,6 +28,8 @@ static long g_inflight;
 static int g_fault_err;
 static long g_fault_after;
 static long g_fault_short;
+static int g_fault_kill_sig;
+static long g_fault_kill_after;
 
 long fpio_inflight(void) { return __atomic_load_n(&g_inflight, __ATOMIC_RELAXED); }
 
@@ -41,6 +44,21 @@ void fpio_fault_short(long count)
     __atomic_store_n(&g_fault_short, count, __ATOMIC_RELEASE);
 }
 
+void fpio_fault_kill(int sig, long after)
+{
+    __atomic_store_n(&g_fault_kill_after, after, __ATOMIC_RELAXED);
+    __atomic_store_n(&g_fault_kill_sig, sig, __ATOMIC_RELEASE);
+}
+
+/* A process killed in the middle of a pipeline (crash-consistency tests). */
+static void fault_kill(void)
+{
+    int sig = __atomic_load_n(&g_fault_kill_sig, __ATOMIC_ACQUIRE);
+    if (sig == 0 || __atomic_fetch_sub(&g_fault_kill_after, 1, __ATOMIC_ACQ_REL) > 0)
+        return;
+    kill(getpid(), sig);
+}
+
 /* The errno to report for this completion instead of its result, or 0. */
 static int fault_take(void)
 {
@@ -49,6 +67,264 @@ static int fault_take(void)
     if (__atomic_fetch_sub(&g_fault_after, 1, __ATOMIC_ACQ_REL) > 0)
         return 0;
     return __atomic_exchange_n(&g_fault_err, 0, __ATOMIC_ACQ_REL);
+}
+
+/* ------------------------------------------------------------------ */
+/* CRC-32C (Castagnoli)                                                */
+/* ------------------------------------------------------------------ */
+
+/* The register-level functions (crc_reg*) take and return the raw CRC
+ * register: no pre- or post-inversion. The standard CRC-32C of a message is
+ * crc_reg(0xffffffff, msg) ^ 0xffffffff. Because the register update is
+ * linear, parts of a message may be summed in any order:
+ *     reg(i, A || B) = shift(reg(i, A), |B|) ^ reg(0, B)
+ * where shift(r, n) runs r over n zero bytes (r * x^(8n) mod P). */
+
+#define CRC32C_POLY 0x82f63b78u /* bit-reflected Castagnoli polynomial */
+#define CRC_LONG 8192           /* the three interleaved streams, long and short */
+#define CRC_SHORT 256
+
+static uint32_t crc_sw_tab[8][256]; /* slice-by-8 */
+static uint32_t crc_x2n[64];        /* x^(2^k) mod P */
+static uint32_t crc_long_tab[4][256];
+static uint32_t crc_short_tab[4][256];
+static int crc_use_hw;
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+
+/* a(x) * b(x) mod P(x), bit-reflected (bit 31 is x^0); a != 0. */
+static uint32_t multmodp(uint32_t a, uint32_t b)
+{
+    uint32_t m = 1u << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0)
+                break;
+        }
+        m >>= 1;
+        b = b & 1 ? (b >> 1) ^ CRC32C_POLY : b >> 1;
+    }
+    return p;
+}
+
+/* x^(n * 2^k) mod P */
+static uint32_t x2nmodp(uint64_t n, unsigned k)
+{
+    uint32_t p = 1u << 31; /* x^0 */
+    while (n) {
+        if (n & 1)
+            p = multmodp(crc_x2n[k & 63], p);
+        n >>= 1;
+        k++;
+    }
+    return p;
+}
+
+/* The register after running over n zero bytes. */
+static uint32_t crc_shift(uint32_t reg, uint64_t nbytes)
+{
+    return nbytes && reg ? multmodp(x2nmodp(nbytes, 3), reg) : reg;
+}
+
+static inline uint32_t crc_shift_tab(uint32_t tab[4][256], uint32_t c)
+{
+    return tab[0][c & 0xff] ^ tab[1][(c >> 8) & 0xff] ^ tab[2][(c >> 16) & 0xff] ^ tab[3][c >> 24];
+}
+
+static inline uint64_t ld64(const unsigned char *q)
+{
+    uint64_t w;
+    memcpy(&w, q, 8);
+    return w;
+}
+
+static inline void st64(unsigned char *q, uint64_t w) { memcpy(q, &w, 8); }
+
+static uint32_t crc_sw(uint32_t c, const unsigned char *p, size_t n)
+{
+    while (n && ((uintptr_t)p & 7)) {
+        c = crc_sw_tab[0][(c ^ *p++) & 0xff] ^ (c >> 8);
+        n--;
+    }
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    while (n >= 8) {
+        uint64_t w = ld64(p) ^ c;
+        c = crc_sw_tab[7][w & 0xff] ^ crc_sw_tab[6][(w >> 8) & 0xff] ^
+            crc_sw_tab[5][(w >> 16) & 0xff] ^ crc_sw_tab[4][(w >> 24) & 0xff] ^
+            crc_sw_tab[3][(w >> 32) & 0xff] ^ crc_sw_tab[2][(w >> 40) & 0xff] ^
+            crc_sw_tab[1][(w >> 48) & 0xff] ^ crc_sw_tab[0][w >> 56];
+        p += 8;
+        n -= 8;
+    }
+#endif
+    while (n--)
+        c = crc_sw_tab[0][(c ^ *p++) & 0xff] ^ (c >> 8);
+    return c;
+}
+
+/* Copy while the bytes are hot: memcpy a cache-sized piece, then run the CRC over it. */
+static uint32_t crc_sw_copy(uint32_t c, unsigned char *d, const unsigned char *p, size_t n)
+{
+    while (n) {
+        size_t k = n < 16384 ? n : 16384;
+        memcpy(d, p, k);
+        c = crc_sw(c, d, k);
+        d += k;
+        p += k;
+        n -= k;
+    }
+    return c;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define FPIO_CRC_HW 1
+/* The SSE4.2 crc32 instruction over three interleaved streams (its latency
+ * is three times its throughput), merged with the shift tables; with copy,
+ * every 8-byte word is stored to d as it is loaded: one pass over memory. */
+#define CRC_HW_BODY(COPY)                                                              \
+    while (n && ((uintptr_t)p & 7)) {                                                  \
+        if (COPY)                                                                      \
+            *d++ = *p;                                                                 \
+        c0 = __builtin_ia32_crc32qi(c0, *p++);                                         \
+        n--;                                                                           \
+    }                                                                                  \
+    CRC_HW_3WAY(COPY, CRC_LONG, crc_long_tab)                                          \
+    CRC_HW_3WAY(COPY, CRC_SHORT, crc_short_tab)                                        \
+    while (n >= 8) {                                                                   \
+        uint64_t w = ld64(p);                                                          \
+        if (COPY) {                                                                    \
+            st64(d, w);                                                                \
+            d += 8;                                                                    \
+        }                                                                              \
+        c0 = (uint32_t)__builtin_ia32_crc32di(c0, w);                                  \
+        p += 8;                                                                        \
+        n -= 8;                                                                        \
+    }                                                                                  \
+    while (n) {                                                                        \
+        if (COPY)                                                                      \
+            *d++ = *p;                                                                 \
+        c0 = __builtin_ia32_crc32qi(c0, *p++);                                         \
+        n--;                                                                           \
+    }                                                                                  \
+    return c0;
+
+#define CRC_HW_3WAY(COPY, LEN, TAB)                                                    \
+    while (n >= 3 * (LEN)) {                                                           \
+        uint32_t c1 = 0, c2 = 0;                                                       \
+        const unsigned char *end = p + (LEN);                                          \
+        do {                                                                           \
+            uint64_t w0 = ld64(p), w1 = ld64(p + (LEN)), w2 = ld64(p + 2 * (LEN));     \
+            if (COPY) {                                                                \
+                st64(d, w0);                                                           \
+                st64(d + (LEN), w1);                                                   \
+                st64(d + 2 * (LEN), w2);                                               \
+                d += 8;                                                                \
+            }                                                                          \
+            c0 = (uint32_t)__builtin_ia32_crc32di(c0, w0);                             \
+            c1 = (uint32_t)__builtin_ia32_crc32di(c1, w1);                             \
+            c2 = (uint32_t)__builtin_ia32_crc32di(c2, w2);                             \
+            p += 8;                                                                    \
+        } while (p < end);                                                             \
+        c0 = crc_shift_tab(TAB, c0) ^ c1;                                              \
+        c0 = crc_shift_tab(TAB, c0) ^ c2;                                              \
+        p += 2 * (LEN);                                                                \
+        if (COPY)                                                                      \
+            d += 2 * (LEN);                                                            \
+        n -= 3 * (LEN);                                                                \
+    }
+
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c0, const unsigned char *p, size_t n)
+{
+    unsigned char *d = NULL;
+    (void)d;
+    CRC_HW_BODY(0)
+}
+
+__attribute__((target("sse4.2"))) static uint32_t crc_hw_copy(uint32_t c0, unsigned char *d,
+                                                              const unsigned char *p, size_t n)
+{
+    CRC_HW_BODY(1)
+}
+#endif
+
+static void crc_init(void)
+{
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? (c >> 1) ^ CRC32C_POLY : c >> 1;
+        crc_sw_tab[0][n] = c;
+    }
+    for (uint32_t n = 0; n < 256; n++)
+        for (int k = 1; k < 8; k++)
+            crc_sw_tab[k][n] = (crc_sw_tab[k - 1][n] >> 8) ^ crc_sw_tab[0][crc_sw_tab[k - 1][n] & 0xff];
+    uint32_t p = 1u << 30; /* x^1 */
+    crc_x2n[0] = p;
+    for (int k = 1; k < 64; k++)
+        crc_x2n[k] = p = multmodp(p, p);
+    uint32_t opl = x2nmodp(CRC_LONG, 3), ops = x2nmodp(CRC_SHORT, 3);
+    for (uint32_t n = 0; n < 256; n++)
+        for (int k = 0; k < 4; k++) {
+            crc_long_tab[k][n] = multmodp(opl, n << (8 * k));
+            crc_short_tab[k][n] = multmodp(ops, n << (8 * k));
+        }
+#ifdef FPIO_CRC_HW
+    __builtin_cpu_init();
+    crc_use_hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+#endif
+}
+
+static inline void crc_ready(void) { pthread_once(&crc_once, crc_init); }
+
+static uint32_t crc_reg(uint32_t c, const void *p, size_t n)
+{
+#ifdef FPIO_CRC_HW
+    if (crc_use_hw)
+        return crc_hw(c, p, n);
+#endif
+    return crc_sw(c, p, n);
+}
+
+static uint32_t crc_reg_copy(uint32_t c, void *d, const void *p, size_t n)
+{
+#ifdef FPIO_CRC_HW
+    if (crc_use_hw)
+        return crc_hw_copy(c, d, p, n);
+#endif
+    return crc_sw_copy(c, d, p, n);
+}
+
+uint32_t fpio_crc32c(uint32_t crc, const void *buf, size_t len)
+{
+    crc_ready();
+    return crc_reg(crc ^ 0xffffffffu, buf, len) ^ 0xffffffffu;
+}
+
+uint32_t fpio_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t len)
+{
+    crc_ready();
+    return crc_reg_copy(crc ^ 0xffffffffu, dst, src, len) ^ 0xffffffffu;
+}
+
+uint32_t fpio_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)
+{
+    crc_ready();
+    return crc_shift(crc1, len2) ^ crc2;
+}
+
+int fpio_crc32c_impl(int want)
+{
+    crc_ready();
+#ifdef FPIO_CRC_HW
+    if (want == 0)
+        crc_use_hw = 0;
+    else if (want == 1 && __builtin_cpu_supports("sse4.2"))
+        crc_use_hw = 1;
+    return crc_use_hw;
+#else
+    (void)want;
+    return 0;
+#endif
 }
 
 /* ------------------------------------------------------------------ */
@@ -72,6 +348,8 @@ typedef struct fpio_req {
     int64_t reached;           /* file offset reached so far */
     int slot;                  /* bounce slot, -1 when zero-copy */
     int file;
+    int64_t piece;             /* zero-copy read: the piece it fills (-1: none) ... */
+    int64_t ppos;              /* ... from this byte of the piece */
     int stalls;                /* attempts in a row that moved nothing new */
 } fpio_req;
 
@@ -84,6 +362,8 @@ typedef struct {
     char *dst;
     int64_t woff;
     int64_t len;
+    int64_t piece;             /* the piece and the byte of it that dst is */
+    int64_t ppos;
 } fpio_seg;
 
 typedef struct {
@@ -171,11 +451,11 @@ static int aio_submit(fpio_engine *e, fpio_req *r)
     }
 }
 
-static int aio_reap(fpio_engine *e, int min_nr)
+static int aio_reap(fpio_engine *e, int min_nr, int max_nr)
 {
     long n;
     for (;;) {
-        n = syscall(SYS_io_getevents, e->aio_ctx, (long)min_nr, (long)e->qd_max, e->events, NULL);
+        n = syscall(SYS_io_getevents, e->aio_ctx, (long)min_nr, (long)max_nr, e->events, NULL);
         if (n >= 0)
             break;
         if (errno != EINTR)
@@ -325,13 +605,13 @@ static int uring_submit(fpio_engine *e, fpio_req *r)
     return 0;
 }
 
-static int uring_reap(fpio_engine *e, int min_nr)
+static int uring_reap(fpio_engine *e, int min_nr, int max_nr)
 {
     for (;;) {
         unsigned head = *e->cq_head;
         unsigned tail = __atomic_load_n(e->cq_tail, __ATOMIC_ACQUIRE);
         int n = 0;
-        while (head != tail && n < e->qd_max) {
+        while (head != tail && n < max_nr) {
             struct io_uring_cqe *cqe = &e->cqes[head & *e->cq_mask];
             fpio_req *r = (fpio_req *)(uintptr_t)cqe->user_data;
             r->res = cqe->res;
@@ -443,13 +723,13 @@ static int threads_submit(fpio_engine *e, fpio_req *r)
     return 0;
 }
 
-static int threads_reap(fpio_engine *e, int min_nr)
+static int threads_reap(fpio_engine *e, int min_nr, int max_nr)
 {
     int n = 0;
     pthread_mutex_lock(&e->mu);
     while (!e->cq_first && min_nr > 0)
         pthread_cond_wait(&e->cv_done, &e->mu);
-    while (e->cq_first && n < e->qd_max) {
+    while (e->cq_first && n < max_nr) {
         fpio_req *r = e->cq_first;
         e->cq_first = r->next;
         e->done[n++] = r;
@@ -471,13 +751,13 @@ static int be_submit(fpio_engine *e, fpio_req *r)
     }
 }
 
-/* Completed requests land in e->done[0..n); returns n or -errno. */
-static int be_reap(fpio_engine *e, int min_nr)
+/* At most max_nr completed requests land in e->done[0..n); returns n or -errno. */
+static int be_reap(fpio_engine *e, int min_nr, int max_nr)
 {
     switch (e->kind) {
-    case FPIO_AIO: return aio_reap(e, min_nr);
-    case FPIO_URING: return uring_reap(e, min_nr);
-    default: return threads_reap(e, min_nr);
+    case FPIO_AIO: return aio_reap(e, min_nr, max_nr);
+    case FPIO_URING: return uring_reap(e, min_nr, max_nr);
+    default: return threads_reap(e, min_nr, max_nr);
     }
 }
 
@@ -548,6 +828,11 @@ void fpio_engine_close(fpio_engine *e)
 /* ------------------------------------------------------------------ */
 
 typedef struct {
+    int64_t piece, ppos, len;
+    const char *ptr;
+} fpio_todo;
+
+typedef struct {
     fpio_engine *e;
     int write;
     const int *fds;
@@ -562,7 +847,79 @@ typedef struct {
     int cur;                  /* slot, -1 when none */
     int wfile;
     int64_t ws, wend;
+    /* checksums (NULL: off), and the CRC run being extended */
+    const fpio_crc *crc;
+    const fpio_piece *pieces;
+    int64_t cp_idx;           /* entry of crc->out, -1 when none */
+    int64_t cp_pos, cp_bend;  /* where the run stopped in its piece; its block's end */
+    uint32_t cp_reg;
+    /* zero-copy reads that landed and wait for their checksum (a FIFO ring) */
+    fpio_todo *todo;
+    int ntodo, todo_head, todo_cap;
 } pctx;
+
+/* Fold the open CRC run into its entry: shifted over the rest of its block
+ * (the parts of a block may complete in any order; see the CRC section). */
+static void crc_flush(pctx *c)
+{
+    if (c->cp_idx < 0)
+        return;
+    c->crc->out[c->cp_idx] ^= crc_shift(c->cp_reg, (uint64_t)(c->cp_bend - c->cp_pos));
+    c->cp_idx = -1;
+}
+
+/* Checksum `len` bytes of piece `piece` from its byte `pos`, read at `src`;
+ * with dst, copying them there in the same pass. */
+static void crc_part(pctx *c, int64_t piece, int64_t pos, char *dst, const char *src, int64_t len)
+{
+    const fpio_crc *k = c->crc;
+    int64_t plen = c->pieces[piece].len;
+    int64_t bsz = k->block > 0 ? k->block : plen;
+    int64_t org = k->block > 0 && k->origin ? k->origin[piece] : 0;
+    while (len > 0) {
+        /* the piece's byte pos is byte pos + org of the grid of blocks */
+        int64_t gb = (pos + org) / bsz;
+        int64_t bstart = gb * bsz - org, bend = bstart + bsz;
+        if (bstart < 0)
+            bstart = 0;
+        if (bend > plen)
+            bend = plen;
+        int64_t n = bend - pos < len ? bend - pos : len;
+        int64_t idx = k->first[piece] + gb - org / bsz;
+        uint32_t reg;
+        if (c->cp_idx == idx && c->cp_pos == pos) {
+            reg = c->cp_reg;
+        } else {
+            crc_flush(c);
+            reg = pos == bstart ? 0xffffffffu : 0;
+        }
+        reg = dst ? crc_reg_copy(reg, dst, src, (size_t)n) : crc_reg(reg, src, (size_t)n);
+        c->cp_idx = idx;
+        c->cp_pos = pos + n;
+        c->cp_bend = bend;
+        c->cp_reg = reg;
+        pos += n;
+        src += n;
+        if (dst)
+            dst += n;
+        len -= n;
+    }
+}
+
+/* After the last part: the standard CRC-32C of each block (0 for an empty piece). */
+static void crc_finish(pctx *c, int64_t npieces)
+{
+    crc_flush(c);
+    const fpio_crc *k = c->crc;
+    for (int64_t i = 0; i < npieces; i++) {
+        if (c->pieces[i].len == 0) {
+            k->out[k->first[i]] = 0;
+            continue;
+        }
+        for (int64_t j = k->first[i]; j < k->first[i + 1]; j++)
+            k->out[j] ^= 0xffffffffu;
+    }
+}
 
 static double now_s(void)
 {
@@ -599,6 +956,11 @@ static void scatter(pctx *c, fpio_req *r)
 {
     fpio_segs *s = &c->e->segs[r->slot];
     char *src = c->e->slots[r->slot];
+    if (c->crc) {
+        for (int64_t i = 0; i < s->n; i++)
+            crc_part(c, s->v[i].piece, s->v[i].ppos, s->v[i].dst, src + s->v[i].woff, s->v[i].len);
+        return;
+    }
     for (int64_t i = 0; i < s->n; i++)
         memcpy(s->v[i].dst, src + s->v[i].woff, (size_t)s->v[i].len);
 }
@@ -609,6 +971,7 @@ static int submit_req(pctx *c, fpio_req *r);
 static void on_complete(pctx *c, fpio_req *r)
 {
     int64_t res = r->res;
+    fault_kill();
     int ferr = fault_take();
     if (ferr)
         res = -ferr;
@@ -640,8 +1003,20 @@ static void on_complete(pctx *c, fpio_req *r)
         return;
     }
     if (r->reached >= r->need_end) {
-        if (!r->write && r->slot >= 0 && !c->res->err)
-            scatter(c, r);
+        if (!r->write && !c->res->err) {
+            if (r->slot >= 0)
+                scatter(c, r);
+            else if (c->crc && r->piece >= 0 && c->ntodo < c->todo_cap) {
+                /* landed in the piece: checksum it later, while the queue is full */
+                fpio_todo *t = &c->todo[(c->todo_head + c->ntodo++) % c->todo_cap];
+                t->piece = r->piece;
+                t->ppos = r->ppos;
+                t->ptr = r->base;
+                t->len = r->full;
+            } else if (c->crc && r->piece >= 0) {
+                crc_part(c, r->piece, r->ppos, NULL, r->base, r->full);
+            }
+        }
         release(c, r);
         return;
     }
@@ -663,12 +1038,39 @@ static void on_complete(pctx *c, fpio_req *r)
     submit_req(c, r);
 }
 
+static int pump(pctx *c, int min_nr);
+
+/* The oldest pending checksum of a zero-copy read. */
+static void todo_one(pctx *c)
+{
+    fpio_todo *t = &c->todo[c->todo_head];
+    c->todo_head = (c->todo_head + 1) % c->todo_cap;
+    c->ntodo--;
+    if (!c->res->err)
+        crc_part(c, t->piece, t->ppos, NULL, t->ptr, t->len);
+}
+
+/* Wait for a completion; pending checksums are computed first, while the
+ * requests in flight keep the device busy. */
+static int wait_one(pctx *c)
+{
+    if (c->ntodo > 0) {
+        todo_one(c);
+        return pump(c, 0);
+    }
+    return pump(c, 1);
+}
+
 /* Reap at least `min_nr` completions (when any are in flight) and handle them. */
 static int pump(pctx *c, int min_nr)
 {
     if (c->inflight == 0)
         return 0;
-    int n = be_reap(c->e, min_nr);
+    /* A read's completion carries work (the copy out of its bounce buffer, a
+     * checksum): take one at a time, so that the caller submits the next
+     * request before the next copy instead of after a whole batch of them
+     * (the queue would run dry while the batch is copied). */
+    int n = be_reap(c->e, min_nr, c->write ? c->e->qd_max : 1);
     if (n < 0) {
         /* cannot reap: the requests in flight are lost to us */
         set_err(c, -n, -1, "reap", 0, 0);
@@ -709,10 +1111,11 @@ static int submit_req(pctx *c, fpio_req *r)
 }
 
 /* Issue one request once fewer than qd are in flight. */
-static int issue(pctx *c, int file, char *buf, int64_t off, int64_t len, int64_t need_end, int slot)
+static int issue(pctx *c, int file, char *buf, int64_t off, int64_t len, int64_t need_end, int slot,
+                 int64_t piece, int64_t ppos)
 {
     while (c->inflight >= c->qd && !c->res->err)
-        if (pump(c, 1) < 0)
+        if (wait_one(c) < 0)
             break;
     if (c->res->err) {
         if (slot >= 0)
@@ -731,6 +1134,8 @@ static int issue(pctx *c, int file, char *buf, int64_t off, int64_t len, int64_t
     r->reached = off;
     r->stalls = 0;
     r->slot = slot;
+    r->piece = piece;
+    r->ppos = ppos;
     r->res = 0;
     if (c->write)
         c->res->bytes_io += len;
@@ -744,7 +1149,7 @@ static int get_slot(pctx *c)
             set_err(c, EINVAL, -1, "bounce pool exhausted", 0, 0);
             break;
         }
-        if (pump(c, 1) < 0)
+        if (wait_one(c) < 0)
             break;
     }
     if (c->res->err)
@@ -764,9 +1169,9 @@ static int flush_window(pctx *c)
     int64_t len = align_up(used, c->A);
     if (c->write) {
         memset(buf + used, 0, (size_t)(len - used));
-        return issue(c, c->wfile, buf, c->ws, len, c->ws + len, slot);
+        return issue(c, c->wfile, buf, c->ws, len, c->ws + len, slot, -1, 0);
     }
-    return issue(c, c->wfile, buf, c->ws, len, c->wend, slot);
+    return issue(c, c->wfile, buf, c->ws, len, c->wend, slot, -1, 0);
 }
 
 static int open_window(pctx *c, int file, int64_t off)
@@ -782,7 +1187,7 @@ static int open_window(pctx *c, int file, int64_t off)
     return 0;
 }
 
-static int add_seg(pctx *c, char *dst, int64_t woff, int64_t len)
+static int add_seg(pctx *c, char *dst, int64_t woff, int64_t len, int64_t piece, int64_t ppos)
 {
     fpio_segs *s = &c->e->segs[c->cur];
     if (s->n == s->cap) {
@@ -798,6 +1203,8 @@ static int add_seg(pctx *c, char *dst, int64_t woff, int64_t len)
     s->v[s->n].dst = dst;
     s->v[s->n].woff = woff;
     s->v[s->n].len = len;
+    s->v[s->n].piece = piece;
+    s->v[s->n].ppos = ppos;
     s->n++;
     return 0;
 }
@@ -805,7 +1212,7 @@ static int add_seg(pctx *c, char *dst, int64_t woff, int64_t len)
 /* Pieces whose memory and offset are aligned and that span at least a block
  * go straight between the caller's memory and the file, block by block;
  * returns the number of bytes so handled (a multiple of A). */
-static int64_t direct_body(pctx *c, const fpio_piece *p)
+static int64_t direct_body(pctx *c, const fpio_piece *p, int64_t i)
 {
     if (p->len < c->B || (uintptr_t)p->ptr % (uintptr_t)c->A || p->off % c->A)
         return 0;
@@ -814,16 +1221,18 @@ static int64_t direct_body(pctx *c, const fpio_piece *p)
     int64_t body = align_down(p->len, c->A);
     for (int64_t pos = 0; pos < body; pos += c->B) {
         int64_t n = body - pos < c->B ? body - pos : c->B;
-        if (issue(c, p->file, p->ptr + pos, p->off + pos, n, p->off + pos + n, -1) < 0)
+        if (issue(c, p->file, p->ptr + pos, p->off + pos, n, p->off + pos + n, -1, i, pos) < 0)
             return -1;
+        if (c->write && c->crc)  /* on the source, while the request is in flight */
+            crc_part(c, i, pos, NULL, p->ptr + pos, n);
     }
     c->res->zc_bytes += body;
     return body;
 }
 
-static int write_piece(pctx *c, const fpio_piece *p)
+static int write_piece(pctx *c, const fpio_piece *p, int64_t i)
 {
-    int64_t done = direct_body(c, p);
+    int64_t done = direct_body(c, p, i);
     if (done < 0)
         return -1;
     const char *src = p->ptr + done;
@@ -839,7 +1248,10 @@ static int write_piece(pctx *c, const fpio_piece *p)
         int64_t k = c->ws + c->B - off;
         if (k > n)
             k = n;
-        memcpy(buf + (off - c->ws), src, (size_t)k);
+        if (c->crc)  /* fused with the copy: one pass over the bytes */
+            crc_part(c, i, src - p->ptr, buf + (off - c->ws), src, k);
+        else
+            memcpy(buf + (off - c->ws), src, (size_t)k);
         c->wend = off + k;
         src += k;
         off += k;
@@ -850,9 +1262,9 @@ static int write_piece(pctx *c, const fpio_piece *p)
     return 0;
 }
 
-static int read_piece(pctx *c, const fpio_piece *p)
+static int read_piece(pctx *c, const fpio_piece *p, int64_t i)
 {
-    int64_t done = direct_body(c, p);
+    int64_t done = direct_body(c, p, i);
     if (done < 0)
         return -1;
     char *dst = p->ptr + done;
@@ -866,7 +1278,7 @@ static int read_piece(pctx *c, const fpio_piece *p)
         int64_t k = c->ws + c->B - off;
         if (k > n)
             k = n;
-        if (add_seg(c, dst, off - c->ws, k) < 0)
+        if (add_seg(c, dst, off - c->ws, k, i, dst - p->ptr) < 0)
             return -1;
         if (off + k > c->wend)
             c->wend = off + k;
@@ -923,7 +1335,7 @@ static int presize(pctx *c, int nfiles, const fpio_piece *pieces, int64_t npiece
 
 static int run(fpio_engine *e, int write, const int *fds, int nfiles, const fpio_piece *pieces,
                int64_t npieces, int64_t bs, int qd, int64_t align, int64_t gap, int sync,
-               fpio_result *res)
+               const fpio_crc *crc, fpio_result *res)
 {
     double t0 = now_s();
     memset(res, 0, sizeof(*res));
@@ -943,7 +1355,16 @@ static int run(fpio_engine *e, int write, const int *fds, int nfiles, const fpio
     pctx c = {
         .e = e, .write = write, .fds = fds, .A = align, .B = bs, .gap = gap, .qd = qd,
         .free_slots = free_slots, .nfree_slots = e->nslots, .res = res, .cur = -1, .wfile = -1,
+        .crc = crc, .pieces = pieces, .cp_idx = -1,
     };
+    fpio_todo todo_ring[64];
+    if (crc) {
+        crc_ready();
+        if (!write) {
+            c.todo = todo_ring;
+            c.todo_cap = 64;
+        }
+    }
     for (int i = 0; i < e->nslots; i++)
         free_slots[i] = e->nslots - 1 - i;
     c.free_reqs = NULL;
@@ -962,7 +1383,7 @@ static int run(fpio_engine *e, int write, const int *fds, int nfiles, const fpio
         if (p->file != c.wfile && flush_window(&c) < 0)
             break;
         c.wfile = p->file;
-        if ((write ? write_piece(&c, p) : read_piece(&c, p)) < 0)
+        if ((write ? write_piece(&c, p, i) : read_piece(&c, p, i)) < 0)
             break;
     }
     if (!res->err)
@@ -972,8 +1393,10 @@ static int run(fpio_engine *e, int write, const int *fds, int nfiles, const fpio
         c.cur = -1;
     }
     while (c.inflight > 0)
-        if (pump(&c, 1) < 0)
+        if (wait_one(&c) < 0)
             break;
+    while (c.ntodo > 0)
+        todo_one(&c);
 
     if (write && sync && !res->err) {
         for (int f = 0; f < nfiles; f++) {
@@ -987,22 +1410,24 @@ static int run(fpio_engine *e, int write, const int *fds, int nfiles, const fpio
             }
         }
     }
+    if (crc && !res->err)
+        crc_finish(&c, npieces);
     res->seconds = now_s() - t0;
     return res->err ? -1 : 0;
 }
 
 int fpio_write(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
                int64_t npieces, int64_t block_size, int qd, int64_t align, int sync,
-               fpio_result *res)
+               const fpio_crc *crc, fpio_result *res)
 {
-    return run(e, 1, fds, nfiles, pieces, npieces, block_size, qd, align, 0, sync, res);
+    return run(e, 1, fds, nfiles, pieces, npieces, block_size, qd, align, 0, sync, crc, res);
 }
 
 int fpio_read(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
               int64_t npieces, int64_t block_size, int qd, int64_t align, int64_t gap,
-              fpio_result *res)
+              const fpio_crc *crc, fpio_result *res)
 {
-    return run(e, 0, fds, nfiles, pieces, npieces, block_size, qd, align, gap, 0, res);
+    return run(e, 0, fds, nfiles, pieces, npieces, block_size, qd, align, gap, 0, crc, res);
 }
 
 /* ------------------------------------------------------------------ */

@@ -54,15 +54,43 @@ int fpio_engine_open(int kind, int qd_max, int nthreads, char **slots, int nslot
                      int64_t slot_size, fpio_engine **out, const char **why);
 void fpio_engine_close(fpio_engine *e);
 
+/* Checksums a pipeline computes while the bytes pass (NULL: none). Piece i
+ * owns out[first[i] .. first[i + 1]): block 0: one CRC-32C for the whole
+ * piece; block > 0: the piece's first byte is byte origin[i] (0 when origin is
+ * NULL) of a grid of `block`-byte blocks, and each entry is the CRC-32C of the
+ * piece's bytes in one block of the grid, in order (the first and last may be
+ * partial blocks). An empty piece has one entry, 0. `out` must be zeroed; it
+ * is complete when the pipeline returns 0. Writes checksum the source (fused
+ * with the bounce copy, or while a zero-copy request is in flight); reads
+ * checksum what landed in each piece (fused with the copy out of the bounce
+ * buffer, or after a zero-copy request completes, while others are in flight). */
+typedef struct {
+    int64_t block;
+    const int64_t *origin;
+    const int64_t *first;
+    uint32_t *out;
+} fpio_crc;
+
 /* Pipelines (call without the GIL). Pieces sorted by (file, off); for writes
  * they do not overlap. block_size: multiple of align, <= slot_size;
  * qd <= qd_max. Return 0 or -1 (details in *res). */
 int fpio_write(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
                int64_t npieces, int64_t block_size, int qd, int64_t align, int sync,
-               fpio_result *res);
+               const fpio_crc *crc, fpio_result *res);
 int fpio_read(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
               int64_t npieces, int64_t block_size, int qd, int64_t align, int64_t gap,
-              fpio_result *res);
+              const fpio_crc *crc, fpio_result *res);
+
+/* CRC-32C (Castagnoli; the SSE4.2 instruction where the CPU has it, else
+ * slice-by-8 tables). `crc` is the CRC of what came before (0 to start), as
+ * zlib's crc32(). _copy also copies src to dst in the same pass. */
+uint32_t fpio_crc32c(uint32_t crc, const void *buf, size_t len);
+uint32_t fpio_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t len);
+/* The CRC of A || B from crc(A), crc(B) and |B|. */
+uint32_t fpio_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
+/* Tests: want 0 = tables, 1 = hardware (if the CPU has it), -1 = ask.
+ * Returns 1 when the hardware path is in use. */
+int fpio_crc32c_impl(int want);
 
 /* Process-wide count of requests in flight (for leak tests). */
 long fpio_inflight(void);
@@ -73,6 +101,9 @@ void fpio_fault_set(int err, long after);
 /* ... and the next `count` completions report only half their bytes (a short
  * write/read the pipeline must continue from). */
 void fpio_fault_short(long count);
+/* ... and after `after` more completions, send the process signal `sig`
+ * (SIGKILL: a crash in the middle of a save). sig == 0 clears. */
+void fpio_fault_kill(int sig, long after);
 
 /* statx(STATX_DIOALIGN) on a path: fills mem/off with the kernel's answer
  * (0 when the kernel or file system does not report one). Returns 0 or -errno. */

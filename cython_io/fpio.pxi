@@ -1,5 +1,5 @@
 # Declarations only: the C core (fpio.h) and the few libc calls _aio.pyx makes itself.
-from libc.stdint cimport int32_t, int64_t, uint32_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
 
 cdef extern from "fpio.h" nogil:
     enum:
@@ -33,15 +33,26 @@ cdef extern from "fpio.h" nogil:
     int fpio_engine_open(int kind, int qd_max, int nthreads, char **slots, int nslots,
                          int64_t slot_size, fpio_engine **out, const char **why)
     void fpio_engine_close(fpio_engine *e)
+    ctypedef struct fpio_crc:
+        int64_t block
+        const int64_t *origin
+        const int64_t *first
+        uint32_t *out
+
     int fpio_write(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
                    int64_t npieces, int64_t block_size, int qd, int64_t align, int sync,
-                   fpio_result *res)
+                   const fpio_crc *crc, fpio_result *res)
     int fpio_read(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
                   int64_t npieces, int64_t block_size, int qd, int64_t align, int64_t gap,
-                  fpio_result *res)
+                  const fpio_crc *crc, fpio_result *res)
+    uint32_t fpio_crc32c(uint32_t crc, const void *buf, size_t len)
+    uint32_t fpio_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t len)
+    uint32_t fpio_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)
+    int fpio_crc32c_impl(int want)
     long fpio_inflight()
     void fpio_fault_set(int err, long after)
     void fpio_fault_short(long count)
+    void fpio_fault_kill(int sig, long after)
     int fpio_dioalign(const char *path, uint32_t *mem, uint32_t *off)
     void fpio_copy_many(char *const *dst, char *const *src, const int64_t *len, int64_t n)
 

@@ -43,11 +43,11 @@ def random_bytes(rng, n):
     return rng.integers(0, 256, size=n, dtype=np.uint8)
 
 
-def write_files(eng, paths, layout, sources, sync=True, direct=None):
+def write_files(eng, paths, layout, sources, sync=True, direct=None, **kw):
     """layout: list of (file, offset); writes and closes; returns stats."""
     fds = [eng.open(p, "w", direct=direct) for p in paths]
     try:
-        return eng.write(fds, paths, [f for f, _ in layout], [o for _, o in layout], sources,
+        return eng.write(fds, paths, [f for f, _ in layout], [o for _, o in layout], sources, **kw,
                          sync=sync)
     finally:
         for fd in fds:
@@ -591,3 +591,202 @@ def test_one_engine_one_thread(kind, tmp_path, big_source):
         write_files(eng, [small], [(0, 0)], [b"x"])  # free again
     finally:
         eng.close()
+
+
+# ------------------------------------------------------------------ checksums
+
+def crc32c_ref(data, crc=0):
+    """Bit-at-a-time CRC-32C, the definition."""
+    crc ^= 0xFFFFFFFF
+    for b in bytes(data):
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+@pytest.fixture(params=["hw", "sw"])
+def crc_impl(request):
+    before = _aio._crc32c_impl()
+    got = _aio._crc32c_impl(request.param)
+    if got != request.param:
+        _aio._crc32c_impl(before)
+        pytest.skip(f"no {request.param} CRC-32C on this CPU")
+    yield got
+    _aio._crc32c_impl(before)
+
+
+def test_crc32c_known_values(crc_impl):
+    # RFC 3720 (iSCSI) B.4 and the usual check value
+    assert _aio.crc32c(b"123456789") == 0xE3069283
+    assert _aio.crc32c(bytes(32)) == 0x8A9136AA
+    assert _aio.crc32c(b"\xff" * 32) == 0x62A8AB43
+    assert _aio.crc32c(bytes(range(32))) == 0x46DD794E
+    assert _aio.crc32c(b"") == 0
+
+
+def test_crc32c_lengths_alignments_seeds_and_combine(crc_impl):
+    """Every length around the interleaved strides (3 x 256, 3 x 8192), every
+    start address mod 8: the same as the definition; seeds chain; combine
+    joins; blocks cut."""
+    rng = np.random.default_rng(9)
+    data = random_bytes(rng, 3 * 8192 * 2 + 300).tobytes()
+    for n in [0, 1, 7, 8, 9, 255, 256, 767, 768, 769, 800, 24575, 24576, 24577, 49200]:
+        for off in range(8):
+            chunk = data[off:off + n]
+            got = _aio.crc32c(memoryview(data)[off:off + n])
+            if n < 2000 or off == 0:  # the definition is slow
+                assert got == crc32c_ref(chunk), (n, off)
+            a = n // 3
+            assert _aio.crc32c(chunk[a:], _aio.crc32c(chunk[:a])) == got
+            assert _aio.crc32c_combine(_aio.crc32c(chunk[:a]), _aio.crc32c(chunk[a:]), n - a) == got
+    assert _aio.crc32c(data) == crc32c_ref(data)
+    blocks = _aio.crc32c_blocks(data, 1000)
+    assert blocks.dtype == np.uint32 and len(blocks) == -(-len(data) // 1000)
+    assert [int(c) for c in blocks] == [_aio.crc32c(data[i:i + 1000]) for i in range(0, len(data), 1000)]
+    assert list(_aio.crc32c_blocks(b"", 10)) == [0]
+    with pytest.raises(ValueError):
+        _aio.crc32c_blocks(data, 0)
+
+
+def test_crc32c_implementations_agree():
+    rng = np.random.default_rng(10)
+    data = np.empty((5 << 20) + 8, np.uint8)[3:]  # odd start, over 3 x 8 KiB many times
+    data[:] = random_bytes(rng, len(data))
+    before = _aio._crc32c_impl()
+    try:
+        got = {impl: _aio.crc32c(data) for impl in ("sw", "hw") if _aio._crc32c_impl(impl) == impl}
+    finally:
+        _aio._crc32c_impl(before)
+    assert len(set(got.values())) == 1, got
+
+
+def expected_crcs(sources, block, origins=None):
+    """What Engine.write/read(checksums=block, checksum_origin=origins) report."""
+    out = []
+    for i, s in enumerate(sources):
+        mv = memoryview(s).cast("B")
+        n = len(mv)
+        if block is True:
+            out.append(_aio.crc32c(mv))
+            continue
+        o = 0 if origins is None else origins[i]
+        if n == 0:
+            out.append(0)
+            continue
+        for g in range(o // block, (o + n - 1) // block + 1):
+            out.append(_aio.crc32c(mv[max(g * block - o, 0):min((g + 1) * block - o, n)]))
+    return np.array(out, dtype=np.uint32)
+
+
+@HYP
+@given(files=piece_layouts(), seed=st.integers(0, 2**32 - 1),
+       block=st.sampled_from([True, 1, 100, A, 3 * A + 5, B, 1 << 20]),
+       with_origin=st.booleans(), short=st.integers(0, 3))
+def test_pipeline_checksums(kind, tmp_path, files, seed, block, with_origin, short):
+    """The CRCs a write computes on the fly (fused with the bounce copy, or on
+    the source of zero-copy requests) and those a read computes on what
+    landed (fused with the copy out, or after a zero-copy request) equal the
+    CRCs of the sources, per piece or per block of a grid, through short
+    transfers too."""
+    rng = np.random.default_rng(seed)
+    layout, sources, expected = build(rng, files)
+    origins = None
+    if with_origin and block is not True:
+        origins = [int(x) for x in rng.integers(0, 3 * block + 7, len(sources))]
+    want = expected_crcs(sources, block, origins)
+    paths = [str(tmp_path / f"c{i}") for i in range(len(files))]
+    with small_engine(kind) as eng:
+        _aio._set_fault("short", after=short)
+        ws = write_files(eng, paths, layout, sources, checksums=block, checksum_origin=origins)
+        assert np.array_equal(ws["crc32c"], want)
+        if block is not True:
+            first = ws["crc32c_first"]
+            assert first[0] == 0 and first[-1] == len(want) and len(first) == len(sources) + 1
+        for p, exp in zip(paths, expected):
+            assert open(p, "rb").read() == exp
+        dests = []
+        for s in sources:
+            n = len(memoryview(s).cast("B"))
+            dests.append(_aio.AlignedBuffer(n, A) if rng.integers(0, 2) else np.empty(n + 1, np.uint8)[1:])
+        _aio._set_fault("short", after=short)
+        rs = read_files(eng, paths, layout, dests, checksums=block, checksum_origin=origins)
+        _aio._set_fault("")
+        assert np.array_equal(rs["crc32c"], want)
+        for d, s in zip(dests, sources):
+            assert bytes(memoryview(d)) == bytes(memoryview(s).cast("B"))
+
+
+def test_checksums_default_engine_many_pieces(kind, tmp_path):
+    """Default geometry (4 MiB requests, reads taken one completion at a
+    time): thousands of pieces, zero-copy and packed, all checksummed."""
+    rng = np.random.default_rng(11)
+    layout, sources, _ = build(rng, [
+        [(0, 9 << 20, 2)] + [(int(g), int(n), 0) for g, n in
+                             zip(rng.integers(0, 64, 2000), rng.integers(1, 3000, 2000))]
+        + [(5, (5 << 20) + 3, 2)],
+    ])
+    path = str(tmp_path / "m")
+    with _aio.Engine(kind) as eng:
+        ws = write_files(eng, [path], layout, sources, checksums=1 << 20)
+        assert np.array_equal(ws["crc32c"], expected_crcs(sources, 1 << 20))
+        dests = [np.empty(len(memoryview(s).cast("B")), np.uint8) for s in sources]
+        rs = read_files(eng, [path], layout, dests, checksums=True)
+        assert np.array_equal(rs["crc32c"], expected_crcs(sources, True))
+        assert "crc32c_first" not in rs
+        assert "crc32c" not in read_files(eng, [path], layout, dests)  # off by default
+
+
+def test_checksum_arguments(kind, tmp_path):
+    p = str(tmp_path / "a")
+    with small_engine(kind) as eng:
+        for bad in (0, -4, "x", 1.5, 2**40):
+            with pytest.raises(ValueError, match="checksums must be"):
+                write_files(eng, [p], [(0, 0)], [b"abc"], checksums=bad)
+        with pytest.raises(ValueError, match="checksum_origin needs"):
+            write_files(eng, [p], [(0, 0)], [b"abc"], checksums=True, checksum_origin=[0])
+        with pytest.raises(ValueError, match="1 buffers but 2 checksum_origin"):
+            write_files(eng, [p], [(0, 0)], [b"abc"], checksums=8, checksum_origin=[0, 1])
+        with pytest.raises(ValueError, match="negative"):
+            write_files(eng, [p], [(0, 0)], [b"abc"], checksums=8, checksum_origin=[-1])
+        ws = write_files(eng, [p], [(0, 0), (0, 10)], [b"", b"abc"], checksums=2)
+        assert list(ws["crc32c"]) == [0, _aio.crc32c(b"ab"), _aio.crc32c(b"c")]
+        assert list(ws["crc32c_first"]) == [0, 1, 3]
+
+
+def test_failed_call_with_checksums_leaves_the_engine_usable(kind, tmp_path):
+    data = np.arange(20 * B, dtype=np.uint8)[1:]
+    path = str(tmp_path / "e")
+    with small_engine(kind) as eng:
+        write_files(eng, [path], [(0, 0)], [data])
+        _aio._set_fault("io", errno.EIO, after=5)
+        with pytest.raises(OSError) as ei:
+            read_files(eng, [path], [(0, 0)], [_aio.AlignedBuffer(len(data), A)], checksums=A)
+        assert ei.value.errno == errno.EIO and ei.value.filename == path
+        assert _aio.stats()["inflight"] == 0
+        out = np.empty(len(data), np.uint8)
+        rs = read_files(eng, [path], [(0, 0)], [out], checksums=True)
+        assert int(rs["crc32c"][0]) == _aio.crc32c(data)
+
+
+def test_kill_fault_kills_mid_pipeline(tmp_path):
+    """_set_fault("kill", SIGKILL, after=n): the process dies in the middle of
+    a write, with requests in flight (used by the crash-consistency tests)."""
+    import signal
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "k")
+    code = (
+        "import numpy as np, os\n"
+        "from fp_dcp import _aio\n"
+        "e = _aio.Engine('auto', queue_depth=4, block_size=1 << 20)\n"
+        f"fd = e.open({path!r}, 'w')\n"
+        "_aio._set_fault('kill', 9, after=3)\n"
+        "e.write([fd], ['k'], [0], [0], [np.ones(32 << 20, np.uint8)])\n"
+        "print('survived')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, (p.returncode, p.stdout, p.stderr)
+    assert "survived" not in p.stdout
+    assert os.path.getsize(path) == 32 << 20  # presized, then killed part-way
