@@ -41,7 +41,10 @@ def tensor_bytes(t: torch.Tensor, name: str) -> np.ndarray:
         t = t.contiguous()
     if t.numel() == 0:
         return np.zeros(0, dtype=np.uint8)
-    return t.reshape(-1).view(torch.uint8).numpy()
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:  # one element with any stride counts as contiguous
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy()
 
 
 class PinnedBuffer:

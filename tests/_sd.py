@@ -53,8 +53,10 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
-                       b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+    # clone(contiguous_format): a one-element tensor with any stride counts as
+    # contiguous, and then reshape(-1) keeps that stride, which view() refuses
+    return torch.equal(a.detach().cpu().clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8),
+                       b.detach().cpu().clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8))
 
 
 def assert_sd_equal(a: Any, b: Any, path: str = "") -> None:
