@@ -11,7 +11,7 @@ import contextlib
 import os
 import threading
 import warnings
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -125,18 +125,20 @@ class IOSession:
             for fd in fds:
                 os.close(fd)
 
-    def write(self, paths, file_index, file_offset, sources, *, sync: bool) -> dict:
+    def write(self, paths, file_index, file_offset, sources, *, sync: bool, **kwargs: Any) -> dict:
+        """``kwargs``: ``checksums``, ``checksum_origin`` (see ``Engine.write``)."""
         with self.open_files(paths, "w") as fds, self._lock:
-            return self.engine.write(fds, list(paths), file_index, file_offset, sources, sync=sync)
+            return self.engine.write(fds, list(paths), file_index, file_offset, sources, sync=sync, **kwargs)
 
-    def write_fds(self, fds, paths, file_index, file_offset, sources, *, sync: bool) -> dict:
+    def write_fds(self, fds, paths, file_index, file_offset, sources, *, sync: bool, **kwargs: Any) -> dict:
         with self._lock:
-            return self.engine.write(fds, list(paths), file_index, file_offset, sources, sync=sync)
+            return self.engine.write(fds, list(paths), file_index, file_offset, sources, sync=sync, **kwargs)
 
-    def read(self, paths, file_index, file_offset, dests) -> dict:
+    def read(self, paths, file_index, file_offset, dests, **kwargs: Any) -> dict:
         with self.open_files(paths, "r") as fds, self._lock:
             return self.engine.read(
-                fds, list(paths), file_index, file_offset, dests, coalesce_gap=self.options.coalesce_gap_bytes
+                fds, list(paths), file_index, file_offset, dests, coalesce_gap=self.options.coalesce_gap_bytes,
+                **kwargs,
             )
 
     def close(self) -> None:

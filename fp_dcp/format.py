@@ -37,6 +37,9 @@ from torch.distributed.checkpoint.metadata import (
 
 __all__ = [
     "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "CHECKSUM_ALGORITHM",
+    "CHECKSUM_BLOCK_BYTES",
     "METADATA_NAME",
     "CheckpointFormatError",
     "Extent",
@@ -48,7 +51,15 @@ __all__ = [
 ]
 
 FORMAT_NAME = "fp_dcp"
-FORMAT_VERSION = 1
+# 2: extents may carry a 5th field, the CRC-32C of each checksum block.
+# Version 1 (4-field extents, no checksums) is still read.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+CHECKSUM_ALGORITHM = "crc32c"
+# Each extent's bytes are checksummed in blocks of this size from the
+# extent's start, so that a partial read (resharding) can verify every whole
+# block it covers.  Recorded in the metadata; a reader uses the recorded size.
+CHECKSUM_BLOCK_BYTES = 1 << 20
 METADATA_NAME = ".fp_dcp.meta"
 STOCK_METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".fpd"
@@ -89,12 +100,18 @@ def valid_data_file_name(name: object) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Extent:
     """``length`` bytes of an item, from byte ``item_offset`` of its row-major
-    image, stored at ``file_offset`` of file number ``file``."""
+    image, stored at ``file_offset`` of file number ``file``.
+
+    ``crc32c``: the CRC-32C of each ``StorageLayout.checksum_block_bytes``
+    bytes of the extent from its start (the last block shorter; one block, of
+    CRC 0, when the extent is empty), as 8 hex digits per block, or ``None``
+    (written without checksums)."""
 
     file: int
     file_offset: int
     item_offset: int
     length: int
+    crc32c: str | None = None
 
 
 @dataclasses.dataclass
@@ -112,6 +129,12 @@ class StorageLayout:
     alignment: int
     files: list[tuple[str, int]]
     extents: dict[MetadataIndex, list[Extent]]
+    checksum_block_bytes: int | None = None
+
+
+def checksum_blocks(length: int, block_bytes: int) -> int:
+    """How many checksum blocks an extent of ``length`` bytes has."""
+    return max(1, -(-length // block_bytes))
 
 
 # ---------------------------------------------------------------- encoding
@@ -222,6 +245,13 @@ def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, 
         else:
             raise TypeError(f"{fqn}: unknown storage metadata {type(md).__name__}")
     sm = metadata.storage_meta
+    block = layout.checksum_block_bytes
+    for index, exts in layout.extents.items():
+        for e in exts:
+            if e.crc32c is not None and (
+                block is None or not isinstance(e.crc32c, str) or len(e.crc32c) != 8 * checksum_blocks(e.length, block)
+            ):
+                raise ValueError(f"{index.fqn}: extent checksum {e.crc32c!r} does not match its length {e.length}")
     doc = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -232,9 +262,17 @@ def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, 
         "files": [[name, size] for name, size in layout.files],
         "state_dict_metadata": sd_md,
         "extents": [
-            [_index_key(index), [[e.file, e.file_offset, e.item_offset, e.length] for e in exts]]
+            [
+                _index_key(index),
+                [
+                    [e.file, e.file_offset, e.item_offset, e.length]
+                    + ([] if e.crc32c is None else [e.crc32c])
+                    for e in exts
+                ],
+            ]
             for index, exts in layout.extents.items()
         ],
+        **({} if block is None else {"checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_bytes": block}}),
         "planner_data": _enc(metadata.planner_data),
         "storage_meta": None
         if sm is None
@@ -258,10 +296,10 @@ def read_header(head: bytes, path: str) -> tuple[int, int, int]:
     magic, version, crc, length = _HEADER.unpack_from(head)
     if magic != _MAGIC:
         raise CheckpointFormatError(f"{path}: not an fp_dcp metadata file (bad magic bytes)")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CheckpointFormatError(
-            f"{path}: fp_dcp format version {version}; this fp_dcp reads version "
-            f"{FORMAT_VERSION}. Load it with the fp_dcp release that wrote it"
+            f"{path}: fp_dcp format version {version}; this fp_dcp reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}. Load it with the fp_dcp release that wrote it"
             + (" (a newer one)." if version > FORMAT_VERSION else ".")
         )
     if length > _MAX_BODY:
@@ -271,7 +309,7 @@ def read_header(head: bytes, path: str) -> tuple[int, int, int]:
 
 def decode_metadata(data: bytes, path: str) -> tuple[Metadata, StorageLayout, dict[str, Any]]:
     """Parse and validate a metadata file's bytes.  Never executes anything."""
-    _, crc, length = read_header(data, path)
+    version, crc, length = read_header(data, path)
     body = data[HEADER_SIZE:]
     if len(body) != length:
         raise CheckpointFormatError(
@@ -285,18 +323,51 @@ def decode_metadata(data: bytes, path: str) -> tuple[Metadata, StorageLayout, di
     except (ValueError, RecursionError) as e:
         raise CheckpointFormatError(f"{path}: metadata is not valid JSON: {e}") from None
     try:
-        return _from_doc(doc)
+        return _from_doc(doc, version)
     except CheckpointFormatError as e:
         raise CheckpointFormatError(f"{path}: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
         raise CheckpointFormatError(f"{path}: malformed metadata ({type(e).__name__}: {e})") from None
 
 
-def _from_doc(doc: Any) -> tuple[Metadata, StorageLayout, dict[str, Any]]:
+def _checksum_block(doc: dict, version: int) -> int | None:
+    """The checksum block size the body declares (None: no checksums)."""
+    spec = doc.get("checksum")
+    if spec is None:
+        return None
+    if version < 2 or not isinstance(spec, dict):
+        raise CheckpointFormatError(f"malformed checksum entry {spec!r}")
+    if spec.get("algorithm") != CHECKSUM_ALGORITHM:
+        raise CheckpointFormatError(
+            f"checksum algorithm {spec.get('algorithm')!r}; this fp_dcp knows {CHECKSUM_ALGORITHM!r}"
+        )
+    block = _int(spec.get("block_bytes"), "checksum block_bytes")
+    if not 0 < block <= 1 << 40:
+        raise CheckpointFormatError(f"checksum block_bytes {block} out of range")
+    return block
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _extent_crc(value: Any, length: int, block: int | None, where: str) -> str:
+    if block is None:
+        raise CheckpointFormatError(f"{where}: an extent has a checksum but the metadata declares none")
+    if (
+        not isinstance(value, str)
+        or len(value) != 8 * checksum_blocks(length, block)
+        or not _HEX.issuperset(value)
+    ):
+        raise CheckpointFormatError(f"{where}: malformed extent checksum {str(value)[:40]!r}")
+    return value
+
+
+def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, StorageLayout, dict[str, Any]]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CheckpointFormatError("metadata does not describe an fp_dcp checkpoint")
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise CheckpointFormatError(f"format version {doc.get('format_version')!r} in body")
+    if doc.get("format_version") != version:
+        raise CheckpointFormatError(f"format version {doc.get('format_version')!r} in body, {version} in header")
+    block = _checksum_block(doc, version)
     sd_md: dict[str, Any] = {}
     raw_sd = doc["state_dict_metadata"]
     if not isinstance(raw_sd, dict):
@@ -334,12 +405,16 @@ def _from_doc(doc: Any) -> tuple[Metadata, StorageLayout, dict[str, Any]]:
         index = _index_from_key(key)
         exts = []
         for r in _list(raw_exts, f"extents of {index.fqn}"):
-            f, fo, io_, ln = (_int(v, f"extent of {index.fqn}") for v in r)
+            r = _list(r, f"extent of {index.fqn}")
+            if len(r) not in ((4, 5) if version >= 2 else (4,)):
+                raise CheckpointFormatError(f"{index.fqn}: an extent has {len(r)} fields")
+            f, fo, io_, ln = (_int(v, f"extent of {index.fqn}") for v in r[:4])
             if not 0 <= f < len(files) or fo < 0 or io_ < 0 or ln < 0 or fo + ln > files[f][1]:
                 raise CheckpointFormatError(
                     f"{index.fqn}: extent (file {f}, offset {fo}, length {ln}) lies outside the data files"
                 )
-            exts.append(Extent(f, fo, io_, ln))
+            crc = _extent_crc(r[4], ln, block, index.fqn) if len(r) == 5 else None
+            exts.append(Extent(f, fo, io_, ln, crc))
         exts.sort(key=lambda e: e.item_offset)
         extents[index] = exts
     layout = StorageLayout(
@@ -347,6 +422,7 @@ def _from_doc(doc: Any) -> tuple[Metadata, StorageLayout, dict[str, Any]]:
         alignment=_int(doc["alignment"], "alignment"),
         files=files,
         extents=extents,
+        checksum_block_bytes=block,
     )
     sm_doc = doc.get("storage_meta")
     storage_meta = None

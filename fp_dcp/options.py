@@ -154,6 +154,17 @@ class FastPersistOptions:
             (``FastPersistReader(process_group=...)`` when ``dcp.load`` is
             given one), inside DCP's read step.  Wins when the disk, not the
             network, is the bottleneck.
+        write_checksums: on save, store the CRC-32C of every 1 MiB block of
+            every extent in the metadata, computed by the engine while the
+            bytes pass through it (a few percent of save throughput; see
+            ``fp_dcp.checksums``).
+        verify_checksums: on load, check every checksum block a read covers
+            whole against the stored CRC-32C and raise
+            ``fp_dcp.checksums.ChecksumError`` (an ``OSError``, ``EIO``)
+            naming the tensor, the file and the offset on a mismatch.
+            Blocks a resharded read covers only in part are not checked
+            (``fp-dcp verify`` checks every block).  Checkpoints written
+            without checksums load unchecked.
     """
 
     engine: str = "auto"
@@ -177,6 +188,8 @@ class FastPersistOptions:
     max_overread_percent: int = 5
     strict_dtype: bool = False
     share_replicated_reads: bool = False
+    write_checksums: bool = True
+    verify_checksums: bool = True
 
     def __post_init__(self) -> None:
         self._check()

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 import fp_dcp
 from fp_dcp import balance
 from fp_dcp import format as fmt
+from fp_dcp.checksums import piece_checksums
 from fp_dcp.engine import IOSession, PinnedBuffer, tensor_bytes
 from fp_dcp.layout import align_up, place_extents
 from fp_dcp.options import FastPersistOptions
@@ -88,14 +89,15 @@ class _Assignment:
 class _Written:
     """``WriteResult.storage_data``: where an item's bytes went.
 
-    ``extents`` holds ``(file_name, file_offset, item_offset, length)`` (a
+    ``extents`` holds ``(file_name, file_offset, item_offset, length,
+    crc32c)`` (``crc32c``: ``fmt.Extent.crc32c``, or None) (a
     rank may write several byte ranges of an item, and several ranks parts
     of one item: each rank sends one result per item it wrote, and
     ``finish`` merges them); ``file_name`` is a plain name in the checkpoint
     directory or an absolute path in a data directory; ``file_sizes`` is set
     on one result per file: its size on disk."""
 
-    extents: tuple[tuple[str, int, int, int], ...]
+    extents: tuple[tuple[str, int, int, int, str | None], ...]
     file_sizes: tuple[tuple[str, int], ...] = ()
 
 
@@ -442,7 +444,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             session = self._engine_for(directory)
             tag = dev if self.data_dirs else None
             cpu, cuda = by_device[dev]
-            extents: list[tuple[int, str, int, int, int]] = []  # (item, file, file_offset, item_offset, length)
+            extents: list[tuple] = []  # (item, file, file_offset, item_offset, length, crc32c)
             file_sizes: list[tuple[str, int]] = []
             stats: dict[str, Any] = {"bytes": 0, "requests": 0}
             for k, group in ((0, cpu), (1, cuda)):
@@ -462,12 +464,18 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                         np.asarray(offsets, dtype=np.int64),
                         [b for _, _, b in group],
                         sync=self.options.sync_files,
+                        checksums=fmt.CHECKSUM_BLOCK_BYTES if self.options.write_checksums else False,
                     )
                     _add_stats(stats, s)
+                    crcs = piece_checksums(s, len(group)) if "crc32c" in s else [None] * len(group)
                 else:
                     offsets, lengths, end = self._write_cuda(session, path, [b for _, _, b in group], stats)
+                    crcs = [None] * len(group)  # not yet checksummed: the CUDA path is untested here
                 file_sizes.append((recorded, align_up(end, session.alignment)))
-                extents += [(li, recorded, fo, io_, n) for (li, io_, _), fo, n in zip(group, offsets, lengths)]
+                extents += [
+                    (li, recorded, fo, io_, n, crc)
+                    for (li, io_, _), fo, n, crc in zip(group, offsets, lengths, crcs)
+                ]
             if by_path and self.options.sync_files:
                 _fsync_dir(directory)  # the new files' entries (the coordinator syncs the checkpoint directory)
             return extents, file_sizes, stats, session.kind, session.direct
@@ -486,8 +494,8 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             stats["engine"], stats["direct_io"] = kind, direct
             _add_stats(stats, s)
             size_of.update(file_sizes)
-            for li, fname, fo, io_, n in extents:
-                per_item.setdefault(li, []).append((fname, fo, io_, n))
+            for li, fname, fo, io_, n, crc in extents:
+                per_item.setdefault(li, []).append((fname, fo, io_, n, crc))
         for fname in size_of:  # each file's size travels with one result
             li = min(li for li, exts in per_item.items() if any(e[0] == fname for e in exts))
             sizes_on.setdefault(li, []).append((fname, size_of[fname]))
@@ -587,9 +595,9 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                     raise RuntimeError(f"{wr.index.fqn}: write result without an fp_dcp record")
                 for fname, size in written.file_sizes:
                     sizes[fname] = size
-                for fname, fo, io_, ln in written.extents:
+                for fname, fo, io_, ln, *crc in written.extents:
                     fid = files.setdefault(fname, len(files))
-                    extents.setdefault(wr.index, []).append(fmt.Extent(fid, fo, io_, ln))
+                    extents.setdefault(wr.index, []).append(fmt.Extent(fid, fo, io_, ln, crc[0] if crc else None))
         for exts in extents.values():
             exts.sort(key=lambda e: e.item_offset)
         missing = [f for f in files if f not in sizes]
@@ -600,6 +608,9 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             alignment=self._engine().alignment,
             files=[(f, sizes[f]) for f in files],
             extents=extents,
+            checksum_block_bytes=fmt.CHECKSUM_BLOCK_BYTES
+            if any(e.crc32c is not None for exts in extents.values() for e in exts)
+            else None,
         )
 
     def _remove_superseded(self, directory: str, keep: set[str]) -> None:

@@ -40,10 +40,61 @@ def test_header_golden_bytes(ckpt):
     data = open(meta_path(path), "rb").read()
     assert data[:8] == b"FPDCP\x00\r\n"
     version, crc, length = struct.unpack_from("<IIQ", data, 8)
-    assert version == fmt.FORMAT_VERSION == 1
+    assert version == fmt.FORMAT_VERSION == 2
     assert length == len(data) - 24 and crc == zlib.crc32(data[24:])
     doc = json.loads(data[24:])
-    assert doc["format"] == "fp_dcp" and doc["format_version"] == 1
+    assert doc["format"] == "fp_dcp" and doc["format_version"] == 2
+    assert doc["checksum"] == {"algorithm": "crc32c", "block_bytes": 1 << 20}
+    for _, exts in doc["extents"]:
+        for e in exts:  # [file, file_offset, item_offset, length, crc32c hex per 1 MiB block]
+            assert len(e) == 5 and len(e[4]) == 8 * max(1, -(-e[3] // (1 << 20)))
+
+
+def test_version_1_checkpoints_still_load(ckpt):
+    """Version 1 (4-field extents, no checksum entry) is read, unchecked."""
+    sd, path = ckpt
+    doc = json.loads(open(meta_path(path), "rb").read()[24:])
+    doc["format_version"] = 1
+    del doc["checksum"]
+    for _, exts in doc["extents"]:
+        for e in exts:
+            del e[4:]
+    _rewrite(path, json.dumps(doc).encode(), version=1)
+    _, layout, _ = read_checkpoint_metadata(str(path))
+    assert layout.checksum_block_bytes is None
+    assert all(e.crc32c is None for es in layout.extents.values() for e in es)
+    target = zeros_like_sd(sd)
+    dcp.load(target, storage_reader=FastPersistReader(path))
+    assert_sd_equal(sd, target)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda doc: doc["extents"][0][1][0].__setitem__(4, "xyz"), "malformed extent checksum"),
+        (lambda doc: doc["extents"][0][1][0].__setitem__(4, 17), "malformed extent checksum"),
+        (lambda doc: doc["extents"][0][1][0].append("00"), "has 6 fields"),
+        (lambda doc: doc.__setitem__("checksum", {"algorithm": "xxh3", "block_bytes": 4096}), "checksum algorithm"),
+        (lambda doc: doc.__setitem__("checksum", {"algorithm": "crc32c", "block_bytes": 0}), "out of range"),
+        (lambda doc: doc.pop("checksum"), "declares none"),
+    ],
+)
+def test_malformed_checksums_in_metadata_are_refused(ckpt, edit, message):
+    _, path = ckpt
+    doc = json.loads(open(meta_path(path), "rb").read()[24:])
+    edit(doc)
+    _rewrite(path, json.dumps(doc).encode())
+    with pytest.raises(fmt.CheckpointFormatError, match=message):
+        read_checkpoint_metadata(str(path))
+
+
+def test_checksums_in_a_version_1_body_are_refused(ckpt):
+    _, path = ckpt
+    doc = json.loads(open(meta_path(path), "rb").read()[24:])
+    doc["format_version"] = 1
+    _rewrite(path, json.dumps(doc).encode(), version=1)
+    with pytest.raises(fmt.CheckpointFormatError, match="malformed checksum entry|5 fields"):
+        read_checkpoint_metadata(str(path))
 
 
 def test_metadata_round_trip_preserves_dcp_metadata(ckpt):
@@ -92,7 +143,7 @@ def test_unknown_format_version_is_refused(ckpt):
     _, path = ckpt
     body = open(meta_path(path), "rb").read()[24:]
     _rewrite(path, body, version=7)
-    with pytest.raises(fmt.CheckpointFormatError, match="format version 7; this fp_dcp reads version 1"):
+    with pytest.raises(fmt.CheckpointFormatError, match="format version 7; this fp_dcp reads versions 1, 2"):
         read_checkpoint_metadata(str(path))
 
 

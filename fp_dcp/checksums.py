@@ -1,0 +1,240 @@
+"""Checksums of a checkpoint's data: the CRC-32C of every block of every extent.
+
+The writer asks the engine for the CRC-32C of each ``CHECKSUM_BLOCK_BYTES``
+block of each extent while the bytes pass through it (``Engine.write(...,
+checksums=block)``: fused with the copy into the bounce buffers, or computed
+on the source while a zero-copy request is in flight) and stores them in the
+metadata, 8 hex digits per block (``Extent.crc32c``).
+
+A load checks what landed: :class:`ReadVerifier` cuts the pieces of an
+engine call at extent boundaries, tells the engine where each piece starts
+in its extent (``checksum_origin``), and compares the CRC of every checksum
+block a piece covers whole with the stored one.  A piece that covers part of
+a block (a resharded read of a few rows or columns) leaves that block
+unchecked; ``fp-dcp verify`` (:mod:`fp_dcp.verify`) reads every block.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Any, Sequence
+
+import numpy as np
+
+from fp_dcp import format as fmt
+
+__all__ = ["ChecksumError", "crc_hex", "crc_array", "piece_checksums", "ReadVerifier", "BadBlock"]
+
+
+class ChecksumError(OSError):
+    """Bytes read from a data file do not match the checksum stored at save
+    time: the file was damaged after the save (or by a faulty device).
+    ``errno`` is ``EIO``; ``filename`` the data file; ``tensor``, ``file_offset``
+    and ``length`` locate the first bad block; ``bad_blocks`` lists them all
+    (:class:`BadBlock`)."""
+
+    def __init__(self, message: str, path: str, bad: "list[BadBlock]") -> None:
+        super().__init__(errno.EIO, message, path)
+        first = bad[0]
+        self.tensor = first.tensor
+        self.file_offset = first.file_offset
+        self.length = first.length
+        self.bad_blocks = bad
+
+
+class BadBlock:
+    """One checksum block whose bytes do not match."""
+
+    __slots__ = ("tensor", "path", "file_offset", "item_offset", "length", "expected", "actual")
+
+    def __init__(self, tensor, path, file_offset, item_offset, length, expected, actual) -> None:
+        self.tensor, self.path, self.file_offset = tensor, path, file_offset
+        self.item_offset, self.length, self.expected, self.actual = item_offset, length, expected, actual
+
+    def describe(self) -> str:
+        return (
+            f"{self.tensor}: bytes {self.item_offset}..{self.item_offset + self.length} at offset "
+            f"{self.file_offset} of {self.path}: crc32c {self.actual:08x}, stored {self.expected:08x}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def crc_hex(crcs: np.ndarray) -> str:
+    """CRC-32C values as the metadata stores them: 8 hex digits each, big-endian."""
+    return np.asarray(crcs, dtype=">u4").tobytes().hex()
+
+
+def crc_array(text: str) -> np.ndarray:
+    return np.frombuffer(bytes.fromhex(text), dtype=">u4").astype(np.uint32)
+
+
+def piece_checksums(stats: dict[str, Any], n: int) -> list[str]:
+    """The ``Extent.crc32c`` of each of the ``n`` pieces of an ``Engine.write``
+    called with ``checksums=CHECKSUM_BLOCK_BYTES`` (pieces = whole extents)."""
+    crcs, first = stats["crc32c"], stats["crc32c_first"]
+    text = crc_hex(crcs)
+    return [text[8 * int(a) : 8 * int(b)] for a, b in zip(first[:n].tolist(), first[1 : n + 1].tolist())]
+
+
+def _item_name(index: Any) -> str:
+    if index.offset is None:
+        return index.fqn
+    return f"{index.fqn} (chunk at {list(index.offset)})"
+
+
+class ReadVerifier:
+    """The stored checksums of a checkpoint, laid out for checking engine reads.
+
+    ``plan(files, offsets, views)`` returns the pieces cut at extent
+    boundaries and the keyword arguments for ``Engine.read``;
+    ``check(...)`` compares the CRCs the engine returns with the stored ones.
+    """
+
+    def __init__(self, layout: fmt.StorageLayout, paths: Sequence[str]) -> None:
+        self.paths = list(paths)
+        self.block = layout.checksum_block_bytes
+        rows = []
+        hexes: list[str] = []
+        base = 0
+        self.items: list[Any] = []
+        for index, exts in layout.extents.items():
+            item = len(self.items)
+            self.items.append(index)
+            for e in exts:
+                if e.crc32c is not None and self.block is not None:
+                    rows.append((e.file, e.file_offset, e.length, base, item, e.item_offset))
+                    hexes.append(e.crc32c)
+                    base += len(e.crc32c) // 8
+        self.enabled = bool(rows)
+        if not rows:
+            return
+        a = np.array(rows, dtype=np.int64)
+        a = a[np.lexsort((a[:, 1], a[:, 0]))]
+        self.e_file, self.e_off, self.e_len, self.e_base, self.e_item, self.e_io = (a[:, k] for k in range(6))
+        self.crcs = crc_array("".join(hexes))
+        top = int(max(int((self.e_off + self.e_len).max()), max((s for _, s in layout.files), default=0)))
+        self.shift = max(1, top.bit_length() + 1)
+        if (len(layout.files) + 1) << self.shift >= 1 << 62:
+            raise fmt.CheckpointFormatError("data files too large to index their checksums")
+        self.e_key = (self.e_file << self.shift) + self.e_off
+        self.e_end = self.e_key + self.e_len
+        self.bounds = np.unique(np.concatenate([self.e_key, self.e_end]))
+
+    # ------------------------------------------------------------- planning
+
+    def plan(self, files: np.ndarray, offs: np.ndarray, views: list, skip: Any = None):
+        """Cut every piece at the extent boundaries inside it (so each piece
+        lies in at most one extent) and work out where it starts in its
+        extent.  Views whose exporter is ``skip`` (scratch memory that
+        several pieces share) are never checked.  Returns ``(files, offs,
+        views, check)``; pass ``check.engine_kwargs`` to ``Engine.read`` and
+        its stats to ``check.verify``."""
+        files = np.asarray(files, dtype=np.int64)
+        offs = np.asarray(offs, dtype=np.int64)
+        n = len(views)
+        lens = np.fromiter((v.nbytes for v in views), dtype=np.int64, count=n)
+        if skip is not None:
+            fill = np.fromiter((getattr(v, "obj", None) is skip for v in views), dtype=bool, count=n)
+        else:
+            fill = np.zeros(n, dtype=bool)
+        keys = (files << self.shift) + offs
+        lo = np.searchsorted(self.bounds, keys, side="right")
+        hi = np.searchsorted(self.bounds, keys + lens, side="left")
+        cuts = np.where(fill, 0, hi - lo)
+        if cuts.any():
+            files, offs, views, fill = self._cut(files, offs, lens, views, fill, lo, cuts)
+            lens = np.fromiter((v.nbytes for v in views), dtype=np.int64, count=len(views))
+            keys = (files << self.shift) + offs
+        e = np.searchsorted(self.e_key, keys, side="right") - 1
+        ec = np.maximum(e, 0)
+        inside = (e >= 0) & ~fill & (keys < self.e_end[ec]) & (lens > 0)
+        origin = np.where(inside, offs - self.e_off[ec], 0)
+        return files, offs, views, _Check(self, ec, inside, origin, lens)
+
+    def _cut(self, files, offs, lens, views, fill, lo, cuts):
+        out_f, out_o, out_v, out_fill = [], [], [], []
+        bounds = self.bounds
+        for i in range(len(views)):
+            k = int(cuts[i])
+            if k == 0:
+                out_f.append(files[i])
+                out_o.append(offs[i])
+                out_v.append(views[i])
+                out_fill.append(fill[i])
+                continue
+            f, o, v = int(files[i]), int(offs[i]), views[i]
+            points = (bounds[lo[i] : lo[i] + k] - (f << self.shift)).tolist()
+            start = o
+            for p in points + [o + int(lens[i])]:
+                out_f.append(f)
+                out_o.append(start)
+                out_v.append(v[start - o : p - o])
+                out_fill.append(False)
+                start = p
+        return (np.array(out_f, dtype=np.int64), np.array(out_o, dtype=np.int64), out_v,
+                np.array(out_fill, dtype=bool))
+
+
+class _Check:
+    """The pieces of one engine read and where each starts in its extent."""
+
+    def __init__(self, verifier: ReadVerifier, ext, inside, origin, lens) -> None:
+        self.v = verifier
+        self.ext, self.inside, self.origin, self.lens = ext, inside, origin, lens
+
+    @property
+    def engine_kwargs(self) -> dict[str, Any]:
+        return {"checksums": self.v.block, "checksum_origin": self.origin}
+
+    def compare(self, stats: dict[str, Any]) -> tuple[int, list[BadBlock]]:
+        """(bytes verified, bad blocks) for the CRCs of an engine read."""
+        v = self.v
+        n = v.block
+        crcs, first = stats["crc32c"], stats["crc32c_first"]
+        counts = np.diff(first)
+        p = np.repeat(np.arange(len(counts)), counts)
+        j = np.arange(len(crcs)) - first[p]
+        org = self.origin[p]
+        gb = org // n + j
+        start = gb * n
+        cov_start = np.maximum(start, org)
+        cov_end = np.minimum(start + n, org + self.lens[p])
+        e = self.ext[p]
+        full_end = np.minimum(start + n, v.e_len[e])
+        ok = self.inside[p] & (cov_start == start) & (cov_end == full_end)
+        if not ok.any():
+            return 0, []
+        idx = np.flatnonzero(ok)
+        expected = v.crcs[v.e_base[e[idx]] + gb[idx]]
+        verified = int((cov_end[idx] - cov_start[idx]).sum())
+        bad = np.flatnonzero(crcs[idx] != expected)
+        out = []
+        for b in bad.tolist():
+            k = idx[b]
+            ek = e[k]
+            out.append(BadBlock(
+                _item_name(v.items[v.e_item[ek]]),
+                v.paths[int(v.e_file[ek])],
+                int(v.e_off[ek] + start[k]),
+                int(v.e_io[ek] + start[k]),
+                int(full_end[k] - start[k]),
+                int(expected[b]),
+                int(crcs[k]),
+            ))
+        return verified, out
+
+    def verify(self, stats: dict[str, Any]) -> int:
+        """Raise :class:`ChecksumError` on any bad block; the bytes verified."""
+        verified, bad = self.compare(stats)
+        if bad:
+            more = f" (and {len(bad) - 1} more bad block(s) in this read)" if len(bad) > 1 else ""
+            raise ChecksumError(
+                f"checksum mismatch: {bad[0].describe()}{more}; the data file was damaged after the save. "
+                f"Run `fp-dcp verify` on the checkpoint to list every bad extent; "
+                f"FastPersistOptions(verify_checksums=False) loads without checking",
+                bad[0].path,
+                bad,
+            )
+        return verified
