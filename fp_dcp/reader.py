@@ -51,6 +51,7 @@ from torch.futures import Future
 
 from fp_dcp import _aio
 from fp_dcp import format as fmt
+from fp_dcp.checksums import ReadVerifier
 from fp_dcp.engine import IOSession
 from fp_dcp.layout import check_extents_cover
 from fp_dcp.options import FastPersistOptions
@@ -81,6 +82,10 @@ _MAX_PIECE_BYTES = 64 << 20
 _MAX_BATCH_PIECES = 1 << 20
 _MAX_BATCH_BYTES = 1 << 30
 _PROGRESS_BATCH_BYTES = 256 << 20
+# The reader's engine when FastPersistOptions leave queue_depth and
+# block_size_bytes to the engine (see FastPersistReader._engine).
+_READ_QUEUE_DEPTH = 64
+_READ_BLOCK_BYTES = 256 << 10
 
 
 def read_checkpoint_metadata(directory: str) -> tuple[Metadata, fmt.StorageLayout, dict[str, Any]]:
@@ -189,6 +194,7 @@ class FastPersistReader(StorageReader):
         self.progress: Callable[[int, int], None] | None = None  # (bytes done, bytes total), for tools
         self._session: IOSession | None = None
         self._ext_cache: dict[MetadataIndex, tuple[np.ndarray, ...]] = {}
+        self._verifier: ReadVerifier | None = None
         self._use_collectives = True
 
     # ----------------------------------------------------------- DCP protocol
@@ -199,6 +205,7 @@ class FastPersistReader(StorageReader):
         self.load_id = secrets.token_hex(8)
         self.layout = None
         self._ext_cache = {}
+        self._verifier = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -226,6 +233,7 @@ class FastPersistReader(StorageReader):
         self.state_dict_metadata = metadata.state_dict_metadata
         self._use_collectives = bool(kwargs.get("use_collectives", True))
         self._ext_cache = {}
+        self._verifier = None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -270,10 +278,17 @@ class FastPersistReader(StorageReader):
 
     def _engine(self) -> IOSession:
         directory = self._directory()
-        if self._session is None or not self._session.matches(self.options, directory):
+        opts = self.options
+        if opts.queue_depth is None and opts.block_size_bytes is None:
+            # The reader's engine only reads: small runs (a column shard is one
+            # run per row) need many requests in flight, and long runs go in
+            # place or through the window anyway.  Same bounce memory as the
+            # engine's defaults (qd+1 slots of one block).
+            opts = opts.replace(queue_depth=_READ_QUEUE_DEPTH, block_size_bytes=_READ_BLOCK_BYTES)
+        if self._session is None or not self._session.matches(opts, directory):
             if self._session is not None:
                 self._session.close()
-            self._session = IOSession(self.options, directory)
+            self._session = IOSession(opts, directory)
         return self._session
 
     def _extents(self, fqn: str, chunk: Any, nbytes: int) -> tuple[np.ndarray, ...]:
@@ -297,6 +312,16 @@ class FastPersistReader(StorageReader):
         )
         self._ext_cache[key] = arrays
         return arrays
+
+    def _checksums(self, paths: list[str]) -> ReadVerifier | None:
+        """The stored checksums laid out for checking reads (built once per
+        checkpoint), or None when the checkpoint has none or checks are off."""
+        if not self.options.verify_checksums:
+            return None
+        if self._verifier is None or self._verifier.paths != paths:
+            assert self.layout is not None
+            self._verifier = ReadVerifier(self.layout, paths)
+        return self._verifier if self._verifier.enabled else None
 
     def _chunk_sizes(self, fqn: str, chunk: Any) -> tuple[list[int], torch.dtype]:
         md = self.state_dict_metadata.get(fqn)
@@ -664,6 +689,7 @@ class _Run:
         self.cap = max(self.alignment, self.budget // 4)
         assert reader.layout is not None
         self.file_sizes = np.array([size for _, size in reader.layout.files] or [0], dtype=np.int64)
+        self.verifier = reader._checksums(paths)
         self.fds: dict[int, int] = {}
         self.arena: Any = None
         self.arena_np: np.ndarray | None = None
@@ -681,6 +707,7 @@ class _Run:
             "engine_calls": 0,
             "temp_bytes": 0,
             "temp_units": 0,
+            "checksum_verified_bytes": 0,
             "read_seconds": 0.0,
             "copy_seconds": 0.0,
         }
@@ -788,12 +815,22 @@ class _Run:
                 order = np.lexsort((offs, files))
                 files, offs = files[order], offs[order]
                 views = [views[i] for i in order.tolist()]
+            check = None
+            kwargs: dict[str, Any] = {}
+            if self.verifier is not None:
+                # pieces cut at extent boundaries; every checksum block a piece
+                # covers whole is compared with the CRC stored at save time
+                files, offs, views, check = self.verifier.plan(files, offs, views, skip=self.scratch)
+                kwargs = check.engine_kwargs
             used, local = np.unique(files, return_inverse=True)
             fds = [self._fd(int(f)) for f in used.tolist()]
             t0 = time.perf_counter()
             s = self.session.engine.read(
-                fds, [self.paths[int(f)] for f in used.tolist()], local.astype(np.int64), offs, views, coalesce_gap=0
+                fds, [self.paths[int(f)] for f in used.tolist()], local.astype(np.int64), offs, views,
+                coalesce_gap=0, **kwargs
             )
+            if check is not None:
+                self.stats["checksum_verified_bytes"] += check.verify(s)
             self.stats["read_seconds"] += time.perf_counter() - t0
             self.stats["bytes_read"] += s.get("bytes_read", 0)
             self.stats["requests"] += s.get("requests", 0)

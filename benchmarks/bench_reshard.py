@@ -1,0 +1,420 @@
+#!/usr/bin/env python
+"""Resharded cold loads: fp_dcp beside the stock reader, bytes read per rank
+measured from outside each process, throughput against the raw device.
+
+A checkpoint of 2-d float32 tensors is saved by ``--save-ranks`` gloo
+processes with ``Shard(0)`` placements, once by fp_dcp and once by the stock
+``FileSystemWriter``. Each case then starts a fresh world of loading
+processes (``python bench_reshard.py --child <json>``), which build their
+zeroed targets (touched, as a restarting job's model is) and wait; the parent
+reads every rank's ``/proc/<pid>/io`` ``read_bytes``, drops the page cache,
+starts the load, and reads ``read_bytes`` again when the ranks report done.
+The difference is what each rank read from the disk, beside what its targets
+need (the local shards' bytes) and, for fp_dcp, the minimum a block device
+allows (the bytes of the 4 KiB blocks those bytes touch). Loads are verified
+bit for bit before they count.
+
+Cases (``--cases``; target world size and placement):
+
+* ``4to4``: the same world size and placement (no resharding);
+* ``4to3``, ``4to2``: ``Shard(0)`` on fewer ranks;
+* ``s0tos1``: ``Shard(1)`` on 2 ranks (each rank needs half of every row);
+* ``rep``: every one of ``--save-ranks`` ranks loads the first tensors
+  whole (a data-parallel restart), with and without
+  ``share_replicated_reads``.
+
+Targets (issue 5), printed PASS/FAIL: bytes read per rank <= 1.05 x needed +
+one 4 KiB block per needed run (fp_dcp); aggregate resharded throughput >=
+0.85 x raw O_DIRECT sequential read (fio, same run). Run it alone on the disk:
+
+    flock /tmp/fp_dcp_bench.lock python benchmarks/bench_reshard.py --size 2GiB
+    python benchmarks/bench_reshard.py --quick      # 256 MiB smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+SCRIPT = Path(__file__).resolve()
+REPO = SCRIPT.parents[1]
+
+READ_VS_NEEDED = 1.05
+BLOCK = 4096
+RESHARD_VS_RAW = 0.85
+COLS = 4096
+ROW_MULTIPLE = 24  # rows divisible by 4, 3 and 2: even shards for every case
+
+
+# ==========================================================================
+# the state: tensors whose element at global (i, j) is a function of i, j
+
+
+def _tensor_names(spec: dict) -> list[tuple[str, int]]:
+    per = spec["size"] // spec["tensors"]
+    rows = max(ROW_MULTIPLE, per // (COLS * 4) // ROW_MULTIPLE * ROW_MULTIPLE)
+    return [(f"layer{k}.w", rows) for k in range(spec["tensors"])]
+
+
+def _pattern(k: int, rows: slice, cols: slice, ncols: int):
+    """float32 bits of (k << 27) + i * ncols + j: unique per element, cheap."""
+    import torch
+
+    i = torch.arange(rows.start, rows.stop, dtype=torch.int64)[:, None]
+    j = torch.arange(cols.start, cols.stop, dtype=torch.int64)[None, :]
+    return ((k << 27) + i * ncols + j).to(torch.int32).view(torch.float32)
+
+
+def _local_box(shape, mesh, placements):
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    lshape, goff = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return [slice(o, o + n) for o, n in zip(goff, lshape)]
+
+
+def _build(spec: dict, ws: int, placement: str, names, zero: bool):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (ws,))
+    pl = {"s0": [Shard(0)], "s1": [Shard(1)], "rep": [Replicate()]}[placement]
+    sd = {}
+    for k, (name, rows) in enumerate(names):
+        shape = (rows, COLS)
+        box = _local_box(shape, mesh, pl)
+        local = (torch.zeros(box[0].stop - box[0].start, box[1].stop - box[1].start) if zero
+                 else _pattern(k, box[0], box[1], COLS))
+        if placement == "rep":
+            sd[name] = local  # a plain tensor every rank holds
+        else:
+            sd[name] = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(shape),
+                                          stride=(COLS, 1))
+    return sd, mesh, pl
+
+
+# ==========================================================================
+# child side: one rank
+
+
+def _child(spec: dict) -> dict:
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    torch.set_num_threads(1)
+    try:
+        import fp_dcp  # noqa: F401
+    except ModuleNotFoundError:
+        sys.path.insert(1, str(REPO))
+    from fp_dcp import FastPersistReader, FastPersistWriter
+
+    rank, ws = spec["rank"], spec["ws"]
+    dist.init_process_group("gloo", init_method=f"file://{spec['rendezvous']}", rank=rank, world_size=ws)
+    names = [(n, r) for n, r in spec["names"]]
+    if spec["op"] == "save":
+        sd, _, _ = _build(spec, ws, "s0", names, zero=False)
+        dcp.save(sd, storage_writer=FastPersistWriter(spec["fp_path"]))
+        dcp.save(sd, storage_writer=FileSystemWriter(spec["stock_path"]))
+        dist.destroy_process_group()
+        return {"ok": True}
+
+    sd, mesh, pl = _build(spec, ws, spec["placement"], names, zero=True)
+    def make_reader():
+        if spec["reader"] == "stock":
+            return FileSystemReader(spec["stock_path"])
+        return FastPersistReader(spec["fp_path"], share_replicated_reads=spec["reader"] == "fp_dcp+share")
+
+    needed = sum(t.to_local().numel() * 4 if hasattr(t, "to_local") else t.numel() * 4 for t in sd.values())
+    # Warm up on the first tensor: the code the load runs is faulted in from
+    # disk now (mapped pages survive the cache drop), not inside the
+    # measurement, where it would count as checkpoint bytes.
+    first = names[0][0]
+    dcp.load({first: sd[first]}, storage_reader=make_reader())
+    reader = make_reader()
+    dist.barrier()
+    print("READY", flush=True)
+    if sys.stdin.readline().strip() != "GO":
+        return {"ok": False, "error": "parent did not say GO"}
+    dist.barrier()
+    t0 = time.monotonic()
+    planner = _recording_planner()
+    dcp.load(sd, storage_reader=reader, planner=planner)
+    t1 = time.monotonic()
+    print("DONE", flush=True)
+    sys.stdin.readline()
+    errors = []
+    for k, (name, rows) in enumerate(names):
+        t = sd[name]
+        local = t.to_local() if hasattr(t, "to_local") else t
+        box = _local_box((rows, COLS), mesh, pl) if spec["placement"] != "rep" else [slice(0, rows), slice(0, COLS)]
+        if not torch.equal(local.view(torch.int32), _pattern(k, box[0], box[1], COLS).view(torch.int32)):
+            errors.append(name)
+    result = {"ok": not errors, "errors": errors, "t0": t0, "t1": t1, "needed": needed}
+    if spec["reader"].startswith("fp_dcp"):
+        result["stats"] = {k: v for k, v in reader.last_stats.items() if isinstance(v, (int, float, str))}
+        result["runs"], result["touched"] = _runs_and_blocks(spec["fp_path"], planner.items)
+    dist.destroy_process_group()
+    return result
+
+
+def _recording_planner():
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class Recording(DefaultLoadPlanner):
+        items: list = []
+
+        def finish_plan(self, new_plan):
+            self.items = list(new_plan.items)
+            return super().finish_plan(new_plan)
+
+    return Recording()
+
+
+def _runs_and_blocks(path: str, items) -> tuple[int, int]:
+    """Maximal contiguous byte runs of the files the items need, and the bytes
+    of the BLOCK-sized blocks they touch (what a block device must read)."""
+    import numpy as np
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from fp_dcp.layout import box_runs, map_runs_to_extents
+    from fp_dcp.reader import read_checkpoint_metadata
+
+    md, layout, _ = read_checkpoint_metadata(path)
+    pieces = []
+    for req in items:
+        exts = layout.extents[MetadataIndex(req.storage_index.fqn, req.storage_index.offset)]
+        tmd = md.state_dict_metadata[req.storage_index.fqn]
+        if not hasattr(tmd, "chunks"):
+            starts, run = np.zeros(1, np.int64), sum(e.length for e in exts)
+        else:
+            chunk = next(c for c in tmd.chunks if list(c.offsets) == list(req.storage_index.offset))
+            starts, run = box_runs(list(chunk.sizes), list(req.storage_offsets), list(req.lengths), 4)
+        f, o, n, _ = map_runs_to_extents(starts, run, exts)
+        pieces.append(np.stack([f, o, o + n], axis=1))
+    if not pieces:
+        return 0, 0
+    p = np.concatenate(pieces)
+    p = p[np.lexsort((p[:, 1], p[:, 0]))]
+    runs = 1 + int(np.sum((p[1:, 0] != p[:-1, 0]) | (p[1:, 1] > np.maximum.accumulate(p[:, 2])[:-1])))
+    touched = 0
+    for f in np.unique(p[:, 0]):
+        q = p[p[:, 0] == f]
+        first, last = q[:, 1] // BLOCK, (q[:, 2] - 1) // BLOCK
+        blocks = np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(first, last)]))
+        touched += len(blocks) * BLOCK
+    return runs, touched
+
+
+# ==========================================================================
+# parent side
+
+
+def _read_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/{pid}/io has no read_bytes")
+
+
+def _world(spec: dict, ws: int, timeout: float) -> list[dict]:
+    """Run ``ws`` children of ``spec``; for loads, bracket the load with
+    /proc/<pid>/io readings and a cache drop. Returns their results."""
+    tmp = tempfile.mkdtemp(prefix="bench_reshard_rdv_")
+    procs = []
+    logs = []
+    try:
+        for r in range(ws):
+            s = dict(spec, rank=r, ws=ws, rendezvous=os.path.join(tmp, "rdv"))
+            log = open(os.path.join(tmp, f"stderr.{r}"), "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--child", json.dumps(s)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True))
+        io0 = io1 = None
+        cold = None
+        if spec["op"] == "load":
+            for p in procs:
+                line = _expect(p, "READY", timeout, logs)
+            io0 = [_read_bytes(p.pid) for p in procs]
+            cold, why = C.drop_caches()
+            for p in procs:
+                p.stdin.write("GO\n")
+                p.stdin.flush()
+            for p in procs:
+                line = _expect(p, "DONE", timeout, logs)
+            io1 = [_read_bytes(p.pid) for p in procs]
+            for p in procs:
+                p.stdin.write("EXIT\n")
+                p.stdin.flush()
+        results = []
+        for r, p in enumerate(procs):
+            out, _ = p.communicate(timeout=timeout)
+            res = None
+            for line in reversed(out.splitlines()):
+                if line.startswith(C.RESULT_MARKER):
+                    res = json.loads(line[len(C.RESULT_MARKER):])
+                    break
+            if res is None or p.returncode != 0:
+                logs[r].seek(0)
+                tail = logs[r].read().strip().splitlines()[-12:]
+                raise RuntimeError(f"rank {r} of {spec['op']} failed (exit {p.returncode}): " + "\n".join(tail))
+            if io0 is not None:
+                res["disk_read"] = io1[r] - io0[r]
+                res["cold"] = cold
+            results.append(res)
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _expect(p, word: str, timeout: float, logs) -> str:
+    line = p.stdout.readline()
+    if line.strip() != word:
+        p.kill()
+        raise RuntimeError(f"a rank said {line.strip()!r} instead of {word}; see its stderr")
+    return line
+
+
+CASES = {
+    "4to4": (4, "s0"),
+    "4to3": (3, "s0"),
+    "4to2": (2, "s0"),
+    "s0tos1": (2, "s1"),
+    "rep": (None, "rep"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a fresh dir under ./bench_out)")
+    ap.add_argument("--size", default="2GiB", help="checkpoint payload (default 2GiB)")
+    ap.add_argument("--tensors", type=int, default=8, help="number of 2-d tensors (default 8)")
+    ap.add_argument("--save-ranks", type=int, default=4, help="world size of the save (default 4)")
+    ap.add_argument("--cases", default="4to4,4to3,4to2,s0tos1,rep", help="comma list of " + ", ".join(CASES))
+    ap.add_argument("--readers", default="fp_dcp,stock", help="comma list: fp_dcp, stock")
+    ap.add_argument("--rep-tensors", type=int, default=2, help="tensors every rank loads whole in the rep case")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every case (median reported)")
+    ap.add_argument("--quick", action="store_true", help="256 MiB, one round")
+    ap.add_argument("--json", default=None, help="write results here (default bench_out/reshard-<time>.json)")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per world")
+    args = ap.parse_args()
+    if args.child:
+        C.emit_result(_child(json.loads(args.child)))
+        return
+
+    size = C.parse_size("256MiB" if args.quick else args.size)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(args.dir or (REPO / "bench_out" / f"reshard-{stamp}"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    C.check_free_space(out_dir, 3 * size)
+    hw = C.hardware_info(out_dir)
+    print("\n".join(C.hardware_lines(hw)))
+    spec = {"size": size, "tensors": args.tensors}
+    names = _tensor_names(spec)
+    payload = sum(r * COLS * 4 for _, r in names)
+    fp_path, stock_path = str(out_dir / "fp"), str(out_dir / "stock")
+    base = {"names": names, "fp_path": fp_path, "stock_path": stock_path, "size": size, "tensors": args.tensors}
+    print(f"saving {C.fmt_size(payload)} ({len(names)} x [{names[0][1]}, {COLS}] float32) on "
+          f"{args.save_ranks} ranks, fp_dcp and stock ...", flush=True)
+    t = time.perf_counter()
+    _world(dict(base, op="save"), args.save_ranks, args.timeout)
+    print(f"  saved in {time.perf_counter() - t:.1f}s", flush=True)
+
+    raw_path = out_dir / "raw.bin"
+    C.raw_device_io("write", raw_path, payload)
+    rows = []
+    results = []
+    readers = [r for r in args.readers.split(",") if r]
+    raws = []
+    for rnd in range(args.repeat):
+        C.drop_caches()
+        raw = C.raw_device_io("read", raw_path, payload)
+        raws.append(raw["bytes"] / raw["seconds"])
+        for case in [c for c in args.cases.split(",") if c]:
+            ws, placement = CASES[case]
+            ws = ws or args.save_ranks
+            case_names = names[: args.rep_tensors] if placement == "rep" else names
+            for reader in readers + (["fp_dcp+share"] if placement == "rep" and "fp_dcp" in readers else []):
+                res = _world(dict(base, op="load", names=case_names, placement=placement, reader=reader), ws,
+                             args.timeout)
+                bad = [r for r in res if not r["ok"]]
+                if bad:
+                    raise SystemExit(f"{case} {reader}: wrong data in {bad[0]['errors']}")
+                wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
+                needed = [r["needed"] for r in res]
+                disk = [r["disk_read"] for r in res]
+                rec = {"round": rnd, "case": case, "reader": reader, "ws": ws, "seconds": wall,
+                       "needed": needed, "disk_read": disk, "cold": res[0]["cold"],
+                       "gbps": sum(needed) / wall / 1e9, "raw_gbps": raws[-1] / 1e9}
+                if reader.startswith("fp_dcp"):
+                    rec["runs"] = [r["runs"] for r in res]
+                    rec["touched"] = [r["touched"] for r in res]
+                    rec["stats"] = [r["stats"] for r in res]
+                results.append(rec)
+                print(f"  {case:7s} {reader:13s} {wall:6.2f}s  {rec['gbps']:.2f} GB/s  "
+                      f"read/needed {sum(disk) / max(1, sum(needed)):.3f}", flush=True)
+
+    raw_gbps = sorted(raws)[len(raws) // 2] / 1e9
+    headers = ["case", "reader", "ranks", "needed/rank", "disk read/rank", "read/needed", "bound", "GB/s",
+               "vs raw", "bytes target", "speed target"]
+    for case in dict.fromkeys(r["case"] for r in results):
+        for reader in dict.fromkeys(r["reader"] for r in results if r["case"] == case):
+            rs = [r for r in results if r["case"] == case and r["reader"] == reader]
+            med = sorted(rs, key=lambda r: r["gbps"])[len(rs) // 2]
+            worst = max(d / n for d, n in zip(med["disk_read"], med["needed"]))
+            bytes_ok = speed_ok = "-"
+            bound = "-"
+            if "runs" in med:
+                lim = [READ_VS_NEEDED * n + BLOCK * k for n, k in zip(med["needed"], med["runs"])]
+                bound = f"{max(l / n for l, n in zip(lim, med['needed'])):.3f}"
+                share = reader.endswith("+share")
+                bytes_ok = "PASS" if share or all(d <= l for d, l in zip(med["disk_read"], lim)) else "FAIL"
+                if share:
+                    bytes_ok = "(shared)"
+            if reader == "fp_dcp" and case not in ("4to4", "rep"):
+                speed_ok = "PASS" if med["gbps"] >= RESHARD_VS_RAW * raw_gbps else "FAIL"
+            rows.append([case, reader, med["ws"], C.fmt_size(max(med["needed"])), C.fmt_size(max(med["disk_read"])),
+                         f"{worst:.3f}", bound, f"{med['gbps']:.2f}", f"{med['gbps'] / raw_gbps:.2f}x",
+                         bytes_ok, speed_ok])
+    cold = all(r["cold"] for r in results)
+    print()
+    print(f"raw O_DIRECT sequential read (fio, same run): {raw_gbps:.2f} GB/s; "
+          f"loads {'COLD (page cache dropped)' if cold else 'WARM (could not drop caches)'}")
+    print(f"bound = {READ_VS_NEEDED} x needed + {BLOCK} B per needed run (worst rank); "
+          f"speed target: resharded fp_dcp >= {RESHARD_VS_RAW} x raw")
+    print(C.format_table(headers, rows))
+    out = Path(args.json) if args.json else (REPO / "bench_out" / f"reshard-{stamp}.json")
+    C.write_json(out, {"hardware": hw, "args": vars(args), "payload": payload, "raw_gbps": raw_gbps,
+                       "results": results, "table": {"headers": headers, "rows": rows}})
+    print(f"JSON: {out}")
+    if not args.keep:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
