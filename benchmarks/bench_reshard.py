@@ -351,10 +351,18 @@ def main() -> None:
     results = []
     readers = [r for r in args.readers.split(",") if r]
     raws = []
+    def measure_raw() -> None:
+        # the disk is shared and noisy: the best of two configurations, each
+        # measured before and after every round, is the reference
+        for bs, qd in ((4 * C.MiB, 16), (C.MiB, 32)):
+            C.drop_caches()
+            raw = C.raw_device_io("read", raw_path, payload, block_size=bs, iodepth=qd)
+            raws.append(raw["bytes"] / raw["seconds"])
+            raw_notes.add(raw["note"])
+
+    raw_notes: set[str] = set()
     for rnd in range(args.repeat):
-        C.drop_caches()
-        raw = C.raw_device_io("read", raw_path, payload)
-        raws.append(raw["bytes"] / raw["seconds"])
+        measure_raw()
         for case in [c for c in args.cases.split(",") if c]:
             ws, placement = CASES[case]
             ws = ws or args.save_ranks
@@ -370,7 +378,7 @@ def main() -> None:
                 disk = [r["disk_read"] for r in res]
                 rec = {"round": rnd, "case": case, "reader": reader, "ws": ws, "seconds": wall,
                        "needed": needed, "disk_read": disk, "cold": res[0]["cold"],
-                       "gbps": sum(needed) / wall / 1e9, "raw_gbps": raws[-1] / 1e9}
+                       "gbps": sum(needed) / wall / 1e9}
                 if reader.startswith("fp_dcp"):
                     rec["runs"] = [r["runs"] for r in res]
                     rec["touched"] = [r["touched"] for r in res]
@@ -379,7 +387,8 @@ def main() -> None:
                 print(f"  {case:7s} {reader:13s} {wall:6.2f}s  {rec['gbps']:.2f} GB/s  "
                       f"read/needed {sum(disk) / max(1, sum(needed)):.3f}", flush=True)
 
-    raw_gbps = sorted(raws)[len(raws) // 2] / 1e9
+        measure_raw()
+    raw_gbps = max(raws) / 1e9
     headers = ["case", "reader", "ranks", "needed/rank", "disk read/rank", "read/needed", "bound", "GB/s",
                "vs raw", "bytes target", "speed target"]
     for case in dict.fromkeys(r["case"] for r in results):
@@ -403,13 +412,16 @@ def main() -> None:
                          bytes_ok, speed_ok])
     cold = all(r["cold"] for r in results)
     print()
-    print(f"raw O_DIRECT sequential read (fio, same run): {raw_gbps:.2f} GB/s; "
+    print(f"raw O_DIRECT sequential read (best of {len(raws)} fio runs in this run: "
+          f"{'; '.join(sorted(raw_notes))}; all: {', '.join(f'{r / 1e9:.2f}' for r in raws)} GB/s): "
+          f"{raw_gbps:.2f} GB/s; "
           f"loads {'COLD (page cache dropped)' if cold else 'WARM (could not drop caches)'}")
     print(f"bound = {READ_VS_NEEDED} x needed + {BLOCK} B per needed run (worst rank); "
           f"speed target: resharded fp_dcp >= {RESHARD_VS_RAW} x raw")
     print(C.format_table(headers, rows))
     out = Path(args.json) if args.json else (REPO / "bench_out" / f"reshard-{stamp}.json")
     C.write_json(out, {"hardware": hw, "args": vars(args), "payload": payload, "raw_gbps": raw_gbps,
+                       "raw_all_gbps": [r / 1e9 for r in raws],
                        "results": results, "table": {"headers": headers, "rows": rows}})
     print(f"JSON: {out}")
     if not args.keep:

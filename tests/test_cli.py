@@ -1,0 +1,221 @@
+"""``fp-dcp`` / ``python -m fp_dcp``: inspect, convert (torch.save,
+safetensors, stock DCP both ways) bit for bit, and errors that name the file
+and the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+from fp_dcp import FastPersistReader, FastPersistWriter
+from fp_dcp.cli import main
+from fp_dcp.convert import SAFETENSORS_DTYPES
+from tests._dist import run_ranks
+from tests._sd import assert_sd_equal, bits_equal, mixed_state_dict, zeros_like_sd
+
+
+def _contiguous(x):
+    if isinstance(x, torch.Tensor):
+        return x.contiguous()
+    if isinstance(x, dict):
+        return {k: _contiguous(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_contiguous(v) for v in x]
+    return x
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("cli") / "c")
+    sd = mixed_state_dict(seed=3)
+    dcp.save(sd, storage_writer=FastPersistWriter(path), no_dist=True)
+    return sd, path
+
+
+def _save_sharded(rank, world_size, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(11)
+    sd = {"w": distribute_tensor(torch.randn(64, 40, generator=g), mesh, [Shard(0)]),
+          "v": distribute_tensor(torch.randn(30, 50, generator=g), mesh, [Shard(1)]),
+          "step": 3}
+    dcp.save(sd, storage_writer=FastPersistWriter(path))
+    return True
+
+
+# ------------------------------------------------------------------ inspect
+
+
+def test_inspect_json_lists_format_tensors_chunks_and_files(ckpt, capsys):
+    sd, path = ckpt
+    assert main(["inspect", path, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["format"] == "fp_dcp" and d["format_version"] >= 1 and d["world_size"] == 1
+    flat, _ = flatten_state_dict(sd)
+    tensors = {t["name"]: t for t in d["tensors"]}
+    assert set(tensors) == {k for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    for name, t in tensors.items():
+        assert t["shape"] == list(flat[name].shape) and t["dtype"] == str(flat[name].dtype)[6:], name
+        assert t["bytes"] == flat[name].numel() * flat[name].element_size()
+        assert len(t["chunks"]) == 1
+    assert {o["name"] for o in d["objects"]} == {k for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+    assert d["files"] and all(f["size"] == f["size_on_disk"] == os.path.getsize(os.path.join(path, f["name"]))
+                              for f in d["files"])
+
+
+def test_inspect_table_and_chunks_of_a_sharded_checkpoint(tmp_path, capsys):
+    path = str(tmp_path / "s")
+    run_ranks(2, _save_sharded, path)
+    assert main(["inspect", path, "--chunks"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 rank(s)" in out and "float32" in out and "64x40" in out
+    assert "w chunk at [32, 0] size [32, 40]" in out and "v chunk at [0, 25] size [30, 25]" in out
+    # and the sharded checkpoint consolidates into one torch.save file
+    out_pt = str(tmp_path / "s.pt")
+    assert main(["convert", path, out_pt, "-q"]) == 0
+    got = torch.load(out_pt, weights_only=True)
+    g = torch.Generator().manual_seed(11)
+    assert torch.equal(got["w"], torch.randn(64, 40, generator=g))
+    assert torch.equal(got["v"], torch.randn(30, 50, generator=g))
+    assert got["step"] == 3
+
+
+def test_python_dash_m_and_the_console_script(ckpt):
+    _, path = ckpt
+    r = subprocess.run([sys.executable, "-m", "fp_dcp", "inspect", path], capture_output=True, text=True)
+    assert r.returncode == 0 and "format fp_dcp version" in r.stdout, r.stderr
+    script = shutil.which("fp-dcp")
+    if script is None:
+        pytest.skip("the fp-dcp console script is not installed (pip install -e .)")
+    r = subprocess.run([script, "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "inspect" in r.stdout and "convert" in r.stdout
+
+
+# ------------------------------------------------------------------ convert
+
+
+def test_convert_to_torch_save_is_bit_exact_and_shows_progress(ckpt, tmp_path, capsys):
+    sd, path = ckpt
+    out = str(tmp_path / "model.pt")
+    assert main(["convert", path, out]) == 0
+    err = capsys.readouterr().err
+    assert "reading" in err and "100.0%" in err and "wrote" in err
+    assert_sd_equal(_contiguous(sd), _contiguous(torch.load(out, weights_only=True)))
+
+
+def _read_safetensors(path):
+    """A minimal reader of the format (independent of fp_dcp's writer)."""
+    names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    meta = header.pop("__metadata__", {})
+    out, end = {}, 0
+    for name, h in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        a, b = h["data_offsets"]
+        assert a == end, f"{name}: a hole or an overlap in the data section"
+        end = b
+        raw = torch.frombuffer(bytearray(data[a:b]), dtype=torch.uint8) if b > a else torch.empty(0, dtype=torch.uint8)
+        out[name] = raw.view(names[h["dtype"]]).reshape(h["shape"])
+    assert end == len(data)
+    return out, meta
+
+
+def test_convert_to_safetensors_is_bit_exact(ckpt, tmp_path, capsys):
+    sd, path = ckpt
+    out = str(tmp_path / "model.safetensors")
+    # some dtypes have no safetensors name: an error naming the tensor, or left out on request
+    assert main(["convert", path, out, "-q"]) == 1
+    assert "d10_complex128: safetensors has no torch.complex128" in capsys.readouterr().err
+    assert not os.path.exists(out)
+    assert main(["convert", path, out, "-q", "--skip-unsupported"]) == 0
+    assert "skipped" in capsys.readouterr().err
+    got, meta = _read_safetensors(out)
+    flat, _ = flatten_state_dict(sd)
+    want = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor) and v.dtype in SAFETENSORS_DTYPES}
+    assert set(got) == set(want)
+    for k in want:
+        assert bits_equal(got[k], want[k].contiguous()), k
+    assert meta["format"] == "pt"
+
+
+def test_safetensors_output_loads_with_the_safetensors_package(ckpt, tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    sd, path = ckpt
+    out = str(tmp_path / "m.safetensors")
+    assert main(["convert", path, out, "-q", "--skip-unsupported"]) == 0
+    got = st.load_file(out)
+    flat, _ = flatten_state_dict(sd)
+    for k, v in got.items():
+        assert bits_equal(v, flat[k].contiguous()), k
+
+
+def test_fp_dcp_to_stock_dcp_and_back_is_bit_exact(ckpt, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    sd, path = ckpt
+    stock, back = str(tmp_path / "stock"), str(tmp_path / "back")
+    assert main(["convert", "--to-dcp", path, stock, "-q"]) == 0
+    assert os.path.exists(os.path.join(stock, ".metadata"))
+    assert main(["convert", "--from-dcp", stock, back, "-q"]) == 0
+    want = _contiguous(sd)
+    a = zeros_like_sd(want)
+    dcp.load(a, storage_reader=FileSystemReader(stock), no_dist=True)
+    assert_sd_equal(want, a)
+    b = zeros_like_sd(want)
+    dcp.load(b, storage_reader=FastPersistReader(back), no_dist=True)
+    assert_sd_equal(want, b)
+    # the stock checkpoint also consolidates into torch.save
+    assert main(["convert", stock, str(tmp_path / "s.pt"), "-q"]) == 0
+    assert_sd_equal(want, _contiguous(torch.load(str(tmp_path / "s.pt"), weights_only=True)))
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_errors_name_the_file_and_the_fix(ckpt, tmp_path, capsys):
+    _, path = ckpt
+    stock = str(tmp_path / "stock")
+    dcp.save({"x": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(stock), no_dist=True)
+    assert main(["inspect", stock]) == 1
+    assert f"fp-dcp convert --from-dcp {stock}" in capsys.readouterr().err
+    out = str(tmp_path / "exists.pt")
+    open(out, "w").close()
+    assert main(["convert", path, out, "-q"]) == 1
+    err = capsys.readouterr().err
+    assert out in err and "--force" in err
+    assert main(["convert", path, out, "-q", "--force"]) == 0
+    assert main(["convert", path, str(tmp_path / "model.xyz")]) == 1
+    assert "--to" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "nothing")]) == 1
+    assert "nothing" in capsys.readouterr().err
+    assert main(["convert", "--from-dcp", path, str(tmp_path / "o")]) == 1
+    assert "needs a stock DCP checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["convert"])
+    assert e.value.code == 2
+
+
+def test_torch_save_file_converts_to_fp_dcp(tmp_path):
+    src = str(tmp_path / "m.pt")
+    sd = {"a": torch.arange(12.0).reshape(3, 4), "b": {"c": torch.ones(2, dtype=torch.int8)}}
+    torch.save(sd, src)
+    out = str(tmp_path / "fp")
+    assert main(["convert", src, out, "--to", "fp_dcp", "-q"]) == 0
+    target = zeros_like_sd(sd)
+    dcp.load(target, storage_reader=FastPersistReader(out), no_dist=True)
+    assert_sd_equal(sd, target)
+    assert np.array_equal(target["a"].numpy(), np.arange(12.0).reshape(3, 4))
