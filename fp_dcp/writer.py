@@ -33,6 +33,7 @@ import os
 import secrets
 import socket
 import time
+import weakref
 from torch.futures import Future
 from typing import Any
 
@@ -284,7 +285,11 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         # The pieces name this rank's own items (those of prepare_local_plan,
         # including the ones the planner's dedup removed from plan.items).
-        fut.set_result(self._write(assignment, self._local_items, planner))
+        try:
+            fut.set_result(self._write(assignment, self._local_items, planner))
+        except BaseException:
+            self._abandon(assignment.save_id, assignment.rank)
+            raise
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -313,9 +318,18 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                     view = view[os.write(fd, view):]
                 if self.options.sync_files:
                     os.fsync(fd)
-            finally:
+            except BaseException as e:
                 os.close(fd)
-            os.replace(tmp, final)  # the commit point
+                self._abandon_commit(tmp, layout)
+                if isinstance(e, OSError) and e.filename is None:  # os.write/fsync name no file
+                    raise type(e)(e.errno, f"cannot write the checkpoint metadata: {e.strerror}", tmp) from None
+                raise
+            os.close(fd)
+            try:
+                os.replace(tmp, final)  # the commit point
+            except BaseException:
+                self._abandon_commit(tmp, layout)
+                raise
             if self.options.sync_files:
                 _fsync_dir(directory)
             self._remove_superseded(directory, {name for name, _ in layout.files})
@@ -626,6 +640,33 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                 except FileNotFoundError:
                     pass
 
+    def _abandon(self, save_id: str, rank: int) -> None:
+        """After this rank failed to write its part of a save: remove the
+        data files it created (a full disk gets its space back) and release
+        the lock; the previous checkpoint was never touched."""
+        prefix = f"{save_id}.r{rank}."
+        for directory, _ in self._data_directories():
+            try:
+                entries = list(os.scandir(directory))
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.name.startswith(prefix) and entry.name.endswith(fmt.DATA_SUFFIX):
+                    try:
+                        os.unlink(entry.path)
+                    except OSError:
+                        pass
+        self._release_lock()
+
+    def _abandon_commit(self, tmp: str, layout: fmt.StorageLayout) -> None:
+        """The commit failed before the rename: nothing refers to the new
+        save's data files or to the temporary metadata; remove them."""
+        for name in [tmp] + [os.path.join(self._directory(), n) for n, _ in layout.files]:
+            try:
+                os.unlink(name)
+            except OSError:
+                pass
+
     def _acquire_lock(self) -> None:
         if self._lock_fd is not None:
             return
@@ -640,10 +681,12 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                 "or save elsewhere", self._directory()
             ) from None
         self._lock_fd = fd
+        # a writer dropped after a failed save (DCP never calls finish) must not keep the lock
+        self._lock_finalizer = weakref.finalize(self, os.close, fd)
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
+            self._lock_finalizer()  # closes the fd, once
             self._lock_fd = None
 
     def close(self) -> None:
