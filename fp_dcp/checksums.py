@@ -78,8 +78,10 @@ def piece_checksums(stats: dict[str, Any], n: int) -> list[str]:
     return [text[8 * int(a) : 8 * int(b)] for a, b in zip(first[:n].tolist(), first[1 : n + 1].tolist())]
 
 
-def _item_name(index: Any) -> str:
-    if index.offset is None:
+def item_name(index: Any) -> str:
+    """A stored item for messages: the tensor's name, and the offset of its
+    chunk unless that is the origin (a whole tensor, or a first shard)."""
+    if index.offset is None or not any(index.offset):
         return index.fqn
     return f"{index.fqn} (chunk at {list(index.offset)})"
 
@@ -173,8 +175,14 @@ class ReadVerifier:
                 out_v.append(v[start - o : p - o])
                 out_fill.append(False)
                 start = p
-        return (np.array(out_f, dtype=np.int64), np.array(out_o, dtype=np.int64), out_v,
-                np.array(out_fill, dtype=bool))
+        files, offs = np.array(out_f, dtype=np.int64), np.array(out_o, dtype=np.int64)
+        fill = np.array(out_fill, dtype=bool)
+        # pieces may overlap (two targets of the same bytes): cut, they must be sorted again
+        order = np.lexsort((offs, files))
+        if np.any(order != np.arange(len(order))):
+            files, offs, fill = files[order], offs[order], fill[order]
+            out_v = [out_v[i] for i in order.tolist()]
+        return files, offs, out_v, fill
 
 
 class _Check:
@@ -215,7 +223,7 @@ class _Check:
             k = idx[b]
             ek = e[k]
             out.append(BadBlock(
-                _item_name(v.items[v.e_item[ek]]),
+                item_name(v.items[v.e_item[ek]]),
                 v.paths[int(v.e_file[ek])],
                 int(v.e_off[ek] + start[k]),
                 int(v.e_io[ek] + start[k]),
