@@ -1,0 +1,92 @@
+"""Checkpoint rotation: keep the newest N checkpoints of a run.
+
+A training loop that saves every K steps into ``root/step<N>`` calls
+``keep_last(root, 3)`` after each save::
+
+    dcp.save(state, storage_writer=writer, checkpoint_id=f"{root}/step{step:06d}")
+    fp_dcp.rotation.keep_last(root, 3)
+
+Only committed fp_dcp checkpoints (directories holding ``.fp_dcp.meta``)
+directly under ``root`` count and are removed, oldest commit first.  A
+directory whose save is in progress (its ``.fp_dcp.lock`` is held) is never
+touched, nor is anything without metadata (an interrupted save: load it to
+see why, remove it by hand).  A checkpoint's data files in data directories
+(``FastPersistOptions.data_dirs``) are removed with it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+
+from fp_dcp import format as fmt
+
+__all__ = ["keep_last", "committed_checkpoints"]
+
+_LOCK_NAME = ".fp_dcp.lock"
+
+
+def committed_checkpoints(root: str | os.PathLike) -> list[str]:
+    """Committed checkpoint directories directly under ``root``, oldest commit first."""
+    found = []
+    with os.scandir(root) as it:
+        for entry in it:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                st = os.stat(os.path.join(entry.path, fmt.METADATA_NAME))
+            except FileNotFoundError:
+                continue
+            found.append((st.st_mtime_ns, entry.name, entry.path))
+    found.sort()
+    return [p for _, _, p in found]
+
+
+def keep_last(root: str | os.PathLike, n: int) -> list[str]:
+    """Remove all but the ``n`` newest committed checkpoints under ``root``;
+    returns the directories removed."""
+    if n < 1:
+        raise ValueError(f"keep_last needs n >= 1, got {n}")
+    removed = []
+    for path in committed_checkpoints(root)[:-n]:
+        if _remove_checkpoint(path):
+            removed.append(path)
+    return removed
+
+
+def _remove_checkpoint(path: str) -> bool:
+    """Remove one checkpoint under its own lock (skipped while a save holds it)."""
+    lock = os.path.join(path, _LOCK_NAME)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        meta = os.path.join(path, fmt.METADATA_NAME)
+        external: list[str] = []
+        try:
+            with open(meta, "rb") as f:
+                _, layout, _ = fmt.decode_metadata(f.read(), meta)
+            external = [name for name, _ in layout.files if os.path.isabs(name)]
+        except (OSError, fmt.CheckpointFormatError):
+            pass  # damaged metadata: remove what is in the directory
+        os.unlink(meta)  # no longer committed: nothing will load it half removed
+        for name in external:
+            try:
+                os.unlink(name)
+            except FileNotFoundError:
+                pass
+        for d in {os.path.dirname(name) for name in external}:
+            try:
+                os.rmdir(d)  # the checkpoint's sub-directory of a data directory, when empty
+            except OSError:
+                pass
+        shutil.rmtree(path)
+        return True
+    finally:
+        os.close(fd)
