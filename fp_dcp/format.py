@@ -362,6 +362,22 @@ def _extent_crc(value: Any, length: int, block: int | None, where: str) -> str:
     return value
 
 
+def _check_no_overlap(extents: dict[MetadataIndex, list[Extent]]) -> None:
+    """No two extents share a byte of a file: a layout where they do was not
+    written by fp_dcp (and would let one item's bytes pass for another's)."""
+    spans = sorted(
+        (e.file, e.file_offset, e.file_offset + e.length, index.fqn)
+        for index, exts in extents.items()
+        for e in exts
+        if e.length > 0
+    )
+    for (f0, _, end0, name0), (f1, start1, _, name1) in zip(spans, spans[1:]):
+        if f0 == f1 and start1 < end0:
+            raise CheckpointFormatError(
+                f"extents of {name0} and {name1} overlap in data file {f0} (offset {start1})"
+            )
+
+
 def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, StorageLayout, dict[str, Any]]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CheckpointFormatError("metadata does not describe an fp_dcp checkpoint")
@@ -417,6 +433,7 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
             exts.append(Extent(f, fo, io_, ln, crc))
         exts.sort(key=lambda e: e.item_offset)
         extents[index] = exts
+    _check_no_overlap(extents)
     layout = StorageLayout(
         save_id=str(doc["save_id"]),
         alignment=_int(doc["alignment"], "alignment"),

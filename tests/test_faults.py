@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import faulthandler
 import gc
 import os
 import random
@@ -22,6 +23,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fp_dcp import FastPersistReader, FastPersistWriter, _aio
@@ -431,3 +434,207 @@ def test_200_saves_with_rotation_leak_nothing(tmp_path, no_leaks):
     dcp.load(target, storage_reader=FastPersistReader(root / "step0199"))
     assert target["step"] == 199 and target["w"][0] == 199
     assert rss() - base_rss < 64 << 20, (rss() - base_rss)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _load_error(target, path, **kw) -> BaseException:
+    r = FastPersistReader(path, **kw)
+    try:
+        with pytest.raises((Exception, CheckpointException)) as ei:
+            dcp.load(target, storage_reader=r)
+    finally:
+        r.close()
+    return root_error(ei.value)
+
+
+def test_target_with_missing_extra_or_misshapen_keys(tmp_path):
+    """DCP's planner names the key for a missing one and for a wrong shape;
+    keys the checkpoint has and the target lacks are simply not loaded (a
+    partial load, as with the stock reader)."""
+    path = tmp_path / "c"
+    save({"a": torch.ones(4, 3), "b": torch.arange(5.0), "n": 3}, path)
+    e = _load_error({"a": torch.zeros(4, 3), "b": torch.zeros(5), "zz": torch.zeros(2)}, path)
+    assert "Missing key in checkpoint state_dict: zz" in str(e)
+    for shape in [(3, 4), (8, 3), (12,), (4, 3, 1)]:
+        e = _load_error({"a": torch.zeros(shape), "b": torch.zeros(5)}, path)
+        assert "Size mismatch" in str(e) and "for a" in str(e), e
+    e = _load_error({"a": 1, "b": torch.zeros(5)}, path)
+    assert "for a" in str(e)
+    partial = {"b": torch.zeros(5)}
+    dcp.load(partial, storage_reader=FastPersistReader(path))
+    assert torch.equal(partial["b"], torch.arange(5.0))
+
+
+def test_truncated_or_deleted_data_file_on_load(tmp_path):
+    path = tmp_path / "c"
+    save(state_dict(1), path)
+    _, layout, _ = read_checkpoint_metadata(str(path))
+    name = os.path.join(path, layout.files[0][0])
+    size = os.path.getsize(name)
+    os.truncate(name, size // 2)
+    e = _load_error(_crash.zeros_like(state_dict(0)), path)
+    assert "data file is truncated" in str(e) and name in str(e)
+    os.unlink(name)
+    e = _load_error(_crash.zeros_like(state_dict(0)), path)
+    # DCP turns a failed metadata read into an AssertionError carrying the reader's message
+    assert "data file of the checkpoint is missing" in str(e) and name in str(e)
+
+
+def test_truncated_between_metadata_read_and_data_read(tmp_path):
+    """A file cut short after the reader checked its size: the engine's end of
+    file error names the file (no short tensor is returned)."""
+    path = tmp_path / "c"
+    w = torch.arange(300000, dtype=torch.float32).reshape(300, 1000)
+    save({"w": w}, path)
+    _, layout, _ = read_checkpoint_metadata(str(path))
+    name = os.path.join(path, layout.files[0][0])
+    got = _read_item(str(path), [0, 0], [300, 1000], torch.zeros(300, 1000), [0, 0],
+                     before=lambda: os.truncate(name, 8192))
+    assert isinstance(got, str) and got.startswith("OSError") and "file truncated?" in got and name in got, got
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_read_items_are_exact_or_refused(fuzz_ckpt, data):
+    """The reader's planner on arbitrary read items — boxes in and out of the
+    stored chunk, wrong ranks, wrong targets (shape, dtype, strides), unknown
+    chunks: the exact bytes, or a clean exception; never a crash, a hang, or
+    a silently wrong tensor."""
+    path, stored = fuzz_ckpt
+    shape = list(stored.shape)
+    rank = data.draw(st.sampled_from([len(shape)] * 4 + [len(shape) - 1, len(shape) + 1]))
+    off = [data.draw(st.integers(-1, (shape[i] if i < len(shape) else 2) + 1)) for i in range(rank)]
+    lens = [data.draw(st.integers(0, (shape[i] if i < len(shape) else 2) + 1)) for i in range(rank)]
+    dtype = data.draw(st.sampled_from([stored.dtype, stored.dtype, torch.float64, torch.int32]))
+    dshape = list(lens) if data.draw(st.integers(0, 5)) else [max(0, n + 1) for n in lens]
+    transposed = len(dshape) == 2 and data.draw(st.booleans())
+    dest = torch.full(dshape[::-1] if transposed else dshape, -7, dtype=dtype)
+    if transposed:
+        dest = dest.t()
+    chunk = [0] * len(shape) if data.draw(st.integers(0, 9)) else [1] * len(shape)
+    valid = (rank == len(shape) and all(0 <= o and o + n <= s for o, n, s in zip(off, lens, shape))
+             and dshape == lens and not any(chunk))
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang kills the run with a traceback
+    try:
+        got = _read_item(path, off, lens, dest, chunk)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    if valid:
+        assert isinstance(got, torch.Tensor), got
+        want = stored[tuple(slice(o, o + n) for o, n in zip(off, lens))].to(dtype)
+        assert torch.equal(got, want)
+    elif isinstance(got, torch.Tensor):  # only a box of no elements may pass unchecked: nothing to get wrong
+        assert got.numel() == 0 and 0 in lens, (off, lens, dshape, chunk)
+    else:
+        assert got.split(":")[0] in (
+            "ValueError", "CheckpointFormatError", "TypeError", "RuntimeError", "IndexError"), got
+
+
+@pytest.fixture(scope="module")
+def fuzz_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fuzz") / "c"
+    stored = torch.from_numpy(np.random.default_rng(1).standard_normal((37, 300)).astype(np.float32))
+    save({"w": stored}, path)
+    return str(path), stored
+
+
+def _read_item(path, off, lens, dest, chunk, before=None):
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    r = FastPersistReader(path)
+
+    class P(DefaultLoadPlanner):
+        def resolve_tensor(self, read_item):
+            return dest
+
+        def commit_tensor(self, read_item, tensor):
+            pass
+
+    try:
+        md = r.read_metadata()
+        r.set_up_storage_reader(md, True)
+        if before is not None:
+            before()
+        idx = MetadataIndex("w", torch.Size(chunk))
+        item = ReadItem(type=LoadItemType.TENSOR, dest_index=idx, dest_offsets=torch.Size([0] * len(off)),
+                        storage_index=idx, storage_offsets=torch.Size(off), lengths=torch.Size(lens))
+        r.read_data(LoadPlan([item]), P()).wait()
+        return dest
+    except Exception as e:  # noqa: BLE001 - the test judges it
+        return f"{type(e).__name__}: {e}"
+    finally:
+        r.close()
+
+
+@pytest.fixture(scope="module")
+def layout_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("layout") / "c"
+    sd = {"a": torch.arange(70000, dtype=torch.float32), "b": torch.arange(33, dtype=torch.int16),
+          "c": torch.arange(300000, dtype=torch.float64)}
+    save(sd, path)
+    return path, sd
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_fuzzed_layouts_load_exact_or_refuse(layout_ckpt, data):
+    """A real checkpoint's metadata with one field of its layout (files,
+    extents: file, offsets, lengths, checksums) replaced, re-signed with a
+    valid header CRC (a buggy writer, not a damaged disk): the load gives
+    the saved tensors bit for bit, or a clean error. Never silently wrong:
+    the extent checksums catch bytes taken from the wrong place (and
+    overlapping extents are refused: found by this test)."""
+
+    path, sd = layout_ckpt
+    meta = os.path.join(path, ".fp_dcp.meta")
+    raw = open(meta, "rb").read()
+    try:
+        _load_fuzzed_layout(path, sd, meta, raw, data)
+    finally:
+        with open(meta, "wb") as f:
+            f.write(raw)
+
+
+def _load_fuzzed_layout(path, sd, meta, raw, data):
+    import json
+    import struct
+    import zlib
+
+    doc = json.loads(raw[24:])
+    where = data.draw(st.sampled_from(["files", "extent"]))
+    if where == "files":
+        i = data.draw(st.integers(0, len(doc["files"]) - 1))
+        j = data.draw(st.integers(0, 1))
+        doc["files"][i][j] = data.draw(st.one_of(st.integers(-5, 1 << 22), st.text(max_size=8)))
+    else:
+        k = data.draw(st.integers(0, len(doc["extents"]) - 1))
+        e = doc["extents"][k][1][0]
+        j = data.draw(st.integers(0, 4))
+        if j == 4:
+            e[4] = data.draw(st.one_of(st.text("0123456789abcdef", min_size=8, max_size=8), st.just(e[4][::-1])))
+        else:
+            e[j] = e[j] + data.draw(st.sampled_from([-4096, -64, -1, 1, 8, 64, 4096, 1 << 20]))
+    body = json.dumps(doc).encode()
+    with open(meta, "wb") as f:
+        f.write(raw[:8] + struct.pack("<IIQ", 2, zlib.crc32(body), len(body)) + body)
+    target = {"a": torch.zeros(70000), "b": torch.zeros(33, dtype=torch.int16), "c": torch.zeros(300000, dtype=torch.float64)}
+    faulthandler.dump_traceback_later(120, exit=True)
+    r = FastPersistReader(path)
+    try:
+        dcp.load(target, storage_reader=r)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
+        e = root_error(exc)
+        if isinstance(e, AssertionError):  # DCP's wrapper of a failed metadata read
+            assert "metadata read failed" in str(e), repr(e)
+        else:
+            assert isinstance(e, (ValueError, OSError, TypeError, RuntimeError, KeyError)), repr(e)
+        return
+    finally:
+        r.close()
+        faulthandler.cancel_dump_traceback_later()
+    for k in sd:
+        assert torch.equal(target[k], sd[k]), f"{k} loaded silently wrong"

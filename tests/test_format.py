@@ -247,3 +247,16 @@ def test_metadata_survives_the_loaded_round_trip(ckpt):
     target = zeros_like_sd(sd)
     dcp.load(target, storage_reader=FastPersistReader(path))
     assert_sd_equal(sd, target)
+
+
+def test_overlapping_extents_are_refused(ckpt):
+    """Two items claiming one byte of a file: not a layout fp_dcp writes (the
+    fuzzed-layout test in test_faults.py found that it let one item's
+    checksummed bytes be read for another's)."""
+    _, path = ckpt
+    doc = json.loads(open(meta_path(path), "rb").read()[24:])
+    (_, a), (_, b) = doc["extents"][0], doc["extents"][1]
+    b[0][0], b[0][1] = a[0][0], a[0][1] + max(0, a[0][3] // 2)
+    _rewrite(path, json.dumps(doc).encode())
+    with pytest.raises(fmt.CheckpointFormatError, match="overlap"):
+        read_checkpoint_metadata(str(path))
