@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -46,6 +47,9 @@ class BadExtent:
     reason: str
     bad_blocks: int = 0
     blocks: int = 0
+    first_bad: int = -1  # file offset of the first bad checksum block
+    first_actual: int = 0
+    first_expected: int = 0
 
     def describe(self) -> str:
         return (
@@ -136,34 +140,35 @@ def verify_checkpoint(
         by_file[fid].sort(key=lambda ie: ie[1].file_offset)
 
     opts = options if options is not None else FastPersistOptions.from_env()
-    nworkers = workers or min(4, max(1, os.cpu_count() or 1), max(1, len(readable)))
+    block = layout.checksum_block_bytes or (1 << 20)
+    tasks = _tasks(readable, by_file, block)
+    total = sum(t[2] for t in tasks)
+    nworkers = max(1, workers or min(4, os.cpu_count() or 1, max(1, len(tasks))))
     report.workers = nworkers
-    shares: list[list[int]] = [[] for _ in range(nworkers)]
-    load = [0] * nworkers
-    for fid in sorted(readable, key=lambda f: -sum(e.length for _, e in by_file[f])):
-        w = load.index(min(load))
-        shares[w].append(fid)
-        load[w] += sum(e.length for _, e in by_file[fid])
     verifier = ReadVerifier(layout, paths)
-    total = sum(load)
+    lock = threading.Lock()
+    queue = iter(tasks)
     done = [0]
 
-    def tick(n: int) -> None:
-        done[0] += n
-        if progress is not None:
-            progress(done[0], total)
+    def next_task():
+        with lock:
+            return next(queue, None)
 
-    def work(fids: list[int]) -> tuple[int, list[BadExtent], list[str]]:
-        if not fids:
-            return 0, [], []
-        return _verify_files(directory, opts, verifier, layout, paths, fids, by_file, tick)
+    def tick(n: int) -> None:
+        with lock:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+    def work(_: int) -> tuple[int, list[BadExtent], list[str]]:
+        return _worker(directory, opts, verifier, paths, next_task, tick)
 
     with concurrent.futures.ThreadPoolExecutor(nworkers, thread_name_prefix="fp_dcp-verify") as pool:
-        for verified, bad, errors in pool.map(work, shares):
+        for verified, bad, errors in pool.map(work, range(nworkers)):
             report.verified_bytes += verified
             report.bad.extend(bad)
             report.errors.extend(errors)
-    report.bad.sort(key=lambda b: (b.path, b.file_offset))
+    report.bad = _merge_bad(report.bad)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -172,99 +177,121 @@ def _unreadable(index: Any, e: fmt.Extent, path: str, reason: str) -> BadExtent:
     return BadExtent(item_name(index), path, e.file_offset, e.item_offset, e.length, reason)
 
 
-def _verify_files(directory, opts, verifier, layout, paths, fids, by_file, tick):
+def _tasks(fids, by_file, block):
+    """Work for the workers: (file, pieces, bytes), each at most _BATCH_BYTES,
+    a piece being (index, extent, offset in the extent, length), cut at
+    checksum blocks; large files are shared by several workers."""
+    step = max(block, _BATCH_BYTES // block * block)
+    tasks = []
+    for fid in fids:
+        batch, nbytes = [], 0
+        for index, e in by_file[fid]:
+            rel = 0
+            while True:
+                n = min(step, e.length - rel)
+                if batch and nbytes + n + 4096 > _BATCH_BYTES:
+                    tasks.append((fid, batch, nbytes))
+                    batch, nbytes = [], 0
+                batch.append((index, e, rel, n))
+                nbytes += n
+                rel += n
+                if rel >= e.length:
+                    break
+        if batch:
+            tasks.append((fid, batch, nbytes))
+    return tasks
+
+
+def _worker(directory, opts, verifier, paths, next_task, tick):
+    """One engine and one buffer; tasks until there are none left."""
     session = IOSession(opts, directory)
-    block = layout.checksum_block_bytes or (1 << 20)
     align = session.alignment
-    buf = _aio.AlignedBuffer(_BATCH_BYTES, max(align, 4096), lock=False)
+    buf = _aio.AlignedBuffer(_BATCH_BYTES + 64 * align, max(align, 4096), lock=False)
     mv = memoryview(buf)
     verified = 0
     bad: list[BadExtent] = []
     errors: list[str] = []
+    fds: dict[int, int] = {}
+    failed: set[int] = set()
     try:
-        for fid in fids:
-            # pieces: (extent key, extent, offset in the extent, length), cut at
-            # checksum blocks so that a piece fits the buffer
-            step = max(block, _BATCH_BYTES // block * block)
-            pieces = []
-            for index, e in by_file[fid]:
-                rel = 0
-                while True:
-                    n = min(step, e.length - rel)
-                    pieces.append((index, e, rel, n))
-                    rel += n
-                    if rel >= e.length:
-                        break
-            fd = None
+        while (task := next_task()) is not None:
+            fid, pieces, nbytes = task
+            if fid in failed:
+                continue
             try:
-                fd = session.engine.open(paths[fid], "r", session.direct or False)
-                i = 0
-                while i < len(pieces):
-                    pos, batch = 0, []
-                    while i < len(pieces):
-                        n = pieces[i][3]
-                        start = -(-pos // align) * align
-                        if batch and start + n > _BATCH_BYTES:
-                            break
-                        batch.append((pieces[i], start))
-                        pos = start + n
-                        i += 1
-                    views = [mv[s : s + p[3]] for p, s in batch]
-                    offs = np.array([p[1].file_offset + p[2] for p, _ in batch], dtype=np.int64)
-                    files = np.full(len(batch), fid, dtype=np.int64)
-                    try:
-                        if verifier.enabled:
-                            files, offs, views, check = verifier.plan(files, offs, views)
-                            stats = session.engine.read([fd], [paths[fid]], np.zeros(len(views), np.int64), offs,
-                                                        views, coalesce_gap=0, **check.engine_kwargs)
-                            v, blocks = check.compare(stats)
-                            verified += v
-                            bad.extend(_bad_extents(blocks, batch, paths[fid], block))
-                        else:
-                            session.engine.read([fd], [paths[fid]], np.zeros(len(views), np.int64), offs, views,
-                                                coalesce_gap=0)
-                    except OSError as e:
-                        errors.append(f"{paths[fid]}: {e}")
-                        for (index, ext, rel, n), _ in batch:
-                            if rel == 0:
-                                bad.append(_unreadable(index, ext, paths[fid], f"read failed: {e.strerror}"))
-                    finally:
-                        for view in views:
-                            view.release()
-                    tick(sum(p[3] for p, _ in batch))
+                fd = fds.get(fid)
+                if fd is None:
+                    fd = fds[fid] = session.engine.open(paths[fid], "r", session.direct or False)
+            except OSError as e:
+                failed.add(fid)
+                errors.append(f"{paths[fid]}: {e}")
+                bad.extend(_unreadable(i, x, paths[fid], f"cannot open: {e.strerror}") for i, x, r, _ in pieces if r == 0)
+                continue
+            pos, starts = 0, []
+            for _, _, _, n in pieces:
+                pos = -(-pos // align) * align
+                starts.append(pos)
+                pos += n
+            views = [mv[s : s + p[3]] for p, s in zip(pieces, starts)]
+            offs = np.array([p[1].file_offset + p[2] for p in pieces], dtype=np.int64)
+            files = np.full(len(pieces), fid, dtype=np.int64)
+            try:
+                if verifier.enabled:
+                    files, offs, views, check = verifier.plan(files, offs, views)
+                    stats = session.engine.read([fd], [paths[fid]], np.zeros(len(views), np.int64), offs, views,
+                                                coalesce_gap=0, **check.engine_kwargs)
+                    v, blocks = check.compare(stats)
+                    verified += v
+                    bad.extend(_bad_extents(blocks, pieces, paths[fid], verifier.block))
+                else:
+                    session.engine.read([fd], [paths[fid]], np.zeros(len(views), np.int64), offs, views,
+                                        coalesce_gap=0)
             except OSError as e:
                 errors.append(f"{paths[fid]}: {e}")
-                for index, ext in by_file[fid]:
-                    bad.append(_unreadable(index, ext, paths[fid], f"cannot open: {e.strerror}"))
+                bad.extend(_unreadable(i, x, paths[fid], f"read failed: {e.strerror}") for i, x, r, _ in pieces if r == 0)
             finally:
-                if fd is not None:
-                    os.close(fd)
+                for view in views:
+                    view.release()
+            tick(nbytes)
     finally:
+        for fd in fds.values():
+            os.close(fd)
         mv.release()
         buf.close()
         session.close()
     return verified, bad, errors
 
 
-def _bad_extents(blocks: list[BadBlock], batch, path: str, block: int) -> list[BadExtent]:
-    """Group bad blocks by extent."""
-    if not blocks:
-        return []
+def _merge_bad(bad: list[BadExtent]) -> list[BadExtent]:
+    """One entry per extent (an extent read by several workers reports its
+    bad blocks in several parts)."""
+    out: dict[tuple[str, int], BadExtent] = {}
+    for b in sorted(bad, key=lambda b: (b.path, b.file_offset, b.first_bad if b.bad_blocks else -1)):
+        key = (b.path, b.file_offset)
+        if key in out and out[key].bad_blocks and b.bad_blocks:
+            out[key].bad_blocks += b.bad_blocks
+        elif key not in out:
+            out[key] = b
+    for b in out.values():
+        if b.bad_blocks:
+            b.reason = (f"{b.bad_blocks} of {b.blocks} checksum block(s) bad; first: checksum mismatch at offset "
+                        f"{b.first_bad} (crc32c {b.first_actual:08x}, stored {b.first_expected:08x})")
+    return sorted(out.values(), key=lambda b: (b.path, b.file_offset))
+
+
+def _bad_extents(blocks: list[BadBlock], pieces, path: str, block: int) -> list[BadExtent]:
+    """Bad blocks grouped by extent."""
     out: dict[tuple[int, int], BadExtent] = {}
     for b in blocks:
-        for (index, ext, rel, n), _ in batch:
+        for index, ext, rel, n in pieces:
             if ext.file_offset + rel <= b.file_offset < ext.file_offset + rel + n:
                 key = (ext.file, ext.file_offset)
                 if key not in out:
-                    out[key] = BadExtent(
-                        item_name(index), path, ext.file_offset, ext.item_offset, ext.length,
-                        f"checksum mismatch at offset {b.file_offset} (crc32c {b.actual:08x}, stored {b.expected:08x})",
-                        0, fmt.checksum_blocks(ext.length, block),
-                    )
+                    out[key] = BadExtent(item_name(index), path, ext.file_offset, ext.item_offset, ext.length,
+                                         "checksum mismatch", 0, fmt.checksum_blocks(ext.length, block),
+                                         b.file_offset, b.actual, b.expected)
                 out[key].bad_blocks += 1
                 break
-    for be in out.values():
-        be.reason = f"{be.bad_blocks} of {be.blocks} checksum block(s) bad; first: {be.reason}"
     return list(out.values())
 
 

@@ -214,6 +214,23 @@ def test_verify_lists_every_bad_extent(tmp_path, capsys):
     assert doc["ok"] is False and len(doc["bad"]) == 3
 
 
+def test_verify_shares_one_big_file_among_workers(big_ckpt, monkeypatch):
+    """Work is cut in batches, so the workers share a single large file; an
+    extent read in several batches is still reported once, all its bad blocks
+    counted."""
+    sd, path = big_ckpt
+    monkeypatch.setattr(verify_mod, "_BATCH_BYTES", 2 * MiB)
+    file, e, _ = extent_of(path, "w")
+    flip(file, e.file_offset + 100)
+    flip(file, e.file_offset + 4 * MiB + 7)
+    report = verify_mod.verify_checkpoint(path, workers=3)
+    assert report.workers == 3 and report.verified_bytes == report.bytes
+    assert len(report.bad) == 1
+    b = report.bad[0]
+    assert (b.tensor, b.path, b.file_offset, b.bad_blocks, b.blocks) == ("w", file, e.file_offset, 2, 5)
+    assert f"2 of 5 checksum block(s) bad; first: checksum mismatch at offset {e.file_offset}" in b.reason
+
+
 def test_verify_reports_missing_and_truncated_files(tmp_path, capsys):
     sd = {"a": torch.ones(200000), "b": torch.ones(300000)}
     path = tmp_path / "c"
