@@ -40,6 +40,7 @@ import math
 import os
 import secrets
 import time
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -152,7 +153,6 @@ class _SharePlan:
     """``LoadPlan.storage_data`` when replicated reads are shared: the same
     list on every rank (the collectives follow it)."""
 
-    plan_id: str
     units: list[_SharedUnit]
     rounds: list[tuple[int, int]]
 
@@ -335,21 +335,30 @@ class FastPersistReader(StorageReader):
     # ----------------------------------------------------------- the load
 
     def _read(self, items: list[ReadItem], planner: LoadPlanner, share: _SharePlan | None) -> None:
-        session = self._engine()
-        directory = self._directory()
-        assert self.layout is not None
         t0 = time.perf_counter()
-        run = _Run(self, session, [os.path.join(directory, name) for name, _ in self.layout.files])
+        run: _Run | None = None
+        setup_error: BaseException | None = None
+        try:
+            session = self._engine()
+            directory = self._directory()
+            assert self.layout is not None
+            run = _Run(self, session, [os.path.join(directory, name) for name, _ in self.layout.files])
+        except BaseException as e:  # noqa: BLE001
+            if share is None:
+                raise
+            setup_error = e  # the other ranks learn it in the first round's collective
         try:
             if share is not None:
-                items = _share_reads(self, run, items, planner, share)
+                items = _share_reads(self, run, items, planner, share, setup_error)
+            assert run is not None
             jobs: list[_Job] = []
             for req in items:
                 jobs.extend(self._plan_item(req, planner, run))
             run.stats["plan_seconds"] = time.perf_counter() - t0
             run.execute(jobs)
         finally:
-            run.close()
+            if run is not None:
+                run.close()
         self.last_stats.update(run.stats)
 
     def _plan_item(self, req: ReadItem, planner: LoadPlanner, run: "_Run") -> list["_Job"]:
@@ -406,7 +415,7 @@ class FastPersistReader(StorageReader):
             if level is None:
                 jobs = _direct_jobs(grid, arrays, buf, needed)
             else:
-                jobs = _unit_jobs(grid, level, arrays, run, needed, _numpy_copier(buf, grid, level))
+                jobs = _unit_jobs(grid, level, arrays, run, needed, _numpy_copier(buf, grid, level, esize))
             jobs[-1].add_done(commit)
             return jobs
         # another dtype or device, or a target that overlaps itself: through a
@@ -442,6 +451,18 @@ class FastPersistReader(StorageReader):
     def _plan_sharing(self, plans: list[LoadPlan]) -> _SharePlan | None:
         """On the coordinator: boxes that several ranks need, each assigned to
         one owner (the least loaded), cut to the buffer budget, in rounds."""
+        import torch.distributed as dist
+
+        if not (self._use_collectives and dist.is_available() and dist.is_initialized()):
+            return None
+        if dist.get_world_size(self.process_group) != len(plans):
+            warnings.warn(
+                f"share_replicated_reads: dcp.load runs on {len(plans)} ranks but the reader's process group "
+                f"has {dist.get_world_size(self.process_group)}; pass the group dcp.load uses as "
+                f"FastPersistReader(process_group=...). Reading without sharing.",
+                stacklevel=3,
+            )
+            return None
         needers: dict[tuple, list[int]] = {}
         for rank, plan in enumerate(plans):
             for req in plan.items:
@@ -479,24 +500,19 @@ class FastPersistReader(StorageReader):
                 start, size = i, 0
             size += u.nbytes
         rounds.append((start, len(units)))
-        return _SharePlan(secrets.token_hex(8), units, rounds)
+        return _SharePlan(units, rounds)
 
     def _agreed_share_plan(self, plan: LoadPlan) -> _SharePlan | None:
-        """The sharing plan if every rank of the group received the same one
-        (one all_gather; a planner that dropped ``storage_data`` on some rank
-        turns sharing off everywhere instead of hanging the others)."""
-        if not self.options.share_replicated_reads or not self._use_collectives:
+        """The sharing plan the coordinator put in this rank's plan.  The
+        coordinator's decision is the only one: every rank of the load
+        receives the same plan through DCP's scatter, so every rank runs the
+        same collectives (a rank's own options do not change that)."""
+        share = plan.storage_data if isinstance(plan.storage_data, _SharePlan) else None
+        if share is None or not self._use_collectives:
             return None
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
-            return None
-        if dist.get_world_size(self.process_group) < 2:
-            return None
-        share = plan.storage_data if isinstance(plan.storage_data, _SharePlan) else None
-        ids: list[Any] = [None] * dist.get_world_size(self.process_group)
-        dist.all_gather_object(ids, None if share is None else share.plan_id, group=self.process_group)
-        if share is None or any(i != share.plan_id for i in ids):
             return None
         return share
 
@@ -630,14 +646,19 @@ def _unit_shape(grid: Grid, level: int, count: int, esize: int) -> tuple[tuple[i
     return shape + (grid.run // esize,), ss + (1,), ds + (1,)
 
 
-def _numpy_copier(buf: np.ndarray, grid: Grid, level: int):
-    """Strided byte copies from the arena into the target's bytes."""
+def _numpy_copier(buf: np.ndarray, grid: Grid, level: int, esize: int):
+    """Strided copies from the arena into the target's bytes, whole elements
+    at a time (a transposed target has one-element runs)."""
+    kind = np.dtype(f"u{esize}") if esize in (1, 2, 4, 8) else np.dtype(f"V{esize}")
+    strides = _unit_shape(grid, level, 1, esize)
 
     def copy(arena: np.ndarray, arena_off: int, u_off, dst, cnt) -> None:
         for o, d, c in zip(u_off.tolist(), dst.tolist(), cnt.tolist()):
-            shape, ss, ds = _unit_shape(grid, level, c, 1)
-            src = np.ndarray(shape, np.uint8, arena, arena_off + o, ss)
-            np.copyto(np.ndarray(shape, np.uint8, buf, d, ds), src)
+            shape = (c,) + strides[0][1:] if level < len(grid.counts) else strides[0]
+            ss = tuple(x * esize for x in strides[1])
+            ds = tuple(x * esize for x in strides[2])
+            src = np.ndarray(shape, kind, arena, arena_off + o, ss)
+            np.copyto(np.ndarray(shape, kind, buf, d, ds), src)
 
     return copy
 
@@ -859,8 +880,8 @@ def _read_key(req: ReadItem) -> tuple:
             tuple(req.storage_offsets), tuple(req.lengths))
 
 
-def _share_reads(reader: FastPersistReader, run: _Run, items: list[ReadItem], planner: LoadPlanner,
-                 share: _SharePlan) -> list[ReadItem]:
+def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadItem], planner: LoadPlanner,
+                 share: _SharePlan, setup_error: BaseException | None = None) -> list[ReadItem]:
     """Read the shared boxes this rank owns, exchange every shared box with
     the ranks that need it, and return the items still to read from disk.
 
@@ -885,6 +906,9 @@ def _share_reads(reader: FastPersistReader, run: _Run, items: list[ReadItem], pl
         posts: list[Callable[[], None]] = []
         transfers: list[tuple[int, _SharedUnit, torch.Tensor]] = []
         try:
+            if setup_error is not None:
+                raise setup_error
+            assert run is not None
             jobs: list[_Job] = []
             for ui in range(r0, r1):
                 u = share.units[ui]
@@ -927,6 +951,7 @@ def _share_reads(reader: FastPersistReader, run: _Run, items: list[ReadItem], pl
             w.wait()
         for fn in posts:
             fn()
+    assert run is not None
     run.stats["shared_bytes_sent"] = sent
     run.stats["shared_bytes_received"] = received
     return [r for r in items if id(r) not in covered]

@@ -562,6 +562,18 @@ def _world_3(rank, ws, root):
         got = torch.tensor([reader.last_stats["bytes_read"], reader.last_stats.get("shared_bytes_received", 0)])
         dist.all_reduce(got)
         out[share] = got.tolist()
+    # the coordinator decides: a rank whose own option is off still takes part
+    target = {"rep": torch.zeros(300, 64)}
+    dcp.load(target, storage_reader=FastPersistReader(os.path.join(root, "dt"), share_replicated_reads=rank == 0))
+    assert bits_equal(target["rep"], _full("rep", (300, 64)))
+    # a failure on one rank inside the shared phase fails every rank (no rank is left waiting)
+    target = {"rep": torch.zeros(300, 64, dtype=torch.bfloat16 if rank == 1 else torch.float32)}
+    try:
+        dcp.load(target, storage_reader=FastPersistReader(os.path.join(root, "dt"), share_replicated_reads=True,
+                                                          strict_dtype=True))
+        raise AssertionError("a strict_dtype mismatch on rank 1 did not fail the load")
+    except FAILED as e:
+        assert "strict_dtype" in str(e) or "rank 1" in str(e), str(e)
     return out
 
 
