@@ -319,6 +319,7 @@ class _Save:
         self.arena: _Arena | None = None
         self.refs: list[weakref.ref] = []  # the staged dict / lazy future
         self.snapshot: weakref.ref | None = None
+        self.via_async_save = False  # a DCP save will pick the staged dict up
 
     def finish(self, error: BaseException | None = None, *, reported: bool = False) -> None:
         if not self.done.is_set():
@@ -333,13 +334,16 @@ class _Save:
 
     def wait(self) -> None:
         me = threading.current_thread()
+        polls = 0
         while not self.done.is_set():
             t = self.thread
             if t is None:
                 if self._orphaned():
                     self.finish(None)
                 elif not self.done.wait(0.05):
-                    gc.collect()  # a staged dict caught in a reference cycle
+                    polls += 1
+                    if polls % 20 == 0:
+                        gc.collect()  # a staged dict held only by a reference cycle (a traceback)
                 continue
             if t is not me:
                 t.join(0.1)
@@ -664,7 +668,11 @@ def _walk(obj: Any, leaves: list[torch.Tensor], values: list[Any]) -> tuple:
     if DTensor is not None and isinstance(obj, DTensor):
         leaves.append(obj._local_tensor.detach())
         return ("D", len(leaves) - 1, obj._spec)
-    if isinstance(obj, torch.Tensor) and (type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter):
+    if (
+        isinstance(obj, torch.Tensor)
+        and (type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter)
+        and obj.layout == torch.strided
+    ):
         leaves.append(obj.detach())
         return ("T", len(leaves) - 1)
     t = type(obj)
@@ -672,7 +680,7 @@ def _walk(obj: Any, leaves: list[torch.Tensor], values: list[Any]) -> tuple:
         return ("M", t, tuple((k, _walk(v, leaves, values)) for k, v in obj.items()))
     if t is list or t is tuple:
         return ("L" if t is list else "U", tuple(_walk(v, leaves, values) for v in obj))
-    values.append(obj)  # other tensor subclasses included: deep-copied
+    values.append(obj)  # other tensor subclasses and layouts included: deep-copied
     return ("V", len(values) - 1)
 
 
@@ -704,19 +712,20 @@ def _make_dtensor(local: torch.Tensor, spec: Any) -> Any:
     return DTensor(local, spec, requires_grad=False)
 
 
-def _async_save_checkpoint_id() -> str | None:
-    """The ``checkpoint_id`` of the ``dcp.async_save`` calling ``stage``, if
-    any: DCP applies it to the writer (``reset``) only after staging, but the
-    spill file of ``staging_memory_limit_bytes`` needs a directory now."""
+def _async_save_caller() -> tuple[bool, str | None]:
+    """Whether ``stage`` was called by ``dcp.async_save`` (which then hands
+    the staged dict to a save), and that call's ``checkpoint_id``: DCP applies
+    it to the writer (``reset``) only after staging, but the spill file of
+    ``staging_memory_limit_bytes`` needs a directory now."""
     f = sys._getframe(2)
     for _ in range(8):
         if f is None:
             break
         if f.f_code.co_name == "async_save" and f.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
             cid = f.f_locals.get("checkpoint_id")
-            return os.fspath(cid) if isinstance(cid, (str, os.PathLike)) else None
+            return True, (os.fspath(cid) if isinstance(cid, (str, os.PathLike)) else None)
         f = f.f_back
-    return None
+    return False, None
 
 
 def _meta(t: torch.Tensor) -> tuple:
@@ -926,7 +935,7 @@ class _Stager:
             raise RuntimeError("FastPersistWriter is closed")
         if not isinstance(state_dict, dict):
             raise TypeError(f"stage() takes a state dict, not {type(state_dict).__name__}")
-        self.checkpoint_hint = _async_save_checkpoint_id()
+        via_async_save, self.checkpoint_hint = _async_save_caller()
         leaves: list[torch.Tensor] = []
         values: list[Any] = []
         skeleton = _walk(state_dict, leaves, values)
@@ -937,6 +946,7 @@ class _Stager:
             prev = self.saves[-1] if self.saves else None
             self.seq += 1
             rec = _Save(self.seq)
+            rec.via_async_save = via_async_save
             self.saves.append(rec)
             while self.saves and self.saves[0].done.is_set() and self.saves[0] is not prev:
                 self.saves.popleft()
@@ -1313,7 +1323,9 @@ class _Stager:
         if self.pool is not None:
             self.pool.shutdown(wait=True)  # lazy staging in progress
         for rec in list(self.saves):
-            if rec.thread is not None:  # a save that started; one never picked up keeps its views
+            # Saves that started, or that async_save handed to its executor; a
+            # dict from a direct stage() call that no save picked up keeps its views.
+            if rec.thread is not None or rec.via_async_save:
                 rec.wait()
         if self.ring_pool is not None:
             self.ring_pool.shutdown(wait=True)

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from fp_dcp import FastPersistReader, FastPersistWriter, _aio
+from fp_dcp.format import METADATA_NAME
 from tests._dist import run_ranks
 from tests._sd import FAILED, assert_sd_equal, mixed_state_dict, zeros_like_sd
 
@@ -72,6 +73,10 @@ class _GatedPlanner(DefaultSavePlanner):
     def create_local_plan(self):
         assert self.gate.wait(60), "the test never opened the gate"
         return super().create_local_plan()
+
+
+def _committed(path) -> bool:
+    return os.path.exists(os.path.join(path, METADATA_NAME))
 
 
 def _rss() -> int:
@@ -211,16 +216,33 @@ def test_one_save_in_flight_the_next_waits(tmp_path, aio_no_leaks):
         first = dcp.async_save(sd, storage_writer=w, checkpoint_id=tmp_path / "1", planner=_GatedPlanner(gate))
         first.staging_completion.result()
         sd["w"].add_(1)
-        w._stager().before_copy = lambda: seen.append(first.upload_completion.done())
+        w._stager().before_copy = lambda: seen.append(_committed(tmp_path / "1"))
         second = dcp.async_save(sd, storage_writer=w, checkpoint_id=tmp_path / "2")
         assert not second.staging_completion.done()  # cannot stage: the first save holds the arena
         gate.set()
         second.staging_completion.result()
         _wait(second)
         first.upload_completion.result()
-    assert seen == [True]  # the second copy started only after the first save was done
+    assert seen == [True]  # the second copy started only after the first save had committed
     assert torch.equal(_load(tmp_path / "1", sd)["w"], torch.arange(1 << 18, dtype=torch.float32))
     assert torch.equal(_load(tmp_path / "2", sd)["w"], sd["w"])
+
+
+def test_eager_second_save_waits_for_the_first(tmp_path, aio_no_leaks):
+    sd = {"w": torch.arange(1 << 18, dtype=torch.float32)}
+    gate = threading.Event()
+    seen = []
+    with FastPersistWriter(tmp_path / "ck", sync_files=False) as w:
+        first = dcp.async_save(sd, storage_writer=w, checkpoint_id=tmp_path / "1", planner=_GatedPlanner(gate))
+        w._stager().before_copy = lambda: seen.append(_committed(tmp_path / "1"))
+        out = []
+        t = threading.Thread(target=lambda: out.append(dcp.async_save(sd, storage_writer=w, checkpoint_id=tmp_path / "2")))
+        t.start()
+        gate.set()
+        t.join(60)
+        out[0].result()
+        first.result()
+    assert seen == [True]  # stage() of the second save blocked until the first had committed
 
 
 # ------------------------------------------------------------------ lifetime
