@@ -18,11 +18,16 @@ a first save, and peak RSS is the contender's own):
 2. **train** — a real model on the CPU (an MLP, forward, backward, AdamW)
    checkpointing its model and optimizer state every iteration and every
    ``--every`` iterations; throughput against the same loop without
-   checkpoints, and peak RSS.  Lazy staging starts the save at the top of an
-   iteration and waits for ``staging_completion`` just before
-   ``optimizer.step()``; eager and stock save after the step.  Stock saves
-   wait for the previous upload before the next (the writer does that itself
-   for fp_dcp).
+   checkpoints.  All loops run in one process, in blocks, each block between
+   two no-checkpoint blocks (N A N B N C N ..., rotated each round, for
+   ``--train-rounds`` rounds): other tenants of the machine come and go over
+   seconds, so a loop's cost is the median over rounds of its throughput
+   loss against the mean of its two neighbouring no-checkpoint blocks.  Peak RSS
+   comes from each loop run alone in a fresh process.  Lazy staging starts
+   the save at the top of an iteration and waits for ``staging_completion``
+   just before ``optimizer.step()``; eager and stock save after the step.
+   Stock saves wait for the previous upload before the next (the writer does
+   that itself for fp_dcp).
 
 The table gives ratios and PASS/FAIL against the issue's targets; JSON with
 the machine description goes to ``--json``.  The disk is shared: run it as
@@ -232,77 +237,140 @@ def _child_blocking(spec: dict) -> dict:
     return out
 
 
-def _child_train(spec: dict) -> dict:
-    import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+class _Trainer:
+    """An MLP trained with AdamW on the CPU; its state dict is what a
+    checkpoint saves (model and optimizer, DCP's get_state_dict)."""
 
-    kind = spec["contender"]
-    every = spec["every"]
-    root = Path(spec["path"])
-    root.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    d, layers, batch = spec["width"], spec["layers"], spec["batch"]
-    model = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(d, d), torch.nn.GELU())])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(batch, d)
-    y = torch.randn(batch, d)
+    def __init__(self, spec: dict):
+        import torch
 
-    def step_fwd_bwd():
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        torch.manual_seed(0)
+        d, layers, batch = spec["width"], spec["layers"], spec["batch"]
+        self.torch = torch
+        self.model = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(d, d), torch.nn.GELU())])
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(batch, d)
+        self.y = torch.randn(batch, d)
+        self.forward_backward()  # one step so that the optimizer state exists
+        self.step()
+        self.state_bytes = sum(t.numel() * t.element_size() for t in _tensors(self.state()))
+        self.params = sum(p.numel() for p in self.model.parameters())
+
+    def forward_backward(self) -> None:
+        loss = self.torch.nn.functional.mse_loss(self.model(self.x), self.y)
         loss.backward()
 
-    def state():
-        msd, osd = get_state_dict(model, opt)
+    def step(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt)
         return {"model": msd, "optim": osd}
 
-    # one step so that the optimizer state exists (the structure is final)
-    step_fwd_bwd()
-    opt.step()
-    opt.zero_grad()
-    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(state()))
-    C.reset_peak_rss()
-    saver = _Saver(kind, root) if kind != "none" else None
-    warm, iters = spec["warmup"], spec["iters"]
-    times = []
-    save_walls = []
-    k = 0
-    try:
-        for it in range(warm + iters):
+    def run(self, saver: "_Saver | None", every: int, iters: int, root: Path, first: int = 0) -> list[float]:
+        """``iters`` iterations checkpointing every ``every`` (lazy: the save
+        starts at the top and staging is awaited before the step; eager and
+        stock: the save starts after the step); per-iteration seconds."""
+        times = []
+        for it in range(first, first + iters):
             t0 = time.perf_counter()
             due = saver is not None and it % every == 0
             resp = None
             if due and saver.lazy:
-                resp, _ = saver.save(state(), root / f"ckpt{k % 2}")
-                k += 1
-            step_fwd_bwd()
+                resp, _ = saver.save(self.state(), root / f"ckpt{(it // every) % 2}")
+            self.forward_backward()
             if resp is not None:
                 saver.staged(resp)
-            opt.step()
-            opt.zero_grad()
+            self.step()
             if due and not saver.lazy:
-                resp, _ = saver.save(state(), root / f"ckpt{k % 2}")
-                k += 1
+                saver.save(self.state(), root / f"ckpt{(it // every) % 2}")
             times.append(time.perf_counter() - t0)
-        t_end = time.perf_counter()
+        return times
+
+    def save_alone(self, saver: "_Saver", root: Path) -> float:
+        """One save on its own, until uploaded (is an iteration no shorter?)."""
+        walls = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            resp, _ = saver.save(self.state(), root / "alone")
+            saver.staged(resp)
+            saver.finish()
+            walls.append(time.perf_counter() - t0)
+        return min(walls)
+
+
+def _child_train(spec: dict) -> dict:
+    """Every loop in one process, each block between two no-checkpoint
+    blocks (N A N B N C N ..., rotated each round): other tenants of the
+    machine come and go over seconds, so a loop is compared with the
+    no-checkpoint blocks run just before and just after it."""
+    import torch
+
+    root = Path(spec["path"])
+    loops = [tuple(x) for x in spec["loops"] if x[0] != "none"]
+    trainer = _Trainer(spec)
+    savers: dict[str, _Saver] = {}
+    samples: dict[str, list[dict]] = {}
+    alone: dict[str, float] = {}
+
+    def block(kind: str, every: int) -> tuple[float, float]:
+        """(it/s, process CPU seconds per iteration) of one block."""
+        saver = None
+        if kind != "none":
+            saver = savers.get(kind) or savers.setdefault(kind, _Saver(kind, root / kind))
+        iters = -(-spec["iters"] // every) * every
+        # one untimed period first: a save is in flight when the timed ones start
+        trainer.run(saver, every, every, root / kind)
+        c0 = os.times()
+        times = trainer.run(saver, every, iters, root / kind, first=every)
         if saver is not None:
-            saver.finish()  # the last upload: not part of the loop's throughput
-            # how long one save takes on its own, here (iteration >= save?)
-            for _ in range(2):
-                t0 = time.perf_counter()
-                resp, _ = saver.save(state(), root / "alone")
-                saver.staged(resp)
-                saver.finish()
-                save_walls.append(time.perf_counter() - t0)
+            saver.finish()  # the block's last upload: outside the clock, its CPU counted
+        c1 = os.times()
+        return iters / sum(times), (c1.user + c1.system - c0.user - c0.system) / iters
+
+    try:
+        for rnd in range(spec["rounds"]):
+            before, cpu_before = block("none", 1)
+            for kind, every in loops[rnd % len(loops):] + loops[: rnd % len(loops)]:
+                tp, cpu = block(kind, every)
+                after, cpu_after = block("none", 1)
+                samples.setdefault(f"{kind}/{every}", []).append(
+                    {"it_per_s": tp, "none_before": before, "none_after": after, "cpu_s": cpu,
+                     "none_cpu_s": (cpu_before + cpu_after) / 2})
+                samples.setdefault("none", []).append(
+                    {"it_per_s": after, "none_before": before, "none_after": after, "cpu_s": cpu_after,
+                     "none_cpu_s": (cpu_before + cpu_after) / 2})
+                before, cpu_before = after, cpu_after
+        for kind, saver in savers.items():
+            alone[kind] = trainer.save_alone(saver, root / kind)
+    finally:
+        for saver in savers.values():
+            saver.close()
+    return {"ok": True, "samples": samples, "save_alone_s": alone, "state_bytes": trainer.state_bytes,
+            "params": trainer.params, "torch_threads": torch.get_num_threads(), "iters": spec["iters"],
+            "rounds": spec["rounds"]}
+
+
+def _child_train_rss(spec: dict) -> dict:
+    """One loop alone in a fresh process: its peak RSS."""
+    kind = spec["contender"]
+    root = Path(spec["path"])
+    trainer = _Trainer(spec)
+    C.reset_peak_rss()
+    base = C.rss_bytes()
+    saver = _Saver(kind, root) if kind != "none" else None
+    try:
+        times = trainer.run(saver, 1, spec["iters"], root)
+        if saver is not None:
+            saver.finish()
     finally:
         if saver is not None:
             saver.close()
-    timed = times[warm:]
-    return {"ok": True, "contender": kind, "every": every, "iters": iters,
-            "iter_s": timed, "seconds": sum(timed), "it_per_s": iters / sum(timed),
-            "save_alone_s": min(save_walls) if save_walls else None,
-            "state_bytes": state_bytes, "peak_rss_bytes": C.peak_rss_bytes(),
-            "torch_threads": torch.get_num_threads(), "params": sum(p.numel() for p in model.parameters()),
-            "_end": t_end}
+    return {"ok": True, "contender": kind, "peak_rss_bytes": C.peak_rss_bytes(), "rss_base_bytes": base,
+            "it_per_s": len(times) / sum(times)}
 
 
 def _tensors(obj):
@@ -329,8 +397,10 @@ def child_main(spec_json: str) -> None:
             result = {"ok": True, "version": fp.__version__, "file": fp.__file__}
         elif spec["part"] == "blocking":
             result = _child_blocking(spec)
-        else:
+        elif spec["part"] == "train":
             result = _child_train(spec)
+        else:
+            result = _child_train_rss(spec)
     except BaseException as e:  # report, don't crash without a result line
         import traceback
 
@@ -376,37 +446,31 @@ def run_blocking(args, workdir: Path) -> dict:
 
 
 def run_train(args, workdir: Path) -> dict:
-    """Every loop once per round, alternating (A B C A B C ...); each loop's
-    fastest round counts (other tenants of the machine only ever slow a
-    round down), the others are kept in the JSON."""
-    plan = [("none", 1)]
+    loops = [("none", 1)]
     for kind in args.training:
         if kind == "none":
             continue
-        plan.append((kind, 1))
+        loops.append((kind, 1))
         if args.every > 1 and kind in ("fp_eager", "fp_lazy", "stock"):
-            plan.append((kind, args.every))
-    rounds: dict[str, list[dict]] = {}
-    for rnd in range(args.train_rounds):
-        # rotate the order: no loop always runs right after the same other one
-        for kind, every in plan[rnd % len(plan):] + plan[:rnd % len(plan)]:
-            _settle()
-            path = workdir / f"train-{kind}-{every}"
-            name = kind if kind == "none" else f"{kind}/{every}"
-            r = C.run_child(SCRIPT, {"part": "train", "contender": kind, "every": every, "path": str(path),
-                                     "width": args.width, "layers": args.layers, "batch": args.batch,
-                                     "warmup": args.train_warmup, "iters": args.train_iters},
-                            timeout_s=args.child_timeout)
-            shutil.rmtree(path, ignore_errors=True)
-            status = f"{r['it_per_s']:.3f} it/s" if r.get("ok") else f"FAILED: {r.get('error')}"
-            print(f"  train round {rnd + 1}: {name:<15} {status}", flush=True)
-            rounds.setdefault(name, []).append(r)
-    out = {}
-    for name, rs in rounds.items():
-        ok = [r for r in rs if r.get("ok")]
-        best = max(ok, key=lambda r: r["it_per_s"]) if ok else rs[0]
-        out[name] = {**best, "rounds_it_per_s": [r.get("it_per_s") for r in rs]}
-    return out
+            loops.append((kind, args.every))
+    model = {"width": args.width, "layers": args.layers, "batch": args.batch}
+    _settle()
+    print(f"  train: {len(loops)} loops x {args.train_rounds} rounds, interleaved in one process ...", flush=True)
+    path = workdir / "train"
+    r = C.run_child(SCRIPT, {"part": "train", "path": str(path), "loops": loops, "rounds": args.train_rounds,
+                             "iters": args.train_iters, **model}, timeout_s=args.child_timeout)
+    shutil.rmtree(path, ignore_errors=True)
+    if not r.get("ok"):
+        print(f"    FAILED: {r.get('error')}", flush=True)
+    rss = {}
+    for kind in ["none"] + [k for k in args.training if k != "none"]:
+        _settle()
+        path = workdir / f"rss-{kind}"
+        print(f"  train (peak RSS): {kind} alone ...", flush=True)
+        rss[kind] = C.run_child(SCRIPT, {"part": "train_rss", "contender": kind, "path": str(path),
+                                         "iters": args.train_rss_iters, **model}, timeout_s=args.child_timeout)
+        shutil.rmtree(path, ignore_errors=True)
+    return {"interleaved": r, "rss": rss}
 
 
 def report_blocking(res: dict) -> tuple[str, list[dict]]:
@@ -472,43 +536,50 @@ def report_blocking(res: dict) -> tuple[str, list[dict]]:
 
 
 def report_train(res: dict, every: int) -> tuple[str, list[dict]]:
-    base = res.get("none", {})
-    base_tp = base.get("it_per_s") if base.get("ok") else None
-    rows, verdicts = [], []
-    cost = {}
-    for name, r in res.items():
-        if not r.get("ok"):
-            rows.append([name, "FAILED", "", "", "", "", ""])
-            continue
-        c = 1 - r["it_per_s"] / base_tp if base_tp else None
+    r = res["interleaved"]
+    rss = res["rss"]
+    if not r.get("ok"):
+        return f"training loop FAILED: {r.get('error')}", []
+    samples = r["samples"]
+    rows, verdicts, cost = [], [], {}
+    for name, ss in samples.items():
+        # against the mean of the no-checkpoint blocks just before and after
+        c = statistics.median(1 - x["it_per_s"] / ((x["none_before"] + x["none_after"]) / 2) for x in ss)
         cost[name] = c
-        rows.append([name, f"{r['it_per_s']:.3f}", f"{statistics.median(r['iter_s']):.3f}",
-                     " ".join(f"{x:.2f}" for x in r.get("rounds_it_per_s", []) if x),
-                     "-" if c is None else f"{c * 100:+.1f}%",
-                     "-" if r.get("save_alone_s") is None else f"{r['save_alone_s']:.2f}",
-                     f"{r['peak_rss_bytes'] / C.GiB:.2f}"])
-    b = base if base.get("ok") else next(iter(res.values()))
-    text = [f"training loop: MLP {b.get('params', 0) / 1e6:.0f}M params, AdamW, "
-            f"{C.fmt_size(b.get('state_bytes', 0))} state dict, {b.get('torch_threads')} torch threads; "
-            f"checkpoint every iteration (/1) and every {every} (/{every}); "
-            f"best of {len(b.get('rounds_it_per_s', [1]))} round(s) of {b.get('iters')} iterations",
-            C.format_table(["loop", "it/s", "iter s (med)", "rounds it/s", "cost", "one save s", "peak RSS GiB"], rows)]
-    it_s = statistics.median(base["iter_s"]) if base.get("ok") else None
+        kind = name.split("/")[0]
+        peak = rss.get(kind, {}).get("peak_rss_bytes") if name in ("none", f"{kind}/1") else None
+        a = r["save_alone_s"].get(kind)
+        tps = [x["it_per_s"] for x in ss]
+        extra_cpu = statistics.median(x["cpu_s"] - x["none_cpu_s"] for x in ss)
+        rows.append([name, f"{statistics.median(tps):.3f}", f"{min(tps):.2f}-{max(tps):.2f}",
+                     "-" if name == "none" else f"{c * 100:+.1f}%",
+                     f"{statistics.median(x['cpu_s'] for x in ss) * 1e3:.0f}",
+                     "-" if name == "none" else f"{extra_cpu * 1e3:+.0f}",
+                     "-" if a is None else f"{a:.2f}", "-" if peak is None else f"{peak / C.GiB:.2f}"])
+    none = [x["it_per_s"] for x in samples["none"]]
+    text = [f"training loop: MLP {r['params'] / 1e6:.0f}M params, AdamW, {C.fmt_size(r['state_bytes'])} state dict, "
+            f"{r['torch_threads']} torch threads; checkpoint every iteration (/1) and every {every} (/{every}); "
+            f"{r['rounds']} rounds of {r['iters']}-iteration blocks in one process, each between two no-checkpoint "
+            f"blocks; cost = median of 1 - it/s / mean it/s of those two; extra CPU = process CPU per iteration beyond "
+            f"theirs (robust to other tenants); peak RSS: the loop alone in a fresh process",
+            C.format_table(["loop", "it/s (med)", "it/s range", "cost", "CPU ms/it", "extra CPU ms/it",
+                            "one save s", "peak RSS GiB"], rows)]
+    it_s = 1 / statistics.median(none)
     for name in ("fp_eager/1", "fp_lazy/1"):
-        r = res.get(name, {})
-        if not r.get("ok") or cost.get(name) is None:
+        if name not in cost:
             continue
         c = cost[name]
         verdicts.append({"what": f"{name}: throughput cost of per-iteration checkpoints", "value": f"{c * 100:.1f}%",
                          "ratio": None, "target": f"<= {TRAIN_COST_MAX * 100:.0f}%",
                          "verdict": "PASS" if c <= TRAIN_COST_MAX else "FAIL"})
         for stock in ("stock/1", "stock_stager/1"):
-            if cost.get(stock) is not None:
+            if stock in cost:
                 verdicts.append({"what": f"{name} cost < {stock} cost", "value": f"{c * 100:.1f}% vs {cost[stock] * 100:.1f}%",
                                  "ratio": None, "target": "less", "verdict": "PASS" if c < cost[stock] else "FAIL"})
-        if it_s and r.get("save_alone_s"):
-            verdicts.append({"what": f"{name}: iteration >= one save (precondition)", "value": f"{it_s:.2f} s vs {r['save_alone_s']:.2f} s",
-                             "ratio": None, "target": "", "verdict": "yes" if it_s >= r["save_alone_s"] else "NO"})
+        a = r["save_alone_s"].get(name.split("/")[0])
+        if a:
+            verdicts.append({"what": f"{name}: iteration >= one save (precondition)", "value": f"{it_s:.2f} s vs {a:.2f} s",
+                             "ratio": None, "target": "", "verdict": "yes" if it_s >= a else "NO"})
     return "\n".join(text), verdicts
 
 
@@ -532,11 +603,12 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, default=2048, help="MLP width")
     p.add_argument("--layers", type=int, default=12, help="MLP depth (Linear+GELU blocks)")
     p.add_argument("--batch", type=int, default=128, help="batch size (sets the iteration time)")
-    p.add_argument("--train-iters", type=int, default=10, help="timed iterations per loop")
-    p.add_argument("--train-warmup", type=int, default=2, help="untimed iterations first (arena, caches)")
+    p.add_argument("--train-iters", type=int, default=6, help="timed iterations per block (rounded up to --every)")
     p.add_argument("--every", type=int, default=5, help="the sparse checkpoint interval")
-    p.add_argument("--train-rounds", type=int, default=3,
-                   help="rounds of the training part (loops alternate; each loop's fastest round counts)")
+    p.add_argument("--train-rounds", type=int, default=5,
+                   help="rounds of the training part (a block of each loop, each between no-checkpoint blocks)")
+    p.add_argument("--train-rss-iters", type=int, default=4,
+                   help="iterations of each loop run alone in a fresh process for its peak RSS")
     p.add_argument("--quick", action="store_true", help="smoke test: 512MiB, 2 steady saves, 4 MLP layers, 6 iterations")
     p.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default ../bench_tmp)")
     p.add_argument("--json", type=Path, default=None, help="JSON output (default bench_out/async-<timestamp>.json)")
@@ -545,7 +617,7 @@ def parse_args(argv=None):
     p.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.size, args.saves, args.layers, args.train_iters, args.every, args.train_rounds = "512MiB", 2, 4, 6, 3, 1
+        args.size, args.saves, args.layers, args.train_iters, args.every, args.train_rounds = "512MiB", 2, 4, 6, 3, 2
     args.size_bytes = C.parse_size(args.size)
     args.parts = [x for x in args.parts.split(",") if x]
     args.blocking = [x for x in args.blocking.split(",") if x]
@@ -609,7 +681,10 @@ def main(argv=None) -> int:
     out = args.json or REPO / "bench_out" / f"async-{ts}.json"
     C.write_json(out, report)
     print(f"\nJSON: {out}")
-    failed = any(not r.get("ok") for part in ("blocking", "train") for r in report.get(part, {}).values())
+    failed = any(not r.get("ok") for r in report.get("blocking", {}).values())
+    if "train" in report:
+        t = report["train"]
+        failed = failed or not t["interleaved"].get("ok") or any(not r.get("ok") for r in t["rss"].values())
     return 1 if failed else 0
 
 
