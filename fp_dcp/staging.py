@@ -320,6 +320,7 @@ class _Save:
         self.refs: list[weakref.ref] = []  # the staged dict / lazy future
         self.snapshot: weakref.ref | None = None
         self.via_async_save = False  # a DCP save will pick the staged dict up
+        self.copy_threads = 1  # memcpy threads of its staging
 
     def finish(self, error: BaseException | None = None, *, reported: bool = False) -> None:
         if not self.done.is_set():
@@ -917,7 +918,6 @@ class _Stager:
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.ring_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.copy_threads = 1
         self.copy_piece = _COPY_PIECE
         self.streams: dict[torch.device, Any] = {}
         self.last_future: weakref.ref | None = None
@@ -952,7 +952,7 @@ class _Stager:
                 self.saves.popleft()
         if mode == "eager":
             # The training waits for an eager copy: use the cores it would use.
-            self.copy_threads = max(1, min(torch.get_num_threads(), _MAX_COPY_THREADS))
+            rec.copy_threads = max(1, min(torch.get_num_threads(), _MAX_COPY_THREADS))
             try:
                 self._wait(prev)
                 staged = self._stage_now(writer, rec, skeleton, metas, leaves, values, events)
@@ -960,9 +960,8 @@ class _Stager:
                 rec.finish(e, reported=True)  # raised here: nothing to report later
                 raise
             return staged
-        # A lazy copy overlaps the forward/backward pass: one thread, leaving
-        # the other cores to the training.
-        self.copy_threads = 1
+        # A lazy copy overlaps the forward/backward pass: one thread (the
+        # default), leaving the other cores to the training.
         if self.pool is None:
             self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-stage")
         fut = _StagingFuture()
@@ -1030,12 +1029,12 @@ class _Stager:
         tensors = self.views
         if layout.spill_bytes:
             spill = self._spill_file(writer, options)
-            self._copy(arena, layout, leaves, events, spill)
+            self._copy(arena, layout, leaves, events, spill, rec.copy_threads)
             spill_map = spill.mapping()
             spill_handle = spill.handle()
             tensors = [v if w != _SPILL else t for v, w, t in zip(tensors, layout.where, _views(None, spill_map, layout))]
         else:
-            self._copy(arena, layout, leaves, events, None)
+            self._copy(arena, layout, leaves, events, None, rec.copy_threads)
         staged = _build(skeleton, tensors, values, top=True)
         staged._fp_snapshot = _Snapshot(
             self, rec, arena, layout, skeleton, values, spill_handle, options.staging_shared_memory
@@ -1117,7 +1116,7 @@ class _Stager:
             events[d] = ev
         return events
 
-    def _copy(self, arena: _Arena, layout: _Layout, leaves, events: dict, spill: _Spill | None) -> None:
+    def _copy(self, arena: _Arena, layout: _Layout, leaves, events: dict, spill: _Spill | None, threads: int) -> None:
         offsets: list[int] = []
         sources: list[np.ndarray] = []
         slow: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -1147,7 +1146,7 @@ class _Stager:
                 ev.record(s)
                 done.append(ev)
         if sources:
-            self._gather(arena, offsets, sources)
+            self._gather(arena, offsets, sources, threads)
         for dst, src in slow:
             dst.copy_(src)
         for ev in done:
@@ -1156,11 +1155,11 @@ class _Stager:
         if spill is not None:
             self._stream(arena, layout, leaves, events, spill)
 
-    def _gather(self, arena: _Arena, offsets: list[int], sources: list[np.ndarray]) -> None:
+    def _gather(self, arena: _Arena, offsets: list[int], sources: list[np.ndarray], threads: int) -> None:
         """memcpy every source to its arena offset, the GIL released; split
-        over ``self.copy_threads`` threads (eager staging: the training is
-        waiting anyway) in pieces of at most ``self.copy_piece`` bytes."""
-        k = self.copy_threads
+        over ``threads`` threads (eager staging: the training is waiting
+        anyway) in pieces of at most ``self.copy_piece`` bytes."""
+        k = threads
         piece_max = self.copy_piece
         total = sum(len(b) for b in sources)
         if k <= 1 or total < 2 * piece_max:
@@ -1175,7 +1174,9 @@ class _Stager:
                 groups[g][0].append(off + lo)
                 groups[g][1].append(piece)
                 loads[g] += len(piece)
-        if self.copy_pool is None:
+        if self.copy_pool is None or self.copy_pool._max_workers < k - 1:
+            if self.copy_pool is not None:
+                self.copy_pool.shutdown(wait=True)
             self.copy_pool = concurrent.futures.ThreadPoolExecutor(k - 1, thread_name_prefix="fp_dcp-copy")
         futs = [
             self.copy_pool.submit(_aio.copy_gather, arena.buf, np.asarray(o, dtype=np.int64), b)

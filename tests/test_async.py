@@ -141,7 +141,7 @@ def test_eager_copy_split_over_threads(tmp_path, aio_no_leaks):
         with FastPersistWriter(tmp_path / "ck", sync_files=False) as w:
             w._stager().copy_piece = 64 * 1024  # many pieces over three threads
             staged = w.stage(sd)
-            assert w._stager().copy_threads == 3 and w._stager().copy_pool is not None
+            assert w._stager().copy_pool is not None  # the copy was split
             assert_sd_equal(sd, staged)
             del staged
     finally:
