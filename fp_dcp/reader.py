@@ -59,9 +59,9 @@ from fp_dcp.options import FastPersistOptions
 from fp_dcp.readplan import (
     Grid,
     box_grid,
-    free_merge_level,
     level_span,
     map_ranges,
+    merge_level,
     plan_fillers,
     split_box,
     split_runs,
@@ -349,7 +349,11 @@ class FastPersistReader(StorageReader):
             setup_error = e  # the other ranks learn it in the first round's collective
         try:
             if share is not None:
+                t1 = time.perf_counter()
                 items = _share_reads(self, run, items, planner, share, setup_error)
+                assert run is not None
+                run.stats["share_seconds"] = time.perf_counter() - t1
+                t0 += run.stats["share_seconds"]
             assert run is not None
             jobs: list[_Job] = []
             for req in items:
@@ -407,11 +411,10 @@ class FastPersistReader(StorageReader):
             and not dest.is_neg()
             and strides_non_overlapping(dest.shape, dest.stride())
         )
-        a = run.alignment
         if in_place:
             grid = box_grid(sizes, offsets, lengths, esize, dest.stride())
             buf = _storage_bytes(dest)
-            level = self._merge_level(grid, a)
+            level = self._merge_level(grid, run)
             if level is None:
                 jobs = _direct_jobs(grid, arrays, buf, needed)
             else:
@@ -422,7 +425,7 @@ class FastPersistReader(StorageReader):
         # temporary, bounded by the budget, and copy_ (which casts).
         jobs = []
         dgrid = box_grid(sizes, offsets, lengths, esize, dest.stride())
-        level = self._merge_level(dgrid, a) if strides_non_overlapping(dest.shape, dest.stride()) else None
+        level = self._merge_level(dgrid, run) if strides_non_overlapping(dest.shape, dest.stride()) else None
         if level is not None:
             jobs = _unit_jobs(dgrid, level, arrays, run, needed, _torch_copier(dest, dtype, dgrid, level, run))
         else:
@@ -434,16 +437,18 @@ class FastPersistReader(StorageReader):
         jobs[-1].add_done(commit)
         return jobs
 
-    @staticmethod
-    def _merge_level(grid: Grid, alignment: int) -> int | None:
+    def _merge_level(self, grid: Grid, run: "_Run") -> int | None:
         """The level at which sub-grids are read through a temporary, or None
-        (runs straight into the target)."""
+        (runs straight into the target).  Gaps without a whole block are
+        merged freely; gaps with whole blocks only within the over-read
+        budget, which they then take from (the fillers get the rest)."""
         g = len(grid.counts)
         if g == 0 or grid.run >= _MERGE_RUN_MAX_BYTES:
             return None
-        level = free_merge_level(grid, alignment)
+        level, paid = merge_level(grid, run.alignment, self.options.max_overread_percent / 100)
         if level == g or math.prod(grid.counts[level:]) < _MERGE_MIN_RUNS:
             return None
+        run.planned_paid += paid
         return level
 
     # ----------------------------------------------------------- sharing
@@ -735,6 +740,7 @@ class _Run:
         self.total = 0
         self.done_bytes = 0
         self.paid_left = 0
+        self.planned_paid = 0  # over-read the item plans chose (merged sub-grids), not yet charged
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -778,7 +784,9 @@ class _Run:
         needed = sum(j.needed for j in jobs)
         self.total += needed
         self.stats["bytes"] += needed
-        self.paid_left += needed * self.reader.options.max_overread_percent // 100
+        self.paid_left += needed * self.reader.options.max_overread_percent // 100 - self.planned_paid
+        self.stats["merged_bytes_paid"] = self.stats.get("merged_bytes_paid", 0) + self.planned_paid
+        self.planned_paid = 0
         temp_total = sum(j.temp for j in jobs)
         if temp_total:
             self._ensure_arena(min(self.budget, temp_total))

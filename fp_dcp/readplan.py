@@ -41,6 +41,7 @@ __all__ = [
     "Grid",
     "box_grid",
     "free_merge_level",
+    "merge_level",
     "level_span",
     "unit_starts",
     "split_runs",
@@ -138,21 +139,36 @@ def level_span(grid: Grid, level: int) -> int:
     return span
 
 
-def free_merge_level(grid: Grid, alignment: int) -> int:
+def free_merge_level(grid: Grid, alignment: int, max_paid_fraction: float = 0.0) -> int:
     """The outermost level ``m`` such that every gap inside a sub-grid over
     dimensions ``m..`` is shorter than one alignment block (reading through
-    such a gap reads no block that the runs around it do not already touch).
-    ``len(counts)`` when even neighbouring runs are a block or more apart.
-    Needs source strides that decrease outwards-in (a row-major source)."""
-    level = len(grid.counts)
-    span = grid.run
-    for d in range(len(grid.counts) - 1, -1, -1):
+    such a gap reads no block that the runs around it do not already touch),
+    or — with ``max_paid_fraction`` > 0 — holds whole blocks that add at most
+    that fraction of the sub-grid's needed bytes.  ``len(counts)`` when even
+    neighbouring runs are too far apart.  Needs source strides that decrease
+    outwards-in (a row-major source)."""
+    return merge_level(grid, alignment, max_paid_fraction)[0]
+
+
+def merge_level(grid: Grid, alignment: int, max_paid_fraction: float = 0.0) -> tuple[int, int]:
+    """:func:`free_merge_level` and the bytes of the paid gaps it reads
+    through (gaps of a block or more), over the whole grid."""
+    g = len(grid.counts)
+    level = g
+    span = needed = grid.run
+    paid = 0
+    for d in range(g - 1, -1, -1):
         gap = grid.src_strides[d] - span
-        if gap < 0 or gap >= alignment:
+        if gap < 0:
             break
-        level = d
-        span += (grid.counts[d] - 1) * grid.src_strides[d]
-    return level
+        new_span = (grid.counts[d] - 1) * grid.src_strides[d] + span
+        new_needed = grid.counts[d] * needed
+        if gap >= alignment:
+            if new_span - new_needed > max_paid_fraction * new_needed:
+                break
+            paid += gap * (grid.counts[d] - 1) * math.prod(grid.counts[:d])
+        level, span, needed = d, new_span, new_needed
+    return level, paid
 
 
 def _outer_offsets(counts: Sequence[int], strides: Sequence[int], base: int) -> np.ndarray:

@@ -297,6 +297,36 @@ def test_dense_last_dim_slice_is_read_in_few_requests(tmp_path):
     reader.close()
 
 
+def test_overread_budget_decides_between_runs_and_whole_ranges(tmp_path):
+    """A column shard of 16 KiB rows (8 KiB runs, 8 KiB gaps): within the
+    default 5% budget each run is read on its own; with
+    max_overread_percent=100 the rows are read as whole ranges (twice the
+    bytes, a few large requests) and the budget is not exceeded."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from fp_dcp import FastPersistReader, FastPersistWriter
+
+    full = torch.randn(512, 4096)
+    path = str(tmp_path / "c")
+    dcp.save({"x": full}, storage_writer=FastPersistWriter(path), no_dist=True)
+    req = ReadItem(LoadItemType.TENSOR, MetadataIndex("t", [0, 0]), [0, 0], MetadataIndex("x", [0, 0]),
+                   [0, 2048], [512, 2048])
+    needed = 512 * 2048 * 4
+    for percent, max_read, max_pieces in ((5, needed * 105 // 100 + 4096, 10**6), (100, 2 * needed, 8)):
+        dest = torch.zeros(512, 2048)
+        reader = FastPersistReader(path, max_overread_percent=percent)
+        reader.set_up_storage_reader(reader.read_metadata(), True)
+        reader.read_data(LoadPlan([req]), _Planner({"t": dest}))
+        assert torch.equal(dest, full[:, 2048:])
+        s = reader.last_stats
+        assert s["bytes_read"] <= max_read and s["pieces"] <= max_pieces, (percent, s)
+        if percent == 5:
+            assert s["pieces"] >= 512 and s["temp_units"] == 0, s
+        reader.close()
+
+
 def test_strict_dtype_refuses_a_cast_and_names_the_tensor(tmp_path):
     import torch.distributed.checkpoint as dcp
 
