@@ -10,9 +10,13 @@ a first save, and peak RSS is the contender's own):
    float32/bfloat16 tensors): the time until ``async_save`` returns and
    until ``staging_completion`` (the training may change the state), for the
    first save and the steady state (``--saves`` more, each waiting for the
-   previous upload), plus the upload time.  The fp_dcp children also measure
-   a warm memcpy of the same kind (page-locked, pre-faulted buffers, the
-   GIL released) in the same process, the yardstick of the staging copy.
+   previous upload), plus the upload time.  The fp_dcp eager child also
+   measures a warm memcpy of the same kind (page-locked, pre-faulted
+   buffers, the GIL released; one thread and as many as eager staging uses,
+   the faster counts) in the same process: the yardstick of the staging copy.
+   First saves depend on whether the VM's host has backed the memory the
+   arena gets (recently freed memory is much faster to fault in), so
+   compare first saves with care; steady state is the point.
    The last checkpoint of every contender is loaded back (a few tensors) and
    compared bit for bit.
 2. **train** — a real model on the CPU (an MLP, forward, backward, AdamW)
@@ -149,26 +153,38 @@ class _Saver:
             self.stager.close()
 
 
-def _warm_memcpy(nbytes: int, reps: int = 3) -> dict:
+def _warm_memcpy(nbytes: int, threads: int = 1, reps: int = 3) -> dict:
     """A warm memcpy like the staging copy: between page-locked, pre-faulted
-    buffers, the GIL released (fp_dcp._aio.copy_gather)."""
+    buffers, the GIL released (fp_dcp._aio.copy_gather), split over
+    ``threads`` threads as eager staging splits its copy."""
+    import concurrent.futures
+
     import numpy as np
 
     from fp_dcp import _aio
 
     src = _aio.AlignedBuffer(nbytes)
     dst = _aio.AlignedBuffer(nbytes)
-    best = []
+    part = -(-nbytes // threads)
+    s_view, d_view = memoryview(src), memoryview(dst)
+    pool = concurrent.futures.ThreadPoolExecutor(threads)
+    runs = []
     try:
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            _aio.copy_gather(dst, np.zeros(1, np.int64), [src])
-            best.append(time.perf_counter() - t0)
+            futs = [pool.submit(_aio.copy_gather, d_view[lo:lo + part], np.zeros(1, np.int64), [s_view[lo:lo + part]])
+                    for lo in range(0, nbytes, part)]
+            for f in futs:
+                f.result()
+            runs.append(time.perf_counter() - t0)
     finally:
+        pool.shutdown()
+        s_view.release()
+        d_view.release()
         dst.close()
         src.close()
-    s = statistics.median(best[1:])
-    return {"bytes": nbytes, "seconds": s, "gbps": nbytes / s / 1e9}
+    s = statistics.median(runs[1:])
+    return {"bytes": nbytes, "threads": threads, "seconds": s, "gbps": nbytes / s / 1e9}
 
 
 def _verify(path: Path, factory, keys: list[str]) -> list[str]:
@@ -233,7 +249,11 @@ def _child_blocking(spec: dict) -> dict:
            "tensors": len(sd_spec.tensors), "saves": saves, "rss_base_bytes": rss_base,
            "peak_rss_bytes": peak, "torch_threads": torch.get_num_threads()}
     if kind == "fp_eager":
-        out["memcpy"] = _warm_memcpy(min(payload, 1 << 30))
+        # eager staging copies with torch's thread count (capped at 4): the
+        # yardstick is the better of one thread and that many
+        n = min(payload, 1 << 30)
+        k = max(1, min(torch.get_num_threads(), 4))
+        out["memcpy"] = max((_warm_memcpy(n, t) for t in sorted({1, k})), key=lambda m: m["gbps"])
     return out
 
 
@@ -497,7 +517,8 @@ def report_blocking(res: dict) -> tuple[str, list[dict]]:
         st_gbps = _med([s["staging_gbps"] for s in steady])
         mc = eager["memcpy"]["gbps"]
         ratio = st_gbps / mc if st_gbps and mc else None
-        verdicts.append({"what": "eager staging / warm memcpy (steady)", "value": f"{st_gbps:.1f} / {mc:.1f} GB/s",
+        verdicts.append({"what": f"eager staging / warm memcpy ({eager['memcpy']['threads']} thread(s), steady)",
+                         "value": f"{st_gbps:.1f} / {mc:.1f} GB/s",
                          "ratio": ratio, "target": f">= {STAGING_VS_MEMCPY:.2f}x",
                          "verdict": "n/a" if ratio is None else "PASS" if ratio >= STAGING_VS_MEMCPY else "FAIL"})
         zc = _med([s["zero_copy_bytes"] for s in steady])
