@@ -165,6 +165,13 @@ class FastPersistOptions:
             Blocks a resharded read covers only in part are not checked
             (``fp-dcp verify`` checks every block).  Checkpoints written
             without checksums load unchecked.
+        freeze_gc_during_save: ``gc.freeze()`` the objects that exist when a
+            save starts, until this rank's part of it ends, so the cyclic
+            garbage collector does not walk a state dict of thousands of
+            tensors again and again while DCP plans and fp_dcp commits (a
+            quarter of a 4 GiB save of 9,245 tensors here).  What the save
+            allocates is still collected.  Skipped when the process has
+            already frozen objects itself.
     """
 
     engine: str = "auto"
@@ -190,6 +197,7 @@ class FastPersistOptions:
     share_replicated_reads: bool = False
     write_checksums: bool = True
     verify_checksums: bool = True
+    freeze_gc_during_save: bool = True
 
     def __post_init__(self) -> None:
         self._check()

@@ -25,8 +25,10 @@ Call sequence (``torch.distributed.checkpoint.state_dict_saver``):
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import fcntl
+import gc
 import hashlib
 import io
 import os
@@ -35,7 +37,7 @@ import socket
 import time
 import weakref
 from torch.futures import Future
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -159,6 +161,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         self.last_stats: dict[str, Any] = {}
         self._session: IOSession | None = None
         self._lock_fd: int | None = None
+        self._gc_frozen = False
 
     # ----------------------------------------------------------- DCP protocol
 
@@ -170,6 +173,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
         self._release_lock()
+        self._thaw_gc()  # a save that failed part-way left it frozen
         self.save_id = self._new_save_id()
         self.last_stats = {}
 
@@ -177,6 +181,39 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         self.is_coordinator = is_coordinator
         rank = kwargs.get("rank")
         self.rank = 0 if rank is None else int(rank)
+        self._freeze_gc()
+
+    # A state dict of thousands of tensors makes every full collection of the
+    # cyclic GC walk all of them; DCP's planning and our finish allocate enough
+    # to trigger several per save (measured: 0.5 s of a 2.2 s save of 9,245
+    # tensors).  gc.freeze() moves the objects that exist when the save starts
+    # out of the collector's sight for the save's duration only; what the save
+    # allocates is still collected.  Thawed at the end of this rank's part of
+    # the save (write_data, or finish on the coordinator), and by reset() and
+    # close() if a save failed in between (our own steps thaw on their own
+    # errors; a failure inside DCP between them — another rank's error raised
+    # here — leaves it frozen until this writer's next save, close() or
+    # collection: the frozen objects are the long-lived ones of the job).
+
+    def _freeze_gc(self) -> None:
+        if self.options.freeze_gc_during_save and not self._gc_frozen and gc.get_freeze_count() == 0:
+            gc.freeze()
+            self._gc_frozen = True
+            self._gc_finalizer = weakref.finalize(self, gc.unfreeze)
+
+    def _thaw_gc(self) -> None:
+        if self._gc_frozen:
+            self._gc_frozen = False
+            self._gc_finalizer.detach()
+            gc.unfreeze()
+
+    @contextlib.contextmanager
+    def _thaw_gc_on_error(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self._thaw_gc()
+            raise
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -190,6 +227,10 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        with self._thaw_gc_on_error():
+            return self._prepare_local_plan(plan)
+
+    def _prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         directory = self._directory()
         try:
             os.makedirs(directory, exist_ok=True)
@@ -240,6 +281,10 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         return dataclasses.replace(plan, storage_data=_LocalInfo(self.rank, host, holdings))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        with self._thaw_gc_on_error():
+            return self._prepare_global_plan(plans)
+
+    def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._acquire_lock()
         t0 = time.perf_counter()
         holdings = []
@@ -289,7 +334,10 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             fut.set_result(self._write(assignment, self._local_items, planner))
         except BaseException:
             self._abandon(assignment.save_id, assignment.rank)
+            self._thaw_gc()
             raise
+        if not self.is_coordinator:
+            self._thaw_gc()
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -339,6 +387,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                     self._remove_superseded(data_dir, keep)
         finally:
             self._release_lock()
+            self._thaw_gc()
         metadata.storage_data = layout
         self.last_stats["finish_seconds"] = time.perf_counter() - t0
 
@@ -694,6 +743,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         the async save in flight, if any, and the staging arena)."""
         self._close_staging()
         self._release_lock()
+        self._thaw_gc()
         if self._session is not None:
             self._session.close()
             self._session = None

@@ -210,3 +210,30 @@ def test_options_from_environment_and_override(tmp_path):
         del os.environ["FP_DCP_BOGUS"]
     with override(cuda_chunk_bytes="16MiB"):
         assert FastPersistOptions.from_env().cuda_chunk_bytes == 16 << 20
+
+
+def test_gc_is_frozen_only_during_a_save(tmp_path):
+    import gc
+
+    seen = []
+    writer = FastPersistWriter(tmp_path / "c")
+    original = writer._write
+
+    def spy(*a, **k):
+        seen.append(gc.get_freeze_count())
+        return original(*a, **k)
+
+    writer._write = spy
+    dcp.save({"w": torch.ones(10)}, storage_writer=writer)
+    assert seen and seen[0] > 0  # frozen while writing
+    assert gc.get_freeze_count() == 0  # thawed after the commit
+    seen.clear()
+    writer = FastPersistWriter(tmp_path / "d", freeze_gc_during_save=False)
+    writer._write = spy
+    original = FastPersistWriter._write.__get__(writer)
+    dcp.save({"w": torch.ones(10)}, storage_writer=writer)
+    assert seen == [0]
+    # a save that fails part-way does not leave the collector frozen
+    with pytest.raises(FAILED):
+        dcp.save({"w": torch.ones(10)}, storage_writer=FastPersistWriter("/proc/fp_dcp_no"))
+    assert gc.get_freeze_count() == 0
