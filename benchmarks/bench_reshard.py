@@ -421,7 +421,7 @@ def main() -> None:
     print()
     print(f"raw O_DIRECT sequential read (best of {len(raws)} fio runs in this run: "
           f"{'; '.join(sorted(raw_notes))}; all: {', '.join(f'{r / 1e9:.2f}' for r in raws)} GB/s): "
-          f"{raw_gbps:.2f} GB/s; "
+          f"best {raw_gbps:.2f} GB/s (median {sorted(raws)[len(raws) // 2] / 1e9:.2f}; ratios use the best); "
           f"loads {'COLD (page cache dropped)' if cold else 'WARM (could not drop caches)'}")
     print(f"bound = {READ_VS_NEEDED} x needed + {BLOCK} B per needed run (worst rank); "
           f"speed target: resharded fp_dcp >= {RESHARD_VS_RAW} x raw")
