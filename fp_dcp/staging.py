@@ -29,13 +29,18 @@ The arena
 Eager and lazy (``FastPersistOptions.staging``)
     ``"eager"`` (default): ``stage`` returns once every byte is in the arena;
     ``dcp.async_save`` returns a ``Future`` as with any stager, and the
-    training may change the state as soon as it returns.
+    training may change the state as soon as it returns.  The training waits
+    for this copy anyway, so it is split over ``torch.get_num_threads()``
+    threads (at most 4), the GIL released.
 
     ``"lazy"`` (DataStates-LLM): ``stage`` returns a
     ``concurrent.futures.Future`` at once and the copy runs in a background
-    thread — CPU tensors through ``memcpy`` with the GIL released, CUDA
-    tensors on a side stream that first waits for the work queued on the
-    tensors' streams when ``stage`` was called.  ``dcp.async_save`` then
+    thread — CPU tensors through one thread's ``memcpy`` with the GIL
+    released (the other cores stay with the training), CUDA tensors on a
+    side stream that first waits for the work queued on the tensors' streams
+    when ``stage`` was called (device-to-host DMA into the registered arena).
+    DCP starts writing only when staging is complete, so within the memory
+    limit the copies of all tensors are queued at once and awaited together.  ``dcp.async_save`` then
     returns ``AsyncSaveResponse``; the training loop must wait on
     ``staging_completion`` before it changes the state, i.e. before
     ``optimizer.step()``::
@@ -56,8 +61,9 @@ A memory bound (``staging_memory_limit_bytes``)
     arena as usual; the others are streamed, chunk by chunk, through a ring
     of two page-locked slots carved from the same budget into an unlinked
     *spill file* (``staging_spill_dir``, default the checkpoint directory)
-    with ``O_DIRECT`` writes — copy of slot k+1 overlaps the write of slot k,
-    and the copy waits for a free slot (back-pressure).  Staging is complete
+    with ``O_DIRECT`` writes — the copy (CPU memcpy, or CUDA device-to-host
+    chunks on the side stream) of slot k+1 overlaps the write of slot k, and
+    the copy waits for a free slot (back-pressure).  Staging is complete
     — eager ``stage`` returns, the lazy future resolves — only when those
     bytes are on the spill file, so **past the limit the training is held
     until the bytes that did not fit are written** (at disk speed, not
@@ -76,8 +82,8 @@ A memory bound (``staging_memory_limit_bytes``)
     arena once and keeps the mapping for later saves.  With
     ``staging_shared_memory=None`` (default) the arena starts private and
     the first time a staged state dict is pickled the writer moves to a
-    shared arena (that save pays one extra copy; later saves stage into
-    shared memory directly).  ``True`` uses shared memory from the first
+    shared arena (that save pays one extra copy and holds both arenas until
+    it ends; later saves stage into shared memory directly).  ``True`` uses shared memory from the first
     save; ``False`` never does (the state dict then pickles the way torch
     pickles tensors: a copy into one shared segment per tensor per save).
     The writer itself is pickled too: it travels without its engine, lock
