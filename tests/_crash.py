@@ -195,8 +195,12 @@ def run_save(path: str, seed: int, point: tuple | None = None, *, world: int = 1
 
 
 def count_points(path: str, seed: int, *, world: int = 1, options: dict | None = None) -> dict[str, Any]:
-    """A save with no kill: each rank's engine requests and the coordinator's
-    watched calls, to enumerate the points of the timeline."""
+    """A save over an existing checkpoint, with no kill: each rank's engine
+    requests and the coordinator's watched calls (removals of the files it
+    supersedes included), to enumerate the points of the timeline."""
+    first = run_save(path, seed, None, world=world, options=options)
+    if any(c != 0 for c in first["codes"]):
+        raise AssertionError(f"first save failed: {first}")
     r = run_save(path, seed, None, world=world, options=options)
     if any(c != 0 for c in r["codes"]) or len(r["results"]) != world:
         raise AssertionError(f"counting save failed: {r}")
@@ -204,9 +208,11 @@ def count_points(path: str, seed: int, *, world: int = 1, options: dict | None =
             "calls": r["results"][0]["calls"]}
 
 
-def points(counts: dict[str, Any], *, kill_rank: int = 0, engine_points: int | None = None) -> list[tuple]:
+def points(counts: dict[str, Any], *, kill_rank: int = 0, engine_points: int | None = None,
+           overwrite: bool = True) -> list[tuple]:
     """Every point of a save's timeline (engine completions sampled down to
-    ``engine_points`` evenly spaced ones when given)."""
+    ``engine_points`` evenly spaced ones when given). A save into a fresh
+    directory (``overwrite=False``) removes no superseded file: no unlink points."""
     out: list[tuple] = []
     n = counts["requests"][kill_rank]
     ks = list(range(n))
@@ -215,6 +221,8 @@ def points(counts: dict[str, Any], *, kill_rank: int = 0, engine_points: int | N
     out += [("engine", k) for k in ks]
     if kill_rank == 0:
         for name in WATCHED:
+            if name == "unlink" and not overwrite:
+                continue
             out += [("call", name, k) for k in range(counts["calls"][name])]
     out.append(("after", 0))
     return out
@@ -278,3 +286,35 @@ def leftovers(path: str) -> list[str]:
     keep = {name for name, _ in layout.files}
     return sorted(n for n in os.listdir(path)
                   if n not in keep and n not in (".fp_dcp.meta", ".fp_dcp.lock"))
+
+
+def resources() -> dict:
+    """What a fault must not leak: open descriptors, Python and native
+    threads, AIO rings mapped in this process, and the engine's counters."""
+    import gc
+    import threading
+
+    from fp_dcp import _aio
+
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        aio = sum(1 for line in f if "[aio]" in line)
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": threading.active_count(),
+        "tasks": len(os.listdir("/proc/self/task")),
+        "aio_rings": aio,
+        **_aio.stats(),
+    }
+
+
+def settle(before: dict, tries: int = 20) -> dict:
+    """resources() once they are back to ``before`` (threads of a finished
+    pool may take a moment to exit), or as they are after ``tries``."""
+    after = resources()
+    for _ in range(tries):
+        if after == before:
+            break
+        time.sleep(0.05)
+        after = resources()
+    return after

@@ -1,0 +1,742 @@
+"""The fault matrix of fp_dcp, run in full, and the cost of checksums.
+
+    python benchmarks/torture.py [--quick] [--dir D] [--json OUT]
+    flock /tmp/fp_dcp_bench.lock python benchmarks/torture.py --bench-checksums [--size 2GiB] [--rounds 5]
+
+The first form runs every case below and prints how many were tried and how
+many survived with nothing lost; exit status 1 if any did not.
+
+* kill-1-rank / kill-2-ranks: a saving process (or one rank of two) is
+  SIGKILLed at every I/O completion of its engine, before every call of the
+  commit protocol (lock, temporary metadata open/write/fsync, the rename,
+  the directory fsync, each removal of a superseded file), right after the
+  save, and at random moments; over an existing checkpoint and into a fresh
+  directory.  Survived: the directory loads as the old checkpoint (killed
+  before the rename) or the new one (after), bit for bit, or, fresh, is
+  refused as never committed; the next save there works and leaves no stray
+  file.
+* engine-fault-save / engine-fault-load / short-transfers: ENOSPC and EIO
+  injected at every completion of a save, EIO along a load, short transfers:
+  the error is an OSError naming the data file and the cause, the previous
+  checkpoint loads bit for bit, the failed save left no file, and nothing
+  leaked (descriptors, threads, AIO rings, buffers, locked memory, requests).
+* file-system: a full tmpfs (data and metadata), a read-only mount, EACCES,
+  a path that is a file, a parent that is a file (tmpfs cases need root).
+* corrupt-data / corrupt-metadata: random byte flips in data files (caught
+  by the checksums on load and by ``fp-dcp verify``, or harmless in
+  padding), truncated and deleted data files, flipped and truncated metadata.
+* concurrency: two writers into one directory; a reader during saves.
+* rotation: 200 saves with ``keep_last(3)``, no leak.
+
+``--bench-checksums`` measures save and load throughput with checksums on and
+off in the same run (alternating, cold cache for loads), through DCP, and
+the engine alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+OPTS = {"block_size_bytes": 256 << 10}  # small requests: many kill points
+
+
+class Matrix:
+    def __init__(self) -> None:
+        self.rows: dict[str, list[int]] = {}
+        self.failures: list[str] = []
+
+    @contextlib.contextmanager
+    def case(self, category: str, name: str):
+        row = self.rows.setdefault(category, [0, 0])
+        row[0] += 1
+        try:
+            yield
+        except unittest_skip:
+            row[0] -= 1  # not tried here (needs root)
+            raise
+        except BaseException as e:  # noqa: BLE001 - a case that did not survive
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            self.failures.append(f"{category} {name}: {type(e).__name__}: {str(e)[-1500:]}")
+            print(f"  FAILED {category} {name}: {type(e).__name__}: {str(e)[-300:]}", flush=True)
+        else:
+            row[1] += 1
+
+
+def _root_error(exc: BaseException) -> BaseException:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        (first, _), *_ = exc.failures.values()
+        return first
+    return exc
+
+
+def _save(sd, path, **kw):
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistWriter
+
+    w = FastPersistWriter(path, **kw)
+    try:
+        dcp.save(sd, storage_writer=w)
+    finally:
+        w.close()
+
+
+def _failed_save(sd, path, **kw) -> BaseException:
+    try:
+        _save(sd, path, **kw)
+    except BaseException as e:  # noqa: BLE001
+        return _root_error(e)
+    raise AssertionError("the save succeeded")
+
+
+def _seed(path) -> str:
+    from tests._crash import outcome
+
+    return outcome(str(path), {f"seed{s}": s for s in range(10)})
+
+
+def _expect(cond: bool, what: str) -> None:
+    if not cond:
+        raise AssertionError(what)
+
+
+# ------------------------------------------------------------------ kills
+
+
+def kills_one_rank(m: Matrix, base: str, quick: bool) -> None:
+    from tests import _crash
+
+    counts = _crash.count_points(os.path.join(base, "count1"), 1, options=OPTS)
+    pts = _crash.points(counts, engine_points=6 if quick else None)
+    pts += [("delay", random.uniform(0.02, 0.8)) for _ in range(3 if quick else 12)]
+    print(f"kill-1-rank: {len(pts)} points, over a checkpoint and into a fresh directory "
+          f"({counts['requests'][0]} engine requests, calls {counts['calls']})", flush=True)
+    for i, point in enumerate(pts):
+        for scenario in ("overwrite", "fresh"):
+            if scenario == "fresh" and point[:2] == ("call", "unlink"):
+                continue  # a first save supersedes nothing
+            with m.case("kill-1-rank", f"{scenario} {point}"):
+                path = os.path.join(base, f"k1-{i}-{scenario}")
+                if scenario == "overwrite":
+                    _save(_crash.state_dict(1), path)
+                r = _crash.run_save(path, 2, point, options=OPTS)
+                _expect(r["killed"] or point[0] == "delay", f"not killed: {r}")
+                after = _crash.committed(point) if r["killed"] else True
+                got = _seed(path)
+                if after is None:
+                    ok = ("seed1", "seed2") if scenario == "overwrite" else ("absent", "seed2")
+                elif after:
+                    ok = ("seed2",)
+                else:
+                    ok = ("seed1",) if scenario == "overwrite" else ("absent",)
+                _expect(got in ok, f"found {got}, expected one of {ok}")
+                _save(_crash.state_dict(3), path)
+                _expect(_seed(path) == "seed3", "the save after the crash did not load back")
+                _expect(_crash.leftovers(path) == [], f"stray files: {_crash.leftovers(path)}")
+                shutil.rmtree(path)
+
+
+def kills_two_ranks(m: Matrix, base: str, quick: bool) -> None:
+    from tests import _crash
+
+    counts = _crash.count_points(os.path.join(base, "count2"), 1, world=2, options=OPTS)
+    cases = [(p, 0) for p in _crash.points(counts, kill_rank=0, engine_points=3 if quick else None)]
+    cases += [(p, 1) for p in _crash.points(counts, kill_rank=1, engine_points=3 if quick else None)]
+    cases += [(("delay", random.uniform(0.2, 2.0)), 0) for _ in range(2 if quick else 6)]
+    print(f"kill-2-ranks: {len(cases)} points (requests per rank {counts['requests']})", flush=True)
+    path = os.path.join(base, "k2")
+    r = _crash.run_save(path, 1, None, world=2, options=OPTS)
+    _expect(r["codes"] == [0, 0], f"first save failed: {r}")
+    for point, rank in cases:
+        with m.case("kill-2-ranks", f"rank {rank} {point}"):
+            before = _seed(path)
+            r = _crash.run_save(path, 2, point, world=2, kill_rank=rank, options=OPTS)
+            _expect(r["killed"] or point[0] == "delay", f"not killed: {r}")
+            after = _crash.committed(point) if r["killed"] else True
+            got = _seed(path)
+            ok = (before, "seed2") if after is None else ("seed2",) if after else (before,)
+            _expect(got in ok, f"found {got}, expected one of {ok}")
+            r = _crash.run_save(path, 3, None, world=2, options=OPTS)
+            _expect(r["codes"] == [0, 0], f"the save after the crash failed: {r}")
+            _expect(_seed(path) == "seed3", "the save after the crash did not load back")
+            _expect(_crash.leftovers(path) == [], f"stray files: {_crash.leftovers(path)}")
+
+
+# ------------------------------------------------------------------ injected and real faults
+
+
+def _no_leak(before: dict) -> None:
+    from tests._crash import settle
+
+    after = settle(before)
+    _expect(after == before, f"leaked: before {before}, after {after}")
+
+
+def engine_faults(m: Matrix, base: str, quick: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistReader, _aio
+    from tests import _crash
+
+    path = os.path.join(base, "ef")
+    n = _crash.count_points(os.path.join(base, "count-ef"), 1, options=OPTS)["requests"][0]
+    _save(_crash.state_dict(1), path, **OPTS)
+    _seed(path)  # warm-up: torch's thread pools exist before the first snapshot
+    before = _crash.resources()
+    ks = range(0, n, 4 if quick else 1)
+    for err in (errno.ENOSPC, errno.EIO):
+        for k in ks:
+            with m.case("engine-fault-save", f"{errno.errorcode[err]} at completion {k}"):
+                _aio._set_fault("io", err, after=k)
+                try:
+                    e = _failed_save(_crash.state_dict(2), path, **OPTS)
+                finally:
+                    _aio._set_fault("")
+                _expect(isinstance(e, OSError) and e.errno == err, f"got {e!r}")
+                _expect(bool(e.filename) and e.filename.startswith(path) and e.filename.endswith(".fpd"),
+                        f"error does not name the data file: {e!r}")
+                _expect(_seed(path) == "seed1", "the previous checkpoint does not load")
+                _expect(_crash.leftovers(path) == [], f"stray files: {_crash.leftovers(path)}")
+                _no_leak(before)
+    for k in range(0, 12, 3 if quick else 1):
+        with m.case("engine-fault-load", f"EIO at completion {k}"):
+            r = FastPersistReader(path)
+            _aio._set_fault("io", errno.EIO, after=k)
+            try:
+                try:
+                    dcp.load(_crash.zeros_like(_crash.state_dict(0)), storage_reader=r)
+                    raise AssertionError("the load succeeded")
+                except BaseException as exc:  # noqa: BLE001
+                    e = _root_error(exc)
+            finally:
+                _aio._set_fault("")
+                r.close()
+            _expect(isinstance(e, OSError) and e.errno == errno.EIO and path in str(e.filename), repr(e))
+            _expect(_seed(path) == "seed1", "the checkpoint no longer loads")
+            _no_leak(before)
+    for n_short in (1, 3, 7, 20):
+        with m.case("short-transfers", f"{n_short} short completions, save and load"):
+            p2 = os.path.join(base, f"short{n_short}")
+            _aio._set_fault("short", after=n_short)
+            try:
+                _save(_crash.state_dict(4), p2, **OPTS)
+            finally:
+                _aio._set_fault("")
+            _aio._set_fault("short", after=n_short)
+            try:
+                got = _seed(p2)
+            finally:
+                _aio._set_fault("")
+            _expect(got == "seed4", f"loaded {got}")
+            shutil.rmtree(p2)
+            _no_leak(before)
+
+
+@contextlib.contextmanager
+def _tmpfs(path: str, size: str):
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True)
+    if r.returncode != 0:
+        raise unittest_skip(f"cannot mount a tmpfs: {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], capture_output=True)
+
+
+class unittest_skip(Exception):
+    pass
+
+
+def file_system_faults(m: Matrix, base: str, quick: bool) -> None:
+    import torch
+
+    from fp_dcp import _aio
+    from tests import _crash
+
+    sizes = [8, 12, 20] if quick else [7, 8, 9, 10, 12, 16, 20, 24, 32]
+    for mib in sizes:
+        try:
+            with m.case("file-system", f"full disk: {mib} MiB into 6 MiB"), _tmpfs(os.path.join(base, f"m{mib}"), "6m") as mnt:
+                path = os.path.join(mnt, "c")
+                small = {"w": torch.arange(1 << 18, dtype=torch.float32)}
+                _save(small, path)
+                e = _failed_save({"w": torch.arange(mib << 18, dtype=torch.float32)}, path)
+                _expect(isinstance(e, OSError) and e.errno == errno.ENOSPC and str(e.filename).startswith(path), repr(e))
+                _expect(_crash.leftovers(path) == [], "stray files")
+                _expect(shutil.disk_usage(mnt).used < 3 << 20, "the failed save kept its space")
+                _save({"w": -small["w"]}, path)
+        except unittest_skip as s:
+            print(f"  skipped: {s}")
+            break
+    cases = []
+
+    def metadata_full():
+        with _tmpfs(os.path.join(base, "mm"), "1m") as mnt:
+            path = os.path.join(mnt, "c")
+            e = _failed_save({f"t{i}": torch.zeros(1) for i in range(6000)}, path)
+            _expect(isinstance(e, OSError) and e.errno == errno.ENOSPC and ".fp_dcp.meta" in str(e.filename), repr(e))
+            _expect([x for x in os.listdir(path) if x != ".fp_dcp.lock"] == [], "stray files")
+    cases.append(("metadata does not fit", metadata_full))
+
+    def read_only():
+        with _tmpfs(os.path.join(base, "ro"), "16m") as mnt:
+            path = os.path.join(mnt, "c")
+            _save(_crash.state_dict(1), path)
+            subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+            try:
+                e = _failed_save(_crash.state_dict(2), path)
+                _expect(isinstance(e, OSError) and e.errno == errno.EROFS and str(e.filename).startswith(path), repr(e))
+                _expect(_seed(path) == "seed1", "the checkpoint does not load from the read-only mount")
+            finally:
+                subprocess.run(["mount", "-o", "remount,rw", mnt], check=True)
+    cases.append(("read-only file system", read_only))
+
+    def eacces():
+        path = os.path.join(base, "acc")
+        _save(_crash.state_dict(1), path)
+        _aio._set_fault("open_direct", errno.EACCES)
+        try:
+            e = _failed_save(_crash.state_dict(2), path)
+        finally:
+            _aio._set_fault("")
+        _expect(isinstance(e, PermissionError) and path in str(e.filename), repr(e))
+        _expect(_seed(path) == "seed1", "the previous checkpoint does not load")
+    cases.append(("permission denied (injected EACCES)", eacces))
+
+    def path_is_file():
+        f = os.path.join(base, "afile")
+        with open(f, "wb") as fh:
+            fh.write(b"precious")
+        for target in (f, os.path.join(f, "sub")):
+            e = _failed_save(_crash.state_dict(1), target)
+            _expect(isinstance(e, OSError) and f in str(e.filename), repr(e))
+        _expect(open(f, "rb").read() == b"precious", "the file was touched")
+    cases.append(("path is a file / parent is a file", path_is_file))
+
+    for name, fn in cases:
+        try:
+            with m.case("file-system", name):
+                fn()
+        except unittest_skip as s:
+            print(f"  skipped {name}: {s}")
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def corrupt_data(m: Matrix, base: str, quick: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistReader
+    from fp_dcp import verify as verify_mod
+    from fp_dcp.reader import read_checkpoint_metadata
+    from tests import _crash
+
+    path = os.path.join(base, "cd")
+    _save(_crash.state_dict(5), path)
+    _, layout, _ = read_checkpoint_metadata(path)
+    files = [os.path.join(path, n) for n, _ in layout.files]
+    spans = [(e.file, e.file_offset, e.file_offset + e.length) for es in layout.extents.values() for e in es]
+    rng = random.Random(7)
+    for i in range(30 if quick else 200):
+        fid = rng.randrange(len(files))
+        size = os.path.getsize(files[fid])
+        at = rng.randrange(size)
+        inside = any(f == fid and a <= at < b for f, a, b in spans)
+        with m.case("corrupt-data", f"flip byte {at} of file {fid} ({'extent' if inside else 'padding'})"):
+            with open(files[fid], "r+b") as fh:
+                fh.seek(at)
+                old = fh.read(1)
+                fh.seek(at)
+                fh.write(bytes([old[0] ^ (1 << rng.randrange(8))]))
+            try:
+                try:
+                    got = _seed(path)
+                except AssertionError as e:
+                    got = str(e)
+                if inside:
+                    _expect("checksum mismatch" in got and os.path.basename(files[fid]) in got, got[-500:])
+                else:
+                    _expect(got == "seed5", got[-500:])
+                report = verify_mod.verify_checkpoint(path)
+                _expect(report.ok != inside, f"verify ok={report.ok} for a flip {'in' if inside else 'outside'} an extent")
+                if inside:
+                    _expect(len(report.bad) == 1 and report.bad[0].path == files[fid], "verify named the wrong place")
+            finally:
+                with open(files[fid], "r+b") as fh:
+                    fh.seek(at)
+                    fh.write(old)
+    for i in range(5 if quick else 20):
+        fid = rng.randrange(len(files))
+        size = os.path.getsize(files[fid])
+        cut = rng.randrange(size)
+        with m.case("corrupt-data", f"truncate file {fid} to {cut}"):
+            keep = open(files[fid], "rb").read()
+            os.truncate(files[fid], cut)
+            try:
+                try:
+                    dcp.load(_crash.zeros_like(_crash.state_dict(0)), storage_reader=FastPersistReader(path))
+                    raise AssertionError("loaded a truncated checkpoint")
+                except BaseException as exc:  # noqa: BLE001
+                    e = _root_error(exc)
+                    _expect("truncated" in str(e) and files[fid] in str(e), repr(e))
+                _expect(not verify_mod.verify_checkpoint(path).ok, "verify passed a truncated file")
+            finally:
+                with open(files[fid], "wb") as fh:
+                    fh.write(keep)
+    with m.case("corrupt-data", "deleted data file"):
+        keep = open(files[0], "rb").read()
+        os.unlink(files[0])
+        try:
+            try:
+                _seed(path)
+                raise RuntimeError("loaded without a data file")
+            except AssertionError as e:
+                _expect("data file of the checkpoint is missing" in str(e), str(e))
+            _expect(not verify_mod.verify_checkpoint(path).ok, "verify passed a missing file")
+        finally:
+            with open(files[0], "wb") as fh:
+                fh.write(keep)
+    _expect(_seed(path) == "seed5", "the checkpoint was not restored")
+
+
+def corrupt_metadata(m: Matrix, base: str, quick: bool) -> None:
+    from fp_dcp import format as fmt
+    from fp_dcp.reader import read_checkpoint_metadata
+    from tests import _crash
+
+    path = os.path.join(base, "cm")
+    _save(_crash.state_dict(6), path)
+    meta = os.path.join(path, fmt.METADATA_NAME)
+    raw = open(meta, "rb").read()
+    rng = random.Random(8)
+    n = 30 if quick else 300
+    for i in range(n):
+        kind = "flip" if i % 3 else "truncate"
+        with m.case("corrupt-metadata", f"{kind} #{i}"):
+            if kind == "flip":
+                at = rng.randrange(len(raw))
+                bad = raw[:at] + bytes([raw[at] ^ (1 << rng.randrange(8))]) + raw[at + 1:]
+            else:
+                bad = raw[: rng.randrange(len(raw))]
+            with open(meta, "wb") as f:
+                f.write(bad)
+            try:
+                read_checkpoint_metadata(path)
+                raise AssertionError("damaged metadata was accepted")
+            except fmt.CheckpointFormatError as e:
+                _expect(meta in str(e), str(e))
+    with open(meta, "wb") as f:
+        f.write(raw)
+    _expect(_seed(path) == "seed6", "the checkpoint was not restored")
+
+
+# ------------------------------------------------------------------ concurrency and rotation
+
+
+def concurrency(m: Matrix, base: str, quick: bool) -> None:
+    from tests import _crash
+
+    for i in range(3 if quick else 10):
+        with m.case("concurrency", f"two writers #{i}"):
+            path = os.path.join(base, f"tw{i}")
+            _save(_crash.state_dict(1), path)
+            results = [None, None]
+
+            def go(j):
+                results[j] = _crash.run_save(path, 2 + j, ("pause", "open", 1, random.uniform(0, 0.4)))
+
+            ts = [threading.Thread(target=go, args=(j,)) for j in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            won = []
+            for j, r in enumerate(results):
+                v = r["results"].get(0)
+                _expect(v is not None, f"no result: {r}")
+                if isinstance(v, dict):
+                    won.append(f"seed{2 + j}")
+                else:
+                    _expect("another fp_dcp save into this checkpoint directory is in progress" in v[1], v[1])
+            _expect(bool(won) and _seed(path) in won, f"won {won}, found {_seed(path)}")
+            _expect(_crash.leftovers(path) == [], "stray files")
+    for i in range(2 if quick else 5):
+        with m.case("concurrency", f"reader during saves #{i}"):
+            path = os.path.join(base, f"rd{i}")
+            _save(_crash.state_dict(1), path)
+            stop = threading.Event()
+            seen = []
+
+            def saves():
+                try:
+                    for seed in (2, 3, 4):
+                        _crash.run_save(path, seed, None, options={"block_size_bytes": 128 << 10})
+                finally:
+                    stop.set()
+
+            t = threading.Thread(target=saves)
+            t.start()
+            try:
+                while not stop.is_set():
+                    try:
+                        seen.append(_seed(path))
+                    except AssertionError as e:
+                        _expect("data file of the checkpoint is missing" in str(e) or "No such file" in str(e), str(e))
+                        seen.append("error")
+            finally:
+                t.join()
+            _expect(set(seen) <= {"seed1", "seed2", "seed3", "seed4", "error"}, f"saw {set(seen)}")
+            _expect(_seed(path) == "seed4", "the last save did not load")
+
+
+def rotation(m: Matrix, base: str, quick: bool) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistWriter
+    from fp_dcp.rotation import keep_last
+    from tests import _crash
+
+    with m.case("rotation", "200 saves, keep_last(3)"):
+        root = os.path.join(base, "rot")
+        os.makedirs(root)
+        sd = {"w": torch.from_numpy(np.random.default_rng(0).standard_normal(70000, dtype=np.float32)), "step": 0}
+        w = FastPersistWriter()
+        dcp.save(sd, storage_writer=w, checkpoint_id=os.path.join(root, "warm"))
+        w.close()
+        shutil.rmtree(os.path.join(root, "warm"))
+        before = _crash.resources()
+        w = FastPersistWriter()
+        try:
+            for step in range(200):
+                sd["step"] = step
+                dcp.save(sd, storage_writer=w, checkpoint_id=os.path.join(root, f"s{step:04d}"))
+                keep_last(root, 3)
+        finally:
+            w.close()
+        _expect(sorted(os.listdir(root)) == ["s0197", "s0198", "s0199"], f"{sorted(os.listdir(root))}")
+        after = _crash.settle(before)
+        _expect(after == before, f"leaked: {before} -> {after}")
+
+
+# ------------------------------------------------------------------ checksum cost
+
+
+def bench_checksums(args) -> int:
+    import fcntl
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import _common as C
+    from fp_dcp import FastPersistReader, FastPersistWriter
+
+    lock = open("/tmp/fp_dcp_bench.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # one benchmark at a time on the shared disk
+    torch.set_num_threads(1)
+    size = C.parse_size(args.size)
+    base = Path(args.dir or tempfile.mkdtemp(prefix="fp_dcp_crc_", dir=str(ROOT.parent / "bench_tmp")
+                                             if (ROOT.parent / "bench_tmp").is_dir() else None))
+    base.mkdir(parents=True, exist_ok=True)
+    C.check_free_space(base, 3 * size)
+    hw = C.hardware_info(base)
+    print("\n".join(C.hardware_lines(hw)))
+    results: dict = {"hardware": hw, "size_bytes": size, "rounds": args.rounds, "dcp": {}, "engine": {}}
+    try:
+        for mix in ("large", "small"):
+            spec = C.make_spec(mix, size if mix == "large" else size // 4, seed=3)
+            fac = C.StateDictFactory(spec)
+            sd = fac.build()
+            target = fac.build(zero=True)
+            nbytes = spec.payload_bytes
+            times: dict[str, list[float]] = {"save off": [], "save on": [], "load off": [], "load on": []}
+            for rnd in range(args.rounds):
+                order = (False, True) if rnd % 2 == 0 else (True, False)
+                for on in order:
+                    path = base / f"{mix}-{'on' if on else 'off'}"
+                    w = FastPersistWriter(path, write_checksums=on)
+                    C.drop_caches()
+                    t = time.perf_counter()
+                    dcp.save(sd, storage_writer=w)
+                    times[f"save {'on' if on else 'off'}"].append(nbytes / (time.perf_counter() - t) / 1e9)
+                    w.close()
+                for on in order:
+                    C.drop_caches()
+                    r = FastPersistReader(base / f"{mix}-on", verify_checksums=on)
+                    t = time.perf_counter()
+                    dcp.load(target, storage_reader=r)
+                    times[f"load {'on' if on else 'off'}"].append(nbytes / (time.perf_counter() - t) / 1e9)
+                    if on:
+                        verified = r.last_stats.get("checksum_verified_bytes", 0)
+                    r.close()
+            errors = fac.verify(target)
+            if errors:
+                raise SystemExit(f"{mix}: loaded state dict differs: {errors}")
+            results["dcp"][mix] = {"payload_bytes": nbytes, "gbps": times, "verified_bytes": verified}
+        for op in ("write", "read"):
+            for mode in ("zc", "copy"):
+                results["engine"][f"{op} {mode}"] = _engine_bench(base, op, mode, min(size, 1 << 30), args.rounds)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    rows = []
+
+    def row(name: str, off: list[float], on: list[float]) -> list[str]:
+        med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+        paired = med([b / a for a, b in zip(off, on)])  # rounds alternate the order: drift cancels
+        return [name, f"{med(off):.2f}", f"{med(on):.2f}", f"{100 * (1 - paired):.1f}",
+                f"{max(off):.2f}", f"{max(on):.2f}", f"{100 * (1 - max(on) / max(off)):.1f}"]
+
+    for mix, r in results["dcp"].items():
+        for op in ("save", "load"):
+            rows.append(row(f"dcp {op}, {mix} ({C.fmt_size(r['payload_bytes'])})",
+                            r["gbps"][f"{op} off"], r["gbps"][f"{op} on"]))
+    for name, r in results["engine"].items():
+        rows.append(row(f"engine {name} (1 GiB)", r["off"], r["on"]))
+    print()
+    print(C.format_table(["GB/s, same run", "median off", "median on", "cost % (paired median)",
+                          "best off", "best on", "cost % (best)"], rows))
+    if args.json:
+        C.write_json(args.json, results)
+    return 0
+
+
+def _engine_bench(base: Path, op: str, mode: str, n: int, rounds: int) -> dict:
+    import numpy as np
+
+    import _common as C
+    from fp_dcp import _aio
+
+    path = str(base / "engine.bin")
+    buf = _aio.AlignedBuffer(n + 4096, 4096)
+    np.frombuffer(buf, np.uint8)[:] = np.random.default_rng(0).integers(0, 256, n + 4096, dtype=np.uint8)
+    view = memoryview(buf)[0:n] if mode == "zc" else memoryview(buf)[1:n + 1]
+    out: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        with _aio.Engine("auto") as eng:
+            if op == "read":
+                fd = eng.open(path, "w")
+                eng.write([fd], [path], [0], [0], [view])
+                os.close(fd)
+            for rnd in range(rounds):
+                for on in ((False, True) if rnd % 2 == 0 else (True, False)):
+                    fd = eng.open(path, op[0])
+                    try:
+                        C.drop_caches()
+                        t = time.perf_counter()
+                        if op == "write":
+                            eng.write([fd], [path], [0], [0], [view], checksums=(1 << 20) if on else False)
+                        else:
+                            eng.read([fd], [path], [0], [0], [view], checksums=(1 << 20) if on else False)
+                        out["on" if on else "off"].append(n / (time.perf_counter() - t) / 1e9)
+                    finally:
+                        os.close(fd)
+    finally:
+        view.release()
+        buf.close()
+        if os.path.exists(path):
+            os.unlink(path)
+    return out
+
+
+# ------------------------------------------------------------------ main
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a sample of every category (about a minute)")
+    p.add_argument("--dir", default=None, help="working directory (default: a temporary one)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--only", default=None, help="comma-separated categories")
+    p.add_argument("--bench-checksums", action="store_true", help="measure the cost of checksums instead")
+    p.add_argument("--size", default="2GiB", help="--bench-checksums: state dict size")
+    p.add_argument("--rounds", type=int, default=5, help="--bench-checksums: rounds (alternating order)")
+    args = p.parse_args()
+    if args.bench_checksums:
+        return bench_checksums(args)
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # DCP warns on every single-process save; children inherit this
+    os.environ["PYTHONWARNINGS"] = "ignore::UserWarning"
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    # DCP logs a traceback for every refused load (the cases expect them)
+    logging.getLogger("torch.distributed.checkpoint").setLevel(logging.CRITICAL)
+    torch.set_num_threads(1)
+    base = args.dir or tempfile.mkdtemp(prefix="fp_dcp_torture_")
+    os.makedirs(base, exist_ok=True)
+    steps = [
+        ("kill-1-rank", kills_one_rank),
+        ("kill-2-ranks", kills_two_ranks),
+        ("engine-fault", engine_faults),
+        ("file-system", file_system_faults),
+        ("corrupt-data", corrupt_data),
+        ("corrupt-metadata", corrupt_metadata),
+        ("concurrency", concurrency),
+        ("rotation", rotation),
+    ]
+    only = set(args.only.split(",")) if args.only else None
+    m = Matrix()
+    t0 = time.perf_counter()
+    try:
+        for name, fn in steps:
+            if only and name not in only:
+                continue
+            t = time.perf_counter()
+            try:
+                fn(m, base, args.quick)
+            except Exception:  # noqa: BLE001 - the setup of a category failed
+                m.failures.append(f"{name}: setup failed:\n{traceback.format_exc()}")
+                m.rows.setdefault(name, [0, 0])[0] += 1
+                print(f"  {name}: setup failed\n{traceback.format_exc()}", flush=True)
+            print(f"{name}: done in {time.perf_counter() - t:.0f} s", flush=True)
+    finally:
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    tried = sum(r[0] for r in m.rows.values())
+    survived = sum(r[1] for r in m.rows.values())
+    print()
+    width = max(len(k) for k in m.rows) if m.rows else 10
+    print(f"{'category'.ljust(width)}  tried  survived")
+    for k, (a, b) in m.rows.items():
+        print(f"{k.ljust(width)}  {a:5d}  {b:8d}")
+    print(f"{'total'.ljust(width)}  {tried:5d}  {survived:8d}")
+    print(f"\n{survived} of {tried} fault cases survived with nothing lost "
+          f"({time.perf_counter() - t0:.0f} s{', --quick' if args.quick else ''})")
+    for f in m.failures:
+        print("FAILED", f)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": m.rows, "tried": tried, "survived": survived, "failures": m.failures,
+                       "quick": args.quick}, f, indent=1)
+    return 0 if survived == tried and not m.failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
