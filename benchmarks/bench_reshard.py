@@ -146,11 +146,12 @@ def _child(spec: dict) -> dict:
                                  max_overread_percent=100 if spec["reader"] == "fp_dcp+overread" else 5)
 
     needed = sum(t.to_local().numel() * 4 if hasattr(t, "to_local") else t.numel() * 4 for t in sd.values())
-    # Warm up on the first tensor: the code the load runs is faulted in from
-    # disk now (mapped pages survive the cache drop), not inside the
-    # measurement, where it would count as checkpoint bytes.
-    first = names[0][0]
-    dcp.load({first: sd[first]}, storage_reader=make_reader())
+    # Warm up with the same load: the code it runs is faulted in from disk
+    # now (mapped pages survive the cache drop), not inside the measurement,
+    # where it would count as checkpoint bytes. The data it read is dropped.
+    dcp.load(sd, storage_reader=make_reader())
+    for t in sd.values():
+        (t.to_local() if hasattr(t, "to_local") else t).zero_()
     reader = make_reader()
     dist.barrier()
     print("READY", flush=True)
@@ -332,10 +333,22 @@ def main() -> None:
         C.emit_result(_child(json.loads(args.child)))
         return
 
+    unknown = [c for c in args.cases.split(",") if c and c not in CASES]
+    unknown += [r for r in args.readers.split(",") if r and r not in ("fp_dcp", "stock")]
+    if unknown:
+        ap.error(f"unknown case or reader {', '.join(unknown)}; cases: {', '.join(CASES)}; readers: fp_dcp, stock")
     size = C.parse_size("256MiB" if args.quick else args.size)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.dir or (REPO / "bench_out" / f"reshard-{stamp}"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        _run(args, size, stamp, out_dir)
+    finally:
+        if not args.keep:  # also after a failure: the checkpoints are 2-3x --size
+            shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path) -> None:
     C.check_free_space(out_dir, 3 * size)
     hw = C.hardware_info(out_dir)
     print("\n".join(C.hardware_lines(hw)))
@@ -431,8 +444,6 @@ def main() -> None:
                        "raw_all_gbps": [r / 1e9 for r in raws],
                        "results": results, "table": {"headers": headers, "rows": rows}})
     print(f"JSON: {out}")
-    if not args.keep:
-        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
