@@ -16,6 +16,7 @@ import random
 import shutil
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -620,3 +621,29 @@ def _load_fuzzed_layout(path, sd, meta, raw, data):
         faulthandler.cancel_dump_traceback_later()
     for k in sd:
         assert torch.equal(target[k], sd[k]), f"{k} loaded silently wrong"
+
+
+def test_keep_last_skips_saves_in_progress_and_uncommitted_directories(tmp_path):
+    import fcntl
+
+    root = tmp_path / "run"
+    data = tmp_path / "nvme"
+    data.mkdir()
+    for i in range(4):
+        save({"w": torch.full((1000,), float(i))}, root / f"s{i}", data_dirs=(str(data),))
+        time.sleep(0.01)  # distinct commit times
+    (root / "crashed").mkdir()
+    (root / "crashed" / "x.fpd").write_bytes(b"partial")
+    fd = os.open(root / "s0" / ".fp_dcp.lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a save in progress there
+    try:
+        removed = keep_last(root, 2)
+    finally:
+        os.close(fd)
+    assert [os.path.basename(p) for p in removed] == ["s1"]
+    assert sorted(os.listdir(root)) == ["crashed", "s0", "s2", "s3"]
+    assert len(os.listdir(data)) == 3  # s1's sub-directory of the data directory went with it
+    assert [os.path.basename(p) for p in keep_last(root, 2)] == ["s0"]
+    assert sorted(os.listdir(root)) == ["crashed", "s2", "s3"] and len(os.listdir(data)) == 2
+    with pytest.raises(ValueError):
+        keep_last(root, 0)
