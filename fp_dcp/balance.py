@@ -413,16 +413,20 @@ def plan_placement(holdings: Sequence[Holdings]) -> Placement:
         for r in owners.tolist():
             p = pos[ends[r] - owner_count[r] : ends[r]]
             parts[r].append((p - rank_start[r], np.zeros(len(p), np.int64), sizes[p]))
-    # 2. shared holder sets, smallest first: water-fill, then cut the stream
-    multi = np.flatnonzero(sized & (nhold > 1))
-    if len(multi):
-        g_of = item_group[multi]
-        by_group = multi[np.lexsort((item_order[multi], g_of))]
+    def by_holder_set(selected: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """``selected`` items grouped by holder set, in item order within a
+        set; smallest sets first (ties by their ranks), deterministically."""
+        by_group = selected[np.lexsort((item_order[selected], item_group[selected]))]
         g_sorted = item_group[by_group]
         bounds = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
         chunks = [(int(g_sorted[b]), by_group[b:e]) for b, e in zip(bounds, np.r_[bounds[1:], len(by_group)])]
         chunks.sort(key=lambda c: (len(group_ranks[c[0]]), tuple(group_ranks[c[0]].tolist())))
-        for g, items in chunks:
+        return chunks
+
+    # 2. shared holder sets, smallest first: water-fill, then cut the stream
+    multi = np.flatnonzero(sized & (nhold > 1))
+    if len(multi):
+        for g, items in by_holder_set(multi):
             hset = group_ranks[g]
             sz = item_size[items]
             quotas = water_fill(loads[hset], int(sz.sum()))
@@ -445,13 +449,7 @@ def plan_placement(holdings: Sequence[Holdings]) -> Placement:
         unsized_parts[r].append((int(item_order[u]), int(item_size[u])))
     rest = rest[nhold[rest] > 1]
     if len(rest):
-        g_of = item_group[rest]
-        by_group = rest[np.lexsort((item_order[rest], g_of))]
-        g_sorted = item_group[by_group]
-        bounds = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
-        chunks = [(int(g_sorted[b]), by_group[b:e]) for b, e in zip(bounds, np.r_[bounds[1:], len(by_group)])]
-        chunks.sort(key=lambda c: (len(group_ranks[c[0]]), tuple(group_ranks[c[0]].tolist())))
-        for g, items in chunks:
+        for g, items in by_holder_set(rest):
             hset = group_ranks[g]
             rank_order = hset[np.lexsort((hset, loads[hset], unsized_counts[hset]))]
             for i, u in enumerate(items.tolist()):
