@@ -25,7 +25,10 @@ Cases (``--cases``; target world size and placement):
 
 ``s0tos1`` also runs ``fp_dcp+overread`` (``max_overread_percent=100``: the
 rows are read whole, twice the bytes in large requests), the trade a user can
-choose when the disk's small-request rate, not its bandwidth, is the limit.
+choose when the disk's small-request rate, not its bandwidth, is the limit,
+and ``fp_dcp+coop`` (``share_interleaved_reads=True``: each row slab is read
+whole by one rank, which sends the other rank its half over gloo; held to the
+same bytes and speed targets as ``fp_dcp``).
 
 Targets (issue 5), printed PASS/FAIL: bytes read per rank <= 1.05 x needed +
 one 4 KiB block per needed run (fp_dcp); aggregate resharded throughput >=
@@ -143,6 +146,7 @@ def _child(spec: dict) -> dict:
         if spec["reader"] == "stock":
             return FileSystemReader(spec["stock_path"])
         return FastPersistReader(spec["fp_path"], share_replicated_reads=spec["reader"] == "fp_dcp+share",
+                                 share_interleaved_reads=spec["reader"] == "fp_dcp+coop",
                                  max_overread_percent=100 if spec["reader"] == "fp_dcp+overread" else 5)
 
     needed = sum(t.to_local().numel() * 4 if hasattr(t, "to_local") else t.numel() * 4 for t in sd.values())
@@ -303,6 +307,8 @@ def _expect(p, word: str, timeout: float, logs) -> str:
     return line
 
 
+READERS = ("fp_dcp", "stock", "fp_dcp+share", "fp_dcp+overread", "fp_dcp+coop")
+
 CASES = {
     "4to4": (4, "s0"),
     "4to3": (3, "s0"),
@@ -321,7 +327,8 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=8, help="number of 2-d tensors (default 8)")
     ap.add_argument("--save-ranks", type=int, default=4, help="world size of the save (default 4)")
     ap.add_argument("--cases", default="4to4,4to3,4to2,s0tos1,rep", help="comma list of " + ", ".join(CASES))
-    ap.add_argument("--readers", default="fp_dcp,stock", help="comma list: fp_dcp, stock")
+    ap.add_argument("--readers", default="fp_dcp,stock",
+                    help="comma list of " + ", ".join(READERS) + " (fp_dcp brings its variants of each case)")
     ap.add_argument("--rep-tensors", type=int, default=2, help="tensors every rank loads whole in the rep case")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every case (median reported)")
     ap.add_argument("--quick", action="store_true", help="256 MiB, one round")
@@ -334,9 +341,9 @@ def main() -> None:
         return
 
     unknown = [c for c in args.cases.split(",") if c and c not in CASES]
-    unknown += [r for r in args.readers.split(",") if r and r not in ("fp_dcp", "stock")]
+    unknown += [r for r in args.readers.split(",") if r and r not in READERS]
     if unknown:
-        ap.error(f"unknown case or reader {', '.join(unknown)}; cases: {', '.join(CASES)}; readers: fp_dcp, stock")
+        ap.error(f"unknown case or reader {', '.join(unknown)}; cases: {', '.join(CASES)}; readers: {', '.join(READERS)}")
     size = C.parse_size("256MiB" if args.quick else args.size)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.dir or (REPO / "bench_out" / f"reshard-{stamp}"))
@@ -385,8 +392,8 @@ def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path) -> None
             ws, placement = CASES[case]
             ws = ws or args.save_ranks
             case_names = names[: args.rep_tensors] if placement == "rep" else names
-            extra = {"rep": ["fp_dcp+share"], "s1": ["fp_dcp+overread"]}.get(placement, [])
-            for reader in readers + (extra if "fp_dcp" in readers else []):
+            extra = {"rep": ["fp_dcp+share"], "s1": ["fp_dcp+overread", "fp_dcp+coop"]}.get(placement, [])
+            for reader in readers + [r for r in (extra if "fp_dcp" in readers else []) if r not in readers]:
                 res = _world(dict(base, op="load", names=case_names, placement=placement, reader=reader), ws,
                              args.timeout)
                 bad = [r for r in res if not r["ok"]]
@@ -425,7 +432,7 @@ def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path) -> None
                     bytes_ok = "(shared)"
                 elif reader.endswith("+overread"):
                     bytes_ok = "(100% allowed)"
-            if reader == "fp_dcp" and case not in ("4to4", "rep"):
+            if reader in ("fp_dcp", "fp_dcp+coop") and case not in ("4to4", "rep"):
                 speed_ok = "PASS" if med["gbps"] >= RESHARD_VS_RAW * raw_gbps else "FAIL"
             rows.append([case, reader, med["ws"], C.fmt_size(max(med["needed"])), C.fmt_size(max(med["disk_read"])),
                          f"{worst:.3f}", bound, f"{med['gbps']:.2f}", f"{med['gbps'] / raw_gbps:.2f}x",

@@ -154,6 +154,17 @@ class FastPersistOptions:
             (``FastPersistReader(process_group=...)`` when ``dcp.load`` is
             given one), inside DCP's read step.  Wins when the disk, not the
             network, is the bottleneck.
+        share_interleaved_reads: on load, when ranks need interleaved parts
+            of the same stored rows (e.g. a load that changes which dimension
+            is sharded: each rank needs a column band of every row, many
+            small runs), each range of rows is read once, whole and
+            sequentially, by one rank, which sends every other rank its part
+            over the process group (``FastPersistReader(process_group=...)``
+            must be the group ``dcp.load`` uses).  Each rank reads about the
+            bytes it needs, in large requests.  Wins when the per-rank pieces
+            are small (under 64 KiB) and the network is faster than the
+            disk's small-request rate.  The coordinator decides per stored
+            chunk, and only where the ranks' parts cover the rows they span.
         write_checksums: on save, store the CRC-32C of every 1 MiB block of
             every extent in the metadata, computed by the engine while the
             bytes pass through it (a few percent of save throughput; see
@@ -195,6 +206,7 @@ class FastPersistOptions:
     max_overread_percent: int = 5
     strict_dtype: bool = False
     share_replicated_reads: bool = False
+    share_interleaved_reads: bool = False
     write_checksums: bool = True
     verify_checksums: bool = True
     freeze_gc_during_save: bool = True
@@ -234,6 +246,10 @@ class FastPersistOptions:
         if self.read_buffer_budget_bytes < (1 << 20):
             raise ValueError(
                 f"FastPersistOptions.read_buffer_budget_bytes must be at least 1 MiB, got {self.read_buffer_budget_bytes}"
+            )
+        if not isinstance(self.share_interleaved_reads, bool):
+            raise ValueError(
+                f"FastPersistOptions.share_interleaved_reads must be True or False, got {self.share_interleaved_reads!r}"
             )
         if self.max_overread_percent < 0:
             raise ValueError(f"FastPersistOptions.max_overread_percent must be >= 0, got {self.max_overread_percent}")

@@ -29,7 +29,13 @@ With ``share_replicated_reads=True``, a box that several ranks need (every
 rank of a DDP-style restart needs every replicated tensor) is read from disk
 by one of them and sent to the others over the load's process group, inside
 DCP's own ``read_data`` step: every rank runs the same sequence of
-collectives, errors included.
+collectives, errors included.  With ``share_interleaved_reads=True``, stored
+rows that several ranks need interleaved parts of (a load that moves the
+sharded dimension) are cut into row slabs, each read whole and sequentially by
+one rank, which sends every other rank its part: each rank reads about the
+bytes it needs, in large requests, instead of many small runs.  Both are
+*shared units* of one plan (:class:`_SharedUnit`): a box of a stored chunk,
+its owner, and the sub-box each rank needs of it.
 """
 
 from __future__ import annotations
@@ -58,7 +64,9 @@ from fp_dcp.layout import check_extents_cover
 from fp_dcp.options import FastPersistOptions
 from fp_dcp.readplan import (
     Grid,
+    assign_owners,
     box_grid,
+    interleaved_slabs,
     level_span,
     map_ranges,
     merge_level,
@@ -129,29 +137,45 @@ def read_checkpoint_metadata(directory: str) -> tuple[Metadata, fmt.StorageLayou
 
 
 @dataclasses.dataclass(frozen=True)
+class _Part:
+    """The sub-box (``offsets``/``lengths``, chunk coordinates) of a shared
+    unit that ``rank`` needs for its read item of the box
+    ``item_offsets``/``item_lengths`` of the same stored chunk."""
+
+    rank: int
+    item_offsets: tuple[int, ...]
+    item_lengths: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class _SharedUnit:
-    """A part (``offsets``/``lengths``) of a box (``box``) of a stored chunk
-    that several ``ranks`` need: ``owner`` reads it from disk and sends it to
-    the others."""
+    """A box (``offsets``/``lengths``) of a stored chunk that ``owner`` reads
+    from disk, and the ``parts`` of it that ranks need: the owner keeps its
+    own and sends the others.  Replicated reads: every part is the whole box.
+    Interleaved reads: the box is a row slab and each part a column band."""
 
     fqn: str
     chunk: tuple[int, ...] | None
-    box: tuple[tuple[int, ...], tuple[int, ...]]
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]
     nbytes: int
     owner: int
-    ranks: tuple[int, ...]
+    parts: tuple[_Part, ...]
+
+    def item_key(self, part: _Part) -> tuple:
+        return (self.fqn, self.chunk, part.item_offsets, part.item_lengths)
 
     @property
-    def key(self) -> tuple:
-        return (self.fqn, self.chunk, self.box[0], self.box[1])
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(p.rank for p in self.parts))
 
 
 @dataclasses.dataclass
 class _SharePlan:
-    """``LoadPlan.storage_data`` when replicated reads are shared: the same
-    list on every rank (the collectives follow it)."""
+    """``LoadPlan.storage_data`` when reads are shared: the same list on every
+    rank (the collectives follow it); ``rounds`` are ranges of ``units``."""
 
     units: list[_SharedUnit]
     rounds: list[tuple[int, int]]
@@ -163,15 +187,17 @@ class FastPersistReader(StorageReader):
 
     ``options`` / keyword arguments as for the writer; the reader's own are
     ``read_buffer_budget_bytes``, ``max_overread_percent``, ``strict_dtype``,
-    ``share_replicated_reads`` and ``coalesce_gap_bytes`` (see
-    :class:`~fp_dcp.FastPersistOptions`).  ``process_group``: the group passed
-    to ``dcp.load`` when it is not the default one (used only by
-    ``share_replicated_reads``).
+    ``share_replicated_reads``, ``share_interleaved_reads`` and
+    ``coalesce_gap_bytes`` (see :class:`~fp_dcp.FastPersistOptions`).
+    ``process_group``: the group passed to ``dcp.load`` when it is not the
+    default one (used only by the two ``share_*`` options).
 
     After each load :attr:`last_stats` holds this rank's ``bytes`` (needed by
     its targets), ``bytes_read`` (read from disk, alignment included),
     ``requests``, ``pieces``, ``seconds`` and the engine; with sharing,
-    ``shared_bytes_sent`` / ``shared_bytes_received``.
+    ``shared_bytes_read`` (of shared units this rank read from disk for
+    itself and others), ``shared_bytes_sent`` / ``shared_bytes_received``
+    and ``shared_rounds``.
     """
 
     def __init__(
@@ -239,7 +265,8 @@ class FastPersistReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if not self.options.share_replicated_reads or len(plans) < 2:
+        opts = self.options
+        if not (opts.share_replicated_reads or opts.share_interleaved_reads) or len(plans) < 2:
             return plans
         share = self._plan_sharing(plans)
         if share is None:
@@ -454,56 +481,100 @@ class FastPersistReader(StorageReader):
     # ----------------------------------------------------------- sharing
 
     def _plan_sharing(self, plans: list[LoadPlan]) -> _SharePlan | None:
-        """On the coordinator: boxes that several ranks need, each assigned to
-        one owner (the least loaded), cut to the buffer budget, in rounds."""
+        """On the coordinator: the shared units of the load, each with one
+        owner, in rounds bounded by the buffer budget.
+
+        Per stored chunk, with ``share_interleaved_reads``: row slabs where the
+        ranks' boxes are fragmented and together cover the rows
+        (:func:`fp_dcp.readplan.interleaved_slabs`); with
+        ``share_replicated_reads``: boxes that several ranks need whole, cut to
+        the budget.  Owners: the rank with the most of its quota left
+        (:func:`fp_dcp.readplan.assign_owners`), its quota being its share of
+        the shared bytes in proportion to what it needs of them, so each rank
+        reads about what it needs."""
         import torch.distributed as dist
 
+        opts = self.options
         if not (self._use_collectives and dist.is_available() and dist.is_initialized()):
             return None
         if dist.get_world_size(self.process_group) != len(plans):
+            which = "share_interleaved_reads" if opts.share_interleaved_reads else "share_replicated_reads"
             warnings.warn(
-                f"share_replicated_reads: dcp.load runs on {len(plans)} ranks but the reader's process group "
+                f"{which}: dcp.load runs on {len(plans)} ranks but the reader's process group "
                 f"has {dist.get_world_size(self.process_group)}; pass the group dcp.load uses as "
                 f"FastPersistReader(process_group=...). Reading without sharing.",
                 stacklevel=3,
             )
             return None
-        needers: dict[tuple, list[int]] = {}
+        budget = opts.read_buffer_budget_bytes
+        by_chunk: dict[tuple, dict[tuple, None]] = {}
         for rank, plan in enumerate(plans):
             for req in plan.items:
                 if req.type != LoadItemType.TENSOR:
                     continue
-                idx = req.storage_index
-                key = (idx.fqn, None if idx.offset is None else tuple(idx.offset),
-                       tuple(req.storage_offsets), tuple(req.lengths))
-                ranks = needers.setdefault(key, [])
-                if not ranks or ranks[-1] != rank:
-                    ranks.append(rank)
-        cap = max(1 << 20, self.options.read_buffer_budget_bytes // 4)
-        load = [0] * len(plans)
-        units: list[_SharedUnit] = []
-        shared = sorted((k for k, r in needers.items() if len(r) > 1), key=lambda k: (k[0], k[1] or (), k[2]))
-        for fqn, chunk, offsets, lengths in shared:
-            ranks = tuple(needers[(fqn, chunk, offsets, lengths)])
+                fqn, chunk, offsets, lengths = _read_key(req)
+                by_chunk.setdefault((fqn, chunk), {})[(rank, offsets, lengths)] = None
+        # (fqn, chunk, offsets, lengths, nbytes, parts) before owners are chosen
+        pending: list[tuple] = []
+        for fqn, chunk in sorted(by_chunk, key=lambda k: (k[0], k[1] or ())):
             md = self.state_dict_metadata.get(fqn)
             if not isinstance(md, TensorStorageMetadata):
                 continue
             esize = _element_size(md.properties.dtype)
-            for sub_off, sub_len in split_box(lengths, esize, cap):
-                nbytes = math.prod(sub_len) * esize
-                owner = min(ranks, key=lambda r: (load[r], r))
-                load[owner] += nbytes
-                units.append(_SharedUnit(fqn, chunk, (offsets, lengths),
-                                         tuple(o + s for o, s in zip(offsets, sub_off)),
-                                         tuple(sub_len), nbytes, owner, ranks))
-        if not units:
+            boxes = list(by_chunk[(fqn, chunk)])
+            rest = boxes
+            if opts.share_interleaved_reads:
+                try:
+                    sizes, _ = self._chunk_sizes(fqn, None if chunk is None else list(chunk))
+                except fmt.CheckpointFormatError:
+                    sizes = None  # the ranks' own reads report it
+                slabs = [] if sizes is None else interleaved_slabs(
+                    sizes, esize, boxes, max(1, budget // 16), run_max_bytes=_MERGE_RUN_MAX_BYTES)
+                for sl in slabs:
+                    parts = tuple(_Part(boxes[i][0], boxes[i][1], boxes[i][2], tuple(o), tuple(n))
+                                  for i, o, n in sl.parts)
+                    pending.append((fqn, chunk, sl.offsets, sl.lengths, sl.nbytes, parts))
+                if slabs:
+                    rest = []
+            if opts.share_replicated_reads:
+                needers: dict[tuple, list[int]] = {}
+                for rank, offsets, lengths in rest:
+                    needers.setdefault((offsets, lengths), []).append(rank)
+                for (offsets, lengths), ranks in sorted(needers.items()):
+                    if len(ranks) < 2:
+                        continue
+                    for sub_off, sub_len in split_box(lengths, esize, max(1 << 20, budget // 8)):
+                        offs = tuple(o + s for o, s in zip(offsets, sub_off))
+                        lens = tuple(sub_len)
+                        parts = tuple(_Part(r, offsets, lengths, offs, lens) for r in ranks)
+                        pending.append((fqn, chunk, offs, lens, math.prod(lens) * esize, parts))
+        if not pending:
             return None
-        rounds, start, size = [], 0, 0
+        esizes = {fqn: _element_size(self.state_dict_metadata[fqn].properties.dtype) for fqn, *_ in pending}
+        need = [0] * len(plans)
+        for fqn, _, _, _, _, parts in pending:
+            for p in parts:
+                need[p.rank] += math.prod(p.lengths) * esizes[fqn]
+        total = sum(u[4] for u in pending)
+        quota = {r: n * total // max(1, sum(need)) for r, n in enumerate(need)}
+        owners = assign_owners([(u[4], [p.rank for p in u[5]]) for u in pending], quota)
+        units = [_SharedUnit(fqn, chunk, offs, lens, nbytes, owner, parts)
+                 for (fqn, chunk, offs, lens, nbytes, parts), owner in zip(pending, owners)]
+        # A round holds, per rank, its read boxes twice (a temporary and the
+        # packed parts it sends) and what it receives, within half the budget:
+        # two rounds are alive at once (one on the wire, the next being read).
+        rounds, start = [], 0
+        held = [0] * len(plans)
         for i, u in enumerate(units):
-            if i > start and size + u.nbytes > self.options.read_buffer_budget_bytes:
+            add = [0] * len(plans)
+            add[u.owner] += 2 * u.nbytes
+            for p in u.parts:
+                if p.rank != u.owner:
+                    add[p.rank] += math.prod(p.lengths) * esizes[u.fqn]
+            if i > start and any(h + a > budget // 2 for h, a in zip(held, add)):
                 rounds.append((start, i))
-                start, size = i, 0
-            size += u.nbytes
+                start, held = i, [0] * len(plans)
+            held = [h + a for h, a in zip(held, add)]
         rounds.append((start, len(units)))
         return _SharePlan(units, rounds)
 
@@ -888,113 +959,256 @@ def _read_key(req: ReadItem) -> tuple:
             tuple(req.storage_offsets), tuple(req.lengths))
 
 
+def _transfer_device(group: Any) -> torch.device:
+    """Where the group's point-to-point buffers must live: CUDA for NCCL, the
+    CPU for gloo (also a "cpu:gloo,cuda:nccl" group) and others."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _takes_transfer(view: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
+    """``view`` can be sent or received into as it is."""
+    return (view.device == device and view.dtype == dtype and view.is_contiguous()
+            and not view.is_conj() and not view.is_neg())
+
+
+class _Scratch:
+    """Reusable memory for one round's temporaries: ``take`` hands out
+    tensors back to back (aligned, on ``device``), ``reset`` starts over.
+    CPU memory comes from an aligned buffer, so the engine reads into it
+    without a bounce copy, and is faulted in once per load."""
+
+    def __init__(self, device: torch.device, alignment: int) -> None:
+        self.device, self.alignment = device, max(64, alignment)
+        self.raw: Any = None
+        self.base: torch.Tensor | None = None
+        self.used = 0
+
+    def reserve(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` (call before ``take``, after ``reset``)."""
+        size = self.base.numel() if self.base is not None else 0
+        if nbytes <= size:
+            return
+        size = -(-nbytes // (1 << 20)) * (1 << 20)
+        if self.device.type == "cpu":
+            self.raw = _aio.AlignedBuffer(size, max(self.alignment, 4096), lock=False)
+            self.base = torch.frombuffer(self.raw, dtype=torch.uint8)
+        else:
+            self.base = torch.empty(size, dtype=torch.uint8, device=self.device)
+
+    def reset(self) -> None:
+        self.used = 0
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * _element_size(dtype)
+        start = -(-self.used // self.alignment) * self.alignment
+        if self.base is None or start + nbytes > self.base.numel():
+            return torch.empty(list(shape), dtype=dtype, device=self.device)  # a plan that under-reserved
+        self.used = start + nbytes
+        return self.base[start : start + nbytes].view(dtype).view(list(shape))
+
+    def need(self, sizes: list[int]) -> int:
+        a = self.alignment
+        return sum(-(-n // a) * a for n in sizes)
+
+
 def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadItem], planner: LoadPlanner,
                  share: _SharePlan, setup_error: BaseException | None = None) -> list[ReadItem]:
-    """Read the shared boxes this rank owns, exchange every shared box with
-    the ranks that need it, and return the items still to read from disk.
+    """Read the shared units this rank owns, exchange their parts with the
+    ranks that need them, and return the items still to read from disk.
 
     Every rank runs the same collectives in the same order: per round one
-    ``all_gather_object`` of errors (so a failed read raises on every rank
-    instead of leaving the others waiting), then the point-to-point sends and
-    receives of that round's boxes.
+    all-gather of a status (and, when a rank failed, of the errors), so a
+    failed read raises on every rank in the same round instead of leaving the
+    others waiting; then the point-to-point sends and receives of that
+    round's parts.  Round ``i``'s transfers are in flight while round
+    ``i + 1`` is read from disk; a target is committed once all its parts
+    have arrived.
     """
     import torch.distributed as dist
 
     group = reader.process_group
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
+    device = _transfer_device(group)
     by_key: dict[tuple, list[ReadItem]] = {}
     for req in items:
         if req.type == LoadItemType.TENSOR:
             by_key.setdefault(_read_key(req), []).append(req)
-    covered: set[int] = set()
-    sent = received = 0
-    for r0, r1 in share.rounds:
-        error: str | None = None
-        posts: list[Callable[[], None]] = []
-        transfers: list[tuple[int, _SharedUnit, torch.Tensor]] = []
-        try:
-            if setup_error is not None:
-                raise setup_error
-            assert run is not None
-            jobs: list[_Job] = []
-            for ui in range(r0, r1):
-                u = share.units[ui]
-                reqs = by_key.get(u.key, [])
-                if rank not in u.ranks or not reqs:
-                    continue
-                chunk = None if u.chunk is None else list(u.chunk)
-                sizes, dtype = reader._chunk_sizes(u.fqn, chunk)
-                buf, finish = _shared_buffer(reader, reqs, u, dtype, planner)
-                covered.update(id(r) for r in reqs)
-                if u.owner == rank:
-                    jobs.extend(reader._plan_box(u.fqn, chunk, sizes, dtype, list(u.offsets), list(u.lengths),
-                                                 buf, run, lambda: None))
-                transfers.append((ui, u, buf))
-                posts.append(finish)
-            run.execute(jobs)
-        except BaseException as e:  # noqa: BLE001 - reported to every rank below
-            error = f"{type(e).__name__}: {e}"
-        errors: list[Any] = [None] * world
-        dist.all_gather_object(errors, error, group=group)
-        failed = {r: e for r, e in enumerate(errors) if e is not None}
-        if failed:
-            first = min(failed)
-            raise RuntimeError(
-                f"shared read failed on rank {first}: {failed[first]}"
-                + ("" if first == rank else " (this rank stopped because of it)")
-            )
-        works = []
-        for ui, u, buf in transfers:
-            tag = ui % (1 << 30)
-            if u.owner == rank:
-                for r in u.ranks:
-                    if r != rank:
-                        works.append(dist.isend(buf, group=group, group_dst=r, tag=tag))
-                        sent += u.nbytes
-            else:
-                works.append(dist.irecv(buf, group=group, group_src=u.owner, tag=tag))
-                received += u.nbytes
+    # the parts each of this rank's items waits for, and one tag per part
+    left: dict[tuple, int] = {}
+    tag_base: list[int] = []
+    ntags = 0
+    for u in share.units:
+        tag_base.append(ntags)
+        ntags += len(u.parts)
+        for p in u.parts:
+            if p.rank == rank:
+                key = u.item_key(p)
+                left[key] = left.get(key, 0) + 1
+    dests: dict[int, torch.Tensor] = {}
+    alignment = run.alignment if run is not None else 4096
+    temps = [_Scratch(torch.device("cpu"), alignment) for _ in range(2)]
+    packs = [_Scratch(device, alignment) for _ in range(2)]
+    recvs = [_Scratch(device, alignment) for _ in range(2)]
+    stats = {"shared_bytes_sent": 0, "shared_bytes_received": 0, "shared_bytes_read": 0,
+             "shared_rounds": len(share.rounds), "shared_wait_seconds": 0.0}
+    read_needed = my_bytes = 0
+    status = torch.zeros(1, dtype=torch.int64, device=device)
+    statuses = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+
+    def dest_of(req: ReadItem, dtype: torch.dtype) -> torch.Tensor:
+        d = dests.get(id(req))
+        if d is None:
+            d = planner.resolve_tensor(req).detach()
+            if list(d.shape) != [int(n) for n in req.lengths]:
+                raise ValueError(
+                    f"{req.dest_index.fqn}: the planner's target has shape {list(d.shape)}, "
+                    f"the read needs {list(req.lengths)}"
+                )
+            reader._check_dtype(req, dtype, d.dtype)
+            dests[id(req)] = d
+        return d
+
+    def views(u: _SharedUnit, p: _Part, dtype: torch.dtype) -> list[tuple[ReadItem, torch.Tensor]]:
+        """This rank's targets of part ``p``: (read item, view of its target)."""
+        reqs = by_key.get(u.item_key(p))
+        if not reqs:
+            raise RuntimeError(f"{u.fqn}: the shared-read plan names a read this rank does not have "
+                               f"(box {list(p.item_offsets)}+{list(p.item_lengths)})")
+        rel = tuple(slice(o - io, o - io + n) for o, io, n in zip(p.offsets, p.item_offsets, p.lengths))
+        return [(req, dest_of(req, dtype)[rel]) for req in reqs]
+
+    def arrived(key: tuple) -> None:
+        left[key] -= 1
+        if left[key] == 0:
+            for req in by_key[key]:
+                planner.commit_tensor(req, dests[id(req)])
+
+    def wait(pending) -> None:
+        works, finishes = pending
+        t = time.perf_counter()
         for w in works:
             w.wait()
-        for fn in posts:
+        stats["shared_wait_seconds"] += time.perf_counter() - t
+        for fn in finishes:
             fn()
+
+    pending = None
+    try:
+        for ri, (r0, r1) in enumerate(share.rounds):
+            error: str | None = None
+            sends: list[tuple[torch.Tensor, int, int]] = []
+            receives: list[tuple[torch.Tensor, int, int]] = []
+            finishes: list[Callable[[], None]] = []
+            try:
+                if setup_error is not None:
+                    raise setup_error
+                assert run is not None
+                temp, pack, recv = temps[ri % 2], packs[ri % 2], recvs[ri % 2]
+                for sc in (temp, pack, recv):
+                    sc.reset()
+                units = [(ui, share.units[ui]) for ui in range(r0, r1)]
+                owned = [(ui, u) for ui, u in units if u.owner == rank]
+                # memory for the round: the owned boxes, what is sent, what is received
+                temp.reserve(temp.need([u.nbytes for _, u in owned]))
+                pack.reserve(pack.need([u.nbytes for _, u in owned]))
+                recv.reserve(recv.need([u.nbytes for _, u in units if u.owner != rank]))
+                jobs: list[_Job] = []
+                reads = []
+                for ui, u in units:
+                    chunk = None if u.chunk is None else list(u.chunk)
+                    sizes, dtype = reader._chunk_sizes(u.fqn, chunk)
+                    if u.owner == rank:
+                        src = None
+                        for p in u.parts:  # a target that is the whole box takes the read itself
+                            if p.rank == rank and p.offsets == u.offsets and p.lengths == u.lengths:
+                                for _, v in views(u, p, dtype):
+                                    if _takes_transfer(v, dtype, torch.device("cpu")):
+                                        src = v
+                                        break
+                            if src is not None:
+                                break
+                        if src is None:
+                            src = temp.take(u.lengths, dtype)
+                        jobs.extend(reader._plan_box(u.fqn, chunk, sizes, dtype, list(u.offsets), list(u.lengths),
+                                                     src, run, lambda: None))
+                        reads.append((ui, u, src, dtype))
+                        continue
+                    for pi, p in enumerate(u.parts):
+                        if p.rank != rank:
+                            continue
+                        vs = views(u, p, dtype)
+                        buf = next((v for _, v in vs if _takes_transfer(v, dtype, device)), None)
+                        if buf is None:
+                            buf = recv.take(p.lengths, dtype)
+                        receives.append((buf, u.owner, tag_base[ui] + pi))
+                        my_bytes += buf.numel() * buf.element_size()
+
+                        def finish(vs=vs, buf=buf, key=u.item_key(p)) -> None:
+                            for _, v in vs:
+                                if v is not buf:
+                                    v.copy_(buf)
+                            arrived(key)
+
+                        finishes.append(finish)
+                before = run.stats["bytes"]
+                run.execute(jobs)
+                read_needed += run.stats["bytes"] - before
+                for ui, u, src, dtype in reads:
+                    stats["shared_bytes_read"] += u.nbytes
+                    for pi, p in enumerate(u.parts):
+                        rel = tuple(slice(o - uo, o - uo + n) for o, uo, n in zip(p.offsets, u.offsets, p.lengths))
+                        part = src[rel]
+                        if p.rank == rank:
+                            for _, v in views(u, p, dtype):
+                                if v.data_ptr() != part.data_ptr() or v.stride() != part.stride():
+                                    v.copy_(part)
+                            finishes.append(lambda key=u.item_key(p): arrived(key))
+                            my_bytes += part.numel() * part.element_size()
+                            continue
+                        if _takes_transfer(part, dtype, device):
+                            # a target, or this round's temporary: neither is
+                            # written again before the send has completed
+                            buf = part
+                        else:
+                            buf = pack.take(p.lengths, dtype)
+                            buf.copy_(part)
+                        sends.append((buf, p.rank, tag_base[ui] + pi))
+            except BaseException as e:  # noqa: BLE001 - reported to every rank below
+                error = f"{type(e).__name__}: {e}"
+            status.fill_(0 if error is None else 1)
+            dist.all_gather(statuses, status, group=group)
+            if any(int(t.item()) for t in statuses):
+                errors: list[Any] = [None] * world
+                dist.all_gather_object(errors, error, group=group)
+                failed = {r: e for r, e in enumerate(errors) if e is not None}
+                first = min(failed)
+                raise RuntimeError(
+                    f"shared read failed on rank {first}: {failed[first]}"
+                    + ("" if first == rank else " (this rank stopped because of it)")
+                )
+            works = []
+            for buf, dst, tag in sends:
+                works.append(dist.isend(buf, group=group, group_dst=dst, tag=tag % (1 << 30)))
+                stats["shared_bytes_sent"] += buf.numel() * buf.element_size()
+            for buf, src_rank, tag in receives:
+                works.append(dist.irecv(buf, group=group, group_src=src_rank, tag=tag % (1 << 30)))
+                stats["shared_bytes_received"] += buf.numel() * buf.element_size()
+            if pending is not None:
+                p_, pending = pending, None
+                wait(p_)
+            pending = (works, finishes)
+    finally:
+        if pending is not None:  # matched on every rank: completes also when a later round failed
+            wait(pending)
     assert run is not None
-    run.stats["shared_bytes_sent"] = sent
-    run.stats["shared_bytes_received"] = received
-    return [r for r in items if id(r) not in covered]
-
-
-def _shared_buffer(reader: FastPersistReader, reqs: list[ReadItem], u: _SharedUnit, dtype: torch.dtype,
-                   planner: LoadPlanner) -> tuple[torch.Tensor, Callable[[], None]]:
-    """A contiguous CPU tensor of the stored dtype holding part ``u``: a
-    target itself when one is such a tensor, else a fresh one; and what to do
-    once it is filled (copy into the other targets, which casts; commit each
-    target once its last part has arrived)."""
-    direct = None
-    targets = []
-    last = all(s + n == o + m for s, n, o, m in zip(u.offsets, u.lengths, *u.box))
-    for req in reqs:
-        dest = planner.resolve_tensor(req).detach()
-        if list(dest.shape) != list(u.box[1]):
-            raise ValueError(
-                f"{req.dest_index.fqn}: the planner's target has shape {list(dest.shape)}, "
-                f"the read needs {list(u.box[1])}"
-            )
-        reader._check_dtype(req, dtype, dest.dtype)
-        rel = [s - o for s, o in zip(u.offsets, u.box[0])]
-        view = dest[tuple(slice(r, r + n) for r, n in zip(rel, u.lengths))]
-        if (direct is None and view.device.type == "cpu" and view.dtype == dtype and view.is_contiguous()
-                and not view.is_conj() and not view.is_neg()):
-            direct = view
-        targets.append((req, dest, view))
-    buf = direct if direct is not None else torch.empty(list(u.lengths), dtype=dtype)
-
-    def finish() -> None:
-        for req, dest, view in targets:
-            if view is not buf:
-                view.copy_(buf)
-            if last:
-                planner.commit_tensor(req, dest)
-
-    return buf, finish
+    run.stats.update(stats)
+    # "bytes" counts what this rank's targets need, not the boxes it read for others
+    run.stats["bytes"] += my_bytes - read_needed
+    covered = set(left)
+    return [r for r in items if _read_key(r) not in covered]

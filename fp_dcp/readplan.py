@@ -27,6 +27,13 @@ engine must not read them twice), then the cheapest paid ones while the
 over-read stays within a budget.  The engine is called with
 ``coalesce_gap=0``, so it merges exactly the pieces the planner made
 contiguous.
+
+Cooperative reads.  When several ranks need interleaved parts of the same
+stored rows (a load that moves the sharded dimension: each rank needs a
+column band of every row), :func:`interleaved_slabs` cuts the rows into
+*slabs* (dim-0 ranges of the bounding box of what the ranks need: contiguous
+bytes), each read whole by one owner (:func:`assign_owners`) and split into
+each rank's *part*; the reader sends the parts over the process group.
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ __all__ = [
     "plan_fillers",
     "split_box",
     "strides_non_overlapping",
+    "CoopSlab",
+    "interleaved_slabs",
+    "assign_owners",
 ]
 
 _I64 = np.int64
@@ -344,3 +354,98 @@ def strides_non_overlapping(sizes: Sequence[int], strides: Sequence[int]) -> boo
             return False
         extent = st * (n - 1) + extent
     return all(int(st) >= 0 for st in strides)
+
+
+# --------------------------------------------------------------------------
+# cooperative (interleaved) reads
+
+
+@dataclasses.dataclass(frozen=True)
+class CoopSlab:
+    """A box of a stored chunk (``offsets`` / ``lengths``: a dim-0 range of
+    the bounding box of the boxes that need it) read by one rank, and the
+    ``parts`` it holds: ``(box index, sub-box offsets, sub-box lengths)``, in
+    chunk coordinates, each the intersection of the slab with one box."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    nbytes: int
+    parts: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
+
+
+def interleaved_slabs(
+    chunk_sizes: Sequence[int],
+    element_size: int,
+    boxes: Sequence[tuple[int, Sequence[int], Sequence[int]]],
+    slab_bytes: int,
+    *,
+    run_max_bytes: int = 64 << 10,
+    max_extra: float = 0.05,
+) -> list[CoopSlab]:
+    """Slabs that read the ``boxes`` (``(rank, offsets, lengths)`` of one
+    stored chunk of shape ``chunk_sizes``) cooperatively, or ``[]`` when that
+    does not pay: fewer than two ranks, no box fragmented (every box is one
+    run, or its runs are at least ``run_max_bytes``), a 1-d chunk, a dim-0
+    band whose bounding box is not covered by the boxes (reading the bounding
+    boxes would cost more than ``max_extra`` of the bytes the boxes need), or
+    a single row of a bounding box longer than ``slab_bytes``.
+
+    The chunk's dim 0 is cut at every box's dim-0 bounds into bands; each
+    band's bounding box over the other dimensions, cut into slabs of at most
+    ``slab_bytes`` (whole rows), is read once.  The parts tile every box
+    exactly once."""
+    ndim = len(chunk_sizes)
+    live = [(i, r, tuple(int(x) for x in o), tuple(int(x) for x in n))
+            for i, (r, o, n) in enumerate(boxes) if len(n) == ndim and all(int(x) > 0 for x in n)]
+    if ndim < 2 or len({r for _, r, _, _ in live}) < 2:
+        return []
+    fragmented = False
+    for _, _, o, n in live:
+        g = box_grid(chunk_sizes, o, n, element_size)
+        if g.counts and g.run < run_max_bytes:
+            fragmented = True
+            break
+    if not fragmented:
+        return []
+    cuts = sorted({o[0] for _, _, o, _ in live} | {o[0] + n[0] for _, _, o, n in live})
+    bands = []
+    read = 0
+    need = sum(math.prod(n) for _, _, _, n in live) * element_size
+    for a, b in zip(cuts, cuts[1:]):
+        active = [(i, o, n) for i, _, o, n in live if o[0] <= a and o[0] + n[0] >= b]
+        if not active:
+            continue
+        lo = tuple(min(o[d] for _, o, _ in active) for d in range(1, ndim))
+        hi = tuple(max(o[d] + n[d] for _, o, n in active) for d in range(1, ndim))
+        row = math.prod(h - l for l, h in zip(lo, hi)) * element_size
+        if row > slab_bytes:
+            return []
+        read += (b - a) * row
+        bands.append((a, b, lo, hi, row, active))
+    if read > (1 + max_extra) * need:
+        return []
+    slabs = []
+    for a, b, lo, hi, row, active in bands:
+        # at least one slab per rank that needs the band, so the owners can share it evenly
+        ranks = len({boxes[i][0] for i, _, _ in active})
+        step = max(1, min(slab_bytes // row, -(-(b - a) // ranks)))
+        for s in range(a, b, step):
+            n0 = min(step, b - s)
+            parts = tuple((i, (s,) + o[1:], (n0,) + n[1:]) for i, o, n in active)
+            slabs.append(CoopSlab((s,) + lo, (n0,) + tuple(h - l for l, h in zip(lo, hi)), n0 * row, parts))
+    return slabs
+
+
+def assign_owners(units: Sequence[tuple[int, Sequence[int]]], quota: dict[int, int]) -> list[int]:
+    """Owners of ``units`` (``(bytes read, candidate ranks)``), in order: each
+    goes to the candidate with the most quota left (``quota[rank]`` - bytes
+    already given it; ties: the lower rank), so that every rank reads about its
+    quota.  When every unit may go to every rank, no rank gets more than its
+    quota plus one unit (the others' quotas would have run out first)."""
+    left = dict(quota)
+    owners = []
+    for nbytes, cands in units:
+        owner = max(cands, key=lambda r: (left.get(r, 0), -r))
+        left[owner] = left.get(owner, 0) - nbytes
+        owners.append(owner)
+    return owners
