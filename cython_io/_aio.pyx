@@ -162,8 +162,10 @@ cdef void _release_all(Py_buffer *views, Py_ssize_t n):
         PyBuffer_Release(&views[i])
 
 
-cdef _copy_pieces(object one, offsets, many, bint gather):
-    """gather: many[i] -> one at offsets[i]; scatter: one at offsets[i] -> many[i]."""
+cdef _copy_pieces(object one, offsets, many, bint gather, Py_ssize_t block=0):
+    """gather: many[i] -> one at offsets[i]; scatter: one at offsets[i] -> many[i].
+    block > 0: also the CRC-32C of every block of every piece, from its start
+    (returns (crcs, first): piece i's are crcs[first[i]:first[i + 1]])."""
     many = list(many)
     cdef Py_buffer big
     cdef Py_ssize_t n = len(many), i, got = 0
@@ -175,6 +177,8 @@ cdef _copy_pieces(object one, offsets, many, bint gather):
     cdef char **dst = <char **>malloc((n + 1) * sizeof(char *))
     cdef char **src = <char **>malloc((n + 1) * sizeof(char *))
     cdef int64_t *lens = <int64_t *>malloc((n + 1) * sizeof(int64_t))
+    cdef int64_t[::1] fview
+    cdef uint32_t[::1] cview
     try:
         if views == NULL or dst == NULL or src == NULL or lens == NULL:
             raise MemoryError()
@@ -191,8 +195,21 @@ cdef _copy_pieces(object one, offsets, many, bint gather):
             else:
                 dst[i] = <char *>views[i].buf
                 src[i] = <char *>big.buf + offs[i]
+        if block <= 0:
+            with nogil:
+                fpio_copy_many(dst, src, lens, n)
+            return None
+        first = np.zeros(n + 1, dtype=np.int64)
+        for i in range(n):
+            first[i + 1] = first[i] + max(1, (lens[i] + block - 1) // block)
+        crcs = np.zeros(first[n], dtype=np.uint32)
+        if n == 0:
+            return crcs, first
+        fview = first
+        cview = crcs
         with nogil:
-            fpio_copy_many(dst, src, lens, n)
+            fpio_copy_crc_many(dst, src, lens, n, block, &fview[0], &cview[0])
+        return crcs, first
     finally:
         _release_all(views, got)
         PyBuffer_Release(&big)
@@ -202,9 +219,16 @@ cdef _copy_pieces(object one, offsets, many, bint gather):
         free(lens)
 
 
-def copy_gather(dst, dst_offsets, srcs):
-    """Copy srcs[i] into the writable buffer dst at dst_offsets[i] (memcpy, GIL released)."""
-    _copy_pieces(dst, dst_offsets, srcs, True)
+def copy_gather(dst, dst_offsets, srcs, Py_ssize_t checksum_block=0):
+    """Copy srcs[i] into the writable buffer dst at dst_offsets[i] (memcpy, GIL
+    released).  With ``checksum_block`` > 0 the copy also computes, in the same
+    pass over memory, the CRC-32C of every ``checksum_block`` bytes of each
+    source from its start, and returns ``(crcs, first)`` (numpy uint32 and
+    int64): source i's are ``crcs[first[i]:first[i + 1]]``, the last block
+    shorter, one entry 0 for an empty source (as ``crc32c_blocks``)."""
+    if checksum_block < 0:
+        raise ValueError(f"checksum_block must be >= 0, got {checksum_block}")
+    return _copy_pieces(dst, dst_offsets, srcs, True, checksum_block)
 
 
 def copy_scatter(src, src_offsets, dsts):

@@ -177,10 +177,25 @@ static uint32_t crc_sw_copy(uint32_t c, unsigned char *d, const unsigned char *p
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
 #define FPIO_CRC_HW 1
 /* The SSE4.2 crc32 instruction over three interleaved streams (its latency
  * is three times its throughput), merged with the shift tables; with copy,
- * every 8-byte word is stored to d as it is loaded: one pass over memory. */
+ * every 8-byte word is stored to d as it is loaded: one pass over memory.
+ * COPY: 0 none, 1 plain stores, 2 non-temporal stores (movnti, fenced at the
+ * end). A copy of at least CRC_NT_MIN bytes is not read back soon (a bounce
+ * buffer the device reads, a staging arena, a tensor larger than the cache),
+ * and ordinary stores first read every destination line into the cache:
+ * measured on the 2-core EPYC VM, 600 MiB from DRAM, one thread: plain
+ * stores 10.3 GB/s, non-temporal 14.5 GB/s (memcpy 17-18 GB/s). */
+#define CRC_NT_MIN (256 << 10)
+#define CRC_STORE(COPY, q, w)                                                          \
+    do {                                                                               \
+        if ((COPY) == 2)                                                               \
+            _mm_stream_si64((long long *)(void *)(q), (long long)(w));                 \
+        else                                                                           \
+            st64(q, w);                                                                \
+    } while (0)
 #define CRC_HW_BODY(COPY)                                                              \
     while (n && ((uintptr_t)p & 7)) {                                                  \
         if (COPY)                                                                      \
@@ -193,7 +208,7 @@ static uint32_t crc_sw_copy(uint32_t c, unsigned char *d, const unsigned char *p
     while (n >= 8) {                                                                   \
         uint64_t w = ld64(p);                                                          \
         if (COPY) {                                                                    \
-            st64(d, w);                                                                \
+            CRC_STORE(COPY, d, w);                                                     \
             d += 8;                                                                    \
         }                                                                              \
         c0 = (uint32_t)__builtin_ia32_crc32di(c0, w);                                  \
@@ -206,6 +221,8 @@ static uint32_t crc_sw_copy(uint32_t c, unsigned char *d, const unsigned char *p
         c0 = __builtin_ia32_crc32qi(c0, *p++);                                         \
         n--;                                                                           \
     }                                                                                  \
+    if ((COPY) == 2)                                                                   \
+        _mm_sfence();                                                                  \
     return c0;
 
 #define CRC_HW_3WAY(COPY, LEN, TAB)                                                    \
@@ -215,9 +232,9 @@ static uint32_t crc_sw_copy(uint32_t c, unsigned char *d, const unsigned char *p
         do {                                                                           \
             uint64_t w0 = ld64(p), w1 = ld64(p + (LEN)), w2 = ld64(p + 2 * (LEN));     \
             if (COPY) {                                                                \
-                st64(d, w0);                                                           \
-                st64(d + (LEN), w1);                                                   \
-                st64(d + 2 * (LEN), w2);                                               \
+                CRC_STORE(COPY, d, w0);                                                \
+                CRC_STORE(COPY, d + (LEN), w1);                                        \
+                CRC_STORE(COPY, d + 2 * (LEN), w2);                                    \
                 d += 8;                                                                \
             }                                                                          \
             c0 = (uint32_t)__builtin_ia32_crc32di(c0, w0);                             \
@@ -240,9 +257,17 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c0, const unsi
     CRC_HW_BODY(0)
 }
 
+__attribute__((target("sse4.2"))) static uint32_t crc_hw_copy_nt(uint32_t c0, unsigned char *d,
+                                                                 const unsigned char *p, size_t n)
+{
+    CRC_HW_BODY(2)
+}
+
 __attribute__((target("sse4.2"))) static uint32_t crc_hw_copy(uint32_t c0, unsigned char *d,
                                                               const unsigned char *p, size_t n)
 {
+    if (n >= CRC_NT_MIN)
+        return crc_hw_copy_nt(c0, d, p, n);
     CRC_HW_BODY(1)
 }
 #endif
@@ -1452,4 +1477,21 @@ void fpio_copy_many(char *const *dst, char *const *src, const int64_t *len, int6
 {
     for (int64_t i = 0; i < n; i++)
         memcpy(dst[i], src[i], (size_t)len[i]);
+}
+
+void fpio_copy_crc_many(char *const *dst, char *const *src, const int64_t *len, int64_t n, int64_t block,
+                        const int64_t *first, uint32_t *out)
+{
+    crc_ready();
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t *o = out + first[i];
+        if (len[i] == 0) {
+            *o = 0;
+            continue;
+        }
+        for (int64_t at = 0; at < len[i]; at += block) {
+            size_t k = (size_t)(len[i] - at < block ? len[i] - at : block);
+            *o++ = crc_reg_copy(0xffffffffu, dst[i] + at, src[i] + at, k) ^ 0xffffffffu;
+        }
+    }
 }

@@ -111,5 +111,10 @@ int fpio_dioalign(const char *path, uint32_t *mem, uint32_t *off);
 
 /* Copies with bounds already checked by the caller. */
 void fpio_copy_many(char *const *dst, char *const *src, const int64_t *len, int64_t n);
+/* fpio_copy_many that also checksums what it copies, in one pass: the CRC-32C
+ * of each `block`-byte block of piece i, from the piece's start (the last one
+ * shorter), goes to out[first[i] ...]; an empty piece gets one entry, 0. */
+void fpio_copy_crc_many(char *const *dst, char *const *src, const int64_t *len, int64_t n, int64_t block,
+                        const int64_t *first, uint32_t *out);
 
 #endif

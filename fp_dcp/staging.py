@@ -145,6 +145,7 @@ import numpy as np
 import torch
 
 from fp_dcp import _aio
+from fp_dcp import format as fmt
 from fp_dcp.layout import align_up
 
 __all__ = ["AsyncStagingMixin"]
@@ -536,6 +537,7 @@ class _Arena:
         return not self._finalizer.alive
 
     def close(self) -> None:
+        forget_staged_checksums([self.address])
         self.buf = None
         self._finalizer()
 
@@ -568,6 +570,57 @@ class _Arena:
 _ATTACHED: "collections.OrderedDict[str, mmap.mmap]" = collections.OrderedDict()
 _ATTACHED_LOCK = threading.Lock()
 _ATTACHED_KEEP = 2
+
+
+# ------------------------------------------- checksums of the staging copy
+
+# The staging copy of a CPU tensor computes the CRC-32C of every
+# CHECKSUM_BLOCK_BYTES block of the tensor in the same pass over memory
+# (``_aio.copy_gather(..., checksum_block=...)``), so that the writer need not
+# read the arena a second time to checksum it.  By arena address: (the buffer
+# — held, so that its address cannot be reused while the entry exists — its
+# size, {arena offset: (bytes, CRCs)}).  An entry lives from the end of a
+# staging copy until the save's ``write_data`` has used it
+# (:func:`forget_staged_checksums`), the next staging into that arena starts,
+# or the arena is closed: the CRCs are only ever used by the save they were
+# staged for.
+_STAGED_CRCS: "collections.OrderedDict[int, tuple[Any, int, dict[int, tuple[int, np.ndarray]]]]" = (
+    collections.OrderedDict()
+)
+_STAGED_CRCS_LOCK = threading.Lock()
+_STAGED_CRCS_KEEP = 4
+
+
+def _remember_checksums(buf: Any, address: int, size: int, crcs: dict[int, tuple[int, np.ndarray]]) -> None:
+    with _STAGED_CRCS_LOCK:
+        _STAGED_CRCS.pop(address, None)
+        if crcs:
+            _STAGED_CRCS[address] = (buf, size, crcs)
+            while len(_STAGED_CRCS) > _STAGED_CRCS_KEEP:
+                _STAGED_CRCS.popitem(last=False)
+
+
+def forget_staged_checksums(addresses: Any = None) -> None:
+    """Drop the staging CRCs of the arenas at ``addresses`` (all when None)."""
+    with _STAGED_CRCS_LOCK:
+        if addresses is None:
+            _STAGED_CRCS.clear()
+        for a in addresses or ():
+            _STAGED_CRCS.pop(a, None)
+
+
+def staged_checksums(address: int, nbytes: int) -> tuple[int, np.ndarray] | None:
+    """``(arena address, CRCs)`` of the tensor bytes at ``address`` if the
+    staging copy that put exactly these ``nbytes`` there checksummed them
+    (one CRC-32C per CHECKSUM_BLOCK_BYTES block from ``address``), else None."""
+    with _STAGED_CRCS_LOCK:
+        for base, (_, size, crcs) in _STAGED_CRCS.items():
+            if base <= address < base + size:
+                hit = crcs.get(address - base)
+                if hit is not None and hit[0] == nbytes:
+                    return base, hit[1]
+                return None
+    return None
 
 
 def _open_other(pid: int, fd: int, token: str, prefix: str, flags: int) -> int:
@@ -846,6 +899,7 @@ class _Snapshot:
     values: list[Any]
     spill: tuple | None  # handle of the spill file when tensors were spilled
     shared_option: bool | None
+    crcs: dict[int, tuple[int, np.ndarray]]  # the staging copy's checksums, by arena offset
 
     def reduce(self, staged: dict) -> Any:
         self.rec.process = True
@@ -857,12 +911,15 @@ class _Snapshot:
             fresh = _views(self.arena.buf, _attach_spill(*self.spill) if self.spill else None, self.layout)
             return (dict, (dict(_build(self.skeleton, fresh, self.values)),))
         arena = self.stager.share(self)
-        return (_rebuild, (arena.handle(), self.spill, self.layout, self.skeleton, self.values))
+        return (_rebuild, (arena.handle(), self.spill, self.layout, self.skeleton, self.values, self.crcs))
 
 
-def _rebuild(arena: tuple, spill: tuple | None, layout: _Layout, skeleton: tuple, values: list[Any]) -> dict:
-    """Unpickling in the checkpoint process: views into the trainer's arena."""
+def _rebuild(arena: tuple, spill: tuple | None, layout: _Layout, skeleton: tuple, values: list[Any],
+             crcs: dict[int, tuple[int, np.ndarray]] | None = None) -> dict:
+    """Unpickling in the checkpoint process: views into the trainer's arena
+    (and the staging copy's checksums, for this process's writer)."""
     buf = _attach(*arena)
+    _remember_checksums(buf, _buffer_address(buf), arena[3], crcs or {})
     smap = _attach_spill(*spill) if spill is not None else None
     return _build(skeleton, _views(buf, smap, layout), values)
 
@@ -1028,22 +1085,25 @@ class _Stager:
                 self.views = _views(arena.buf, None, layout)
             _write_status(arena.buf, rec.seq, _PENDING)
             rec.arena = arena
+        forget_staged_checksums([arena.address])
         if self.before_copy is not None:
             self.before_copy()
         spill_handle = None
         spill_map = None
         tensors = self.views
+        block = fmt.CHECKSUM_BLOCK_BYTES if options.write_checksums else 0
         if layout.spill_bytes:
             spill = self._spill_file(writer, options)
-            self._copy(arena, layout, leaves, events, spill, rec.copy_threads)
+            crcs = self._copy(arena, layout, leaves, events, spill, rec.copy_threads, block)
             spill_map = spill.mapping()
             spill_handle = spill.handle()
             tensors = [v if w != _SPILL else t for v, w, t in zip(tensors, layout.where, _views(None, spill_map, layout))]
         else:
-            self._copy(arena, layout, leaves, events, None, rec.copy_threads)
+            crcs = self._copy(arena, layout, leaves, events, None, rec.copy_threads, block)
+        _remember_checksums(arena.buf, arena.address, arena.size, crcs)
         staged = _build(skeleton, tensors, values, top=True)
         staged._fp_snapshot = _Snapshot(
-            self, rec, arena, layout, skeleton, values, spill_handle, options.staging_shared_memory
+            self, rec, arena, layout, skeleton, values, spill_handle, options.staging_shared_memory, crcs
         )
         rec.refs.append(weakref.ref(staged))
         rec.snapshot = weakref.ref(staged._fp_snapshot)
@@ -1122,7 +1182,11 @@ class _Stager:
             events[d] = ev
         return events
 
-    def _copy(self, arena: _Arena, layout: _Layout, leaves, events: dict, spill: _Spill | None, threads: int) -> None:
+    def _copy(self, arena: _Arena, layout: _Layout, leaves, events: dict, spill: _Spill | None, threads: int,
+              block: int = 0) -> dict[int, tuple[int, np.ndarray]]:
+        """Copy the leaves into the arena (and the spill file); returns the
+        CRC-32C of every ``block`` bytes of each tensor that a CPU memcpy
+        copied (``{arena offset: (bytes, CRCs)}``; empty when ``block`` is 0)."""
         offsets: list[int] = []
         sources: list[np.ndarray] = []
         slow: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -1151,8 +1215,11 @@ class _Stager:
                 ev = torch.cuda.Event()
                 ev.record(s)
                 done.append(ev)
+        crcs: dict[int, tuple[int, np.ndarray]] = {}
         if sources:
-            self._gather(arena, offsets, sources, threads)
+            got = self._gather(arena, offsets, sources, threads, block)
+            if got is not None:
+                crcs = {off: (len(b), c) for off, b, c in zip(offsets, sources, got)}
         for dst, src in slow:
             dst.copy_(src)
         for ev in done:
@@ -1160,39 +1227,56 @@ class _Stager:
         del views
         if spill is not None:
             self._stream(arena, layout, leaves, events, spill)
+        return crcs
 
-    def _gather(self, arena: _Arena, offsets: list[int], sources: list[np.ndarray], threads: int) -> None:
+    def _gather(self, arena: _Arena, offsets: list[int], sources: list[np.ndarray], threads: int,
+                block: int = 0) -> list[np.ndarray] | None:
         """memcpy every source to its arena offset, the GIL released; split
         over ``threads`` threads (eager staging: the training is waiting
-        anyway) in pieces of at most ``self.copy_piece`` bytes."""
+        anyway) in pieces of at most ``self.copy_piece`` bytes.  With
+        ``block``, the copy also checksums every ``block`` bytes of each
+        source (fused: one pass over memory) and returns them per source."""
         k = threads
         piece_max = self.copy_piece
+        if block and piece_max % block:
+            block = 0  # pieces must cut sources on the checksum grid
         total = sum(len(b) for b in sources)
         if k <= 1 or total < 2 * piece_max:
-            _aio.copy_gather(arena.buf, np.asarray(offsets, dtype=np.int64), sources)
-            return
-        groups: list[tuple[list[int], list[np.ndarray]]] = [([], []) for _ in range(k)]
+            got = _aio.copy_gather(arena.buf, np.asarray(offsets, dtype=np.int64), sources, checksum_block=block)
+            if not block:
+                return None
+            crcs, first = got
+            return [crcs[a:b] for a, b in zip(first[:-1].tolist(), first[1:].tolist())]
+        groups: list[tuple[list[int], list[np.ndarray], list[tuple[int, int]]]] = [([], [], []) for _ in range(k)]
         loads = [0] * k
-        for off, b in zip(offsets, sources):
+        for si, (off, b) in enumerate(zip(offsets, sources)):
             for lo in range(0, len(b), piece_max):
                 g = loads.index(min(loads))
                 piece = b[lo : lo + piece_max]
                 groups[g][0].append(off + lo)
                 groups[g][1].append(piece)
+                groups[g][2].append((si, lo))
                 loads[g] += len(piece)
         if self.copy_pool is None or self.copy_pool._max_workers < k - 1:
             if self.copy_pool is not None:
                 self.copy_pool.shutdown(wait=True)
             self.copy_pool = concurrent.futures.ThreadPoolExecutor(k - 1, thread_name_prefix="fp_dcp-copy")
         futs = [
-            self.copy_pool.submit(_aio.copy_gather, arena.buf, np.asarray(o, dtype=np.int64), b)
-            for o, b in groups[1:]
+            self.copy_pool.submit(_aio.copy_gather, arena.buf, np.asarray(o, dtype=np.int64), b, block)
+            for o, b, _ in groups[1:]
         ]
+        results = []
         try:
-            _aio.copy_gather(arena.buf, np.asarray(groups[0][0], dtype=np.int64), groups[0][1])
+            results.append(_aio.copy_gather(arena.buf, np.asarray(groups[0][0], dtype=np.int64), groups[0][1], block))
         finally:
-            for f in futs:
-                f.result()
+            results += [f.result() for f in futs]
+        if not block:
+            return None
+        out = [np.zeros(max(1, -(-len(b) // block)), dtype=np.uint32) for b in sources]
+        for (_, _, where), (crcs, first) in zip(groups, results):
+            for (si, lo), a, b in zip(where, first[:-1].tolist(), first[1:].tolist()):
+                out[si][lo // block : lo // block + b - a] = crcs[a:b]
+        return out
 
     def _stream(self, arena: _Arena, layout: _Layout, leaves, events: dict, spill: _Spill) -> None:
         """Tensors past the limit: copy a slot, write it while the next slot is
@@ -1282,6 +1366,7 @@ class _Stager:
                 arena.close()
             snap.arena = shared
             snap.rec.arena = shared
+            _remember_checksums(shared.buf, shared.address, shared.size, snap.crcs)
             return shared
 
     def report_handle(self) -> tuple | None:

@@ -46,13 +46,13 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 import fp_dcp
-from fp_dcp import balance
+from fp_dcp import _aio, balance
 from fp_dcp import format as fmt
-from fp_dcp.checksums import piece_checksums
+from fp_dcp.checksums import crc_hex, piece_checksums
 from fp_dcp.engine import IOSession, PinnedBuffer, tensor_bytes
 from fp_dcp.layout import align_up, place_extents
 from fp_dcp.options import FastPersistOptions
-from fp_dcp.staging import AsyncStagingMixin
+from fp_dcp.staging import AsyncStagingMixin, forget_staged_checksums, staged_checksums
 
 __all__ = ["FastPersistWriter"]
 
@@ -509,7 +509,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             cpu, cuda = by_device[dev]
             extents: list[tuple] = []  # (item, file, file_offset, item_offset, length, crc32c)
             file_sizes: list[tuple[str, int]] = []
-            stats: dict[str, Any] = {"bytes": 0, "requests": 0}
+            stats: dict[str, Any] = {"bytes": 0, "requests": 0, "staged_checksum_bytes": 0}
             for k, group in ((0, cpu), (1, cuda)):
                 if not group:
                     continue
@@ -521,16 +521,33 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                     offsets, end = place_extents(
                         lengths, session.alignment, self.options.pack_threshold_bytes, self.options.pack_alignment_bytes
                     )
+                    # The staging copy may have checksummed these bytes already
+                    # (an async save's arena): then the engine need not read them twice.
+                    staged = [
+                        _staged_crc_hex(source(li)[1], io_, len(b), used) if self.options.write_checksums else None
+                        for li, io_, b in group
+                    ]
+                    # ... or most of them: the rest (pickled values, tensors
+                    # the staging copy did not checksum) are checksummed here.
+                    missing = [i for i, c in enumerate(staged) if c is None]
+                    reuse = self.options.write_checksums and 2 * sum(lengths[i] for i in missing) <= sum(lengths)
+                    if reuse:
+                        for i in missing:
+                            staged[i] = crc_hex(_aio.crc32c_blocks(group[i][2], fmt.CHECKSUM_BLOCK_BYTES))
                     s = session.write(
                         [path],
                         np.zeros(len(group), dtype=np.int64),
                         np.asarray(offsets, dtype=np.int64),
                         [b for _, _, b in group],
                         sync=self.options.sync_files,
-                        checksums=fmt.CHECKSUM_BLOCK_BYTES if self.options.write_checksums else False,
+                        checksums=fmt.CHECKSUM_BLOCK_BYTES if self.options.write_checksums and not reuse else False,
                     )
                     _add_stats(stats, s)
-                    crcs = piece_checksums(s, len(group)) if "crc32c" in s else [None] * len(group)
+                    if reuse:
+                        crcs = staged
+                        stats["staged_checksum_bytes"] += sum(lengths) - sum(lengths[i] for i in missing)
+                    else:
+                        crcs = piece_checksums(s, len(group)) if "crc32c" in s else [None] * len(group)
                 else:
                     offsets, lengths, end = self._write_cuda(session, path, [b for _, _, b in group], stats)
                     crcs = [None] * len(group)  # not yet checksummed: the CUDA path is untested here
@@ -543,13 +560,18 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                 _fsync_dir(directory)  # the new files' entries (the coordinator syncs the checkpoint directory)
             return extents, file_sizes, stats, session.kind, session.direct
 
-        if len(devices) > 1:  # one thread per device: the engine releases the GIL
-            with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="fp_dcp-device") as pool:
-                done = list(pool.map(write_device, devices))
-        else:
-            done = [write_device(d) for d in devices]
+        used: set[int] = set()  # arenas whose staging checksums this save used
+        try:
+            if len(devices) > 1:  # one thread per device: the engine releases the GIL
+                with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="fp_dcp-device") as pool:
+                    done = list(pool.map(write_device, devices))
+            else:
+                done = [write_device(d) for d in devices]
+        finally:
+            forget_staged_checksums(used)  # they belong to this save only
 
-        stats: dict[str, Any] = {"engine": None, "direct_io": None, "bytes": 0, "requests": 0}
+        stats: dict[str, Any] = {"engine": None, "direct_io": None, "bytes": 0, "requests": 0,
+                                 "staged_checksum_bytes": 0}
         per_item: dict[int, list[tuple[str, int, int, int]]] = {}
         size_of: dict[str, int] = {}
         sizes_on: dict[int, list[tuple[str, int]]] = {}
@@ -758,10 +780,34 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         self.close()
 
 
+def _staged_crc_hex(item: Any, offset: int, length: int, used: set[int]) -> str | None:
+    """``Extent.crc32c`` of bytes ``offset..offset+length`` of an item whose
+    bytes (``item``, the whole item) a staging copy checksummed, when the
+    piece starts on that checksum grid and ends on it or at the item's end;
+    else None.  Records the arena used in ``used``."""
+    if length == 0:
+        return crc_hex(np.zeros(1, dtype=np.uint32))  # as the engine reports an empty piece
+    if not isinstance(item, np.ndarray):
+        return None
+    block = fmt.CHECKSUM_BLOCK_BYTES
+    n = item.size
+    if offset % block or (offset + length != n and length % block):
+        return None
+    hit = staged_checksums(item.__array_interface__["data"][0], n)
+    if hit is None:
+        return None
+    base, crcs = hit
+    used.add(base)
+    first = offset // block
+    return crc_hex(crcs[first : first - (-length // block)])
+
+
 def _add_stats(stats: dict[str, Any], s: dict[str, Any]) -> None:
     stats["bytes"] += s.get("bytes", 0)
     stats["requests"] += s.get("requests", 0)
     stats["zero_copy_bytes"] = stats.get("zero_copy_bytes", 0) + s.get("zero_copy_bytes", 0)
+    if "staged_checksum_bytes" in s:
+        stats["staged_checksum_bytes"] = stats.get("staged_checksum_bytes", 0) + s["staged_checksum_bytes"]
 
 
 def _data_dirs_option(value: Any) -> tuple[str, ...]:

@@ -119,6 +119,53 @@ def test_round_trip_zero_copy_and_return_type(tmp_path, mode, aio_no_leaks):
         assert_sd_equal(sd, _load(tmp_path / "ck2", sd))
 
 
+def _extent_crcs(path) -> dict:
+    """{(tensor, chunk offset): [crc32c of each extent]} of a checkpoint."""
+    from fp_dcp.reader import read_checkpoint_metadata
+
+    _, layout, _ = read_checkpoint_metadata(str(path))
+    return {(i.fqn, tuple(i.offset or ())): [e.crc32c for e in exts] for i, exts in layout.extents.items()}
+
+
+@pytest.mark.parametrize("mode,piece", [("eager", None), ("lazy", None), ("eager", 3 * MiB)])
+def test_staging_copy_checksums_are_the_files_checksums(tmp_path, mode, piece, aio_no_leaks):
+    """The staging copy checksums what it copies (one pass over memory); the
+    writer stores those CRCs instead of reading the arena again.  They must be
+    exactly the CRCs the engine computes for the same bytes."""
+    from fp_dcp import staging
+    from fp_dcp.verify import verify_checkpoint
+
+    sd = _sd(3)
+    sd["large"]["c"] = torch.randn(5 * MiB // 4 + 77)  # blocks and a partial last block
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with FastPersistWriter(tmp_path / "ck", staging=mode, sync_files=False) as w:
+            if piece:
+                w._stager().copy_piece = piece  # the copy split in pieces over two threads
+            _wait(dcp.async_save(sd, storage_writer=w))
+            large = sum(t.numel() * t.element_size() for t in sd["large"].values())
+            assert w.last_stats["staged_checksum_bytes"] >= large
+            assert not staging._STAGED_CRCS  # used by this save only
+            if piece:
+                assert w._stager().copy_pool is not None
+    finally:
+        torch.set_num_threads(threads)
+    with FastPersistWriter(tmp_path / "sync", sync_files=False) as w:
+        dcp.save(sd, storage_writer=w)  # the engine checksums these
+        assert w.last_stats["staged_checksum_bytes"] == 0
+    assert _extent_crcs(tmp_path / "ck") == _extent_crcs(tmp_path / "sync")
+    assert verify_checkpoint(tmp_path / "ck").ok
+    assert_sd_equal(sd, _load(tmp_path / "ck", sd))
+
+
+def test_staging_checksums_off_with_write_checksums_off(tmp_path, aio_no_leaks):
+    with FastPersistWriter(tmp_path / "ck", staging="lazy", write_checksums=False, sync_files=False) as w:
+        _wait(dcp.async_save(_sd(), storage_writer=w))
+        assert w.last_stats["staged_checksum_bytes"] == 0
+    assert all(c is None for crcs in _extent_crcs(tmp_path / "ck").values() for c in crcs)
+
+
 def test_staged_dict_keeps_structure_and_values(tmp_path, aio_no_leaks):
     sd = _sd()
     with FastPersistWriter(tmp_path / "ck") as w:
@@ -400,6 +447,8 @@ def _ranks_body(rank, world, root, kind):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    from fp_dcp.verify import verify_checkpoint
+
     # run_ranks' workers are daemonic; DCP's PROCESS mode starts a child.
     mp.current_process()._config["daemon"] = False
     ckpt_type = AsyncCheckpointerType[kind]
@@ -442,6 +491,8 @@ def _ranks_body(rank, world, root, kind):
                 "step": -1,
             }
             dcp.load(out, checkpoint_id=path, storage_reader=FastPersistReader(path))
+            if rank == 0:  # checksums from the staging copy, in this process or the checkpoint process
+                assert verify_checkpoint(path).ok
             assert torch.equal(out["model"]["sharded"].full_tensor(), expected_full)
             assert torch.equal(out["model"]["replicated"].to_local(), torch.arange(4096.0))
             assert out["step"] == expected["step"]

@@ -790,3 +790,24 @@ def test_kill_fault_kills_mid_pipeline(tmp_path):
     assert p.returncode == -signal.SIGKILL, (p.returncode, p.stdout, p.stderr)
     assert "survived" not in p.stdout
     assert os.path.getsize(path) == 32 << 20  # presized, then killed part-way
+
+
+@pytest.mark.parametrize("lens", [[], [0], [1], [5, (1 << 20) + 3, 3 << 20, 300 << 10, 7], [9 << 20]])
+def test_copy_gather_checksums_in_the_same_pass(lens):
+    """copy_gather(..., checksum_block) copies exactly as without it and returns
+    crc32c_blocks of every source (fused copy; non-temporal stores past 256 KiB,
+    here into unaligned destinations)."""
+    rng = np.random.default_rng(len(lens))
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in lens]
+    offs = np.asarray([1 + sum(m + 13 for m in lens[:i]) for i in range(len(lens))], dtype=np.int64)
+    dst = np.zeros(1 + sum(m + 13 for m in lens), dtype=np.uint8)
+    crcs, first = _aio.copy_gather(dst, offs, srcs, checksum_block=1 << 20)
+    assert first.tolist() == [0] + np.cumsum([max(1, -(-n // (1 << 20))) for n in lens]).tolist()
+    expect = np.zeros_like(dst)
+    for i, (o, src) in enumerate(zip(offs, srcs)):
+        expect[o : o + len(src)] = src
+        assert crcs[first[i] : first[i + 1]].tolist() == _aio.crc32c_blocks(src, 1 << 20).tolist()
+    assert np.array_equal(dst, expect)  # nothing outside the pieces touched
+    assert _aio.copy_gather(dst, offs, srcs) is None
+    with pytest.raises(ValueError, match="checksum_block"):
+        _aio.copy_gather(dst, offs, srcs, checksum_block=-1)
