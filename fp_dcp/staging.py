@@ -16,7 +16,11 @@ The arena
     straight from the arena (``writer.last_stats["zero_copy_bytes"]``).  The
     arena is the state dict's bytes plus that padding plus one page of
     header; it is reused by every later save and replaced by a larger one
-    only when the state dict outgrows it.  First-touch page faults cost
+    only when the state dict outgrows it.  With ``write_checksums`` the copy
+    of a CPU tensor into the arena also computes the CRC-32C of each 1 MiB
+    block in the same pass over memory (non-temporal stores keep it near
+    memcpy speed), and the writer stores those instead of reading the arena
+    again to checksum it.  First-touch page faults cost
     about 40x a warm copy on the machines this was built on: paying them once
     is the point.
 
