@@ -1055,6 +1055,8 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     temps = [_Scratch(torch.device("cpu"), alignment) for _ in range(2)]
     packs = [_Scratch(device, alignment) for _ in range(2)]
     recvs = [_Scratch(device, alignment) for _ in range(2)]
+    # the disk reads of a round (a background thread) see only its jobs and
+    # ``run``; nothing else touches ``run`` meanwhile
     stats = {"shared_bytes_sent": 0, "shared_bytes_received": 0, "shared_bytes_read": 0,
              "shared_rounds": len(share.rounds), "shared_wait_seconds": 0.0}
     read_needed = my_bytes = 0
@@ -1089,123 +1091,184 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
             for req in by_key[key]:
                 planner.commit_tensor(req, dests[id(req)])
 
-    def wait(pending) -> None:
-        works, finishes = pending
-        t = time.perf_counter()
-        for w in works:
-            w.wait()
-        stats["shared_wait_seconds"] += time.perf_counter() - t
-        for fn in finishes:
-            fn()
+    class _Round:
+        """One round on this rank: what it reads, sends, receives, finishes."""
 
-    pending = None
-    try:
-        for ri, (r0, r1) in enumerate(share.rounds):
-            error: str | None = None
-            sends: list[tuple[torch.Tensor, int, int]] = []
-            receives: list[tuple[torch.Tensor, int, int]] = []
-            finishes: list[Callable[[], None]] = []
-            try:
-                if setup_error is not None:
-                    raise setup_error
-                assert run is not None
-                temp, pack, recv = temps[ri % 2], packs[ri % 2], recvs[ri % 2]
-                for sc in (temp, pack, recv):
-                    sc.reset()
-                units = [(ui, share.units[ui]) for ui in range(r0, r1)]
-                owned = [(ui, u) for ui, u in units if u.owner == rank]
-                # memory for the round: the owned boxes, what is sent, what is received
-                temp.reserve(temp.need([u.nbytes for _, u in owned]))
-                pack.reserve(pack.need([u.nbytes for _, u in owned]))
-                recv.reserve(recv.need([u.nbytes for _, u in units if u.owner != rank]))
-                jobs: list[_Job] = []
-                reads = []
-                for ui, u in units:
-                    chunk = None if u.chunk is None else list(u.chunk)
-                    sizes, dtype = reader._chunk_sizes(u.fqn, chunk)
-                    if u.owner == rank:
-                        src = None
-                        for p in u.parts:  # a target that is the whole box takes the read itself
-                            if p.rank == rank and p.offsets == u.offsets and p.lengths == u.lengths:
-                                for _, v in views(u, p, dtype):
-                                    if _takes_transfer(v, dtype, torch.device("cpu")):
-                                        src = v
-                                        break
+        def __init__(self, index: int) -> None:
+            self.index = index
+            self.error: BaseException | None = None
+            self.jobs: list[_Job] = []
+            self.reads: list[tuple[int, _SharedUnit, torch.Tensor, torch.dtype]] = []
+            self.sends: list[tuple[torch.Tensor, int, int]] = []
+            self.receives: list[tuple[torch.Tensor, int, int]] = []
+            self.finishes: list[Callable[[], None]] = []
+            self.works: list[Any] = []
+            self.read_needed = 0
+            self.my_bytes = 0
+
+    def prepare(ri: int) -> _Round:
+        """Resolve the round's targets, choose its buffers, plan its reads
+        (main thread; errors are kept for the round's agreement)."""
+        rd = _Round(ri)
+        try:
+            if setup_error is not None:
+                raise setup_error
+            assert run is not None
+            r0, r1 = share.rounds[ri]
+            temp, pack, recv = temps[ri % 2], packs[ri % 2], recvs[ri % 2]
+            for sc in (temp, pack, recv):
+                sc.reset()
+            units = [(ui, share.units[ui]) for ui in range(r0, r1)]
+            owned = [u.nbytes for _, u in units if u.owner == rank]
+            temp.reserve(temp.need(owned))
+            pack.reserve(pack.need(owned))
+            for ui, u in units:
+                chunk = None if u.chunk is None else list(u.chunk)
+                sizes, dtype = reader._chunk_sizes(u.fqn, chunk)
+                if u.owner == rank:
+                    src = None
+                    for p in u.parts:  # a target that is the whole box takes the read itself
+                        if p.rank == rank and p.offsets == u.offsets and p.lengths == u.lengths:
+                            src = next((v for _, v in views(u, p, dtype)
+                                        if _takes_transfer(v, dtype, torch.device("cpu"))), None)
                             if src is not None:
                                 break
-                        if src is None:
-                            src = temp.take(u.lengths, dtype)
-                        jobs.extend(reader._plan_box(u.fqn, chunk, sizes, dtype, list(u.offsets), list(u.lengths),
-                                                     src, run, lambda: None))
-                        reads.append((ui, u, src, dtype))
+                    if src is None:
+                        src = temp.take(u.lengths, dtype)
+                    rd.jobs.extend(reader._plan_box(u.fqn, chunk, sizes, dtype, list(u.offsets), list(u.lengths),
+                                                    src, run, lambda: None))
+                    rd.reads.append((ui, u, src, dtype))
+                    continue
+                for pi, p in enumerate(u.parts):
+                    if p.rank != rank:
                         continue
-                    for pi, p in enumerate(u.parts):
-                        if p.rank != rank:
-                            continue
-                        vs = views(u, p, dtype)
-                        buf = next((v for _, v in vs if _takes_transfer(v, dtype, device)), None)
-                        if buf is None:
-                            buf = recv.take(p.lengths, dtype)
-                        receives.append((buf, u.owner, tag_base[ui] + pi))
-                        my_bytes += buf.numel() * buf.element_size()
+                    vs = views(u, p, dtype)
+                    buf = next((v for _, v in vs if _takes_transfer(v, dtype, device)), None)
+                    if buf is None:
+                        buf = recv.take(p.lengths, dtype)
+                    rd.receives.append((buf, u.owner, tag_base[ui] + pi))
+                    rd.my_bytes += buf.numel() * buf.element_size()
 
-                        def finish(vs=vs, buf=buf, key=u.item_key(p)) -> None:
-                            for _, v in vs:
-                                if v is not buf:
-                                    v.copy_(buf)
-                            arrived(key)
+                    def finish(vs=vs, buf=buf, key=u.item_key(p)) -> None:
+                        for _, v in vs:
+                            if v is not buf:
+                                v.copy_(buf)
+                        arrived(key)
 
-                        finishes.append(finish)
-                before = run.stats["bytes"]
-                run.execute(jobs)
-                read_needed += run.stats["bytes"] - before
-                for ui, u, src, dtype in reads:
-                    stats["shared_bytes_read"] += u.nbytes
-                    for pi, p in enumerate(u.parts):
-                        rel = tuple(slice(o - uo, o - uo + n) for o, uo, n in zip(p.offsets, u.offsets, p.lengths))
-                        part = src[rel]
-                        if p.rank == rank:
-                            for _, v in views(u, p, dtype):
-                                if v.data_ptr() != part.data_ptr() or v.stride() != part.stride():
-                                    v.copy_(part)
-                            finishes.append(lambda key=u.item_key(p): arrived(key))
-                            my_bytes += part.numel() * part.element_size()
-                            continue
-                        if _takes_transfer(part, dtype, device):
-                            # a target, or this round's temporary: neither is
-                            # written again before the send has completed
-                            buf = part
-                        else:
-                            buf = pack.take(p.lengths, dtype)
-                            buf.copy_(part)
-                        sends.append((buf, p.rank, tag_base[ui] + pi))
-            except BaseException as e:  # noqa: BLE001 - reported to every rank below
-                error = f"{type(e).__name__}: {e}"
-            status.fill_(0 if error is None else 1)
-            dist.all_gather(statuses, status, group=group)
-            if any(int(t.item()) for t in statuses):
-                errors: list[Any] = [None] * world
-                dist.all_gather_object(errors, error, group=group)
-                failed = {r: e for r, e in enumerate(errors) if e is not None}
-                first = min(failed)
-                raise RuntimeError(
-                    f"shared read failed on rank {first}: {failed[first]}"
-                    + ("" if first == rank else " (this rank stopped because of it)")
-                )
-            works = []
-            for buf, dst, tag in sends:
-                works.append(dist.isend(buf, group=group, group_dst=dst, tag=tag % (1 << 30)))
-                stats["shared_bytes_sent"] += buf.numel() * buf.element_size()
-            for buf, src_rank, tag in receives:
-                works.append(dist.irecv(buf, group=group, group_src=src_rank, tag=tag % (1 << 30)))
-                stats["shared_bytes_received"] += buf.numel() * buf.element_size()
-            if pending is not None:
-                p_, pending = pending, None
-                wait(p_)
-            pending = (works, finishes)
-    finally:
-        if pending is not None:  # matched on every rank: completes also when a later round failed
-            wait(pending)
+                    rd.finishes.append(finish)
+        except BaseException as e:  # noqa: BLE001 - agreed on below
+            rd.error = e
+        return rd
+
+    def read(rd: _Round) -> None:
+        """The round's disk reads (the background thread)."""
+        if rd.error is not None or not rd.jobs:
+            return
+        assert run is not None
+        before = run.stats["bytes"]
+        run.execute(rd.jobs)
+        rd.read_needed = run.stats["bytes"] - before
+
+    def split(rd: _Round) -> None:
+        """Owner: copy its own parts into its targets, pack the others'."""
+        if rd.error is not None:
+            return
+        pack = packs[rd.index % 2]
+        try:
+            for ui, u, src, dtype in rd.reads:
+                stats["shared_bytes_read"] += u.nbytes
+                for pi, p in enumerate(u.parts):
+                    rel = tuple(slice(o - uo, o - uo + n) for o, uo, n in zip(p.offsets, u.offsets, p.lengths))
+                    part = src[rel]
+                    if p.rank == rank:
+                        for _, v in views(u, p, dtype):
+                            if v.data_ptr() != part.data_ptr() or v.stride() != part.stride():
+                                v.copy_(part)
+                        rd.finishes.append(lambda key=u.item_key(p): arrived(key))
+                        rd.my_bytes += part.numel() * part.element_size()
+                    elif _takes_transfer(part, dtype, device):
+                        # a target, or this round's temporary: neither is
+                        # written again before the send has completed
+                        rd.sends.append((part, p.rank, tag_base[ui] + pi))
+                    else:
+                        buf = pack.take(p.lengths, dtype)
+                        buf.copy_(part)
+                        rd.sends.append((buf, p.rank, tag_base[ui] + pi))
+        except BaseException as e:  # noqa: BLE001
+            rd.error = e
+
+    def agree(rd: _Round) -> None:
+        """Every rank learns whether any rank failed this round; all raise."""
+        error = None if rd.error is None else f"{type(rd.error).__name__}: {rd.error}"
+        status.fill_(0 if error is None else 1)
+        dist.all_gather(statuses, status, group=group)
+        if any(int(t.item()) for t in statuses):
+            errors: list[Any] = [None] * world
+            dist.all_gather_object(errors, error, group=group)
+            failed = {r: e for r, e in enumerate(errors) if e is not None}
+            first = min(failed)
+            raise RuntimeError(
+                f"shared read failed on rank {first}: {failed[first]}"
+                + ("" if first == rank else " (this rank stopped because of it)")
+            )
+
+    def post(rd: _Round) -> None:
+        for buf, dst, tag in rd.sends:
+            rd.works.append(dist.isend(buf, group=group, group_dst=dst, tag=tag % (1 << 30)))
+            stats["shared_bytes_sent"] += buf.numel() * buf.element_size()
+        for buf, src_rank, tag in rd.receives:
+            rd.works.append(dist.irecv(buf, group=group, group_src=src_rank, tag=tag % (1 << 30)))
+            stats["shared_bytes_received"] += buf.numel() * buf.element_size()
+
+    def complete(rd: _Round) -> None:
+        t = time.perf_counter()
+        for w in rd.works:
+            w.wait()
+        stats["shared_wait_seconds"] += time.perf_counter() - t
+        for fn in rd.finishes:
+            fn()
+
+    # Round i is read from disk by a helper thread (the engine releases the
+    # GIL) while this thread splits round i - 1 and posts its transfers, and
+    # gloo's threads move round i - 2.  Two rounds' buffers alternate.
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = len(share.rounds)
+    pending: _Round | None = None  # posted, not completed
+    reading = None  # (round, future)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp_dcp-shared-read") as pool:
+        try:
+            if n:
+                rd = prepare(0)
+                reading = (rd, pool.submit(read, rd))
+            for ri in range(n):
+                assert reading is not None
+                rd, fut = reading
+                reading = None
+                try:
+                    fut.result()
+                except BaseException as e:  # noqa: BLE001
+                    rd.error = rd.error or e
+                if pending is not None:  # frees the buffers of round ri + 1's parity
+                    done, pending = pending, None
+                    complete(done)
+                if ri + 1 < n:
+                    nxt = prepare(ri + 1)
+                    reading = (nxt, pool.submit(read, nxt))
+                split(rd)
+                agree(rd)
+                read_needed += rd.read_needed
+                my_bytes += rd.my_bytes
+                post(rd)
+                pending = rd
+        finally:
+            if reading is not None:  # a failed round: let the next read end before its buffers go
+                try:
+                    reading[1].result()
+                except BaseException:  # noqa: BLE001
+                    pass
+            if pending is not None:  # matched on every rank: completes also when a later round failed
+                complete(pending)
     assert run is not None
     run.stats.update(stats)
     # "bytes" counts what this rank's targets need, not the boxes it read for others
