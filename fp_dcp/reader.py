@@ -1213,12 +1213,25 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
             )
 
     def post(rd: _Round) -> None:
+        for buf, _, _ in rd.sends:
+            stats["shared_bytes_sent"] += buf.numel() * buf.element_size()
+        for buf, _, _ in rd.receives:
+            stats["shared_bytes_received"] += buf.numel() * buf.element_size()
+        if device.type == "cuda":
+            # NCCL runs a pair's sends and receives in order on one stream: a
+            # send waits for its receive, so two ranks that both send first
+            # would wait on each other.  One group call posts them together.
+            ops = [dist.P2POp(dist.isend, buf, group=group, group_peer=dst, tag=tag % (1 << 30))
+                   for buf, dst, tag in rd.sends]
+            ops += [dist.P2POp(dist.irecv, buf, group=group, group_peer=src, tag=tag % (1 << 30))
+                    for buf, src, tag in rd.receives]
+            if ops:
+                rd.works.extend(dist.batch_isend_irecv(ops))
+            return
         for buf, dst, tag in rd.sends:
             rd.works.append(dist.isend(buf, group=group, group_dst=dst, tag=tag % (1 << 30)))
-            stats["shared_bytes_sent"] += buf.numel() * buf.element_size()
         for buf, src_rank, tag in rd.receives:
             rd.works.append(dist.irecv(buf, group=group, group_src=src_rank, tag=tag % (1 << 30)))
-            stats["shared_bytes_received"] += buf.numel() * buf.element_size()
 
     def complete(rd: _Round) -> None:
         t = time.perf_counter()
