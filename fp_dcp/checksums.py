@@ -23,7 +23,7 @@ import numpy as np
 
 from fp_dcp import format as fmt
 
-__all__ = ["ChecksumError", "crc_hex", "crc_array", "piece_checksums", "ReadVerifier", "BadBlock"]
+__all__ = ["ChecksumError", "crc_hex", "crc_array", "piece_checksums", "merge_block_crcs", "ReadVerifier", "BadBlock"]
 
 
 class ChecksumError(OSError):
@@ -76,6 +76,40 @@ def piece_checksums(stats: dict[str, Any], n: int) -> list[str]:
     crcs, first = stats["crc32c"], stats["crc32c_first"]
     text = crc_hex(crcs)
     return [text[8 * int(a) : 8 * int(b)] for a, b in zip(first[:n].tolist(), first[1 : n + 1].tolist())]
+
+
+def merge_block_crcs(parts: Sequence[tuple[int, int, Any]], block: int) -> np.ndarray:
+    """The CRC-32C of each ``block``-byte block of a piece written in parts.
+
+    ``parts``: ``(origin, length, crcs)`` of consecutive parts in order (the
+    first at origin 0), ``crcs`` as ``Engine.write(checksums=block,
+    checksum_origin=origin)`` reports a part: one entry per block of the
+    piece's grid that the part touches, the first and last possibly partial.
+    Partial blocks cut by a part boundary are joined with ``crc32c_combine``.
+    An empty piece has one entry, 0 (as the engine reports it)."""
+    from fp_dcp import _aio
+
+    out: list[int] = []
+    pos = 0
+    for origin, length, crcs in parts:
+        if origin != pos:
+            raise ValueError(f"parts are not consecutive: one starts at {origin}, the bytes so far end at {pos}")
+        if length == 0:
+            continue
+        end = origin + length
+        crcs = [int(c) for c in crcs]
+        for c in crcs:
+            if pos >= end:
+                raise ValueError(f"a part of {length} bytes at {origin} has too many CRCs ({len(crcs)})")
+            stop = min((pos // block + 1) * block, end)
+            if pos % block:
+                out[-1] = _aio.crc32c_combine(out[-1], c, stop - pos)
+            else:
+                out.append(c)
+            pos = stop
+        if pos != end:
+            raise ValueError(f"a part of {length} bytes at {origin} has too few CRCs ({len(crcs)})")
+    return np.asarray(out or [0], dtype=np.uint32)
 
 
 def item_name(index: Any) -> str:

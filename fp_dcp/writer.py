@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 import fp_dcp
 from fp_dcp import _aio, balance
 from fp_dcp import format as fmt
-from fp_dcp.checksums import crc_hex, piece_checksums
+from fp_dcp.checksums import crc_hex, merge_block_crcs, piece_checksums
 from fp_dcp.engine import IOSession, PinnedBuffer, tensor_bytes
 from fp_dcp.layout import align_up, place_extents
 from fp_dcp.options import FastPersistOptions
@@ -549,8 +549,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                     else:
                         crcs = piece_checksums(s, len(group)) if "crc32c" in s else [None] * len(group)
                 else:
-                    offsets, lengths, end = self._write_cuda(session, path, [b for _, _, b in group], stats)
-                    crcs = [None] * len(group)  # not yet checksummed: the CUDA path is untested here
+                    offsets, lengths, end, crcs = self._write_cuda(session, path, [b for _, _, b in group], stats)
                 file_sizes.append((recorded, align_up(end, session.alignment)))
                 extents += [
                     (li, recorded, fo, io_, n, crc)
@@ -613,13 +612,26 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         path: str,
         flat: list[torch.Tensor],
         stats: dict[str, Any],
-    ) -> tuple[list[int], list[int], int]:
+    ) -> tuple[list[int], list[int], int, list[str | None]]:
         """Copy CUDA byte ranges (flat uint8 tensors) to the host through two
         page-locked buffers on a side stream, chunk by chunk, writing chunk k
-        while chunk k+1 is copied.  Returns their file offsets, lengths and
-        the end of the last one."""
+        while chunk k+1 is copied.  Returns their file offsets, lengths, the
+        end of the last one and their ``Extent.crc32c`` (the engine checksums
+        each chunk's part of an extent on its grid; the parts are merged)."""
         align = session.alignment
+        block = fmt.CHECKSUM_BLOCK_BYTES if self.options.write_checksums else 0
         lengths = [int(f.numel()) for f in flat]
+        parts: list[list[tuple[int, int, Any]]] = [[] for _ in flat]  # per extent: (origin, length, crcs)
+
+        def done(slot: int) -> None:
+            fut, where = pending[slot]
+            s = fut.result()
+            _add_stats(stats, s)
+            if block:
+                first = s["crc32c_first"].tolist()
+                for j, (i, origin, n) in enumerate(where):
+                    parts[i].append((origin, n, s["crc32c"][first[j] : first[j + 1]]))
+
         # Every CUDA extent starts aligned, so chunk windows never share a block.
         offsets, end = place_extents(lengths, align, 0, align)
         chunk = align_up(min(self.options.cuda_chunk_bytes, max(end, align)), align)
@@ -629,45 +641,52 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         stream.wait_stream(torch.cuda.current_stream(device))  # the tensors' producers first
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-cuda-write")
         fd = session.engine.open(path, "w", session.direct if session.direct else False)
-        pending: list[concurrent.futures.Future | None] = [None, None]
+        pending: list[tuple[concurrent.futures.Future, list[tuple[int, int, int]]] | None] = [None, None]
         try:
             for k, start in enumerate(range(0, align_up(end, align), chunk)):
                 slot = k % 2
                 if pending[slot] is not None:
-                    _add_stats(stats, pending[slot].result())  # buffer free again
+                    done(slot)  # buffer free again
+                    pending[slot] = None
                 stop = start + chunk
                 host = buffers[slot].tensor
-                srcs, offs = [], []
+                srcs, offs, where = [], [], []
                 with torch.cuda.stream(stream):
-                    for f, off, n in zip(flat, offsets, lengths):
+                    for i, (f, off, n) in enumerate(zip(flat, offsets, lengths)):
                         a, b = max(off, start), min(off + n, stop)
                         if b <= a:
                             continue
                         host[a - start : b - start].copy_(f[a - off : b - off], non_blocking=True)
                         srcs.append(memoryview(buffers[slot].raw)[a - start : b - start])
                         offs.append(a)
+                        where.append((i, a - off, b - a))
                 event = torch.cuda.Event()
                 event.record(stream)
                 event.synchronize()
                 if srcs:
-                    pending[slot] = pool.submit(
-                        session.write_fds, [fd], [path], np.zeros(len(srcs), np.int64), np.asarray(offs, np.int64), srcs, sync=False
+                    fut = pool.submit(
+                        session.write_fds, [fd], [path], np.zeros(len(srcs), np.int64), np.asarray(offs, np.int64),
+                        srcs, sync=False, checksums=block or False,
+                        checksum_origin=np.asarray([o for _, o, _ in where], np.int64) if block else None,
                     )
-            for p in pending:
-                if p is not None:
-                    _add_stats(stats, p.result())
+                    pending[slot] = (fut, where)
+            for slot in (0, 1):
+                if pending[slot] is not None:
+                    done(slot)
+                    pending[slot] = None
             if self.options.sync_files:
                 os.fdatasync(fd)
         finally:
             for p in pending:
                 if p is not None:
-                    p.exception()  # wait before the buffers go away
+                    p[0].exception()  # wait before the buffers go away
             pool.shutdown(wait=True)
             os.close(fd)
             pending = srcs = host = None  # drop the views before freeing the buffers
             for b in buffers:
                 b.close()
-        return offsets, lengths, end
+        crcs = [crc_hex(merge_block_crcs(p, block)) if block else None for p in parts]
+        return offsets, lengths, end, crcs
 
     def _layout_from_results(self, results: list[list[WriteResult]]) -> fmt.StorageLayout:
         files: dict[str, int] = {}

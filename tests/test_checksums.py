@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from fp_dcp import FastPersistReader, FastPersistWriter, _aio
 from fp_dcp import format as fmt
 from fp_dcp import verify as verify_mod
-from fp_dcp.checksums import ChecksumError, ReadVerifier, crc_array, crc_hex
+from fp_dcp.checksums import ChecksumError, ReadVerifier, crc_array, crc_hex, merge_block_crcs
 from fp_dcp.reader import read_checkpoint_metadata
 from tests._sd import FAILED, assert_sd_equal, mixed_state_dict, zeros_like_sd
 
@@ -355,3 +355,61 @@ def test_crc_hex_round_trip():
     a = np.array([0, 1, 0xDEADBEEF, 0xFFFFFFFF], dtype=np.uint32)
     assert crc_hex(a) == "0000000000000001deadbeefffffffff"
     assert np.array_equal(crc_array(crc_hex(a)), a)
+
+
+# ------------------------------------------------ pieces checksummed in parts
+
+
+def _part_crcs(data: bytes, origin: int, length: int, block: int) -> list[int]:
+    """What the engine reports for bytes origin..origin+length of a piece with
+    checksum_origin=origin: one CRC per grid block touched (reference)."""
+    out, pos, end = [], origin, origin + length
+    while pos < end:
+        stop = min((pos // block + 1) * block, end)
+        out.append(_aio.crc32c(data[pos:stop]))
+        pos = stop
+    return out or [0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 5000),
+    block=st.sampled_from([1, 7, 64, 512, 4096]),
+    cuts=st.lists(st.integers(0, 5000), max_size=8),
+    seed=st.integers(0, 2**16),
+)
+def test_merge_block_crcs_joins_parts_on_the_grid(n, block, cuts, seed):
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+    bounds = [0] + sorted({c for c in cuts if 0 < c < n}) + [n]
+    parts = [(a, b - a, _part_crcs(data, a, b - a, block)) for a, b in zip(bounds[:-1], bounds[1:])]
+    assert merge_block_crcs(parts, block).tolist() == _aio.crc32c_blocks(data, block).tolist()
+
+
+def test_merge_block_crcs_refuses_parts_that_do_not_fit():
+    with pytest.raises(ValueError, match="not consecutive"):
+        merge_block_crcs([(0, 10, [1]), (11, 5, [2])], 64)
+    with pytest.raises(ValueError, match="too many"):
+        merge_block_crcs([(0, 10, [1, 2])], 64)
+    with pytest.raises(ValueError, match="too few"):
+        merge_block_crcs([(0, 100, [1])], 64)
+
+
+def test_engine_parts_with_checksum_origin_merge_to_the_whole(tmp_path):
+    """The CUDA write path's scheme on the CPU: a piece written chunk by chunk
+    (parts cut off the checksum grid), each part checksummed by the engine on
+    the piece's grid, merged: equal to the CRCs of the whole piece."""
+    block = fmt.CHECKSUM_BLOCK_BYTES
+    data = np.random.default_rng(5).integers(0, 256, 3 * block + 12345, dtype=np.uint8)
+    cuts = [0, 4096, block + 8192, 2 * block, 3 * block + 4096, data.size]
+    parts = []
+    with _aio.Engine("auto") as eng:
+        fd = eng.open(str(tmp_path / "f"), "w")
+        try:
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                s = eng.write([fd], ["f"], np.zeros(1, np.int64), np.asarray([a], np.int64), [data[a:b]],
+                              sync=False, checksums=block, checksum_origin=np.asarray([a], np.int64))
+                parts.append((a, b - a, s["crc32c"]))
+        finally:
+            os.close(fd)
+    assert merge_block_crcs(parts, block).tolist() == _aio.crc32c_blocks(data, block).tolist()
+    assert (tmp_path / "f").read_bytes()[: data.size] == data.tobytes()  # (padded to a block)
