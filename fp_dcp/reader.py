@@ -560,17 +560,20 @@ class FastPersistReader(StorageReader):
         owners = assign_owners([(u[4], [p.rank for p in u[5]]) for u in pending], quota)
         units = [_SharedUnit(fqn, chunk, offs, lens, nbytes, owner, parts)
                  for (fqn, chunk, offs, lens, nbytes, parts), owner in zip(pending, owners)]
-        # A round holds, per rank, its read boxes twice (a temporary and the
-        # packed parts it sends) and what it receives, within half the budget:
-        # two rounds are alive at once (one on the wire, the next being read).
+        # A round holds, per rank, at most the boxes it reads (a temporary),
+        # the parts it sends (packed) and those it receives (when they cannot
+        # land in their targets), within half the budget: two rounds are alive
+        # at once (one on the wire, the next being read).
         rounds, start = [], 0
         held = [0] * len(plans)
         for i, u in enumerate(units):
             add = [0] * len(plans)
-            add[u.owner] += 2 * u.nbytes
+            add[u.owner] += u.nbytes
             for p in u.parts:
                 if p.rank != u.owner:
-                    add[p.rank] += math.prod(p.lengths) * esizes[u.fqn]
+                    nbytes = math.prod(p.lengths) * esizes[u.fqn]
+                    add[p.rank] += nbytes
+                    add[u.owner] += nbytes
             if i > start and any(h + a > budget // 2 for h, a in zip(held, add)):
                 rounds.append((start, i))
                 start, held = i, [0] * len(plans)
@@ -982,8 +985,8 @@ class _Scratch:
     CPU memory comes from an aligned buffer, so the engine reads into it
     without a bounce copy, and is faulted in once per load."""
 
-    def __init__(self, device: torch.device, alignment: int) -> None:
-        self.device, self.alignment = device, max(64, alignment)
+    def __init__(self, device: torch.device, alignment: int, prefault: bool = True) -> None:
+        self.device, self.alignment, self.prefault = device, max(64, alignment), prefault
         self.raw: Any = None
         self.base: torch.Tensor | None = None
         self.used = 0
@@ -995,7 +998,7 @@ class _Scratch:
             return
         size = -(-nbytes // (1 << 20)) * (1 << 20)
         if self.device.type == "cpu":
-            self.raw = _aio.AlignedBuffer(size, max(self.alignment, 4096), lock=False)
+            self.raw = _aio.AlignedBuffer(size, max(self.alignment, 4096), lock=False, prefault=self.prefault)
             self.base = torch.frombuffer(self.raw, dtype=torch.uint8)
         else:
             self.base = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -1054,7 +1057,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     alignment = run.alignment if run is not None else 4096
     temps = [_Scratch(torch.device("cpu"), alignment) for _ in range(2)]
     packs = [_Scratch(device, alignment) for _ in range(2)]
-    recvs = [_Scratch(device, alignment) for _ in range(2)]
+    recvs = [_Scratch(device, alignment, prefault=False) for _ in range(2)]  # used only for targets that cannot take a receive
     # the disk reads of a round (a background thread) see only its jobs and
     # ``run``; nothing else touches ``run`` meanwhile
     stats = {"shared_bytes_sent": 0, "shared_bytes_received": 0, "shared_bytes_read": 0,
@@ -1119,9 +1122,12 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
             for sc in (temp, pack, recv):
                 sc.reset()
             units = [(ui, share.units[ui]) for ui in range(r0, r1)]
-            owned = [u.nbytes for _, u in units if u.owner == rank]
-            temp.reserve(temp.need(owned))
-            pack.reserve(pack.need(owned))
+            esize = {ui: u.nbytes // max(1, math.prod(u.lengths)) for ui, u in units}
+            temp.reserve(temp.need([u.nbytes for _, u in units if u.owner == rank]))
+            pack.reserve(pack.need([math.prod(p.lengths) * esize[ui] for ui, u in units if u.owner == rank
+                                    for p in u.parts if p.rank != rank]))
+            recv.reserve(recv.need([math.prod(p.lengths) * esize[ui] for ui, u in units if u.owner != rank
+                                    for p in u.parts if p.rank == rank]))
             for ui, u in units:
                 chunk = None if u.chunk is None else list(u.chunk)
                 sizes, dtype = reader._chunk_sizes(u.fqn, chunk)
