@@ -140,7 +140,7 @@ def test_staging_copy_checksums_are_the_files_checksums(tmp_path, mode, piece, a
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with FastPersistWriter(tmp_path / "ck", staging=mode, sync_files=False) as w:
+        with FastPersistWriter(tmp_path / "ck", staging=mode, staging_checksums=True, sync_files=False) as w:
             if piece:
                 w._stager().copy_piece = piece  # the copy split in pieces over two threads
             _wait(dcp.async_save(sd, storage_writer=w))
@@ -159,11 +159,19 @@ def test_staging_copy_checksums_are_the_files_checksums(tmp_path, mode, piece, a
     assert_sd_equal(sd, _load(tmp_path / "ck", sd))
 
 
-def test_staging_checksums_off_with_write_checksums_off(tmp_path, aio_no_leaks):
-    with FastPersistWriter(tmp_path / "ck", staging="lazy", write_checksums=False, sync_files=False) as w:
-        _wait(dcp.async_save(_sd(), storage_writer=w))
-        assert w.last_stats["staged_checksum_bytes"] == 0
-    assert all(c is None for crcs in _extent_crcs(tmp_path / "ck").values() for c in crcs)
+@pytest.mark.parametrize(
+    "options,fused",
+    [({"staging": "lazy"}, True), ({"staging": "eager"}, False), ({"staging": "eager", "staging_checksums": True}, True),
+     ({"staging": "lazy", "staging_checksums": False}, False), ({"staging": "lazy", "write_checksums": False}, False)],
+)
+def test_which_stagings_checksum_in_the_copy(tmp_path, options, fused, aio_no_leaks):
+    sd = _sd()
+    with FastPersistWriter(tmp_path / "ck", sync_files=False, **options) as w:
+        _wait(dcp.async_save(sd, storage_writer=w))
+        assert (w.last_stats["staged_checksum_bytes"] > 0) == fused
+    crcs = [c for cs in _extent_crcs(tmp_path / "ck").values() for c in cs]
+    assert all(c is None for c in crcs) if options.get("write_checksums") is False else all(crcs)
+    assert_sd_equal(sd, _load(tmp_path / "ck", sd))
 
 
 def test_staged_dict_keeps_structure_and_values(tmp_path, aio_no_leaks):
