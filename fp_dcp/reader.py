@@ -406,15 +406,21 @@ class FastPersistReader(StorageReader):
             rng, within, files, offs, lens = map_ranges(np.zeros(1, np.int64), np.array([nbytes]), *arrays)
             return [_Job(files, offs, lens, within, buf=buf, needed=nbytes, done=done)]
         sizes, dtype = self._chunk_sizes(fqn, chunk)
+        dest = self._target(req, planner, dtype)
+        commit = lambda: planner.commit_tensor(req, dest)  # noqa: E731
+        return self._plan_box(fqn, chunk, sizes, dtype, list(req.storage_offsets), list(req.lengths), dest, run, commit)
+
+    def _target(self, req: ReadItem, planner: LoadPlanner, stored: torch.dtype) -> torch.Tensor:
+        """The planner's target tensor of ``req``, checked: its shape, and its
+        dtype against ``strict_dtype``."""
         dest = planner.resolve_tensor(req).detach()
         if list(dest.shape) != [int(n) for n in req.lengths]:
             raise ValueError(
                 f"{req.dest_index.fqn}: the planner's target has shape {list(dest.shape)}, "
                 f"the read needs {list(req.lengths)}"
             )
-        self._check_dtype(req, dtype, dest.dtype)
-        commit = lambda: planner.commit_tensor(req, dest)  # noqa: E731
-        return self._plan_box(fqn, chunk, sizes, dtype, list(req.storage_offsets), list(req.lengths), dest, run, commit)
+        self._check_dtype(req, stored, dest.dtype)
+        return dest
 
     def _check_dtype(self, req: ReadItem, stored: torch.dtype, target: torch.dtype) -> None:
         if target != stored and self.options.strict_dtype:
@@ -1069,14 +1075,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     def dest_of(req: ReadItem, dtype: torch.dtype) -> torch.Tensor:
         d = dests.get(id(req))
         if d is None:
-            d = planner.resolve_tensor(req).detach()
-            if list(d.shape) != [int(n) for n in req.lengths]:
-                raise ValueError(
-                    f"{req.dest_index.fqn}: the planner's target has shape {list(d.shape)}, "
-                    f"the read needs {list(req.lengths)}"
-                )
-            reader._check_dtype(req, dtype, d.dtype)
-            dests[id(req)] = d
+            d = dests[id(req)] = reader._target(req, planner, dtype)
         return d
 
     def views(u: _SharedUnit, p: _Part, dtype: torch.dtype) -> list[tuple[ReadItem, torch.Tensor]]:
