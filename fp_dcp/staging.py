@@ -16,13 +16,11 @@ The arena
     straight from the arena (``writer.last_stats["zero_copy_bytes"]``).  The
     arena is the state dict's bytes plus that padding plus one page of
     header; it is reused by every later save and replaced by a larger one
-    only when the state dict outgrows it.  In lazy staging (option
-    ``staging_checksums``) the copy of a CPU tensor into the arena also
-    computes the CRC-32C of each 1 MiB block in the same pass over memory,
-    and the writer stores those instead of reading the arena again to
-    checksum it: less CPU taken from the training in all, for a copy about
-    a fifth slower (eager staging, which the training waits for, keeps a
-    plain memcpy by default).  First-touch page faults cost
+    only when the state dict outgrows it.  The copy of a CPU tensor into the
+    arena also computes the CRC-32C of each 1 MiB block in the same pass
+    over memory (``staging_checksums``), and the writer stores those instead
+    of reading the arena again to checksum it: less CPU taken from the
+    training in all, for a copy about a fifth slower than a plain memcpy.  First-touch page faults cost
     about 40x a warm copy on the machines this was built on: paying them once
     is the point.
 
@@ -1097,10 +1095,7 @@ class _Stager:
         spill_handle = None
         spill_map = None
         tensors = self.views
-        fused = options.staging_checksums
-        if fused is None:
-            fused = options.staging == "lazy"  # eager: the training waits for the copy, keep it a plain memcpy
-        block = fmt.CHECKSUM_BLOCK_BYTES if options.write_checksums and fused else 0
+        block = fmt.CHECKSUM_BLOCK_BYTES if options.write_checksums and options.staging_checksums else 0
         if layout.spill_bytes:
             spill = self._spill_file(writer, options)
             crcs = self._copy(arena, layout, leaves, events, spill, rec.copy_threads, block)

@@ -140,7 +140,7 @@ def test_staging_copy_checksums_are_the_files_checksums(tmp_path, mode, piece, a
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with FastPersistWriter(tmp_path / "ck", staging=mode, staging_checksums=True, sync_files=False) as w:
+        with FastPersistWriter(tmp_path / "ck", staging=mode, sync_files=False) as w:
             if piece:
                 w._stager().copy_piece = piece  # the copy split in pieces over two threads
             _wait(dcp.async_save(sd, storage_writer=w))
@@ -161,7 +161,7 @@ def test_staging_copy_checksums_are_the_files_checksums(tmp_path, mode, piece, a
 
 @pytest.mark.parametrize(
     "options,fused",
-    [({"staging": "lazy"}, True), ({"staging": "eager"}, False), ({"staging": "eager", "staging_checksums": True}, True),
+    [({"staging": "lazy"}, True), ({"staging": "eager"}, True), ({"staging": "eager", "staging_checksums": False}, False),
      ({"staging": "lazy", "staging_checksums": False}, False), ({"staging": "lazy", "write_checksums": False}, False)],
 )
 def test_which_stagings_checksum_in_the_copy(tmp_path, options, fused, aio_no_leaks):
