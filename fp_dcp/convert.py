@@ -6,7 +6,8 @@
   files and their sizes.  Reads only the metadata (nothing unpickled).
 * :func:`to_torch_save` — one consolidated ``torch.save`` file (every tensor
   whole, the nested structure and non-tensor values kept), for inference or
-  for tools that want one file.
+  for tools that want one file; streamed from fp_dcp (memory: the non-tensor
+  values), the reader filling the file's tensors in place.
 * :func:`to_safetensors` — one ``.safetensors`` file, streamed tensor by
   tensor (memory: one batch of tensors, never the whole checkpoint).  Written
   by this module from the format's specification, so the ``safetensors``
@@ -18,8 +19,9 @@
   The result holds every tensor whole (one chunk): it loads into any
   sharding.
 
-Conversions that hold a whole state dict (torch.save, DCP in either
-direction) need the checkpoint's size in memory; ``to_safetensors`` does not.
+Conversions that hold a whole state dict (DCP in either direction, and
+torch.save from a stock DCP checkpoint) need the checkpoint's size in memory;
+``to_safetensors`` and ``to_torch_save`` from fp_dcp do not.
 """
 
 from __future__ import annotations
@@ -259,25 +261,77 @@ def _commit_file(tmp: str, out: str) -> None:
 
 
 def to_torch_save(src: str, out: str, *, force: bool = False, progress: bool = True) -> dict[str, Any]:
-    """fp_dcp checkpoint (or a stock DCP one) -> one ``torch.save`` file."""
+    """fp_dcp checkpoint (or a stock DCP one) -> one ``torch.save`` file.
+
+    From fp_dcp the file is streamed (:func:`_stream_torch_save`): memory
+    holds the non-tensor values, never the tensors' bytes.  From stock DCP
+    the whole state dict is loaded first."""
     kind = checkpoint_kind(src)
+    if kind not in ("fp_dcp", "dcp"):
+        raise ConvertError(f"{src}: already a torch.save file; nothing to convert")
     tmp = _atomic_output(out, force)
     t0 = time.perf_counter()
-    if kind == "fp_dcp":
-        p = Progress(f"reading {src}", _total_bytes(src), progress)
-        sd = load_fp_dcp(src, progress=p)
-        p.close()
-    elif kind == "dcp":
-        sd = _load_dcp(src)
-    else:
-        raise ConvertError(f"{src}: already a torch.save file; nothing to convert")
     try:
-        torch.save(sd, tmp)
+        if kind == "fp_dcp":
+            _stream_torch_save(src, tmp, progress)
+        else:
+            torch.save(_load_dcp(src), tmp)
         _commit_file(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return {"output": out, "bytes": os.path.getsize(out), "seconds": time.perf_counter() - t0}
+
+
+def _stream_torch_save(src: str, tmp: str, progress: bool) -> None:
+    """Write ``torch.save`` of an fp_dcp checkpoint without holding its bytes:
+
+    1. the state dict's skeleton: the non-tensor values loaded, each tensor
+       an uninitialised ``torch.empty`` (address space, no memory);
+    2. ``torch.save`` of it under ``torch.serialization.skip_data()``: the
+       archive with every record in place and the tensors' bytes left empty;
+    3. ``torch.load(mmap=True)`` of that file with ``MAP_SHARED``: tensors
+       backed by their places in the file; the reader fills them in place,
+       so the bytes go through the page cache (written back and dropped by
+       the kernel as needed), never anonymous memory.
+    """
+    import dataclasses
+    import gc
+    import mmap
+
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from fp_dcp.reader import FastPersistReader
+
+    def only(kind_kept: LoadItemType, base: type) -> Any:
+        class _Planner(base):  # type: ignore[misc, valid-type]
+            def create_local_plan(self):
+                plan = super().create_local_plan()
+                return dataclasses.replace(plan, items=[i for i in plan.items if i.type == kind_kept])
+
+        return _Planner()
+
+    skeleton: dict[str, Any] = {}
+    with FastPersistReader(src) as reader:
+        _load_state_dict(skeleton, storage_reader=reader, planner=only(LoadItemType.BYTE_IO, _EmptyStateDictLoadPlanner),
+                         no_dist=True)
+    with torch.serialization.skip_data():
+        torch.save(skeleton, tmp)
+    del skeleton
+    p = Progress(f"reading {src}", describe(src)["tensor_bytes"], progress)  # the objects are read already
+    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+        mapped = torch.load(tmp, mmap=True, weights_only=False)  # the objects the checkpoint held, just written
+    try:
+        with FastPersistReader(src) as reader:
+            reader.progress = lambda done, total: p.update(done)
+            _load_state_dict(mapped, storage_reader=reader, planner=only(LoadItemType.TENSOR, DefaultLoadPlanner),
+                             no_dist=True)
+    finally:
+        p.close()
+        del mapped
+        gc.collect()  # unmap before the file is synced and renamed
 
 
 def _flat_tensor_keys(path: str) -> tuple[list[tuple[str, torch.dtype, list[int]]], list[str]]:
