@@ -161,7 +161,9 @@ def test_replicated_state_dict_balances_within_two_percent(world, sizes, biggest
     mean = sum(sizes) / world
     if mean >= 100 * ((64 << 10) + (256 << 10)):  # big enough for 2 % to exceed the rounding
         assert placement.loads.max() <= 1.02 * mean
-    assert placement.loads.max() <= mean + 2 * (64 << 10)
+    # an item under pack_threshold_bytes (256 KiB) is never split: one rank takes it whole
+    whole = max([n for n in sizes if n < (256 << 10)], default=0)
+    assert placement.loads.max() <= max(mean + 2 * (64 << 10), whole)
 
 
 def test_sharded_items_stay_with_their_owner_and_the_rest_fills_around():
