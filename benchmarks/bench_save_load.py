@@ -73,9 +73,11 @@ def _child(spec: dict) -> dict:
     path = Path(spec["path"])
     if kind == "raw":
         path.mkdir(parents=True, exist_ok=True)
-        r = C.raw_device_io("write" if op == "save" else "read", path / "raw.bin",
+        load = op != "save"
+        r = C.raw_device_io("read" if load else "write", path / "raw.bin",
                             spec["bytes"], method=spec["method"],
-                            block_size=spec["block_size"], iodepth=spec["iodepth"])
+                            block_size=spec.get("read_block_size", spec["block_size"]) if load else spec["block_size"],
+                            iodepth=spec.get("read_iodepth", spec["iodepth"]) if load else spec["iodepth"])
         return {"ok": True, "verified": None, **r}
 
     import torch
@@ -192,6 +194,10 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
             cs.append({"name": f"raw[{raw_method},{bs.strip()}]", "kind": "raw",
                        "method": raw_method, "block_size": b,
                        "iodepth": args.raw_iodepth if raw_method == "fio" else 1, "role": "raw"})
+        # the device without fio's 4 KiB-page buffers: fp_dcp's engine, one
+        # huge-page buffer, the engine's default shapes (write 4M x 8, read 256K x 64)
+        cs.append({"name": "raw[hugebuf]", "kind": "raw", "method": "hugebuf", "role": "raw",
+                   "block_size": 4 * C.MiB, "iodepth": 8, "read_block_size": 256 * C.KiB, "read_iodepth": 64})
     return cs
 
 
