@@ -201,35 +201,19 @@ def _runs_and_blocks(path: str, items) -> tuple[int, int]:
     """Maximal contiguous byte runs of the files the items need, and the bytes
     of the BLOCK-sized blocks they touch (what a block device must read)."""
     import numpy as np
-    from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from fp_dcp.layout import box_runs, map_runs_to_extents
+    from fp_dcp.layout import count_runs, item_file_ranges
     from fp_dcp.reader import read_checkpoint_metadata
 
     md, layout, _ = read_checkpoint_metadata(path)
-    pieces = []
-    for req in items:
-        exts = layout.extents[MetadataIndex(req.storage_index.fqn, req.storage_index.offset)]
-        tmd = md.state_dict_metadata[req.storage_index.fqn]
-        if not hasattr(tmd, "chunks"):
-            starts, run = np.zeros(1, np.int64), sum(e.length for e in exts)
-        else:
-            chunk = next(c for c in tmd.chunks if list(c.offsets) == list(req.storage_index.offset))
-            starts, run = box_runs(list(chunk.sizes), list(req.storage_offsets), list(req.lengths), 4)
-        f, o, n, _ = map_runs_to_extents(starts, run, exts)
-        pieces.append(np.stack([f, o, o + n], axis=1))
-    if not pieces:
-        return 0, 0
-    p = np.concatenate(pieces)
-    p = p[np.lexsort((p[:, 1], p[:, 0]))]
-    runs = 1 + int(np.sum((p[1:, 0] != p[:-1, 0]) | (p[1:, 1] > np.maximum.accumulate(p[:, 2])[:-1])))
+    p = item_file_ranges(md, layout, items)
     touched = 0
     for f in np.unique(p[:, 0]):
         q = p[p[:, 0] == f]
         first, last = q[:, 1] // BLOCK, (q[:, 2] - 1) // BLOCK
         blocks = np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(first, last)]))
         touched += len(blocks) * BLOCK
-    return runs, touched
+    return count_runs(p), touched
 
 
 # ==========================================================================

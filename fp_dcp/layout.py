@@ -14,6 +14,8 @@ import numpy as np
 from fp_dcp.format import CheckpointFormatError, Extent
 
 __all__ = [
+    "item_file_ranges",
+    "count_runs",
     "align_up",
     "place_extents",
     "box_runs",
@@ -150,3 +152,40 @@ def check_extents_cover(name: str, extents: Sequence[Extent], nbytes: int) -> No
             f"{name}: the stored extents hold {pos} bytes, the item has {nbytes}; "
             f"the checkpoint metadata is corrupt"
         )
+
+
+def item_file_ranges(metadata, storage_layout, items) -> np.ndarray:
+    """``(file index, start, end)`` rows, sorted, of the stored bytes that DCP
+    read items (``ReadItem``) need: each item's box of its stored chunk as row-major
+    byte runs (:func:`box_runs`), mapped onto the chunk's extents.  What a
+    reader that reads only the needed bytes must read; for benchmarks and
+    tests that hold a reader to it."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    pieces = []
+    for req in items:
+        exts = storage_layout.extents[MetadataIndex(req.storage_index.fqn, req.storage_index.offset)]
+        tmd = metadata.state_dict_metadata[req.storage_index.fqn]
+        if not hasattr(tmd, "chunks"):  # a bytes item: all of it
+            starts, run = np.zeros(1, np.int64), sum(e.length for e in exts)
+        else:
+            chunk = next(c for c in tmd.chunks if req.storage_index.offset is None
+                         or list(c.offsets) == list(req.storage_index.offset))
+            esize = tmd.properties.dtype.itemsize
+            starts, run = box_runs(list(chunk.sizes), list(req.storage_offsets), list(req.lengths), esize)
+        f, o, n, _ = map_runs_to_extents(starts, run, exts)
+        keep = n > 0
+        pieces.append(np.stack([f[keep], o[keep], (o + n)[keep]], axis=1))
+    if not pieces:
+        return np.zeros((0, 3), np.int64)
+    p = np.concatenate(pieces).astype(np.int64)
+    return p[np.lexsort((p[:, 1], p[:, 0]))]
+
+
+def count_runs(ranges: np.ndarray) -> int:
+    """Maximal contiguous runs of sorted ``(file, start, end)`` rows (rows
+    that touch or overlap are one run)."""
+    if len(ranges) == 0:
+        return 0
+    p = ranges
+    return 1 + int(np.sum((p[1:, 0] != p[:-1, 0]) | (p[1:, 1] > np.maximum.accumulate(p[:, 2])[:-1])))

@@ -40,57 +40,25 @@ from tests._sd import FAILED, bits_equal
 def needed_blocks(path: str, items, alignment: int) -> tuple[int, int]:
     """(bytes the read items need, bytes of the aligned blocks those bytes
     touch), computed with fp_dcp.layout's reference functions."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
+    from fp_dcp.layout import item_file_ranges
     from fp_dcp.reader import read_checkpoint_metadata
 
     md, layout, _ = read_checkpoint_metadata(path)
+    ranges = item_file_ranges(md, layout, items)
     blocks: dict[int, set] = {}
-    needed = 0
-    for req in items:
-        key = MetadataIndex(req.storage_index.fqn, req.storage_index.offset)
-        exts = layout.extents[key]
-        tmd = md.state_dict_metadata[req.storage_index.fqn]
-        if not hasattr(tmd, "chunks"):
-            starts, run = np.zeros(1, np.int64), sum(e.length for e in exts)
-        else:
-            chunk = next(c for c in tmd.chunks if req.storage_index.offset is None
-                         or list(c.offsets) == list(req.storage_index.offset))
-            esize = torch.empty((), dtype=tmd.properties.dtype).element_size()
-            starts, run = box_runs(list(chunk.sizes), list(req.storage_offsets), list(req.lengths), esize)
-        files, offs, lens, _ = map_runs_to_extents(starts, run, exts)
-        for f, o, n in zip(files.tolist(), offs.tolist(), lens.tolist()):
-            if n:
-                needed += n
-                blocks.setdefault(f, set()).update(range(o // alignment, (o + n - 1) // alignment + 1))
-    return needed, sum(len(b) for b in blocks.values()) * alignment
+    for f, start, end in ranges.tolist():
+        blocks.setdefault(f, set()).update(range(start // alignment, (end - 1) // alignment + 1))
+    return int(np.sum(ranges[:, 2] - ranges[:, 1])), sum(len(b) for b in blocks.values()) * alignment
 
 
 def needed_runs(path: str, items) -> int:
     """Maximal contiguous byte runs of the files that the read items need
     (runs of different items that touch are one)."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
+    from fp_dcp.layout import count_runs, item_file_ranges
     from fp_dcp.reader import read_checkpoint_metadata
 
     md, layout, _ = read_checkpoint_metadata(path)
-    pieces = []
-    for req in items:
-        exts = layout.extents[MetadataIndex(req.storage_index.fqn, req.storage_index.offset)]
-        tmd = md.state_dict_metadata[req.storage_index.fqn]
-        if not hasattr(tmd, "chunks"):
-            starts, run = np.zeros(1, np.int64), sum(e.length for e in exts)
-        else:
-            chunk = next(c for c in tmd.chunks if list(c.offsets) == list(req.storage_index.offset))
-            esize = torch.empty((), dtype=tmd.properties.dtype).element_size()
-            starts, run = box_runs(list(chunk.sizes), list(req.storage_offsets), list(req.lengths), esize)
-        f, o, n, _ = map_runs_to_extents(starts, run, exts)
-        pieces.append(np.stack([f, o, o + n], axis=1))
-    if not pieces:
-        return 0
-    p = np.concatenate(pieces)
-    p = p[np.lexsort((p[:, 1], p[:, 0]))]
-    return 1 + int(np.sum((p[1:, 0] != p[:-1, 0]) | (p[1:, 1] > np.maximum.accumulate(p[:, 2])[:-1])))
+    return count_runs(item_file_ranges(md, layout, items))
 
 
 def assert_read_bound(stats: dict, needed: int, touched: int, alignment: int, what: str) -> None:
