@@ -16,6 +16,9 @@ Everything a benchmark needs besides the thing it measures:
   ``method="hugebuf"``: fp_dcp's engine into one huge-page buffer, else a
   single-request O_DIRECT loop in Python);
 - machine: ``hardware_info(dir)``, ``check_free_space``;
+- set-up: ``import_fp_dcp`` (installed package, else this checkout),
+  ``prepare_target`` (the work directory under ``DEFAULT_DIR``, SIGTERM
+  unwinding like Ctrl-C), ``timestamp``;
 - output: ``summarize``, ``format_table``, ``write_json``.
 
 Only the standard library is imported at module level; torch is imported by the
@@ -43,6 +46,42 @@ from typing import Any, Iterable, Sequence
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DIR = REPO.parent / "bench_tmp"  # beside the checkout: never inside the repository
+
+
+def import_fp_dcp():
+    """The fp_dcp module: the installed package, else this checkout's."""
+    try:
+        import fp_dcp  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "fp_dcp":
+            raise
+        sys.path.insert(1, str(REPO))
+    import fp_dcp
+
+    return fp_dcp
+
+
+def timestamp() -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def prepare_target(directory: Path | None) -> tuple[Path, bool]:
+    """A benchmark's parent side: SIGTERM unwinds like Ctrl-C (children are
+    killed and work directories removed in ``finally``), and the target
+    directory (``DEFAULT_DIR`` unless given) exists.  Returns it and whether
+    this call created it (so the benchmark removes it at the end)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    target = directory or DEFAULT_DIR
+    created = not target.exists()
+    target.mkdir(parents=True, exist_ok=True)
+    return target, created
 
 RESULT_MARKER = "@@BENCH_RESULT "
 

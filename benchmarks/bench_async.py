@@ -49,10 +49,8 @@ the machine description goes to ``--json``.  The disk is shared: run it as
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import os
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -79,18 +77,6 @@ TRAINING = ("none", "fp_eager", "fp_lazy", "stock", "stock_stager")
 # child side
 
 
-def _fp():
-    try:
-        import fp_dcp  # noqa: F401
-    except ModuleNotFoundError as e:
-        if e.name != "fp_dcp":
-            raise
-        sys.path.insert(1, str(REPO))
-    import fp_dcp
-
-    return fp_dcp
-
-
 def _stock_stager():
     import torch
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -115,7 +101,7 @@ class _Saver:
         self.stager = None
         self.prev = None  # stock: the previous upload, waited for before the next save
         if kind.startswith("fp_"):
-            fp = _fp()
+            fp = C.import_fp_dcp()
             self.writer = fp.FastPersistWriter(staging=kind[3:])
         elif kind == "stock_stager":
             self.stager = _stock_stager()
@@ -244,7 +230,7 @@ def _verify(path: Path, factory, keys: list[str]) -> list[str]:
     spec = factory.spec
     sub = [t for t in spec.tensors if t.key in keys]
     out = {t.key: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in sub}
-    fp = _fp()
+    fp = C.import_fp_dcp()
     reader = fp.FastPersistReader(str(path)) if _is_fp(path) else None
     dcp.load(out, checkpoint_id=str(path), storage_reader=reader)
     sub_spec = C.StateDictSpec(spec.mix, spec.seed, sub, {})
@@ -472,7 +458,7 @@ def child_main(spec_json: str) -> None:
     spec = json.loads(spec_json)
     try:
         if spec["part"] == "probe":
-            fp = _fp()
+            fp = C.import_fp_dcp()
             result = {"ok": True, "version": fp.__version__, "file": fp.__file__}
         elif spec["part"] == "blocking":
             result = _child_blocking(spec)
@@ -719,11 +705,8 @@ def main(argv=None) -> int:
         child_main(sys.argv[2])
         return 0
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    ts = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    target = args.dir or (REPO.parent / "bench_tmp")
-    created = not target.exists()
-    target.mkdir(parents=True, exist_ok=True)
+    ts = C.timestamp()
+    target, created = C.prepare_target(args.dir)
     if "blocking" in args.parts:
         C.check_free_space(target, 3 * args.size_bytes)
     workdir = target / f"async-{ts}-{os.getpid()}"

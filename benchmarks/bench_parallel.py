@@ -38,11 +38,9 @@ sum of the devices' bandwidth.  This benchmark measures it end to end:
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -81,17 +79,6 @@ def make_parallel_spec(size_bytes: int, seed: int) -> C.StateDictSpec:
 
 # ==========================================================================
 # child side
-
-
-def _fp_dcp_import():
-    try:
-        import fp_dcp  # noqa: F401
-    except ModuleNotFoundError as e:
-        if e.name != "fp_dcp":
-            raise
-        sys.path.insert(1, str(REPO))
-    import fp_dcp
-    return fp_dcp
 
 
 def _phase(name: str) -> None:
@@ -136,7 +123,7 @@ def child_save(cfg: dict) -> dict:
         sd = _build_local(spec, cfg["mode"], rank, world)
         warm = cfg["path"] + ".warmup"
         if cfg["contender"] == "fp_dcp":
-            fp_dcp = _fp_dcp_import()
+            fp_dcp = C.import_fp_dcp()
             writer = fp_dcp.FastPersistWriter(warm)
         else:
             writer = dcp.FileSystemWriter(warm, thread_count=cfg["stock_threads"], sync_files=True)
@@ -182,7 +169,7 @@ def child_verify(cfg: dict) -> dict:
     factory = C.StateDictFactory(spec)
     target = factory.build(zero=True)
     if cfg["contender"] == "fp_dcp":
-        reader = _fp_dcp_import().FastPersistReader(cfg["path"])
+        reader = C.import_fp_dcp().FastPersistReader(cfg["path"])
     else:
         reader = dcp.FileSystemReader(cfg["path"])
     dcp.load(target, storage_reader=reader, no_dist=True)
@@ -310,7 +297,7 @@ def child_sim(cfg: dict) -> dict:
     import numpy as np
     from torch.distributed.checkpoint.planner import SavePlan
 
-    fp_dcp = _fp_dcp_import()
+    fp_dcp = C.import_fp_dcp()
     from fp_dcp import writer as W
 
     results = []
@@ -573,7 +560,7 @@ def sim_targets(sim: list[dict]) -> list[dict]:
 
 
 def default_dir() -> Path:
-    return REPO.parent / "bench_tmp"
+    return C.DEFAULT_DIR
 
 
 def parse_args(argv=None):
@@ -635,11 +622,8 @@ def main(argv=None) -> int:
         child_main(sys.argv[2])
         return 0
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    ts = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    target = args.dir or default_dir()
-    created_target = not target.exists()
-    target.mkdir(parents=True, exist_ok=True)
+    ts = C.timestamp()
+    target, created_target = C.prepare_target(args.dir)
     hw = C.hardware_info(target)
     report: dict = {"benchmark": "parallel", "timestamp": ts, "argv": sys.argv[1:], "size_bytes": args.size_bytes,
                     "repeat": args.repeat, "seed": args.seed, "hardware": hw}

@@ -42,7 +42,6 @@ native engine reading into one huge-page buffer, no format). Run it alone on the
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import shutil
@@ -126,11 +125,8 @@ def _child(spec: dict) -> dict:
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
     torch.set_num_threads(1)
-    try:
-        import fp_dcp  # noqa: F401
-    except ModuleNotFoundError:
-        sys.path.insert(1, str(REPO))
-    from fp_dcp import FastPersistReader, FastPersistWriter
+    fp = C.import_fp_dcp()
+    FastPersistReader, FastPersistWriter = fp.FastPersistReader, fp.FastPersistWriter
 
     rank, ws = spec["rank"], spec["ws"]
     dist.init_process_group("gloo", init_method=f"file://{spec['rendezvous']}", rank=rank, world_size=ws)
@@ -330,7 +326,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown case or reader {', '.join(unknown)}; cases: {', '.join(CASES)}; readers: {', '.join(READERS)}")
     size = C.parse_size("256MiB" if args.quick else args.size)
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    stamp = C.timestamp()
     out_dir = Path(args.dir or (REPO / "bench_out" / f"reshard-{stamp}"))
     out_dir.mkdir(parents=True, exist_ok=True)
     try:

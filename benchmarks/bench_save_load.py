@@ -18,11 +18,9 @@ project's targets. JSON with the machine description goes to --json.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 import warnings
@@ -47,15 +45,9 @@ RSS_OVERHEAD_MAX = 300 * C.MiB
 
 
 def _fp_dcp_import():
-    """Import the API from an installed fp_dcp, else from the repository checkout."""
-    try:
-        import fp_dcp  # noqa: F401
-    except ModuleNotFoundError as e:
-        if e.name != "fp_dcp":
-            raise
-        sys.path.insert(1, str(REPO))
-    from fp_dcp import FastPersistOptions, FastPersistReader, FastPersistWriter
-    return FastPersistWriter, FastPersistReader, FastPersistOptions
+    """The API from an installed fp_dcp, else from the repository checkout."""
+    fp = C.import_fp_dcp()
+    return fp.FastPersistWriter, fp.FastPersistReader, fp.FastPersistOptions
 
 
 def _child(spec: dict) -> dict:
@@ -345,7 +337,7 @@ def print_report(mix_result: dict, summ: dict, ratios: list[dict], contenders: l
 
 
 def default_dir() -> Path:
-    return REPO.parent / "bench_tmp"
+    return C.DEFAULT_DIR
 
 
 def parse_args(argv=None):
@@ -401,12 +393,8 @@ def main(argv=None) -> int:
         child_main(sys.argv[2])
         return 0
     args = parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so the child is killed and --dir cleaned up
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    ts = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    target = args.dir or default_dir()
-    created_target = not target.exists()
-    target.mkdir(parents=True, exist_ok=True)
+    ts = C.timestamp()
+    target, created_target = C.prepare_target(args.dir)
     C.check_free_space(target, 3 * args.size_bytes)
     workdir = target / f"save_load-{ts}-{os.getpid()}"
     workdir.mkdir()
