@@ -81,33 +81,24 @@ class Matrix:
             row[1] += 1
 
 
+# The test suite's helpers (tests/_sd.py), imported when used, as this script
+# imports torch (which tests/_sd.py needs) only where it is used.
 def _root_error(exc: BaseException) -> BaseException:
-    from torch.distributed.checkpoint.api import CheckpointException
+    from tests._sd import root_error
 
-    if isinstance(exc, CheckpointException):
-        (first, _), *_ = exc.failures.values()
-        return first
-    return exc
+    return root_error(exc)
 
 
 def _save(sd, path, **kw):
-    import torch.distributed.checkpoint as dcp
+    from tests._sd import save
 
-    from fp_dcp import FastPersistWriter
-
-    w = FastPersistWriter(path, **kw)
-    try:
-        dcp.save(sd, storage_writer=w)
-    finally:
-        w.close()
+    save(sd, path, **kw)
 
 
 def _failed_save(sd, path, **kw) -> BaseException:
-    try:
-        _save(sd, path, **kw)
-    except BaseException as e:  # noqa: BLE001
-        return _root_error(e)
-    raise AssertionError("the save succeeded")
+    from tests._sd import failed_save
+
+    return failed_save(sd, path, **kw)
 
 
 def _seed(path) -> str:

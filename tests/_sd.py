@@ -112,3 +112,60 @@ def mixed_state_dict(seed: int = 0) -> dict[str, Any]:
     sd["name"] = "model-α"
     sd["config"] = {"layers": [1, 2, 3], "act": "gelu"}
     return sd
+
+
+# ------------------------------------------------ save / load with a closed writer
+
+
+def root_error(exc: BaseException) -> BaseException:
+    """The exception a rank raised, out of DCP's CheckpointException."""
+    if isinstance(exc, CheckpointException):
+        (first, _), *_ = exc.failures.values()
+        return first
+    return exc
+
+
+def save(sd, path, **options) -> None:
+    """dcp.save through a FastPersistWriter(path, **options), closed after."""
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistWriter
+
+    w = FastPersistWriter(path, **options)
+    try:
+        dcp.save(sd, storage_writer=w)
+    finally:
+        w.close()
+
+
+def load(sd, path, **options):
+    """dcp.load through a FastPersistReader(path, **options), closed after;
+    returns the reader (its ``last_stats``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistReader
+
+    r = FastPersistReader(path, **options)
+    try:
+        dcp.load(sd, storage_reader=r)
+    finally:
+        r.close()
+    return r
+
+
+def failed_save(sd, path, **options) -> BaseException:
+    """The error a save must raise (out of DCP's wrapper); AssertionError if it succeeds."""
+    try:
+        save(sd, path, **options)
+    except FAILED as e:
+        return root_error(e)
+    raise AssertionError(f"the save into {path} succeeded")
+
+
+def failed_load(sd, path, **options) -> BaseException:
+    """The error a load must raise (out of DCP's wrapper); AssertionError if it succeeds."""
+    try:
+        load(sd, path, **options)
+    except FAILED as e:
+        return root_error(e)
+    raise AssertionError(f"the load of {path} succeeded")

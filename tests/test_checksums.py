@@ -15,33 +15,16 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fp_dcp import FastPersistReader, FastPersistWriter, _aio
+from fp_dcp import FastPersistReader, _aio
 from fp_dcp import format as fmt
 from fp_dcp import verify as verify_mod
 from fp_dcp.checksums import ChecksumError, ReadVerifier, crc_array, crc_hex, merge_block_crcs
 from fp_dcp.reader import read_checkpoint_metadata
-from tests._sd import FAILED, assert_sd_equal, mixed_state_dict, zeros_like_sd
+from tests._sd import FAILED, assert_sd_equal, load, mixed_state_dict, save, zeros_like_sd
 
 pytestmark = pytest.mark.usefixtures("aio_no_leaks")
 
 MiB = 1 << 20
-
-
-def save(sd, path, **kw):
-    w = FastPersistWriter(path, **kw)
-    try:
-        dcp.save(sd, storage_writer=w)
-    finally:
-        w.close()
-
-
-def load(sd, path, **kw):
-    r = FastPersistReader(path, **kw)
-    try:
-        dcp.load(sd, storage_reader=r)
-    finally:
-        r.close()
-    return r
 
 
 def extent_of(path, fqn):

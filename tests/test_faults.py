@@ -31,16 +31,9 @@ from fp_dcp.reader import read_checkpoint_metadata
 from fp_dcp.rotation import keep_last
 from tests import _crash
 from tests._crash import COMMIT, committed, leftovers, outcome, resources, run_save, settle, state_dict
+from tests._sd import failed_load, failed_save, root_error, save
 
 # ------------------------------------------------------------------ helpers
-
-
-def root_error(exc: BaseException) -> BaseException:
-    """The exception a rank raised, out of DCP's CheckpointException."""
-    if isinstance(exc, CheckpointException):
-        (first, _), *_ = exc.failures.values()
-        return first
-    return exc
 
 
 @pytest.fixture
@@ -58,24 +51,6 @@ def no_leaks():
     _aio._set_fault("")
     after = settle(before)
     assert after == before, f"leaked: before {before}, after {after}"
-
-
-def save(sd, path, **kw):
-    w = FastPersistWriter(path, **kw)
-    try:
-        dcp.save(sd, storage_writer=w)
-    finally:
-        w.close()
-
-
-def failed_save(sd, path, **kw) -> BaseException:
-    w = FastPersistWriter(path, **kw)
-    try:
-        with pytest.raises((Exception, CheckpointException)) as ei:
-            dcp.save(sd, storage_writer=w)
-    finally:
-        w.close()
-    return root_error(ei.value)
 
 
 def load_seed(path) -> str:
@@ -422,28 +397,18 @@ def test_200_saves_with_rotation_leak_nothing(tmp_path, no_leaks):
 # ------------------------------------------------------------------ bad input
 
 
-def _load_error(target, path, **kw) -> BaseException:
-    r = FastPersistReader(path, **kw)
-    try:
-        with pytest.raises((Exception, CheckpointException)) as ei:
-            dcp.load(target, storage_reader=r)
-    finally:
-        r.close()
-    return root_error(ei.value)
-
-
 def test_target_with_missing_extra_or_misshapen_keys(tmp_path):
     """DCP's planner names the key for a missing one and for a wrong shape;
     keys the checkpoint has and the target lacks are simply not loaded (a
     partial load, as with the stock reader)."""
     path = tmp_path / "c"
     save({"a": torch.ones(4, 3), "b": torch.arange(5.0), "n": 3}, path)
-    e = _load_error({"a": torch.zeros(4, 3), "b": torch.zeros(5), "zz": torch.zeros(2)}, path)
+    e = failed_load({"a": torch.zeros(4, 3), "b": torch.zeros(5), "zz": torch.zeros(2)}, path)
     assert "Missing key in checkpoint state_dict: zz" in str(e)
     for shape in [(3, 4), (8, 3), (12,), (4, 3, 1)]:
-        e = _load_error({"a": torch.zeros(shape), "b": torch.zeros(5)}, path)
+        e = failed_load({"a": torch.zeros(shape), "b": torch.zeros(5)}, path)
         assert "Size mismatch" in str(e) and "for a" in str(e), e
-    e = _load_error({"a": 1, "b": torch.zeros(5)}, path)
+    e = failed_load({"a": 1, "b": torch.zeros(5)}, path)
     assert "for a" in str(e)
     partial = {"b": torch.zeros(5)}
     dcp.load(partial, storage_reader=FastPersistReader(path))
@@ -457,10 +422,10 @@ def test_truncated_or_deleted_data_file_on_load(tmp_path):
     name = os.path.join(path, layout.files[0][0])
     size = os.path.getsize(name)
     os.truncate(name, size // 2)
-    e = _load_error(_crash.zeros_like(state_dict(0)), path)
+    e = failed_load(_crash.zeros_like(state_dict(0)), path)
     assert "data file is truncated" in str(e) and name in str(e)
     os.unlink(name)
-    e = _load_error(_crash.zeros_like(state_dict(0)), path)
+    e = failed_load(_crash.zeros_like(state_dict(0)), path)
     # DCP turns a failed metadata read into an AssertionError carrying the reader's message
     assert "data file of the checkpoint is missing" in str(e) and name in str(e)
 
