@@ -21,18 +21,12 @@ import os
 import sys
 from typing import Sequence
 
+from fp_dcp.options import format_size
+
 __all__ = ["main"]
 
 _SUFFIXES = {".pt": "torch", ".pth": "torch", ".bin": "torch", ".ckpt": "torch", ".safetensors": "safetensors"}
 _TARGETS = ("torch", "safetensors", "dcp", "fp_dcp")
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 # ------------------------------------------------------------------ inspect
@@ -58,16 +52,16 @@ def _inspect(args: argparse.Namespace) -> int:
           f"(torch {d['torch_version']}) on {d['world_size']} rank(s) at {created}; save {d['save_id']}")
     ck = d["checksum_block_bytes"]
     print(f"  alignment {d['alignment']} B; checksums: "
-          + (f"CRC-32C per {_size(ck)} block" if ck else "none"))
-    print(f"  {len(d['tensors'])} tensors ({_size(d['tensor_bytes'])}), {len(d['objects'])} other items, "
-          f"{len(d['files'])} data files ({_size(d['file_bytes'])})")
+          + (f"CRC-32C per {format_size(ck)} block" if ck else "none"))
+    print(f"  {len(d['tensors'])} tensors ({format_size(d['tensor_bytes'])}), {len(d['objects'])} other items, "
+          f"{len(d['files'])} data files ({format_size(d['file_bytes'])})")
     print()
     rows = [("tensor", "dtype", "shape", "chunks", "bytes", "files")]
     for t in d["tensors"]:
         rows.append((t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", str(len(t["chunks"])),
-                     _size(t["bytes"]), ",".join(map(str, t["files"]))))
+                     format_size(t["bytes"]), ",".join(map(str, t["files"]))))
     for o in d["objects"]:
-        rows.append((o["name"], "object", "-", "1", _size(o["bytes"]), ",".join(map(str, o["files"]))))
+        rows.append((o["name"], "object", "-", "1", format_size(o["bytes"]), ",".join(map(str, o["files"]))))
     _table(rows)
     if args.chunks:
         print()
@@ -75,7 +69,7 @@ def _inspect(args: argparse.Namespace) -> int:
             for c in t["chunks"]:
                 print(f"  {t['name']} chunk at {c['offsets']} size {c['sizes']}")
     print()
-    _table([("file", "name", "size")] + [(str(f["index"]), f["name"], _size(f["size"])) for f in d["files"]])
+    _table([("file", "name", "size")] + [(str(f["index"]), f["name"], format_size(f["size"])) for f in d["files"]])
     return 0
 
 

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from fp_dcp import format as fmt
+from fp_dcp.options import format_size
 
 __all__ = [
     "Progress",
@@ -117,20 +118,12 @@ class Progress:
     def _line(self, frac: float, now: float) -> str:
         dt = now - self.t0
         rate = self.done / dt / 1e9 if dt > 0 else 0.0
-        return f"{self.label}: {_human(self.done)} / {_human(self.total)} ({100 * frac:5.1f}%) {rate:.2f} GB/s"
+        return f"{self.label}: {format_size(self.done)} / {format_size(self.total)} ({100 * frac:5.1f}%) {rate:.2f} GB/s"
 
     def close(self) -> None:
         if self.enabled and self.tty:
             self.stream.write("\n")
             self.stream.flush()
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 # ------------------------------------------------------------------ what is it

@@ -23,7 +23,7 @@ import os
 import re
 from typing import Any, Iterator
 
-__all__ = ["FastPersistOptions", "override", "parse_size"]
+__all__ = ["FastPersistOptions", "format_size", "override", "parse_size"]
 
 _ENV_PREFIX = "FP_DCP_"
 
@@ -56,6 +56,15 @@ def parse_size(text: str | int) -> int:
             f"(B, KiB, MiB, GiB, TiB), e.g. '64MiB'"
         )
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def format_size(n: float, digits: int = 2) -> str:
+    """67108864 -> ``"64.00 MiB"``: binary units, whole bytes below 1 KiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.{digits}f} {unit}"
+        n /= 1024
+    return f"{n:.{digits}f} TiB"
 
 
 @dataclasses.dataclass(frozen=True)

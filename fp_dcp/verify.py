@@ -28,7 +28,7 @@ from fp_dcp import _aio
 from fp_dcp import format as fmt
 from fp_dcp.checksums import BadBlock, ReadVerifier, item_name
 from fp_dcp.engine import IOSession
-from fp_dcp.options import FastPersistOptions
+from fp_dcp.options import FastPersistOptions, format_size
 
 __all__ = ["verify_checkpoint", "VerifyReport", "BadExtent", "main"]
 
@@ -295,14 +295,6 @@ def _bad_extents(blocks: list[BadBlock], pieces, path: str, block: int) -> list[
     return list(out.values())
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("--workers", type=int, default=None, help="reader threads (default: min(4, CPUs, files))")
@@ -323,9 +315,9 @@ def run(args: argparse.Namespace) -> int:
         return 0 if report.ok else 1
     rate = report.bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
     print(
-        f"{report.path}: {report.extents} extents, {_human(report.bytes)} in {report.files} files, "
+        f"{report.path}: {report.extents} extents, {format_size(report.bytes, 1)} in {report.files} files, "
         f"{report.workers} workers, {report.seconds:.2f} s ({rate:.2f} GB/s); "
-        f"{_human(report.verified_bytes)} checked against their CRC-32C"
+        f"{format_size(report.verified_bytes, 1)} checked against their CRC-32C"
     )
     if report.unchecked_extents:
         print(f"note: {report.unchecked_extents} extent(s) were written without checksums: read, not checked")
