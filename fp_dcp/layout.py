@@ -14,6 +14,7 @@ import numpy as np
 from fp_dcp.format import CheckpointFormatError, Extent
 
 __all__ = [
+    "check_box",
     "item_file_ranges",
     "count_runs",
     "align_up",
@@ -52,6 +53,17 @@ def place_extents(
     return offsets, pos
 
 
+def check_box(chunk_sizes: Sequence[int], box_offsets: Sequence[int], box_lengths: Sequence[int]) -> int:
+    """Raise ValueError unless the box lies inside the chunk; its rank."""
+    ndim = len(chunk_sizes)
+    if len(box_offsets) != ndim or len(box_lengths) != ndim:
+        raise ValueError("box and chunk ranks differ")
+    for o, n, s in zip(box_offsets, box_lengths, chunk_sizes):
+        if o < 0 or n < 0 or o + n > s:
+            raise ValueError(f"box {list(box_offsets)}+{list(box_lengths)} outside chunk {list(chunk_sizes)}")
+    return ndim
+
+
 def box_runs(
     chunk_sizes: Sequence[int],
     box_offsets: Sequence[int],
@@ -67,12 +79,7 @@ def box_runs(
     ``i * run_length`` of a contiguous tensor of the box's shape).  A dim-0
     slice is one run; a slice of the last dim is one run per row.
     """
-    ndim = len(chunk_sizes)
-    if len(box_offsets) != ndim or len(box_lengths) != ndim:
-        raise ValueError("box and chunk ranks differ")
-    for o, n, s in zip(box_offsets, box_lengths, chunk_sizes):
-        if o < 0 or n < 0 or o + n > s:
-            raise ValueError(f"box {list(box_offsets)}+{list(box_lengths)} outside chunk {list(chunk_sizes)}")
+    ndim = check_box(chunk_sizes, box_offsets, box_lengths)
     if any(n == 0 for n in box_lengths):
         return np.zeros(0, dtype=np.int64), 0
     strides = [element_size] * ndim

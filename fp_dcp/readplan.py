@@ -44,6 +44,8 @@ from typing import Sequence
 
 import numpy as np
 
+from fp_dcp.layout import check_box
+
 __all__ = [
     "Grid",
     "box_grid",
@@ -109,12 +111,7 @@ def box_grid(
     ``element_size``-scaled element offsets from the destination's first
     element (bytes when the destination has the stored dtype).
     """
-    ndim = len(chunk_sizes)
-    if len(box_offsets) != ndim or len(box_lengths) != ndim:
-        raise ValueError("box and chunk ranks differ")
-    for o, n, s in zip(box_offsets, box_lengths, chunk_sizes):
-        if o < 0 or n < 0 or o + n > s:
-            raise ValueError(f"box {list(box_offsets)}+{list(box_lengths)} outside chunk {list(chunk_sizes)}")
+    ndim = check_box(chunk_sizes, box_offsets, box_lengths)
     src = row_major_strides(chunk_sizes, element_size)
     if dst_strides is None:
         dst = row_major_strides(box_lengths, element_size)

@@ -827,21 +827,30 @@ def _plan(metas: tuple, options: Any, alignment: int) -> _Layout:
     nbytes = [int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for dtype, shape, _ in metas]
     threshold, packed = options.pack_threshold_bytes, options.pack_alignment_bytes
 
-    def place(pos: int, n: int) -> int:
-        return align_up(pos, alignment if n >= threshold else packed)
+    def fill(budget: int | None) -> tuple[list[int], list[int], int, int]:
+        """Tensors in the arena (first fit, page 0 the header) while they end
+        within ``budget`` (None: all of them), the others in the spill file:
+        (where, offset, arena end, spill end)."""
+        where, offset = [], []
+        pos, spos = alignment, 0
+        for n in nbytes:
+            if n == 0:
+                where.append(_EMPTY)
+                offset.append(0)
+                continue
+            off = align_up(pos, alignment if n >= threshold else packed)
+            if budget is None or off + n <= budget:
+                where.append(_ARENA)
+                offset.append(off)
+                pos = off + n
+            else:
+                soff = align_up(spos, alignment)
+                where.append(_SPILL)
+                offset.append(soff)
+                spos = soff + n
+        return where, offset, align_up(pos, alignment), align_up(spos, alignment)
 
-    where, offset = [], []
-    pos = alignment  # page 0: the header
-    for n in nbytes:
-        if n == 0:
-            where.append(_EMPTY)
-            offset.append(0)
-            continue
-        off = place(pos, n)
-        where.append(_ARENA)
-        offset.append(off)
-        pos = off + n
-    full = align_up(pos, alignment)
+    where, offset, full, _ = fill(None)
     cap = options.staging_memory_limit_bytes
     if cap is None or full <= cap:
         return _Layout(metas, tuple(nbytes), tuple(where), tuple(offset), full, full, 0, 0)
@@ -854,27 +863,8 @@ def _plan(metas: tuple, options: Any, alignment: int) -> _Layout:
             f"FastPersistOptions.staging_memory_limit_bytes={cap} is too small to stream "
             f"through: allow at least {5 * alignment} bytes"
         )
-    where, offset = [], []
-    pos, spos = alignment, 0
-    for n in nbytes:
-        if n == 0:
-            where.append(_EMPTY)
-            offset.append(0)
-            continue
-        off = place(pos, n)
-        if off + n <= budget:
-            where.append(_ARENA)
-            offset.append(off)
-            pos = off + n
-        else:
-            soff = align_up(spos, alignment)
-            where.append(_SPILL)
-            offset.append(soff)
-            spos = soff + n
-    ring = align_up(pos, alignment)
-    return _Layout(
-        metas, tuple(nbytes), tuple(where), tuple(offset), ring + 2 * slot, ring, slot, align_up(spos, alignment)
-    )
+    where, offset, ring, spill = fill(budget)
+    return _Layout(metas, tuple(nbytes), tuple(where), tuple(offset), ring + 2 * slot, ring, slot, spill)
 
 
 # --------------------------------------------------------- the staged dict

@@ -9,7 +9,6 @@ import pickle
 import struct
 import zlib
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp

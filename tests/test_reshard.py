@@ -91,13 +91,19 @@ class RecordingPlanner:
 # pure planning functions
 
 
+def _draw_box(data, max_ndim: int, max_size: int) -> tuple[list[int], list[int], list[int]]:
+    """A chunk shape (1..max_ndim dims of 1..max_size) and a non-empty box in it."""
+    ndim = data.draw(st.integers(1, max_ndim))
+    sizes = data.draw(st.lists(st.integers(1, max_size), min_size=ndim, max_size=ndim))
+    offs = [data.draw(st.integers(0, s - 1)) for s in sizes]
+    lens = [data.draw(st.integers(1, s - o)) for s, o in zip(sizes, offs)]
+    return sizes, offs, lens
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_box_grid_matches_box_runs(data):
-    ndim = data.draw(st.integers(1, 4))
-    sizes = data.draw(st.lists(st.integers(1, 6), min_size=ndim, max_size=ndim))
-    offs = [data.draw(st.integers(0, s - 1)) for s in sizes]
-    lens = [data.draw(st.integers(1, s - o)) for s, o in zip(sizes, offs)]
+    sizes, offs, lens = _draw_box(data, 4, 6)
     esize = data.draw(st.sampled_from([1, 2, 4, 8]))
     grid = readplan.box_grid(sizes, offs, lens, esize)
     src, dst, _ = readplan.unit_starts(grid, len(grid.counts))
@@ -112,10 +118,8 @@ def test_box_grid_matches_box_runs(data):
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_box_grid_into_strided_targets_and_merge_levels(data):
-    ndim = data.draw(st.integers(1, 3))
-    sizes = data.draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim))
-    offs = [data.draw(st.integers(0, s - 1)) for s in sizes]
-    lens = [data.draw(st.integers(1, s - o)) for s, o in zip(sizes, offs)]
+    sizes, offs, lens = _draw_box(data, 3, 7)
+    ndim = len(sizes)
     perm = data.draw(st.permutations(range(ndim)))
     pad = data.draw(st.integers(0, 2))
     # a target laid out in another dimension order, inside a padded buffer
