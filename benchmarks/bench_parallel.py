@@ -559,10 +559,6 @@ def sim_targets(sim: list[dict]) -> list[dict]:
     return out
 
 
-def default_dir() -> Path:
-    return C.DEFAULT_DIR
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Parallel dcp.save with 1, 2 and 4 rank processes (gloo, CPU): fp_dcp vs stock "
@@ -591,7 +587,7 @@ def parse_args(argv=None):
     g = p.add_mutually_exclusive_group()
     g.add_argument("--no-sim", action="store_true", help="skip the planner simulation")
     g.add_argument("--sim-only", action="store_true", help="only the planner simulation")
-    p.add_argument("--dir", type=Path, default=None, help=f"target directory (default {default_dir()})")
+    p.add_argument("--dir", type=Path, default=None, help=f"target directory (default {C.DEFAULT_DIR})")
     p.add_argument("--json", type=Path, default=None,
                    help="JSON output (default bench_out/parallel-<timestamp>.json in the repo)")
     p.add_argument("--seed", type=int, default=0)

@@ -336,10 +336,6 @@ def print_report(mix_result: dict, summ: dict, ratios: list[dict], contenders: l
     return text
 
 
-def default_dir() -> Path:
-    return C.DEFAULT_DIR
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Save and cold-load throughput of fp_dcp vs stock DCP FileSystemWriter/Reader, "
@@ -367,7 +363,7 @@ def parse_args(argv=None):
                    help="raw block sizes (one raw contender each; ratios use the fastest)")
     p.add_argument("--raw-iodepth", type=int, default=16, help="fio iodepth")
     p.add_argument("--dir", type=Path, default=None,
-                   help=f"target directory (default {default_dir()}); needs 3x --size free")
+                   help=f"target directory (default {C.DEFAULT_DIR}); needs 3x --size free")
     p.add_argument("--json", type=Path, default=None,
                    help="JSON output (default bench_out/save_load-<timestamp>.json in the repo)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated state dict")
