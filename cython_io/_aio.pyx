@@ -236,6 +236,32 @@ def copy_scatter(src, src_offsets, dsts):
     _copy_pieces(src, src_offsets, dsts, False)
 
 
+def pull(int pid, dst, uint64_t remote, starts, int64_t run_length):
+    """Copy ``len(starts)`` runs of ``run_length`` bytes of process ``pid``'s
+    memory, at ``remote + starts[i]``, into the writable buffer ``dst`` back to
+    back (``process_vm_readv``, GIL released).  The caller guarantees that
+    those addresses hold what it wants there: the kernel checks only that they
+    are mapped (OSError EFAULT otherwise) and that this process may read
+    ``pid``'s memory (EPERM / ESRCH otherwise: ptrace rules, seccomp)."""
+    cdef const int64_t[::1] st = _i64(starts, "starts")
+    cdef Py_ssize_t n = st.shape[0]
+    cdef Py_buffer view
+    cdef int rc = 0
+    if run_length < 0:
+        raise ValueError(f"run_length must be >= 0, got {run_length}")
+    PyObject_GetBuffer(dst, &view, PyBUF_WRITABLE)
+    try:
+        if n * run_length > view.len:
+            raise ValueError(f"{n} runs of {run_length} bytes do not fit the {view.len}-byte buffer")
+        if n and run_length:
+            with nogil:
+                rc = fpio_pull(pid, <char *>view.buf, remote, &st[0], n, run_length)
+        if rc < 0:
+            raise _oserror(-rc, f"process_vm_readv of {n} runs of {run_length} bytes from pid {pid}", None)
+    finally:
+        PyBuffer_Release(&view)
+
+
 # ---------------------------------------------------------------- checksums
 
 # buffers at least this long are checksummed with the GIL released

@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -446,10 +447,39 @@ static int aio_open(fpio_engine *e, const char **why)
     return 0;
 }
 
+static void *aio_destroy_main(void *ctx)
+{
+    syscall(SYS_io_destroy, (aio_context_t)(uintptr_t)ctx);
+    return NULL;
+}
+
+/* io_destroy waits for an RCU grace period even when nothing is in flight:
+ * 30 ms here, paid by every load and save that closes its engine.  When
+ * nothing is in flight (the pipelines reap every request before they return,
+ * unless the engine broke) a detached thread, with every signal blocked,
+ * pays it instead; otherwise io_destroy runs here, because it also waits for
+ * the requests still in flight, which DMA into the slots freed next. */
 static void aio_close(fpio_engine *e)
 {
-    if (e->aio_ctx)
-        syscall(SYS_io_destroy, e->aio_ctx);  /* waits for anything still in flight */
+    if (e->aio_ctx) {
+        int deferred = 0;
+        if (!e->broken) {
+            pthread_attr_t attr;
+            sigset_t all, old;
+            pthread_t t;
+            sigfillset(&all);
+            if (pthread_attr_init(&attr) == 0) {
+                pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+                pthread_attr_setstacksize(&attr, 64 * 1024);
+                pthread_sigmask(SIG_BLOCK, &all, &old);
+                deferred = pthread_create(&t, &attr, aio_destroy_main, (void *)(uintptr_t)e->aio_ctx) == 0;
+                pthread_sigmask(SIG_SETMASK, &old, NULL);
+                pthread_attr_destroy(&attr);
+            }
+        }
+        if (!deferred)
+            syscall(SYS_io_destroy, e->aio_ctx);
+    }
     e->aio_ctx = 0;
     free(e->events);
 }
@@ -1494,4 +1524,38 @@ void fpio_copy_crc_many(char *const *dst, char *const *src, const int64_t *len, 
             *o++ = crc_reg_copy(0xffffffffu, dst[i] + at, src[i] + at, k) ^ 0xffffffffu;
         }
     }
+}
+
+/* Pulling from a peer process: process_vm_readv, FPIO_PULL_IOV iovecs a call
+ * (the kernel's UIO_MAXIOV).  The kernel stops at the first iovec it cannot
+ * read and returns what it copied; the rest is retried from there, and a
+ * retry that copies nothing is EFAULT. */
+#define FPIO_PULL_IOV 1024
+
+int fpio_pull(int pid, char *dst, uint64_t remote, const int64_t *starts, int64_t nruns, int64_t run_len)
+{
+    struct iovec rv[FPIO_PULL_IOV];
+    int64_t i = 0, skip = 0; /* run i, skip bytes of it already copied */
+    while (i < nruns && run_len > 0) {
+        int k = 0;
+        for (int64_t j = i; j < nruns && k < FPIO_PULL_IOV; j++, k++) {
+            int64_t off = j == i ? skip : 0;
+            rv[k].iov_base = (void *)(uintptr_t)(remote + (uint64_t)starts[j] + (uint64_t)off);
+            rv[k].iov_len = (size_t)(run_len - off);
+        }
+        size_t want = (size_t)k * (size_t)run_len - (size_t)skip;
+        struct iovec lv = {dst + i * run_len + skip, want};
+        ssize_t got = process_vm_readv(pid, &lv, 1, rv, (unsigned long)k, 0);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (got == 0)
+            return -EFAULT;
+        int64_t at = skip + (int64_t)got; /* bytes from the start of run i */
+        i += at / run_len;
+        skip = at % run_len;
+    }
+    return 0;
 }

@@ -117,4 +117,10 @@ void fpio_copy_many(char *const *dst, char *const *src, const int64_t *len, int6
 void fpio_copy_crc_many(char *const *dst, char *const *src, const int64_t *len, int64_t n, int64_t block,
                         const int64_t *first, uint32_t *out);
 
+/* Copy `nruns` runs of `run_len` bytes from process `pid`'s memory at
+ * remote + starts[i] into dst, back to back (process_vm_readv; needs the
+ * right to ptrace pid).  Returns 0 or -errno (EFAULT: an address that is not
+ * mapped there; EPERM/ESRCH: no such process or no right to read it). */
+int fpio_pull(int pid, char *dst, uint64_t remote, const int64_t *starts, int64_t nruns, int64_t run_len);
+
 #endif

@@ -55,6 +55,7 @@ cdef extern from "fpio.h" nogil:
     void fpio_fault_kill(int sig, long after)
     int fpio_dioalign(const char *path, uint32_t *mem, uint32_t *off)
     void fpio_copy_many(char *const *dst, char *const *src, const int64_t *len, int64_t n)
+    int fpio_pull(int pid, char *dst, uint64_t remote, const int64_t *starts, int64_t nruns, int64_t run_len)
     void fpio_copy_crc_many(char *const *dst, char *const *src, const int64_t *len, int64_t n, int64_t block,
                             const int64_t *first, uint32_t *out)
 

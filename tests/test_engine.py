@@ -145,6 +145,66 @@ def test_copy_gather_scatter():
         _aio.copy_gather(b"read-only", [0], [b"x"])
 
 
+_PULL_CHILD = """
+import sys, numpy as np
+src = (np.arange(1 << 20, dtype=np.uint32) * 2654435761).astype(np.uint32)
+print(src.ctypes.data, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_pull_from_another_process():
+    """Runs of another process's memory land back to back, also past the
+    1,024 iovecs of one process_vm_readv; bad addresses, bad arguments and a
+    process that is gone are errors."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", _PULL_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        addr = int(child.stdout.readline())
+        want = (np.arange(1 << 20, dtype=np.uint32) * 2654435761).astype(np.uint32).view(np.uint8)
+        starts = np.arange(0, want.nbytes - 64, 1500, dtype=np.int64)[::-1].copy()  # 2,796 runs, any order
+        got = np.zeros(len(starts) * 37, dtype=np.uint8)
+        _aio.pull(child.pid, got, addr, starts, 37)
+        expect = np.concatenate([want[s : s + 37] for s in starts])
+        assert np.array_equal(got, expect)
+        _aio.pull(child.pid, got, addr, np.zeros(0, np.int64), 37)  # nothing to do
+        with pytest.raises(OSError) as e:  # the last run is past the mapping
+            _aio.pull(child.pid, got[:74], addr, [0, 1 << 40], 37)
+        assert e.value.errno == errno.EFAULT and str(child.pid) in str(e.value)
+        with pytest.raises(ValueError, match="do not fit"):
+            _aio.pull(child.pid, got[:10], addr, [0], 37)
+        with pytest.raises(BufferError):
+            _aio.pull(child.pid, b"read-only", addr, [0], 1)
+    finally:
+        child.communicate("\n")
+    with pytest.raises(OSError) as e:
+        _aio.pull(child.pid, got, addr, [0], 1)
+    assert e.value.errno == errno.ESRCH
+
+
+def test_aio_engine_close_releases_its_context():
+    """Closing a kernel-AIO engine does not wait for io_destroy (an RCU grace
+    period), but the context is still destroyed: the system's count of AIO
+    events comes back down."""
+    if "aio" not in _aio.available_engines():
+        pytest.skip("kernel AIO is not available here")
+
+    def aio_nr():
+        with open("/proc/sys/fs/aio-nr") as f:
+            return int(f.read())
+
+    before = aio_nr()
+    for _ in range(4):
+        _aio.Engine("aio", queue_depth=8, block_size=2 * A, alignment=A).close()
+    deadline = time.monotonic() + 20
+    while aio_nr() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert aio_nr() <= before
+
+
 # ------------------------------------------------------------------ AlignedBuffer
 
 @pytest.mark.parametrize("alignment", [4096, 65536])
