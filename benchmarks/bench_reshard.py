@@ -27,8 +27,11 @@ Cases (``--cases``; target world size and placement):
 rows are read whole, twice the bytes in large requests), the trade a user can
 choose when the disk's small-request rate, not its bandwidth, is the limit,
 and ``fp_dcp+coop`` (``share_interleaved_reads=True``: each row slab is read
-whole by one rank, which sends the other rank its half over gloo; held to the
-same bytes and speed targets as ``fp_dcp``).
+whole by one rank, and the other rank copies its half straight out of that
+rank's memory (``shared_read_transport="auto"``: same machine); held to the
+same bytes and speed targets as ``fp_dcp``), beside ``fp_dcp+coop-pg``, the
+same with the halves sent over gloo (``shared_read_transport="process_group"``,
+what ranks on different machines do).
 
 Targets (issue 5), printed PASS/FAIL: bytes read per rank <= 1.05 x needed +
 one 4 KiB block per needed run (fp_dcp); aggregate resharded throughput >=
@@ -143,7 +146,8 @@ def _child(spec: dict) -> dict:
         if spec["reader"] == "stock":
             return FileSystemReader(spec["stock_path"])
         return FastPersistReader(spec["fp_path"], share_replicated_reads=spec["reader"] == "fp_dcp+share",
-                                 share_interleaved_reads=spec["reader"] == "fp_dcp+coop",
+                                 share_interleaved_reads=spec["reader"].startswith("fp_dcp+coop"),
+                                 shared_read_transport="process_group" if spec["reader"].endswith("-pg") else "auto",
                                  max_overread_percent=100 if spec["reader"] == "fp_dcp+overread" else 5)
 
     needed = sum(t.to_local().numel() * 4 if hasattr(t, "to_local") else t.numel() * 4 for t in sd.values())
@@ -288,7 +292,7 @@ def _expect(p, word: str, timeout: float, logs) -> str:
     return line
 
 
-READERS = ("fp_dcp", "stock", "fp_dcp+share", "fp_dcp+overread", "fp_dcp+coop")
+READERS = ("fp_dcp", "stock", "fp_dcp+share", "fp_dcp+overread", "fp_dcp+coop", "fp_dcp+coop-pg")
 
 CASES = {
     "4to4": (4, "s0"),
@@ -374,7 +378,7 @@ def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path) -> None
             ws, placement = CASES[case]
             ws = ws or args.save_ranks
             case_names = names[: args.rep_tensors] if placement == "rep" else names
-            extra = {"rep": ["fp_dcp+share"], "s1": ["fp_dcp+overread", "fp_dcp+coop"]}.get(placement, [])
+            extra = {"rep": ["fp_dcp+share"], "s1": ["fp_dcp+overread", "fp_dcp+coop", "fp_dcp+coop-pg"]}.get(placement, [])
             for reader in readers + [r for r in (extra if "fp_dcp" in readers else []) if r not in readers]:
                 res = _world(dict(base, op="load", names=case_names, placement=placement, reader=reader), ws,
                              args.timeout)

@@ -181,6 +181,16 @@ class FastPersistOptions:
             are small (under 64 KiB) and the network is faster than the
             disk's small-request rate.  The coordinator decides per stored
             chunk, and only where the ranks' parts cover the rows they span.
+        shared_read_transport: how the two ``share_*`` options move a part
+            from the rank that read it to a rank that needs it: ``"auto"``
+            (a rank on the same machine copies it straight out of the
+            reader's memory with ``process_vm_readv``, one kernel copy
+            instead of packing, sending and receiving over the process
+            group; other pairs, and machines whose kernel refuses it (ptrace
+            rules, seccomp), use the process group) or ``"process_group"``
+            (always the process group's sends and receives).  Which pairs
+            could pull is checked once per load with a probe, so a pid
+            namespace or another machine is never read by mistake.
         write_checksums: on save, store the CRC-32C of every 1 MiB block of
             every extent in the metadata, computed by the engine while the
             bytes pass through it (a few percent of save throughput; see
@@ -224,6 +234,7 @@ class FastPersistOptions:
     strict_dtype: bool = False
     share_replicated_reads: bool = False
     share_interleaved_reads: bool = False
+    shared_read_transport: str = "auto"
     write_checksums: bool = True
     verify_checksums: bool = True
     freeze_gc_during_save: bool = True
@@ -267,6 +278,11 @@ class FastPersistOptions:
         if not isinstance(self.share_interleaved_reads, bool):
             raise ValueError(
                 f"FastPersistOptions.share_interleaved_reads must be True or False, got {self.share_interleaved_reads!r}"
+            )
+        if self.shared_read_transport not in ("auto", "process_group"):
+            raise ValueError(
+                f"FastPersistOptions.shared_read_transport={self.shared_read_transport!r}; "
+                "valid: auto, process_group"
             )
         if self.max_overread_percent < 0:
             raise ValueError(f"FastPersistOptions.max_overread_percent must be >= 0, got {self.max_overread_percent}")

@@ -60,7 +60,7 @@ from fp_dcp import _aio
 from fp_dcp import format as fmt
 from fp_dcp.checksums import ReadVerifier
 from fp_dcp.engine import IOSession
-from fp_dcp.layout import check_extents_cover
+from fp_dcp.layout import box_runs, check_extents_cover
 from fp_dcp.options import FastPersistOptions
 from fp_dcp.readplan import (
     Grid,
@@ -95,6 +95,8 @@ _PROGRESS_BATCH_BYTES = 256 << 20
 # block_size_bytes to the engine (see FastPersistReader._engine).
 _READ_QUEUE_DEPTH = 64
 _READ_BLOCK_BYTES = 256 << 10
+# shared reads: rounds read from disk ahead of the one being exchanged
+_READ_AHEAD = 2
 
 
 def read_checkpoint_metadata(directory: str) -> tuple[Metadata, fmt.StorageLayout, dict[str, Any]]:
@@ -175,10 +177,12 @@ class _SharedUnit:
 @dataclasses.dataclass
 class _SharePlan:
     """``LoadPlan.storage_data`` when reads are shared: the same list on every
-    rank (the collectives follow it); ``rounds`` are ranges of ``units``."""
+    rank (the collectives follow it); ``rounds`` are ranges of ``units``;
+    ``transport`` the coordinator's ``shared_read_transport``."""
 
     units: list[_SharedUnit]
     rounds: list[tuple[int, int]]
+    transport: str = "process_group"
 
 
 class FastPersistReader(StorageReader):
@@ -585,7 +589,7 @@ class FastPersistReader(StorageReader):
                 start, held = i, [0] * len(plans)
             held = [h + a for h, a in zip(held, add)]
         rounds.append((start, len(units)))
-        return _SharePlan(units, rounds)
+        return _SharePlan(units, rounds, opts.shared_read_transport)
 
     def _agreed_share_plan(self, plan: LoadPlan) -> _SharePlan | None:
         """The sharing plan the coordinator put in this rank's plan.  The
@@ -1025,6 +1029,52 @@ class _Scratch:
         return sum(-(-n // a) * a for n in sizes)
 
 
+def _machine_key() -> tuple:
+    """Equal for two processes that may be able to read each other's memory:
+    the same host name and boot, the same pid namespace."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return (socket.gethostname(), os.getpid())  # unknown: only itself
+    return (socket.gethostname(), boot, pidns)
+
+
+def _pull_table(group: Any, rank: int, world: int) -> tuple[list[frozenset[int]], list[int]]:
+    """``(table, pids)``: ``table[r]`` the ranks whose memory rank ``r`` can
+    copy from with ``process_vm_readv``, ``pids[r]`` rank ``r``'s process.
+
+    Each rank shows a random token in its memory; every other rank of the
+    same machine key pulls it and keeps the peer only when the token came
+    back, so a refused call (ptrace rules, seccomp), another pid namespace
+    or a reused pid is never trusted.  Two object all-gathers; every rank
+    learns the whole table, so both ends of a part agree on how it moves."""
+    import torch.distributed as dist
+
+    token = np.frombuffer(secrets.token_bytes(16), dtype=np.uint8).copy()
+    me = (_machine_key(), os.getpid(), int(token.ctypes.data), token.tobytes())
+    peers: list[Any] = [None] * world
+    dist.all_gather_object(peers, me, group=group)
+    reachable = []
+    got = np.zeros(16, dtype=np.uint8)
+    for r, (key, pid, addr, tok) in enumerate(peers):
+        if r == rank or key != me[0]:
+            continue
+        got[:] = 0
+        try:
+            _aio.pull(pid, got, addr, np.zeros(1, dtype=np.int64), 16)
+        except OSError:
+            continue
+        if got.tobytes() == tok:
+            reachable.append(r)
+    table: list[Any] = [None] * world
+    dist.all_gather_object(table, reachable, group=group)  # also: no rank's token is pulled after this
+    return [frozenset(t) for t in table], [p[1] for p in peers]
+
+
 def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadItem], planner: LoadPlanner,
                  share: _SharePlan, setup_error: BaseException | None = None) -> list[ReadItem]:
     """Read the shared units this rank owns, exchange their parts with the
@@ -1037,6 +1087,14 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     round's parts.  Round ``i``'s transfers are in flight while round
     ``i + 1`` is read from disk; a target is committed once all its parts
     have arrived.
+
+    With the ``"auto"`` transport, a part whose owner is on the same machine
+    (:func:`_pull_table`) is pulled: the status all-gather also carries the
+    address of every box the owners read this round, and the rank that needs
+    the part copies it from there with one ``process_vm_readv`` into its
+    target.  The owner keeps that box untouched until every rank has passed
+    the next round's status, which each does only after its pulls: three
+    temporaries alternate instead of two, and one status more ends the load.
     """
     import torch.distributed as dist
 
@@ -1044,6 +1102,25 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     device = _transfer_device(group)
+    can_pull: list[frozenset[int]] = [frozenset()] * world
+    pids: list[int] = []
+    if share.transport == "auto" and world > 1:
+        can_pull, pids = _pull_table(group, rank, world)
+
+    def pulled(u: _SharedUnit, p: _Part) -> bool:
+        return p.rank != u.owner and u.owner in can_pull[p.rank]
+
+    # per round, per owner: its units with a pulled part (their addresses go
+    # out with the round's status, in this order)
+    pull_units: list[list[list[int]]] = []
+    for r0, r1 in share.rounds:
+        per = [[] for _ in range(world)]
+        for ui in range(r0, r1):
+            u = share.units[ui]
+            if any(pulled(u, p) for p in u.parts):
+                per[u.owner].append(ui)
+        pull_units.append(per)
+    pulling = any(any(per) for per in pull_units)
     by_key: dict[tuple, list[ReadItem]] = {}
     for req in items:
         if req.type == LoadItemType.TENSOR:
@@ -1061,16 +1138,18 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                 left[key] = left.get(key, 0) + 1
     dests: dict[int, torch.Tensor] = {}
     alignment = run.alignment if run is not None else 4096
-    temps = [_Scratch(torch.device("cpu"), alignment) for _ in range(2)]
-    packs = [_Scratch(device, alignment) for _ in range(2)]
-    recvs = [_Scratch(device, alignment, prefault=False) for _ in range(2)]  # used only for targets that cannot take a receive
+    # Round i's buffers are reused by round i + len(...): see the loop below
+    temps = [_Scratch(torch.device("cpu"), alignment) for _ in range(_READ_AHEAD + (2 if pulling else 1))]
+    packs = [_Scratch(device, alignment) for _ in range(_READ_AHEAD + 1)]
+    recvs = [_Scratch(device, alignment, prefault=False) for _ in range(_READ_AHEAD + 1)]  # used only for targets that cannot take a receive
+    pull_buf = _Scratch(torch.device("cpu"), alignment, prefault=False)  # the same, for pulls (used at once)
     # the disk reads of a round (a background thread) see only its jobs and
     # ``run``; nothing else touches ``run`` meanwhile
     stats = {"shared_bytes_sent": 0, "shared_bytes_received": 0, "shared_bytes_read": 0,
-             "shared_rounds": len(share.rounds), "shared_wait_seconds": 0.0}
+             "shared_bytes_pulled": 0, "shared_rounds": len(share.rounds), "shared_wait_seconds": 0.0,
+             "shared_pull_seconds": 0.0}
     read_needed = my_bytes = 0
-    status = torch.zeros(1, dtype=torch.int64, device=device)
-    statuses = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    pull_error: list[BaseException] = []  # a failed pull, raised on every rank at the next status
 
     def dest_of(req: ReadItem, dtype: torch.dtype) -> torch.Tensor:
         d = dests.get(id(req))
@@ -1104,6 +1183,8 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
             self.sends: list[tuple[torch.Tensor, int, int]] = []
             self.receives: list[tuple[torch.Tensor, int, int]] = []
             self.finishes: list[Callable[[], None]] = []
+            self.pulls: list[tuple[int, _SharedUnit, _Part, torch.Tensor, Callable[[], None]]] = []
+            self.addresses: dict[int, int] = {}  # unit -> address of the box this rank read
             self.works: list[Any] = []
             self.read_needed = 0
             self.my_bytes = 0
@@ -1117,16 +1198,16 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                 raise setup_error
             assert run is not None
             r0, r1 = share.rounds[ri]
-            temp, pack, recv = temps[ri % 2], packs[ri % 2], recvs[ri % 2]
+            temp, pack, recv = temps[ri % len(temps)], packs[ri % len(packs)], recvs[ri % len(recvs)]
             for sc in (temp, pack, recv):
                 sc.reset()
             units = [(ui, share.units[ui]) for ui in range(r0, r1)]
             esize = {ui: u.nbytes // max(1, math.prod(u.lengths)) for ui, u in units}
             temp.reserve(temp.need([u.nbytes for _, u in units if u.owner == rank]))
             pack.reserve(pack.need([math.prod(p.lengths) * esize[ui] for ui, u in units if u.owner == rank
-                                    for p in u.parts if p.rank != rank]))
+                                    for p in u.parts if p.rank != rank and not pulled(u, p)]))
             recv.reserve(recv.need([math.prod(p.lengths) * esize[ui] for ui, u in units if u.owner != rank
-                                    for p in u.parts if p.rank == rank]))
+                                    for p in u.parts if p.rank == rank and not pulled(u, p)]))
             for ui, u in units:
                 chunk = None if u.chunk is None else list(u.chunk)
                 sizes, dtype = reader._chunk_sizes(u.fqn, chunk)
@@ -1143,15 +1224,16 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                     rd.jobs.extend(reader._plan_box(u.fqn, chunk, sizes, dtype, list(u.offsets), list(u.lengths),
                                                     src, run, lambda: None))
                     rd.reads.append((ui, u, src, dtype))
+                    rd.addresses[ui] = src.data_ptr()  # contiguous, the box's shape
                     continue
                 for pi, p in enumerate(u.parts):
                     if p.rank != rank:
                         continue
                     vs = views(u, p, dtype)
-                    buf = next((v for _, v in vs if _takes_transfer(v, dtype, device)), None)
+                    on = torch.device("cpu") if pulled(u, p) else device
+                    buf = next((v for _, v in vs if _takes_transfer(v, dtype, on)), None)
                     if buf is None:
-                        buf = recv.take(p.lengths, dtype)
-                    rd.receives.append((buf, u.owner, tag_base[ui] + pi))
+                        buf = pull_buf.take(p.lengths, dtype) if pulled(u, p) else recv.take(p.lengths, dtype)
                     rd.my_bytes += buf.numel() * buf.element_size()
 
                     def finish(vs=vs, buf=buf, key=u.item_key(p)) -> None:
@@ -1160,7 +1242,11 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                                 v.copy_(buf)
                         arrived(key)
 
-                    rd.finishes.append(finish)
+                    if pulled(u, p):
+                        rd.pulls.append((ui, u, p, buf, finish))
+                    else:
+                        rd.receives.append((buf, u.owner, tag_base[ui] + pi))
+                        rd.finishes.append(finish)
         except BaseException as e:  # noqa: BLE001 - agreed on below
             rd.error = e
         return rd
@@ -1178,7 +1264,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
         """Owner: copy its own parts into its targets, pack the others'."""
         if rd.error is not None:
             return
-        pack = packs[rd.index % 2]
+        pack = packs[rd.index % len(packs)]
         try:
             for ui, u, src, dtype in rd.reads:
                 stats["shared_bytes_read"] += u.nbytes
@@ -1191,6 +1277,8 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                                 v.copy_(part)
                         rd.finishes.append(lambda key=u.item_key(p): arrived(key))
                         rd.my_bytes += part.numel() * part.element_size()
+                    elif pulled(u, p):  # the rank copies it from ``src`` itself
+                        stats["shared_bytes_sent"] += part.numel() * part.element_size()
                     elif _takes_transfer(part, dtype, device):
                         # a target, or this round's temporary: neither is
                         # written again before the send has completed
@@ -1202,12 +1290,25 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
         except BaseException as e:  # noqa: BLE001
             rd.error = e
 
-    def agree(rd: _Round) -> None:
-        """Every rank learns whether any rank failed this round; all raise."""
+    def agree(rd: _Round) -> dict[int, int]:
+        """Every rank learns whether any rank failed this round; all raise.
+        Returns the addresses of the boxes read this round that have pulled
+        parts (unit -> address in its owner)."""
+        if pull_error and rd.error is None:
+            rd.error = pull_error[0]
         error = None if rd.error is None else f"{type(rd.error).__name__}: {rd.error}"
-        status.fill_(0 if error is None else 1)
+        per = pull_units[rd.index] if rd.index < len(pull_units) else [[] for _ in range(world)]
+        width = 1 + max(len(x) for x in per)
+        status = torch.zeros(width, dtype=torch.int64)
+        status[0] = 0 if error is None else 1
+        if error is None:
+            for j, ui in enumerate(per[rank]):
+                status[1 + j] = rd.addresses[ui]
+        status = status.to(device)
+        statuses = [torch.empty_like(status) for _ in range(world)]
         dist.all_gather(statuses, status, group=group)
-        if any(int(t.item()) for t in statuses):
+        gathered = torch.stack(statuses).cpu()
+        if gathered[:, 0].any():
             errors: list[Any] = [None] * world
             dist.all_gather_object(errors, error, group=group)
             failed = {r: e for r, e in enumerate(errors) if e is not None}
@@ -1216,6 +1317,28 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                 f"shared read failed on rank {first}: {failed[first]}"
                 + ("" if first == rank else " (this rank stopped because of it)")
             )
+        return {ui: int(gathered[r, 1 + j]) for r in range(world) for j, ui in enumerate(per[r])}
+
+    def pull(rd: _Round, addresses: dict[int, int]) -> None:
+        """Copy this rank's pulled parts of the round out of their owners'
+        memory and finish them; a failure is raised at the next status."""
+        if pull_error or not rd.pulls:
+            return
+        t = time.perf_counter()
+        try:
+            for ui, u, p, buf, finish in rd.pulls:
+                esize = buf.element_size()
+                rel = [o - uo for o, uo in zip(p.offsets, u.offsets)]
+                starts, run_length = box_runs(u.lengths, rel, p.lengths, esize)
+                _aio.pull(pids[u.owner], _storage_bytes(buf), addresses[ui], starts, run_length)
+                stats["shared_bytes_pulled"] += buf.numel() * esize
+                stats["shared_bytes_received"] += buf.numel() * esize
+                finish()
+        except BaseException as e:  # noqa: BLE001 - agreed on at the next status
+            pull_error.append(RuntimeError(f"{u.fqn}: copying a shared part from rank {u.owner}'s memory "
+                                           f"(pid {pids[u.owner]}) failed: {e}; set "
+                                           f"shared_read_transport='process_group' to send parts instead"))
+        stats["shared_pull_seconds"] += time.perf_counter() - t
 
     def post(rd: _Round) -> None:
         for buf, _, _ in rd.sends:
@@ -1246,43 +1369,50 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
         for fn in rd.finishes:
             fn()
 
-    # Round i is read from disk by a helper thread (the engine releases the
-    # GIL) while this thread splits round i - 1 and posts its transfers, and
-    # gloo's threads move round i - 2.  Two rounds' buffers alternate.
+    # Rounds i + 1 .. i + _READ_AHEAD are read from disk by a helper thread
+    # (the engine releases the GIL; one queued behind the other, so the disk
+    # never waits for this thread) while this thread splits round i, posts
+    # its transfers and pulls its parts, and gloo's threads move round i - 1.
+    # Round i + _READ_AHEAD is prepared once round i - 1 has completed, so
+    # sends, receives and packs cycle through _READ_AHEAD + 1 buffers.  A
+    # box others pull from is free only once every rank has passed the next
+    # round's status: temporaries cycle through one more.
+    from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
     n = len(share.rounds)
     pending: _Round | None = None  # posted, not completed
-    reading = None  # (round, future)
+    reading: deque = deque()  # (round, future), in order
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp_dcp-shared-read") as pool:
         try:
-            if n:
-                rd = prepare(0)
-                reading = (rd, pool.submit(read, rd))
+            for ri in range(min(n, _READ_AHEAD)):
+                rd = prepare(ri)
+                reading.append((rd, pool.submit(read, rd)))
             for ri in range(n):
-                assert reading is not None
-                rd, fut = reading
-                reading = None
+                rd, fut = reading.popleft()
                 try:
                     fut.result()
                 except BaseException as e:  # noqa: BLE001
                     rd.error = rd.error or e
-                if pending is not None:  # frees the buffers of round ri + 1's parity
+                if pending is not None:  # frees the buffers round ri + _READ_AHEAD takes
                     done, pending = pending, None
                     complete(done)
-                if ri + 1 < n:
-                    nxt = prepare(ri + 1)
-                    reading = (nxt, pool.submit(read, nxt))
+                if ri + _READ_AHEAD < n:
+                    nxt = prepare(ri + _READ_AHEAD)
+                    reading.append((nxt, pool.submit(read, nxt)))
                 split(rd)
-                agree(rd)
+                addresses = agree(rd)
                 read_needed += rd.read_needed
                 my_bytes += rd.my_bytes
                 post(rd)
+                pull(rd, addresses)
                 pending = rd
+            if pulling:  # no rank frees a box before every rank has pulled from it
+                agree(_Round(n))
         finally:
-            if reading is not None:  # a failed round: let the next read end before its buffers go
+            for _, fut in reading:  # a failed round: let the next reads end before their buffers go
                 try:
-                    reading[1].result()
+                    fut.result()
                 except BaseException:  # noqa: BLE001
                     pass
             if pending is not None:  # matched on every rank: completes also when a later round failed
