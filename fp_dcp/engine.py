@@ -8,6 +8,7 @@ copy, and owns page-locked buffers registered with CUDA.
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import os
 import threading
@@ -144,7 +145,17 @@ class IOSession:
             kwargs["block_size"] = options.block_size_bytes
         self.engine = _aio.Engine(kind, **kwargs)
         self.kind = self.engine.kind
+        self._engine_kwargs = kwargs
         self._lock = threading.Lock()
+
+    def twin(self) -> "IOSession":
+        """A session with this one's probed settings and an engine of its own
+        (an engine serves one thread at a time), for a second thread reading
+        at the same time; close it when done."""
+        twin = copy.copy(self)
+        twin.engine = _aio.Engine(self.kind, **self._engine_kwargs)
+        twin._lock = threading.Lock()
+        return twin
 
     def matches(self, options: FastPersistOptions, directory: str) -> bool:
         """Whether this session serves ``directory`` too: same options, same

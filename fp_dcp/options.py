@@ -154,8 +154,10 @@ class FastPersistOptions:
         read_buffer_budget_bytes: on load, the most memory the reader's
             temporaries take (targets of another dtype or device, dense
             slices read as whole ranges and copied out with one strided
-            copy, shared replicated boxes); a stored chunk is never read
-            whole to be sliced.  At least 1 MiB.
+            copy, the boxes and parts of the ``share_*`` options: a quarter
+            of it per round, four rounds alive at once, so larger budgets
+            mean fewer, larger rounds); a stored chunk is never read whole
+            to be sliced.  At least 1 MiB.
         max_overread_percent: on load, bytes read beyond those the targets
             need, in percent of them, that the reader may spend to merge
             nearby pieces into fewer requests (gaps of at most
@@ -229,7 +231,7 @@ class FastPersistOptions:
     staging_shared_memory: bool | None = None
     staging_spill_dir: str | None = None
     staging_checksums: bool = True
-    read_buffer_budget_bytes: int = 64 << 20
+    read_buffer_budget_bytes: int = 128 << 20
     max_overread_percent: int = 5
     strict_dtype: bool = False
     share_replicated_reads: bool = False

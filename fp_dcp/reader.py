@@ -572,8 +572,9 @@ class FastPersistReader(StorageReader):
                  for (fqn, chunk, offs, lens, nbytes, parts), owner in zip(pending, owners)]
         # A round holds, per rank, at most the boxes it reads (a temporary),
         # the parts it sends (packed) and those it receives (when they cannot
-        # land in their targets), within half the budget: two rounds are alive
-        # at once (one on the wire, the next being read).
+        # land in their targets), within 1 / (_READ_AHEAD + 2) of the budget:
+        # the round being exchanged, the one before it (still on the wire, or
+        # being pulled from) and the _READ_AHEAD rounds being read.
         rounds, start = [], 0
         held = [0] * len(plans)
         for i, u in enumerate(units):
@@ -584,7 +585,7 @@ class FastPersistReader(StorageReader):
                     nbytes = math.prod(p.lengths) * esizes[u.fqn]
                     add[p.rank] += nbytes
                     add[u.owner] += nbytes
-            if i > start and any(h + a > budget // 2 for h, a in zip(held, add)):
+            if i > start and any(h + a > budget // (_READ_AHEAD + 2) for h, a in zip(held, add)):
                 rounds.append((start, i))
                 start, held = i, [0] * len(plans)
             held = [h + a for h, a in zip(held, add)]
@@ -1003,10 +1004,9 @@ class _Scratch:
 
     def reserve(self, nbytes: int) -> None:
         """Make room for ``nbytes`` (call before ``take``, after ``reset``)."""
-        size = self.base.numel() if self.base is not None else 0
-        if nbytes <= size:
+        if nbytes <= self.size:
             return
-        size = -(-nbytes // (1 << 20)) * (1 << 20)
+        size = -(-nbytes // self.alignment) * self.alignment
         if self.device.type == "cpu":
             self.raw = _aio.AlignedBuffer(size, max(self.alignment, 4096), lock=False, prefault=self.prefault)
             self.base = torch.frombuffer(self.raw, dtype=torch.uint8)
@@ -1015,6 +1015,10 @@ class _Scratch:
 
     def reset(self) -> None:
         self.used = 0
+
+    @property
+    def size(self) -> int:
+        return 0 if self.base is None else self.base.numel()
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * _element_size(dtype)
@@ -1084,17 +1088,18 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     all-gather of a status (and, when a rank failed, of the errors), so a
     failed read raises on every rank in the same round instead of leaving the
     others waiting; then the point-to-point sends and receives of that
-    round's parts.  Round ``i``'s transfers are in flight while round
-    ``i + 1`` is read from disk; a target is committed once all its parts
-    have arrived.
+    round's parts.  Round ``i``'s transfers are in flight while rounds
+    ``i + 1`` and ``i + 2`` are read from disk (``_READ_AHEAD``); a target is
+    committed once all its parts have arrived.
 
     With the ``"auto"`` transport, a part whose owner is on the same machine
     (:func:`_pull_table`) is pulled: the status all-gather also carries the
     address of every box the owners read this round, and the rank that needs
     the part copies it from there with one ``process_vm_readv`` into its
     target.  The owner keeps that box untouched until every rank has passed
-    the next round's status, which each does only after its pulls: three
-    temporaries alternate instead of two, and one status more ends the load.
+    the next round's status, which each does only after its pulls: the
+    temporaries cycle through one buffer more than the rounds alive, and one
+    status more ends the load.
     """
     import torch.distributed as dist
 
@@ -1138,13 +1143,38 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                 left[key] = left.get(key, 0) + 1
     dests: dict[int, torch.Tensor] = {}
     alignment = run.alignment if run is not None else 4096
+    # The _READ_AHEAD rounds read ahead are read at once, each by its own
+    # engine (round i by runs[i % len(runs)]), so the disk is not idle while
+    # one engine call drains its last requests (rounds are a few MiB a rank).
+    runs: list[_Run] = [] if run is None else [run]
+    if run is not None and setup_error is None:
+        while len(runs) < min(_READ_AHEAD, len(share.rounds)):
+            runs.append(_Run(reader, run.session.twin(), run.paths))
     # Round i's buffers are reused by round i + len(...): see the loop below
     temps = [_Scratch(torch.device("cpu"), alignment) for _ in range(_READ_AHEAD + (2 if pulling else 1))]
     packs = [_Scratch(device, alignment) for _ in range(_READ_AHEAD + 1)]
-    recvs = [_Scratch(device, alignment, prefault=False) for _ in range(_READ_AHEAD + 1)]  # used only for targets that cannot take a receive
-    pull_buf = _Scratch(torch.device("cpu"), alignment, prefault=False)  # the same, for pulls (used at once)
+    # used only for targets that cannot take a receive / a pull as they are
+    recvs = [_Scratch(device, alignment, prefault=False) for _ in range(_READ_AHEAD + 1)]
+    landings = [_Scratch(torch.device("cpu"), alignment, prefault=False) for _ in range(_READ_AHEAD + 1)]
+
+    def owned(ri: int) -> tuple[list[int], list[int]]:
+        """Round ``ri``'s boxes this rank reads, and its parts it packs to send."""
+        boxes, packed = [], []
+        for ui in range(*share.rounds[ri]):
+            u = share.units[ui]
+            if u.owner == rank:
+                esize = u.nbytes // max(1, math.prod(u.lengths))
+                boxes.append(u.nbytes)
+                packed += [math.prod(p.lengths) * esize for p in u.parts if p.rank != rank and not pulled(u, p)]
+        return boxes, packed
+
+    # each temporary and pack is allocated (and faulted in) once, for the
+    # largest round, not again whenever a round is larger than the last
+    peaks = [owned(ri) for ri in range(len(share.rounds))]
+    peak_temp = max((temps[0].need(b) for b, _ in peaks), default=0)
+    peak_pack = max((packs[0].need(k) for _, k in peaks), default=0)
     # the disk reads of a round (a background thread) see only its jobs and
-    # ``run``; nothing else touches ``run`` meanwhile
+    # its ``_Run``; nothing else touches that meanwhile
     stats = {"shared_bytes_sent": 0, "shared_bytes_received": 0, "shared_bytes_read": 0,
              "shared_bytes_pulled": 0, "shared_rounds": len(share.rounds), "shared_wait_seconds": 0.0,
              "shared_pull_seconds": 0.0}
@@ -1196,19 +1226,21 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
         try:
             if setup_error is not None:
                 raise setup_error
-            assert run is not None
+            run = runs[ri % len(runs)]
             r0, r1 = share.rounds[ri]
-            temp, pack, recv = temps[ri % len(temps)], packs[ri % len(packs)], recvs[ri % len(recvs)]
-            for sc in (temp, pack, recv):
+            k = ri % (_READ_AHEAD + 1)
+            temp, pack, recv, landing = temps[ri % len(temps)], packs[k], recvs[k], landings[k]
+            for sc in (temp, pack, recv, landing):
                 sc.reset()
-            units = [(ui, share.units[ui]) for ui in range(r0, r1)]
-            esize = {ui: u.nbytes // max(1, math.prod(u.lengths)) for ui, u in units}
-            temp.reserve(temp.need([u.nbytes for _, u in units if u.owner == rank]))
-            pack.reserve(pack.need([math.prod(p.lengths) * esize[ui] for ui, u in units if u.owner == rank
-                                    for p in u.parts if p.rank != rank and not pulled(u, p)]))
-            recv.reserve(recv.need([math.prod(p.lengths) * esize[ui] for ui, u in units if u.owner != rank
-                                    for p in u.parts if p.rank == rank and not pulled(u, p)]))
-            for ui, u in units:
+            if peaks[ri][0]:
+                temp.reserve(peak_temp)
+            if peaks[ri][1]:
+                pack.reserve(peak_pack)
+            # this rank's parts of others' boxes: (unit index, unit, part index,
+            # part, dtype, its target views, the view that takes it as it is)
+            incoming = []
+            for ui in range(r0, r1):
+                u = share.units[ui]
                 chunk = None if u.chunk is None else list(u.chunk)
                 sizes, dtype = reader._chunk_sizes(u.fqn, chunk)
                 if u.owner == rank:
@@ -1227,26 +1259,31 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                     rd.addresses[ui] = src.data_ptr()  # contiguous, the box's shape
                     continue
                 for pi, p in enumerate(u.parts):
-                    if p.rank != rank:
-                        continue
-                    vs = views(u, p, dtype)
-                    on = torch.device("cpu") if pulled(u, p) else device
-                    buf = next((v for _, v in vs if _takes_transfer(v, dtype, on)), None)
-                    if buf is None:
-                        buf = pull_buf.take(p.lengths, dtype) if pulled(u, p) else recv.take(p.lengths, dtype)
-                    rd.my_bytes += buf.numel() * buf.element_size()
+                    if p.rank == rank:
+                        vs = views(u, p, dtype)
+                        on = torch.device("cpu") if pulled(u, p) else device
+                        incoming.append((ui, u, pi, p, dtype, vs,
+                                         next((v for _, v in vs if _takes_transfer(v, dtype, on)), None)))
+            for sc, by_pull in ((recv, False), (landing, True)):
+                sc.reserve(sc.need([math.prod(p.lengths) * _element_size(dtype)
+                                    for _, u, _, p, dtype, _, buf in incoming
+                                    if buf is None and pulled(u, p) == by_pull]))
+            for ui, u, pi, p, dtype, vs, buf in incoming:
+                if buf is None:
+                    buf = (landing if pulled(u, p) else recv).take(p.lengths, dtype)
+                rd.my_bytes += buf.numel() * buf.element_size()
 
-                    def finish(vs=vs, buf=buf, key=u.item_key(p)) -> None:
-                        for _, v in vs:
-                            if v is not buf:
-                                v.copy_(buf)
-                        arrived(key)
+                def finish(vs=vs, buf=buf, key=u.item_key(p)) -> None:
+                    for _, v in vs:
+                        if v is not buf:
+                            v.copy_(buf)
+                    arrived(key)
 
-                    if pulled(u, p):
-                        rd.pulls.append((ui, u, p, buf, finish))
-                    else:
-                        rd.receives.append((buf, u.owner, tag_base[ui] + pi))
-                        rd.finishes.append(finish)
+                if pulled(u, p):
+                    rd.pulls.append((ui, u, p, buf, finish))
+                else:
+                    rd.receives.append((buf, u.owner, tag_base[ui] + pi))
+                    rd.finishes.append(finish)
         except BaseException as e:  # noqa: BLE001 - agreed on below
             rd.error = e
         return rd
@@ -1255,7 +1292,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
         """The round's disk reads (the background thread)."""
         if rd.error is not None or not rd.jobs:
             return
-        assert run is not None
+        run = runs[rd.index % len(runs)]
         before = run.stats["bytes"]
         run.execute(rd.jobs)
         rd.read_needed = run.stats["bytes"] - before
@@ -1369,10 +1406,10 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
         for fn in rd.finishes:
             fn()
 
-    # Rounds i + 1 .. i + _READ_AHEAD are read from disk by a helper thread
-    # (the engine releases the GIL; one queued behind the other, so the disk
-    # never waits for this thread) while this thread splits round i, posts
-    # its transfers and pulls its parts, and gloo's threads move round i - 1.
+    # Rounds i + 1 .. i + _READ_AHEAD are read from disk by helper threads
+    # (the engines release the GIL; one engine each, see ``runs``) while this
+    # thread splits round i, posts its transfers and pulls its parts, and
+    # gloo's threads move round i - 1.
     # Round i + _READ_AHEAD is prepared once round i - 1 has completed, so
     # sends, receives and packs cycle through _READ_AHEAD + 1 buffers.  A
     # box others pull from is free only once every rank has passed the next
@@ -1383,7 +1420,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     n = len(share.rounds)
     pending: _Round | None = None  # posted, not completed
     reading: deque = deque()  # (round, future), in order
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp_dcp-shared-read") as pool:
+    with ThreadPoolExecutor(max_workers=max(1, len(runs)), thread_name_prefix="fp_dcp-shared-read") as pool:
         try:
             for ri in range(min(n, _READ_AHEAD)):
                 rd = prepare(ri)
@@ -1417,7 +1454,15 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                     pass
             if pending is not None:  # matched on every rank: completes also when a later round failed
                 complete(pending)
+            for extra in runs[1:]:
+                extra.close()
+                extra.session.close()
     assert run is not None
+    for extra in runs[1:]:
+        for k, v in extra.stats.items():
+            if isinstance(v, (int, float)):
+                run.stats[k] += v
+    stats["shared_buffer_bytes"] = sum(sc.size for sc in temps + packs + recvs + landings)
     run.stats.update(stats)
     # "bytes" counts what this rank's targets need, not the boxes it read for others
     run.stats["bytes"] += my_bytes - read_needed

@@ -728,6 +728,7 @@ def _interleaved_reads(root, rank, ws):
         # the target of issue 5, and tighter: 5% plus one 64 KiB slab of owner imbalance
         assert coop <= 1.05 * needed + 4096 * runs, (coop, needed, runs)
         assert coop <= 1.05 * needed + (64 << 10), (coop, needed, st)
+        assert 0 < st["shared_buffer_bytes"] <= budget, st  # the rounds' buffers, all of them
         assert coop < plain, (coop, plain)
         assert st["shared_bytes_received"] > 0 and st["shared_bytes_sent"] > 0 and st["shared_rounds"] > 1, st
         # on one machine every part is pulled; with the process group, none
