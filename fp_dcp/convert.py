@@ -164,7 +164,7 @@ def describe(path: str) -> dict[str, Any]:
         exts = extents.get(name, [])
         files = sorted({e.file for e in exts})
         if isinstance(item, TensorStorageMetadata):
-            esize = torch.empty((), dtype=item.properties.dtype).element_size()
+            esize = item.properties.dtype.itemsize
             tensors.append({
                 "name": name,
                 "dtype": str(item.properties.dtype).replace("torch.", ""),
@@ -359,7 +359,7 @@ def safetensors_header(entries: list[tuple[str, torch.dtype, list[int]]],
                 f"--skip-unsupported to leave such tensors out, or store it as a supported dtype "
                 f"({', '.join(sorted(SAFETENSORS_DTYPES.values()))})"
             )
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + n]}
         offsets.append(pos)
         pos += n
@@ -383,7 +383,7 @@ def to_safetensors(src: str, out: str, *, force: bool = False, progress: bool = 
         tensors = [t for t in tensors if t[1] in SAFETENSORS_DTYPES]
     head, _ = safetensors_header(tensors, {"format": "pt", "converted_by": "fp_dcp"})
     tmp = _atomic_output(out, force)
-    total = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, d, s in tensors)
+    total = sum(math.prod(s) * d.itemsize for _, d, s in tensors)
     p = Progress(f"converting {src}", total, progress)
     t0 = time.perf_counter()
     try:
@@ -411,7 +411,7 @@ def to_safetensors(src: str, out: str, *, force: bool = False, progress: bool = 
 def _batches(tensors, limit: int) -> Iterator[list]:
     batch, size = [], 0
     for t in tensors:
-        n = math.prod(t[2]) * torch.empty((), dtype=t[1]).element_size()
+        n = math.prod(t[2]) * t[1].itemsize
         if batch and size + n > limit:
             yield batch
             batch, size = [], 0

@@ -436,7 +436,7 @@ class FastPersistReader(StorageReader):
 
     def _plan_box(self, fqn, chunk, sizes, dtype, offsets, lengths, dest, run, commit) -> list["_Job"]:
         """Jobs that read box ``offsets+lengths`` of a stored chunk into ``dest``."""
-        esize = _element_size(dtype)
+        esize = dtype.itemsize
         arrays = self._extents(fqn, chunk, math.prod(sizes) * esize)
         needed = math.prod(lengths) * esize
         if needed == 0:
@@ -530,7 +530,7 @@ class FastPersistReader(StorageReader):
             md = self.state_dict_metadata.get(fqn)
             if not isinstance(md, TensorStorageMetadata):
                 continue
-            esize = _element_size(md.properties.dtype)
+            esize = md.properties.dtype.itemsize
             boxes = list(by_chunk[(fqn, chunk)])
             rest = boxes
             if opts.share_interleaved_reads:
@@ -560,7 +560,7 @@ class FastPersistReader(StorageReader):
                         pending.append((fqn, chunk, offs, lens, math.prod(lens) * esize, parts))
         if not pending:
             return None
-        esizes = {fqn: _element_size(self.state_dict_metadata[fqn].properties.dtype) for fqn, *_ in pending}
+        esizes = {fqn: self.state_dict_metadata[fqn].properties.dtype.itemsize for fqn, *_ in pending}
         need = [0] * len(plans)
         for fqn, _, _, _, _, parts in pending:
             for p in parts:
@@ -632,10 +632,6 @@ class _Job:
 
     def add_done(self, fn: Callable[[], None]) -> None:
         self.done.append(fn)
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _storage_bytes(t: torch.Tensor) -> np.ndarray:
@@ -756,7 +752,7 @@ def _numpy_copier(buf: np.ndarray, grid: Grid, level: int, esize: int):
 def _torch_copier(dest: torch.Tensor, dtype: torch.dtype, grid: Grid, level: int, run: "_Run"):
     """Strided copies from the arena (stored dtype) into ``dest`` (any dtype or
     device): ``copy_`` casts as the stock reader does."""
-    esize = _element_size(dtype)
+    esize = dtype.itemsize
 
     def copy(arena: np.ndarray, arena_off: int, u_off, dst, cnt) -> None:
         typed = run.arena_typed(dtype)
@@ -772,7 +768,7 @@ def _packed_temp_jobs(grid: Grid, arrays, needed: int, target: torch.Tensor, dty
     """Runs into a packed temporary of the stored dtype, then ``target.copy_``."""
     src, dst, _ = unit_starts(grid, len(grid.counts))
     rng, within, files, offs, lens = map_ranges(src, np.full(len(src), grid.run, dtype=np.int64), *arrays)
-    esize = _element_size(dtype)
+    esize = dtype.itemsize
     shape = tuple(target.shape)
 
     def post(arena: np.ndarray, arena_off: int) -> None:
@@ -1021,7 +1017,7 @@ class _Scratch:
         return 0 if self.base is None else self.base.numel()
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = math.prod(shape) * _element_size(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         start = -(-self.used // self.alignment) * self.alignment
         if self.base is None or start + nbytes > self.base.numel():
             return torch.empty(list(shape), dtype=dtype, device=self.device)  # a plan that under-reserved
@@ -1265,7 +1261,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                         incoming.append((ui, u, pi, p, dtype, vs,
                                          next((v for _, v in vs if _takes_transfer(v, dtype, on)), None)))
             for sc, by_pull in ((recv, False), (landing, True)):
-                sc.reserve(sc.need([math.prod(p.lengths) * _element_size(dtype)
+                sc.reserve(sc.need([math.prod(p.lengths) * dtype.itemsize
                                     for _, u, _, p, dtype, _, buf in incoming
                                     if buf is None and pulled(u, p) == by_pull]))
             for ui, u, pi, p, dtype, vs, buf in incoming:

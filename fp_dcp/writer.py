@@ -114,7 +114,7 @@ def _expected_nbytes(item: WriteItem) -> int | None:
     td = item.tensor_data
     if td is None:
         return None
-    return int(np.prod(td.chunk.sizes, dtype=np.int64)) * torch.empty((), dtype=td.properties.dtype).element_size()
+    return int(np.prod(td.chunk.sizes, dtype=np.int64)) * td.properties.dtype.itemsize
 
 
 class FastPersistWriter(AsyncStagingMixin, StorageWriter):
@@ -872,7 +872,7 @@ def _check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout) -> None:
         md = metadata.state_dict_metadata.get(index.fqn)
         nbytes = sum(e.length for e in exts)
         if isinstance(md, TensorStorageMetadata):
-            esize = torch.empty((), dtype=md.properties.dtype).element_size()
+            esize = md.properties.dtype.itemsize
             for chunk in md.chunks:
                 if index.offset is None or chunk.offsets == index.offset:
                     nbytes = int(np.prod(chunk.sizes, dtype=np.int64)) * esize
