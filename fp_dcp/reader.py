@@ -201,7 +201,11 @@ class FastPersistReader(StorageReader):
     ``requests``, ``pieces``, ``seconds`` and the engine; with sharing,
     ``shared_bytes_read`` (of shared units this rank read from disk for
     itself and others), ``shared_bytes_sent`` / ``shared_bytes_received``
-    and ``shared_rounds``.
+    (``shared_bytes_pulled`` of them copied from a same-machine rank's
+    memory), ``shared_rounds`` and ``shared_buffer_bytes`` (the rounds'
+    buffers, within ``read_buffer_budget_bytes``).  Shared reads read two
+    rounds at once with two engines: one more engine's bounce buffers
+    (``queue_depth + 1`` blocks, page-locked) for the length of the load.
     """
 
     def __init__(
@@ -1142,10 +1146,15 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     # The _READ_AHEAD rounds read ahead are read at once, each by its own
     # engine (round i by runs[i % len(runs)]), so the disk is not idle while
     # one engine call drains its last requests (rounds are a few MiB a rank).
+    # A second engine is only faster: when it cannot be had (locked memory,
+    # the kernel's AIO limit) one engine reads every round.
     runs: list[_Run] = [] if run is None else [run]
     if run is not None and setup_error is None:
         while len(runs) < min(_READ_AHEAD, len(share.rounds)):
-            runs.append(_Run(reader, run.session.twin(), run.paths))
+            try:
+                runs.append(_Run(reader, run.session.twin(), run.paths))
+            except (OSError, MemoryError, RuntimeError):
+                break
     # Round i's buffers are reused by round i + len(...): see the loop below
     temps = [_Scratch(torch.device("cpu"), alignment) for _ in range(_READ_AHEAD + (2 if pulling else 1))]
     packs = [_Scratch(device, alignment) for _ in range(_READ_AHEAD + 1)]
