@@ -1115,16 +1115,24 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     def pulled(u: _SharedUnit, p: _Part) -> bool:
         return p.rank != u.owner and u.owner in can_pull[p.rank]
 
-    # per round, per owner: its units with a pulled part (their addresses go
-    # out with the round's status, in this order)
+    # Per round: per owner, its units with a pulled part (their addresses go
+    # out with the round's status, in this order); the bytes of the boxes
+    # this rank reads, and of its parts it packs to send.
     pull_units: list[list[list[int]]] = []
+    owned: list[tuple[list[int], list[int]]] = []
     for r0, r1 in share.rounds:
-        per = [[] for _ in range(world)]
+        per: list[list[int]] = [[] for _ in range(world)]
+        boxes, packed = [], []
         for ui in range(r0, r1):
             u = share.units[ui]
             if any(pulled(u, p) for p in u.parts):
                 per[u.owner].append(ui)
+            if u.owner == rank:
+                esize = u.nbytes // max(1, math.prod(u.lengths))
+                boxes.append(u.nbytes)
+                packed += [math.prod(p.lengths) * esize for p in u.parts if p.rank != rank and not pulled(u, p)]
         pull_units.append(per)
+        owned.append((boxes, packed))
     pulling = any(any(per) for per in pull_units)
     by_key: dict[tuple, list[ReadItem]] = {}
     for req in items:
@@ -1162,22 +1170,10 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     recvs = [_Scratch(device, alignment, prefault=False) for _ in range(_READ_AHEAD + 1)]
     landings = [_Scratch(torch.device("cpu"), alignment, prefault=False) for _ in range(_READ_AHEAD + 1)]
 
-    def owned(ri: int) -> tuple[list[int], list[int]]:
-        """Round ``ri``'s boxes this rank reads, and its parts it packs to send."""
-        boxes, packed = [], []
-        for ui in range(*share.rounds[ri]):
-            u = share.units[ui]
-            if u.owner == rank:
-                esize = u.nbytes // max(1, math.prod(u.lengths))
-                boxes.append(u.nbytes)
-                packed += [math.prod(p.lengths) * esize for p in u.parts if p.rank != rank and not pulled(u, p)]
-        return boxes, packed
-
     # each temporary and pack is allocated (and faulted in) once, for the
     # largest round, not again whenever a round is larger than the last
-    peaks = [owned(ri) for ri in range(len(share.rounds))]
-    peak_temp = max((temps[0].need(b) for b, _ in peaks), default=0)
-    peak_pack = max((packs[0].need(k) for _, k in peaks), default=0)
+    peak_temp = max((temps[0].need(b) for b, _ in owned), default=0)
+    peak_pack = max((packs[0].need(k) for _, k in owned), default=0)
     # the disk reads of a round (a background thread) see only its jobs and
     # its ``_Run``; nothing else touches that meanwhile
     stats = {"shared_bytes_sent": 0, "shared_bytes_received": 0, "shared_bytes_read": 0,
@@ -1233,13 +1229,13 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                 raise setup_error
             run = runs[ri % len(runs)]
             r0, r1 = share.rounds[ri]
-            k = ri % (_READ_AHEAD + 1)
+            k = ri % len(packs)  # as recvs and landings
             temp, pack, recv, landing = temps[ri % len(temps)], packs[k], recvs[k], landings[k]
             for sc in (temp, pack, recv, landing):
                 sc.reset()
-            if peaks[ri][0]:
+            if owned[ri][0]:
                 temp.reserve(peak_temp)
-            if peaks[ri][1]:
+            if owned[ri][1]:
                 pack.reserve(peak_pack)
             # this rank's parts of others' boxes: (unit index, unit, part index,
             # part, dtype, its target views, the view that takes it as it is)
