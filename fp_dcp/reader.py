@@ -1461,8 +1461,8 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     assert run is not None
     for extra in runs[1:]:
         for k, v in extra.stats.items():
-            if isinstance(v, (int, float)):
-                run.stats[k] += v
+            if isinstance(v, (int, float)):  # some keys appear only once a run has read
+                run.stats[k] = run.stats.get(k, 0) + v
     stats["shared_buffer_bytes"] = sum(sc.size for sc in temps + packs + recvs + landings)
     run.stats.update(stats)
     # "bytes" counts what this rank's targets need, not the boxes it read for others
