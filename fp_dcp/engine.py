@@ -161,7 +161,9 @@ class IOSession:
         """Whether this session serves ``directory`` too: same options, same
         file system (what the probes asked), so a training loop that saves
         into a new directory each time keeps its engine and locked buffers
-        (tearing an AIO engine down costs ~40 ms: io_destroy waits for RCU)."""
+        (setting them up again means allocating, faulting in and locking them;
+        the AIO context's own teardown runs in the background, see
+        docs/NATIVE.md)."""
         if self.options != options:
             return False
         try:
