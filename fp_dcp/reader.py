@@ -45,6 +45,7 @@ import io
 import math
 import os
 import secrets
+import threading
 import time
 import warnings
 from typing import Any, Callable
@@ -205,7 +206,12 @@ class FastPersistReader(StorageReader):
     memory), ``shared_rounds`` and ``shared_buffer_bytes`` (the rounds'
     buffers, within ``read_buffer_budget_bytes``).  Shared reads read two
     rounds at once with two engines: one more engine's bounce buffers
-    (``queue_depth + 1`` blocks, page-locked) for the length of the load.
+    (``queue_depth + 1`` blocks, page-locked), kept with the reader as the
+    first engine is, until :meth:`close`.
+
+    The engines are set up on a thread of their own from
+    ``set_up_storage_reader`` on, while DCP plans the load, not when the
+    first read needs them.
     """
 
     def __init__(
@@ -227,6 +233,8 @@ class FastPersistReader(StorageReader):
         self.last_stats: dict[str, Any] = {}
         self.progress: Callable[[int, int], None] | None = None  # (bytes done, bytes total), for tools
         self._session: IOSession | None = None
+        self._twin_session: IOSession | None = None  # the second engine of shared reads
+        self._setting_up: threading.Thread | None = None
         self._ext_cache: dict[MetadataIndex, tuple[np.ndarray, ...]] = {}
         self._verifier: ReadVerifier | None = None
         self._use_collectives = True
@@ -268,6 +276,7 @@ class FastPersistReader(StorageReader):
         self._use_collectives = bool(kwargs.get("use_collectives", True))
         self._ext_cache = {}
         self._verifier = None
+        self._set_up_engines_early()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -292,9 +301,11 @@ class FastPersistReader(StorageReader):
         return fut
 
     def close(self) -> None:
-        if self._session is not None:
-            self._session.close()
-            self._session = None
+        self._engines_set_up()
+        for session in (self._twin_session, self._session):
+            if session is not None:
+                session.close()
+        self._session = self._twin_session = None
 
     def __enter__(self) -> "FastPersistReader":
         return self
@@ -311,6 +322,42 @@ class FastPersistReader(StorageReader):
             )
         return self.path
 
+    def _set_up_engines_early(self) -> None:
+        """Start setting the engine up (and, when this reader may share
+        reads, the second engine) on a thread of its own, while DCP plans the
+        load: their bounce buffers are allocated, faulted in and page-locked
+        (tens of ms where the host faults memory in lazily, as on VMs with
+        free-page reporting), and that need not wait for the plan.  Best
+        effort: a failure here is raised by the set-up ``read_data`` runs."""
+        if self._setting_up is not None or self.path is None:
+            return
+        sharing = self.options.share_interleaved_reads or self.options.share_replicated_reads
+
+        def work() -> None:
+            try:
+                self._engine()
+                if sharing and self._use_collectives:
+                    self._twin()
+            except BaseException:  # noqa: BLE001 - read_data's own set-up reports it
+                pass
+
+        self._setting_up = threading.Thread(target=work, name="fp_dcp-reader-setup", daemon=True)
+        self._setting_up.start()
+
+    def _engines_set_up(self) -> None:
+        """Wait for :meth:`_set_up_engines_early` (before touching the engines)."""
+        if self._setting_up is not None:
+            self._setting_up.join()
+            self._setting_up = None
+
+    def _twin(self) -> IOSession:
+        """A second session for the current one (kept with the reader, as the
+        first), for shared reads' second reading thread."""
+        session = self._engine()
+        if self._twin_session is None:
+            self._twin_session = session.twin()
+        return self._twin_session
+
     def _engine(self) -> IOSession:
         directory = self._directory()
         opts = self.options
@@ -321,8 +368,10 @@ class FastPersistReader(StorageReader):
             # engine's defaults (qd+1 slots of one block).
             opts = opts.replace(queue_depth=_READ_QUEUE_DEPTH, block_size_bytes=_READ_BLOCK_BYTES)
         if self._session is None or not self._session.matches(opts, directory):
-            if self._session is not None:
-                self._session.close()
+            for session in (self._twin_session, self._session):
+                if session is not None:
+                    session.close()
+            self._session = self._twin_session = None
             self._session = IOSession(opts, directory)
         return self._session
 
@@ -374,6 +423,7 @@ class FastPersistReader(StorageReader):
         run: _Run | None = None
         setup_error: BaseException | None = None
         try:
+            self._engines_set_up()
             session = self._engine()
             directory = self._directory()
             assert self.layout is not None
@@ -1160,7 +1210,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     if run is not None and setup_error is None:
         while len(runs) < min(_READ_AHEAD, len(share.rounds)):
             try:
-                runs.append(_Run(reader, run.session.twin(), run.paths))
+                runs.append(_Run(reader, reader._twin(), run.paths))
             except (OSError, MemoryError, RuntimeError):
                 break
     # Round i's buffers are reused by round i + len(...): see the loop below
@@ -1231,6 +1281,10 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
             r0, r1 = share.rounds[ri]
             k = ri % len(packs)  # as recvs and landings
             temp, pack, recv, landing = temps[ri % len(temps)], packs[k], recvs[k], landings[k]
+            for sc in (temp, pack):
+                fut = faulting.pop(id(sc), None)
+                if fut is not None:  # allocated ahead by the prefault thread
+                    fut.result()
             for sc in (temp, pack, recv, landing):
                 sc.reset()
             if owned[ri][0]:
@@ -1421,7 +1475,21 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     n = len(share.rounds)
     pending: _Round | None = None  # posted, not completed
     reading: deque = deque()  # (round, future), in order
-    with ThreadPoolExecutor(max_workers=max(1, len(runs)), thread_name_prefix="fp_dcp-shared-read") as pool:
+    # Memory a process touches for the first time is slow to fault in (on
+    # some VMs, whose host hands out a page only when the guest first writes
+    # it, about 0.4 GB/s for huge pages: 40 ms for one 16 MiB temporary).
+    # The temporaries and packs are faulted in by a thread of their own, in
+    # the order the rounds take them, while the first rounds are read, not
+    # by this thread when a round needs one (which stalled the rounds here).
+    faulting: dict[int, Any] = {}
+    prefault = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp_dcp-prefault")
+    if setup_error is None:
+        for ri in range(n):
+            for sc, nbytes in ((temps[ri % len(temps)], peak_temp if owned[ri][0] else 0),
+                               (packs[ri % len(packs)], peak_pack if owned[ri][1] else 0)):
+                if nbytes and id(sc) not in faulting:
+                    faulting[id(sc)] = prefault.submit(sc.reserve, nbytes)
+    with prefault, ThreadPoolExecutor(max_workers=max(1, len(runs)), thread_name_prefix="fp_dcp-shared-read") as pool:
         try:
             for ri in range(min(n, _READ_AHEAD)):
                 rd = prepare(ri)
@@ -1448,6 +1516,8 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
             if pulling:  # no rank frees a box before every rank has pulled from it
                 agree(_Round(n))
         finally:
+            for fut in faulting.values():  # not started: not needed any more
+                fut.cancel()
             for _, fut in reading:  # a failed round: let the next reads end before their buffers go
                 try:
                     fut.result()
@@ -1456,8 +1526,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
             if pending is not None:  # matched on every rank: completes also when a later round failed
                 complete(pending)
             for extra in runs[1:]:
-                extra.close()
-                extra.session.close()
+                extra.close()  # its session stays with the reader, as the first
     assert run is not None
     for extra in runs[1:]:
         for k, v in extra.stats.items():

@@ -4,7 +4,9 @@ same result (the uvloop habit: one suite, two backends)."""
 
 from __future__ import annotations
 
+import errno
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 
 from fp_dcp import FastPersistOptions, FastPersistReader, FastPersistWriter, _aio
 from fp_dcp import format as fmt
-from tests._sd import FAILED
+from tests._sd import FAILED, root_error
 from fp_dcp.options import override
 from tests._sd import DTYPES, assert_sd_equal, bits_equal, mixed_state_dict, random_tensor, zeros_like_sd
 
@@ -237,3 +239,42 @@ def test_gc_is_frozen_only_during_a_save(tmp_path):
     with pytest.raises(FAILED):
         dcp.save({"w": torch.ones(10)}, storage_writer=FastPersistWriter("/proc/fp_dcp_no"))
     assert gc.get_freeze_count() == 0
+
+
+def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatch):
+    """set_up_storage_reader starts the engine (and, for shared reads, the
+    second one) on a thread while DCP plans; the load uses those sessions, a
+    second load keeps them, close() closes both.  A set-up that fails on that
+    thread is tried again, and raised, by the read itself."""
+    import fp_dcp.reader as reader_mod
+
+    sd = mixed_state_dict(3)
+    path = tmp_path / "ckpt"
+    save(sd, path, "fp_dcp")
+    reader = FastPersistReader(path, share_replicated_reads=True)
+    reader.reset(path)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    assert reader._setting_up is not None
+    reader._engines_set_up()
+    first, twin = reader._session, reader._twin_session
+    assert first is not None and twin is not None and twin.engine is not first.engine
+    for _ in range(2):
+        target = zeros_like_sd(sd)
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        assert_sd_equal(sd, target)
+        assert reader._session is first and reader._twin_session is twin
+    reader.close()
+    assert first.engine is None and twin.engine is None and reader._session is None
+
+    calls = []
+
+    def refused(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        raise OSError(errno.ENOSPC, "no engine today", str(path))
+
+    monkeypatch.setattr(reader_mod, "IOSession", refused)
+    with pytest.raises(FAILED) as failed:
+        dcp.load(zeros_like_sd(sd), storage_reader=FastPersistReader(path), no_dist=True)
+    err = root_error(failed.value)
+    assert isinstance(err, OSError) and "no engine today" in str(err), err
+    assert calls == ["fp_dcp-reader-setup", "MainThread"], calls
