@@ -23,15 +23,16 @@ Cases (``--cases``; target world size and placement):
   whole (a data-parallel restart), with and without
   ``share_replicated_reads`` (``fp_dcp+share``).
 
-``s0tos1`` also runs ``fp_dcp+overread`` (``max_overread_percent=100``: the
-rows are read whole, twice the bytes in large requests), the trade a user can
-choose when the disk's small-request rate, not its bandwidth, is the limit,
-and ``fp_dcp+coop`` (``share_interleaved_reads=True``: each row slab is read
-whole by one rank, and the other rank copies its half straight out of that
-rank's memory (``shared_read_transport="auto"``: same machine); held to the
-same bytes and speed targets as ``fp_dcp``), beside ``fp_dcp+coop-pg``, the
-same with the halves sent over gloo (``shared_read_transport="process_group"``,
-what ranks on different machines do).
+In ``s0tos1`` the default ``fp_dcp`` reads cooperatively
+(``share_interleaved_reads`` is on by default for a gloo group: each row slab
+is read whole by one rank, and the other rank copies its half straight out of
+that rank's memory, ``shared_read_transport="auto"``: same machine). The case
+also runs ``fp_dcp+coop-pg``, the same with the halves sent over gloo
+(``shared_read_transport="process_group"``, what ranks on different machines
+do), ``fp_dcp+nocoop`` (``share_interleaved_reads=False``: each rank reads its
+own 8 KiB of every row, one request per run) and ``fp_dcp+overread``
+(that, with ``max_overread_percent=100``: the rows are read whole, twice the
+bytes in large requests).
 
 Targets (issue 5), printed PASS/FAIL: bytes read per rank <= 1.05 x needed +
 one 4 KiB block per needed run (fp_dcp); aggregate resharded throughput >=
@@ -146,7 +147,8 @@ def _child(spec: dict) -> dict:
         if spec["reader"] == "stock":
             return FileSystemReader(spec["stock_path"])
         return FastPersistReader(spec["fp_path"], share_replicated_reads=spec["reader"] == "fp_dcp+share",
-                                 share_interleaved_reads=spec["reader"].startswith("fp_dcp+coop"),
+                                 share_interleaved_reads=(False if spec["reader"] in ("fp_dcp+nocoop", "fp_dcp+overread")
+                                                          else None),
                                  shared_read_transport="process_group" if spec["reader"].endswith("-pg") else "auto",
                                  max_overread_percent=100 if spec["reader"] == "fp_dcp+overread" else 5)
 
@@ -292,7 +294,7 @@ def _expect(p, word: str, timeout: float, logs) -> str:
     return line
 
 
-READERS = ("fp_dcp", "stock", "fp_dcp+share", "fp_dcp+overread", "fp_dcp+coop", "fp_dcp+coop-pg")
+READERS = ("fp_dcp", "stock", "fp_dcp+share", "fp_dcp+overread", "fp_dcp+nocoop", "fp_dcp+coop-pg")
 
 CASES = {
     "4to4": (4, "s0"),
@@ -382,7 +384,7 @@ def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path) -> None
             ws, placement = CASES[case]
             ws = ws or args.save_ranks
             case_names = names[: args.rep_tensors] if placement == "rep" else names
-            extra = {"rep": ["fp_dcp+share"], "s1": ["fp_dcp+overread", "fp_dcp+coop", "fp_dcp+coop-pg"]}.get(placement, [])
+            extra = {"rep": ["fp_dcp+share"], "s1": ["fp_dcp+coop-pg", "fp_dcp+nocoop", "fp_dcp+overread"]}.get(placement, [])
             for reader in readers + [r for r in (extra if "fp_dcp" in readers else []) if r not in readers]:
                 res = _world(dict(base, op="load", names=case_names, placement=placement, reader=reader), ws,
                              args.timeout)
@@ -428,7 +430,7 @@ def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path) -> None
                     bytes_ok = "(shared)"
                 elif reader.endswith("+overread"):
                     bytes_ok = "(100% allowed)"
-            if reader in ("fp_dcp", "fp_dcp+coop") and case not in ("4to4", "rep"):
+            if reader == "fp_dcp" and case not in ("4to4", "rep"):
                 speed_ok = "PASS" if med["gbps"] >= RESHARD_VS_RAW * raw_gbps else "FAIL"
             pr = sorted(paired(r) for r in rs)
             rows.append([case, reader, med["ws"], C.fmt_size(max(med["needed"])), C.fmt_size(max(med["disk_read"])),

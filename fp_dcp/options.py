@@ -183,6 +183,10 @@ class FastPersistOptions:
             are small (under 64 KiB) and the network is faster than the
             disk's small-request rate.  The coordinator decides per stored
             chunk, and only where the ranks' parts cover the rows they span.
+            ``None`` (the default, ``auto``): on when the load's process
+            group moves tensors on the CPU (gloo, or ``"cpu:gloo,cuda:nccl"``),
+            off for an NCCL-only group; ``False`` always reads each rank's
+            pieces itself.
         shared_read_transport: how the two ``share_*`` options move a part
             from the rank that read it to a rank that needs it: ``"auto"``
             (a rank on the same machine copies it straight out of the
@@ -235,7 +239,7 @@ class FastPersistOptions:
     max_overread_percent: int = 5
     strict_dtype: bool = False
     share_replicated_reads: bool = False
-    share_interleaved_reads: bool = False
+    share_interleaved_reads: bool | None = None
     shared_read_transport: str = "auto"
     write_checksums: bool = True
     verify_checksums: bool = True
@@ -277,9 +281,10 @@ class FastPersistOptions:
             raise ValueError(
                 f"FastPersistOptions.read_buffer_budget_bytes must be at least 1 MiB, got {self.read_buffer_budget_bytes}"
             )
-        if not isinstance(self.share_interleaved_reads, bool):
+        if self.share_interleaved_reads is not None and not isinstance(self.share_interleaved_reads, bool):
             raise ValueError(
-                f"FastPersistOptions.share_interleaved_reads must be True or False, got {self.share_interleaved_reads!r}"
+                "FastPersistOptions.share_interleaved_reads must be True, False or None (auto), "
+                f"got {self.share_interleaved_reads!r}"
             )
         if self.shared_read_transport not in ("auto", "process_group"):
             raise ValueError(

@@ -29,9 +29,10 @@ With ``share_replicated_reads=True``, a box that several ranks need (every
 rank of a DDP-style restart needs every replicated tensor) is read from disk
 by one of them and sent to the others over the load's process group, inside
 DCP's own ``read_data`` step: every rank runs the same sequence of
-collectives, errors included.  With ``share_interleaved_reads=True``, stored
-rows that several ranks need interleaved parts of (a load that moves the
-sharded dimension) are cut into row slabs, each read whole and sequentially by
+collectives, errors included.  With ``share_interleaved_reads`` (on by
+default for a process group that moves tensors on the CPU), stored rows that
+several ranks need interleaved parts of (a load that moves the sharded
+dimension) are cut into row slabs, each read whole and sequentially by
 one rank, which sends every other rank its part: each rank reads about the
 bytes it needs, in large requests, instead of many small runs.  Both are
 *shared units* of one plan (:class:`_SharedUnit`): a box of a stored chunk,
@@ -276,14 +277,17 @@ class FastPersistReader(StorageReader):
         self._use_collectives = bool(kwargs.get("use_collectives", True))
         self._ext_cache = {}
         self._verifier = None
-        self._set_up_engines_early()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        opts = self.options
+        may_share = self._use_collectives and (
+            opts.share_replicated_reads or opts.share_interleaved_reads is True
+            or (opts.share_interleaved_reads is None and any(self._fragmented(r) for r in plan.items)))
+        self._set_up_engines_early(may_share)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        opts = self.options
-        if not (opts.share_replicated_reads or opts.share_interleaved_reads) or len(plans) < 2:
+        if not (self.options.share_replicated_reads or self._interleave_wanted()) or len(plans) < 2:
             return plans
         share = self._plan_sharing(plans)
         if share is None:
@@ -322,21 +326,53 @@ class FastPersistReader(StorageReader):
             )
         return self.path
 
-    def _set_up_engines_early(self) -> None:
-        """Start setting the engine up (and, when this reader may share
-        reads, the second engine) on a thread of its own, while DCP plans the
-        load: their bounce buffers are allocated, faulted in and page-locked
-        (tens of ms where the host faults memory in lazily, as on VMs with
+    def _interleave_wanted(self) -> bool:
+        """``share_interleaved_reads``, its ``None`` (auto) resolved: on when
+        the load's process group moves tensors on the CPU."""
+        wanted = self.options.share_interleaved_reads
+        if wanted is not None:
+            return wanted
+        import torch.distributed as dist
+
+        if not (self._use_collectives and dist.is_available() and dist.is_initialized()):
+            return False
+        return _transfer_device(self.process_group).type == "cpu"
+
+    def _fragmented(self, req: ReadItem) -> bool:
+        """Whether the item needs many runs of its stored chunk (a dimension
+        after the first cut while an earlier one spans several indices): what
+        interleaved reads are for."""
+        if req.type != LoadItemType.TENSOR:
+            return False
+        md = self.state_dict_metadata.get(req.storage_index.fqn)
+        lengths = list(req.lengths)
+        if not isinstance(md, TensorStorageMetadata) or lengths[1:] == list(md.size)[1:]:
+            return False  # whole rows of the tensor: one run (the common case, checked without the chunk)
+        try:
+            sizes, _ = self._chunk_sizes(req.storage_index.fqn, list(req.storage_index.offset or ()))
+        except fmt.CheckpointFormatError:
+            return False  # the read reports it
+        span = 1
+        for d, (n, size) in enumerate(zip(lengths, sizes)):
+            if d and n < size and span > 1:
+                return True
+            span *= n
+        return False
+
+    def _set_up_engines_early(self, twin: bool) -> None:
+        """Start setting the engine up (and, with ``twin``, the second engine
+        of shared reads) on a thread of its own, while DCP plans the load:
+        their bounce buffers are allocated, faulted in and page-locked (tens
+        of ms where the host faults memory in lazily, as on VMs with
         free-page reporting), and that need not wait for the plan.  Best
         effort: a failure here is raised by the set-up ``read_data`` runs."""
         if self._setting_up is not None or self.path is None:
             return
-        sharing = self.options.share_interleaved_reads or self.options.share_replicated_reads
 
         def work() -> None:
             try:
                 self._engine()
-                if sharing and self._use_collectives:
+                if twin:
                     self._twin()
             except BaseException:  # noqa: BLE001 - read_data's own set-up reports it
                 pass
@@ -561,7 +597,10 @@ class FastPersistReader(StorageReader):
         opts = self.options
         if not (self._use_collectives and dist.is_available() and dist.is_initialized()):
             return None
+        interleave = self._interleave_wanted()
         if dist.get_world_size(self.process_group) != len(plans):
+            if not (opts.share_replicated_reads or opts.share_interleaved_reads):
+                return None  # auto: nothing was asked for, nothing to warn about
             which = "share_interleaved_reads" if opts.share_interleaved_reads else "share_replicated_reads"
             warnings.warn(
                 f"{which}: dcp.load runs on {len(plans)} ranks but the reader's process group "
@@ -587,7 +626,7 @@ class FastPersistReader(StorageReader):
             esize = md.properties.dtype.itemsize
             boxes = list(by_chunk[(fqn, chunk)])
             rest = boxes
-            if opts.share_interleaved_reads:
+            if interleave:
                 try:
                     sizes, _ = self._chunk_sizes(fqn, None if chunk is None else list(chunk))
                 except fmt.CheckpointFormatError:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import LoadPlan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -242,7 +243,7 @@ def test_gc_is_frozen_only_during_a_save(tmp_path):
 
 
 def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatch):
-    """set_up_storage_reader starts the engine (and, for shared reads, the
+    """prepare_local_plan starts the engine (and, for shared reads, the
     second one) on a thread while DCP plans; the load uses those sessions, a
     second load keeps them, close() closes both.  A set-up that fails on that
     thread is tried again, and raised, by the read itself."""
@@ -254,6 +255,7 @@ def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatc
     reader = FastPersistReader(path, share_replicated_reads=True)
     reader.reset(path)
     reader.set_up_storage_reader(reader.read_metadata(), True)
+    reader.prepare_local_plan(LoadPlan([]))
     assert reader._setting_up is not None
     reader._engines_set_up()
     first, twin = reader._session, reader._twin_session
@@ -278,3 +280,29 @@ def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatc
     err = root_error(failed.value)
     assert isinstance(err, OSError) and "no engine today" in str(err), err
     assert calls == ["fp_dcp-reader-setup", "MainThread"], calls
+
+
+def test_fragmented_items_are_what_interleaved_reads_are_for(tmp_path):
+    """The local check that starts the second engine early for the default
+    (auto) interleaved reads: a column band of several rows is fragmented;
+    whole rows, one row, or a scalar are not."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    path = tmp_path / "ckpt"
+    save({"w": torch.zeros(8, 6, 4), "s": torch.tensor(1.0)}, path, "fp_dcp")
+    reader = FastPersistReader(path)
+    reader.reset(path)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+
+    def item(fqn, offsets, lengths):
+        return ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, offsets), torch.Size(offsets),
+                        MetadataIndex(fqn, torch.Size([0] * len(offsets))), torch.Size(offsets),
+                        torch.Size(lengths))
+
+    assert reader._fragmented(item("w", [0, 0, 0], [4, 3, 4]))  # half of dim 1, rows 0..3
+    assert reader._fragmented(item("w", [0, 0, 2], [1, 6, 2]))  # half of the last dim of 6 rows
+    assert not reader._fragmented(item("w", [2, 0, 0], [3, 6, 4]))  # whole rows
+    assert not reader._fragmented(item("w", [2, 1, 0], [1, 3, 4]))  # inside one row: one run
+    assert not reader._fragmented(item("s", [], []))
+    reader.close()
