@@ -211,7 +211,7 @@ class FastPersistReader(StorageReader):
     first engine is, until :meth:`close`.
 
     The engines are set up on a thread of their own from
-    ``set_up_storage_reader`` on, while DCP plans the load, not when the
+    ``prepare_local_plan`` on, while DCP exchanges the plans, not when the
     first read needs them.
     """
 
@@ -280,9 +280,9 @@ class FastPersistReader(StorageReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         opts = self.options
-        may_share = self._use_collectives and (
-            opts.share_replicated_reads or opts.share_interleaved_reads is True
-            or (opts.share_interleaved_reads is None and any(self._fragmented(r) for r in plan.items)))
+        interleave = self._interleave_wanted()  # auto: when this rank has pieces to share
+        may_share = self._use_collectives and (opts.share_replicated_reads or (interleave and (
+            opts.share_interleaved_reads or any(self._fragmented(r) for r in plan.items))))
         self._set_up_engines_early(may_share)
         return plan
 
