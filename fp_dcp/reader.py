@@ -99,6 +99,7 @@ _READ_QUEUE_DEPTH = 64
 _READ_BLOCK_BYTES = 256 << 10
 # shared reads: rounds read from disk ahead of the one being exchanged
 _READ_AHEAD = 2
+_ZERO_START = np.zeros(1, dtype=np.int64)  # one run, from the address given
 
 
 def read_checkpoint_metadata(directory: str) -> tuple[Metadata, fmt.StorageLayout, dict[str, Any]]:
@@ -1136,9 +1137,12 @@ def _machine_key() -> tuple:
     return (socket.gethostname(), boot, pidns)
 
 
-def _pull_table(group: Any, rank: int, world: int) -> tuple[list[frozenset[int]], list[int]]:
-    """``(table, pids)``: ``table[r]`` the ranks whose memory rank ``r`` can
-    copy from with ``process_vm_readv``, ``pids[r]`` rank ``r``'s process.
+def _pull_table(group: Any, rank: int, world: int,
+                progress: int) -> tuple[list[frozenset[int]], list[int], list[int]]:
+    """``(table, pids, progress)``: ``table[r]`` the ranks whose memory rank
+    ``r`` can copy from with ``process_vm_readv``, ``pids[r]`` rank ``r``'s
+    process, ``progress[r]`` the address of its progress counter (this
+    rank's is at ``progress``).
 
     Each rank shows a random token in its memory; every other rank of the
     same machine key pulls it and keeps the peer only when the token came
@@ -1148,12 +1152,12 @@ def _pull_table(group: Any, rank: int, world: int) -> tuple[list[frozenset[int]]
     import torch.distributed as dist
 
     token = np.frombuffer(secrets.token_bytes(16), dtype=np.uint8).copy()
-    me = (_machine_key(), os.getpid(), int(token.ctypes.data), token.tobytes())
+    me = (_machine_key(), os.getpid(), int(token.ctypes.data), token.tobytes(), progress)
     peers: list[Any] = [None] * world
     dist.all_gather_object(peers, me, group=group)
     reachable = []
     got = np.zeros(16, dtype=np.uint8)
-    for r, (key, pid, addr, tok) in enumerate(peers):
+    for r, (key, pid, addr, tok, _) in enumerate(peers):
         if r == rank or key != me[0]:
             continue
         got[:] = 0
@@ -1165,7 +1169,7 @@ def _pull_table(group: Any, rank: int, world: int) -> tuple[list[frozenset[int]]
             reachable.append(r)
     table: list[Any] = [None] * world
     dist.all_gather_object(table, reachable, group=group)  # also: no rank's token is pulled after this
-    return [frozenset(t) for t in table], [p[1] for p in peers]
+    return [frozenset(t) for t in table], [p[1] for p in peers], [p[4] for p in peers]
 
 
 def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadItem], planner: LoadPlanner,
@@ -1185,10 +1189,11 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     (:func:`_pull_table`) is pulled: the status all-gather also carries the
     address of every box the owners read this round, and the rank that needs
     the part copies it from there with one ``process_vm_readv`` into its
-    target.  The owner keeps that box untouched until every rank has passed
-    the next round's status, which each does only after its pulls: the
-    temporaries cycle through one buffer more than the rounds alive, and one
-    status more ends the load.
+    target.  The owner keeps that box untouched until the ranks that pull
+    from it have: each keeps a counter of the rounds it has pulled, which
+    the owner reads (8 bytes, the same way) before it reads another round
+    into that box; one status more ends the load, so no rank frees a box
+    before every rank has pulled from it.
     """
     import torch.distributed as dist
 
@@ -1198,8 +1203,12 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     device = _transfer_device(group)
     can_pull: list[frozenset[int]] = [frozenset()] * world
     pids: list[int] = []
+    progress_at: list[int] = []
+    # the rounds this rank has pulled its parts of: owners read it (a pull
+    # of 8 bytes) before they reuse the box of a round for another round
+    progress = np.zeros(1, dtype=np.int64)
     if share.transport == "auto" and world > 1:
-        can_pull, pids = _pull_table(group, rank, world)
+        can_pull, pids, progress_at = _pull_table(group, rank, world, int(progress.ctypes.data))
 
     def pulled(u: _SharedUnit, p: _Part) -> bool:
         return p.rank != u.owner and u.owner in can_pull[p.rank]
@@ -1209,14 +1218,17 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     # this rank reads, and of its parts it packs to send.
     pull_units: list[list[list[int]]] = []
     owned: list[tuple[list[int], list[int]]] = []
+    pullers: list[set[int]] = []  # per round, the ranks that pull from this rank's boxes
     for r0, r1 in share.rounds:
         per: list[list[int]] = [[] for _ in range(world)]
         boxes, packed = [], []
+        pullers.append(set())
         for ui in range(r0, r1):
             u = share.units[ui]
             if any(pulled(u, p) for p in u.parts):
                 per[u.owner].append(ui)
             if u.owner == rank:
+                pullers[-1].update(p.rank for p in u.parts if pulled(u, p))
                 esize = u.nbytes // max(1, math.prod(u.lengths))
                 boxes.append(u.nbytes)
                 packed += [math.prod(p.lengths) * esize for p in u.parts if p.rank != rank and not pulled(u, p)]
@@ -1252,8 +1264,12 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                 runs.append(_Run(reader, reader._twin(), run.paths))
             except (OSError, MemoryError, RuntimeError):
                 break
-    # Round i's buffers are reused by round i + len(...): see the loop below
-    temps = [_Scratch(torch.device("cpu"), alignment) for _ in range(_READ_AHEAD + (2 if pulling else 1))]
+    # Round i's buffers are reused by round i + len(...): see the loop below.
+    # A box others pull from is reused once they have pulled it: when this
+    # rank can read their progress counters, as soon as they show it; else
+    # once every rank has passed the next round's status (one box more).
+    counted = all(r in can_pull[rank] for ranks in pullers for r in ranks)
+    temps = [_Scratch(torch.device("cpu"), alignment) for _ in range(_READ_AHEAD + (1 if counted else 2))]
     packs = [_Scratch(device, alignment) for _ in range(_READ_AHEAD + 1)]
     # used only for targets that cannot take a receive / a pull as they are
     recvs = [_Scratch(device, alignment, prefault=False) for _ in range(_READ_AHEAD + 1)]
@@ -1320,6 +1336,8 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
             r0, r1 = share.rounds[ri]
             k = ri % len(packs)  # as recvs and landings
             temp, pack, recv, landing = temps[ri % len(temps)], packs[k], recvs[k], landings[k]
+            if counted and ri >= len(temps):
+                wait_pulled(ri - len(temps))  # the round whose box ``temp`` holds
             for sc in (temp, pack):
                 fut = faulting.pop(id(sc), None)
                 if fut is not None:  # allocated ahead by the prefault thread
@@ -1450,6 +1468,19 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
             )
         return {ui: int(gathered[r, 1 + j]) for r in range(world) for j, ui in enumerate(per[r])}
 
+    def wait_pulled(ri: int) -> None:
+        """Until every rank that pulls parts of this rank's boxes of round
+        ``ri`` has pulled them: its progress counter is past ``ri``.  They
+        pull right after that round's status, which this rank has passed,
+        so this waits for nothing this rank still has to do."""
+        cell = np.zeros(1, dtype=np.int64)
+        for r in sorted(pullers[ri]):
+            while True:
+                _aio.pull(pids[r], cell.view(np.uint8), progress_at[r], _ZERO_START, 8)
+                if cell[0] > ri:
+                    break
+                time.sleep(0.0002)
+
     def pull(rd: _Round, addresses: dict[int, int]) -> None:
         """Copy this rank's pulled parts of the round out of their owners'
         memory and finish them; a failure is raised at the next status."""
@@ -1505,9 +1536,9 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     # thread splits round i, posts its transfers and pulls its parts, and
     # gloo's threads move round i - 1.
     # Round i + _READ_AHEAD is prepared once round i - 1 has completed, so
-    # sends, receives and packs cycle through _READ_AHEAD + 1 buffers.  A
-    # box others pull from is free only once every rank has passed the next
-    # round's status: temporaries cycle through one more.
+    # sends, receives, packs and temporaries cycle through _READ_AHEAD + 1
+    # buffers; a box others pull from is reused once they have pulled it
+    # (``wait_pulled``; one temporary more where the counters cannot be read).
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
@@ -1551,10 +1582,12 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                 my_bytes += rd.my_bytes
                 post(rd)
                 pull(rd, addresses)
+                progress[0] = rd.index + 1  # its owners may reuse the round's boxes
                 pending = rd
             if pulling:  # no rank frees a box before every rank has pulled from it
                 agree(_Round(n))
         finally:
+            progress[0] = n + 1  # pulls no more (also when it leaves early): no owner waits for it
             for fut in faulting.values():  # not started: not needed any more
                 fut.cancel()
             for _, fut in reading:  # a failed round: let the next reads end before their buffers go

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -789,6 +790,26 @@ def _interleaved_reads(root, rank, ws):
             assert "shared_read_transport='process_group'" in str(e) and "rank 1" in str(e), str(e)
         finally:
             _aio.pull = real_pull
+
+    # a slow puller (rank 1 sleeps before each pull of a part): the owners
+    # read no other round into a box before its progress counter says it has
+    # pulled from that box, so the parts stay right
+    def slow(pid, dst, remote, starts, run_length):
+        if not (len(starts) == 1 and run_length in (8, 16)):  # not a counter or the probe
+            time.sleep(0.02)
+        return real_pull(pid, dst, remote, starts, run_length)
+
+    if rank == 1:
+        _aio.pull = slow
+    try:
+        target = _dtensor_sd(ws, s1, zero=True)
+        reader = FastPersistReader(path, share_interleaved_reads=True, read_buffer_budget_bytes=budget)
+        dcp.load(target, storage_reader=reader)
+        for k, want in _expected_local(target).items():
+            assert bits_equal(_local(target[k]), want), k
+        assert reader.last_stats["shared_rounds"] > 4 and reader.last_stats["shared_bytes_pulled"] > 0
+    finally:
+        _aio.pull = real_pull
     return {"needed": needed, "plain": plain, "coop": out[None, "auto"][1]}
 
 
