@@ -1476,7 +1476,11 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
         cell = np.zeros(1, dtype=np.int64)
         for r in sorted(pullers[ri]):
             while True:
-                _aio.pull(pids[r], cell.view(np.uint8), progress_at[r], _ZERO_START, 8)
+                try:
+                    _aio.pull(pids[r], cell.view(np.uint8), progress_at[r], _ZERO_START, 8)
+                except OSError as e:
+                    raise RuntimeError(f"reading rank {r}'s progress counter (pid {pids[r]}) failed: {e}; set "
+                                       "shared_read_transport='process_group' to send parts instead") from e
                 if cell[0] > ri:
                     break
                 time.sleep(0.0002)

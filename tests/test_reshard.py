@@ -767,6 +767,22 @@ def _interleaved_reads(root, rank, ws):
     from fp_dcp import _aio
 
     real_pull = _aio.pull
+
+    def load_with(pull_on_rank_1):
+        """A cooperative load with rank 1 pulling through ``pull_on_rank_1``:
+        bit-exact, or raises; its stats."""
+        if rank == 1:
+            _aio.pull = pull_on_rank_1
+        try:
+            target = _dtensor_sd(ws, s1, zero=True)
+            reader = FastPersistReader(path, share_interleaved_reads=True, read_buffer_budget_bytes=budget)
+            dcp.load(target, storage_reader=reader)
+            for k, want in _expected_local(target).items():
+                assert bits_equal(_local(target[k]), want), k
+            return reader.last_stats
+        finally:
+            _aio.pull = real_pull
+
     for probe_too in (True, False):
 
         def refused(pid, dst, remote, starts, run_length, probe_too=probe_too):
@@ -774,22 +790,14 @@ def _interleaved_reads(root, rank, ws):
                 raise PermissionError(1, "Operation not permitted (injected)")
             return real_pull(pid, dst, remote, starts, run_length)
 
-        if rank == 1:
-            _aio.pull = refused
         try:
-            target = _dtensor_sd(ws, s1, zero=True)
-            reader = FastPersistReader(path, share_interleaved_reads=True, read_buffer_budget_bytes=budget)
-            dcp.load(target, storage_reader=reader)
+            stats = load_with(refused)
             assert probe_too, "a refused pull on rank 1 did not fail the cooperative load"
-            for k, want in _expected_local(target).items():
-                assert bits_equal(_local(target[k]), want), k
-            pulled = reader.last_stats["shared_bytes_pulled"]
-            assert (pulled == 0) if rank == 1 else (pulled > 0), (rank, reader.last_stats)
+            pulled = stats["shared_bytes_pulled"]
+            assert (pulled == 0) if rank == 1 else (pulled > 0), (rank, stats)
         except FAILED as e:
             assert not probe_too, str(e)
             assert "shared_read_transport='process_group'" in str(e) and "rank 1" in str(e), str(e)
-        finally:
-            _aio.pull = real_pull
 
     # a slow puller (rank 1 sleeps before each pull of a part): the owners
     # read no other round into a box before its progress counter says it has
@@ -799,17 +807,8 @@ def _interleaved_reads(root, rank, ws):
             time.sleep(0.02)
         return real_pull(pid, dst, remote, starts, run_length)
 
-    if rank == 1:
-        _aio.pull = slow
-    try:
-        target = _dtensor_sd(ws, s1, zero=True)
-        reader = FastPersistReader(path, share_interleaved_reads=True, read_buffer_budget_bytes=budget)
-        dcp.load(target, storage_reader=reader)
-        for k, want in _expected_local(target).items():
-            assert bits_equal(_local(target[k]), want), k
-        assert reader.last_stats["shared_rounds"] > 4 and reader.last_stats["shared_bytes_pulled"] > 0
-    finally:
-        _aio.pull = real_pull
+    stats = load_with(slow)
+    assert stats["shared_rounds"] > 4 and stats["shared_bytes_pulled"] > 0, stats
     return {"needed": needed, "plain": plain, "coop": out[None, "auto"][1]}
 
 
