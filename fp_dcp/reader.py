@@ -1137,8 +1137,8 @@ def _machine_key() -> tuple:
     return (socket.gethostname(), boot, pidns)
 
 
-def _pull_table(group: Any, rank: int, world: int,
-                progress: int) -> tuple[list[frozenset[int]], list[int], list[int]]:
+def _pull_table(group: Any, rank: int, world: int, progress: int,
+                device: torch.device) -> tuple[list[frozenset[int]], list[int], list[int]]:
     """``(table, pids, progress)``: ``table[r]`` the ranks whose memory rank
     ``r`` can copy from with ``process_vm_readv``, ``pids[r]`` rank ``r``'s
     process, ``progress[r]`` the address of its progress counter (this
@@ -1147,29 +1147,37 @@ def _pull_table(group: Any, rank: int, world: int,
     Each rank shows a random token in its memory; every other rank of the
     same machine key pulls it and keeps the peer only when the token came
     back, so a refused call (ptrace rules, seccomp), another pid namespace
-    or a reused pid is never trusted.  Two object all-gathers; every rank
-    learns the whole table, so both ends of a part agree on how it moves."""
+    or a reused pid is never trusted.  Two all-gathers of small int64
+    tensors (on ``device``, the group's); every rank learns the whole
+    table, so both ends of a part agree on how it moves."""
+    import hashlib
+
     import torch.distributed as dist
 
-    token = np.frombuffer(secrets.token_bytes(16), dtype=np.uint8).copy()
-    me = (_machine_key(), os.getpid(), int(token.ctypes.data), token.tobytes(), progress)
-    peers: list[Any] = [None] * world
-    dist.all_gather_object(peers, me, group=group)
-    reachable = []
-    got = np.zeros(16, dtype=np.uint8)
-    for r, (key, pid, addr, tok, _) in enumerate(peers):
-        if r == rank or key != me[0]:
+    token = np.frombuffer(secrets.token_bytes(16), dtype=np.int64).copy()
+    key = int.from_bytes(hashlib.blake2b(repr(_machine_key()).encode(), digest_size=8).digest(), "little",
+                         signed=True)
+    mine = torch.tensor([key, os.getpid(), int(token.ctypes.data), int(token[0]), int(token[1]), progress],
+                        dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    peers = torch.stack(rows).cpu().numpy()
+    reachable = torch.zeros(world, dtype=torch.int64)
+    got = np.zeros(2, dtype=np.int64)
+    for r in range(world):
+        if r == rank or peers[r, 0] != key:
             continue
         got[:] = 0
         try:
-            _aio.pull(pid, got, addr, np.zeros(1, dtype=np.int64), 16)
+            _aio.pull(int(peers[r, 1]), got.view(np.uint8), int(peers[r, 2]), _ZERO_START, 16)
         except OSError:
             continue
-        if got.tobytes() == tok:
-            reachable.append(r)
-    table: list[Any] = [None] * world
-    dist.all_gather_object(table, reachable, group=group)  # also: no rank's token is pulled after this
-    return [frozenset(t) for t in table], [p[1] for p in peers], [p[4] for p in peers]
+        if got[0] == peers[r, 3] and got[1] == peers[r, 4]:
+            reachable[r] = 1
+    table = [torch.empty_like(reachable, device=device) for _ in range(world)]
+    dist.all_gather(table, reachable.to(device), group=group)  # also: no rank's token is pulled after this
+    seen = torch.stack(table).cpu().numpy()
+    return ([frozenset(np.flatnonzero(row).tolist()) for row in seen], peers[:, 1].tolist(), peers[:, 5].tolist())
 
 
 def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadItem], planner: LoadPlanner,
@@ -1208,7 +1216,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     # of 8 bytes) before they reuse the box of a round for another round
     progress = np.zeros(1, dtype=np.int64)
     if share.transport == "auto" and world > 1:
-        can_pull, pids, progress_at = _pull_table(group, rank, world, int(progress.ctypes.data))
+        can_pull, pids, progress_at = _pull_table(group, rank, world, int(progress.ctypes.data), device)
 
     def pulled(u: _SharedUnit, p: _Part) -> bool:
         return p.rank != u.owner and u.owner in can_pull[p.rank]
