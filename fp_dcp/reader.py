@@ -235,7 +235,7 @@ class FastPersistReader(StorageReader):
         self.last_stats: dict[str, Any] = {}
         self.progress: Callable[[int, int], None] | None = None  # (bytes done, bytes total), for tools
         self._session: IOSession | None = None
-        self._twin_session: IOSession | None = None  # the second engine of shared reads
+        self._twins: list[IOSession] = []  # the other engines of shared reads
         self._setting_up: threading.Thread | None = None
         self._ext_cache: dict[MetadataIndex, tuple[np.ndarray, ...]] = {}
         self._verifier: ReadVerifier | None = None
@@ -307,10 +307,7 @@ class FastPersistReader(StorageReader):
 
     def close(self) -> None:
         self._engines_set_up()
-        for session in (self._twin_session, self._session):
-            if session is not None:
-                session.close()
-        self._session = self._twin_session = None
+        self._close_sessions()
 
     def __enter__(self) -> "FastPersistReader":
         return self
@@ -374,7 +371,7 @@ class FastPersistReader(StorageReader):
             try:
                 self._engine()
                 if twin:
-                    self._twin()
+                    self._twin(0)
             except BaseException:  # noqa: BLE001 - read_data's own set-up reports it
                 pass
 
@@ -387,13 +384,20 @@ class FastPersistReader(StorageReader):
             self._setting_up.join()
             self._setting_up = None
 
-    def _twin(self) -> IOSession:
-        """A second session for the current one (kept with the reader, as the
-        first), for shared reads' second reading thread."""
+    def _twin(self, i: int) -> IOSession:
+        """The ``i``-th other session for the current one (kept with the
+        reader, as the first), for shared reads' reading threads: each
+        thread its own engine."""
         session = self._engine()
-        if self._twin_session is None:
-            self._twin_session = session.twin()
-        return self._twin_session
+        while len(self._twins) <= i:
+            self._twins.append(session.twin())
+        return self._twins[i]
+
+    def _close_sessions(self) -> None:
+        for session in [*self._twins, self._session]:
+            if session is not None:
+                session.close()
+        self._session, self._twins = None, []
 
     def _engine(self) -> IOSession:
         directory = self._directory()
@@ -405,10 +409,7 @@ class FastPersistReader(StorageReader):
             # engine's defaults (qd+1 slots of one block).
             opts = opts.replace(queue_depth=_READ_QUEUE_DEPTH, block_size_bytes=_READ_BLOCK_BYTES)
         if self._session is None or not self._session.matches(opts, directory):
-            for session in (self._twin_session, self._session):
-                if session is not None:
-                    session.close()
-            self._session = self._twin_session = None
+            self._close_sessions()
             self._session = IOSession(opts, directory)
         return self._session
 
@@ -1269,7 +1270,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
     if run is not None and setup_error is None:
         while len(runs) < min(_READ_AHEAD, len(share.rounds)):
             try:
-                runs.append(_Run(reader, reader._twin(), run.paths))
+                runs.append(_Run(reader, reader._twin(len(runs) - 1), run.paths))
             except (OSError, MemoryError, RuntimeError):
                 break
     # Round i's buffers are reused by round i + len(...): see the loop below.

@@ -258,13 +258,13 @@ def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatc
     reader.prepare_local_plan(LoadPlan([]))
     assert reader._setting_up is not None
     reader._engines_set_up()
-    first, twin = reader._session, reader._twin_session
+    first, (twin,) = reader._session, reader._twins
     assert first is not None and twin is not None and twin.engine is not first.engine
     for _ in range(2):
         target = zeros_like_sd(sd)
         dcp.load(target, storage_reader=reader, no_dist=True)
         assert_sd_equal(sd, target)
-        assert reader._session is first and reader._twin_session is twin
+        assert reader._session is first and reader._twins == [twin]
     reader.close()
     assert first.engine is None and twin.engine is None and reader._session is None
 
