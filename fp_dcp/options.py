@@ -185,8 +185,11 @@ class FastPersistOptions:
             chunk, and only where the ranks' parts cover the rows they span.
             ``None`` (the default, ``auto``): on when the load's process
             group moves tensors on the CPU (gloo, or ``"cpu:gloo,cuda:nccl"``),
-            off for an NCCL-only group; ``False`` always reads each rank's
-            pieces itself.
+            and only for rows whose ranks all run on one machine (their parts
+            are copied from memory, never sent over a network that may be
+            slower than reading the runs); off for an NCCL-only group.
+            ``True`` also shares across machines; ``False`` always reads each
+            rank's pieces itself.
         shared_read_transport: how the two ``share_*`` options move a part
             from the rank that read it to a rank that needs it: ``"auto"``
             (a rank on the same machine copies it straight out of the

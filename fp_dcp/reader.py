@@ -30,7 +30,8 @@ rank of a DDP-style restart needs every replicated tensor) is read from disk
 by one of them and sent to the others over the load's process group, inside
 DCP's own ``read_data`` step: every rank runs the same sequence of
 collectives, errors included.  With ``share_interleaved_reads`` (on by
-default for a process group that moves tensors on the CPU), stored rows that
+default for a process group that moves tensors on the CPU, among the ranks
+of one machine), stored rows that
 several ranks need interleaved parts of (a load that moves the sharded
 dimension) are cut into row slabs, each read whole and sequentially by
 one rank, which sends every other rank its part: each rank reads about the
@@ -177,6 +178,14 @@ class _SharedUnit:
         return tuple(dict.fromkeys(p.rank for p in self.parts))
 
 
+@dataclasses.dataclass(frozen=True)
+class _LocalInfo:
+    """What a rank's local plan tells the coordinator (``storage_data``):
+    the machine it runs on (:func:`_machine_id`)."""
+
+    machine: int
+
+
 @dataclasses.dataclass
 class _SharePlan:
     """``LoadPlan.storage_data`` when reads are shared: the same list on every
@@ -285,6 +294,10 @@ class FastPersistReader(StorageReader):
         may_share = self._use_collectives and (opts.share_replicated_reads or (interleave and (
             opts.share_interleaved_reads or any(self._fragmented(r) for r in plan.items))))
         self._set_up_engines_early(may_share)
+        if interleave and opts.share_interleaved_reads is None:
+            # auto shares rows only among ranks of one machine: the coordinator
+            # learns each rank's machine from its plan
+            plan = dataclasses.replace(plan, storage_data=_LocalInfo(_machine_id()))
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -612,6 +625,7 @@ class FastPersistReader(StorageReader):
             )
             return None
         budget = opts.read_buffer_budget_bytes
+        machines = [p.storage_data.machine if isinstance(p.storage_data, _LocalInfo) else None for p in plans]
         by_chunk: dict[tuple, dict[tuple, None]] = {}
         for rank, plan in enumerate(plans):
             for req in plan.items:
@@ -635,6 +649,13 @@ class FastPersistReader(StorageReader):
                     sizes = None  # the ranks' own reads report it
                 slabs = [] if sizes is None else interleaved_slabs(
                     sizes, esize, boxes, max(1, budget // 16), run_max_bytes=_MERGE_RUN_MAX_BYTES)
+                if opts.share_interleaved_reads is None and not all(
+                        len(ms := {machines[boxes[i][0]] for i, _, _ in sl.parts}) == 1 and None not in ms
+                        for sl in slabs):
+                    # auto: a part would cross machines (or a rank did not
+                    # say where it runs), and the process group's network may
+                    # be slower than reading the runs: each rank reads its own
+                    slabs = []
                 for sl in slabs:
                     parts = tuple(_Part(boxes[i][0], boxes[i][1], boxes[i][2], tuple(o), tuple(n))
                                   for i, o, n in sl.parts)
@@ -1138,6 +1159,14 @@ def _machine_key() -> tuple:
     return (socket.gethostname(), boot, pidns)
 
 
+def _machine_id() -> int:
+    """:func:`_machine_key` as a signed 64-bit hash."""
+    import hashlib
+
+    digest = hashlib.blake2b(repr(_machine_key()).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
 def _pull_table(group: Any, rank: int, world: int, progress: int,
                 device: torch.device) -> tuple[list[frozenset[int]], list[int], list[int]]:
     """``(table, pids, progress)``: ``table[r]`` the ranks whose memory rank
@@ -1151,13 +1180,10 @@ def _pull_table(group: Any, rank: int, world: int, progress: int,
     or a reused pid is never trusted.  Two all-gathers of small int64
     tensors (on ``device``, the group's); every rank learns the whole
     table, so both ends of a part agree on how it moves."""
-    import hashlib
-
     import torch.distributed as dist
 
     token = np.frombuffer(secrets.token_bytes(16), dtype=np.int64).copy()
-    key = int.from_bytes(hashlib.blake2b(repr(_machine_key()).encode(), digest_size=8).digest(), "little",
-                         signed=True)
+    key = _machine_id()
     mine = torch.tensor([key, os.getpid(), int(token.ctypes.data), int(token[0]), int(token[1]), progress],
                         dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(world)]

@@ -809,6 +809,26 @@ def _interleaved_reads(root, rank, ws):
 
     stats = load_with(slow)
     assert stats["shared_rounds"] > 4 and stats["shared_bytes_pulled"] > 0, stats
+
+    # auto shares rows only among ranks of one machine: with rank 1 saying it
+    # runs elsewhere, every rank reads its own runs; True still shares, and
+    # rank 1's parts go over gloo
+    import fp_dcp.reader as reader_mod
+
+    real_key = reader_mod._machine_key
+    if rank == 1:
+        reader_mod._machine_key = lambda: ("another machine",)
+    try:
+        for wanted in (None, True):
+            _, st, _ = _load_both(root, "dt", lambda: _dtensor_sd(ws, s1, zero=True),
+                                  share_interleaved_reads=wanted, read_buffer_budget_bytes=budget)
+            if wanted is None:
+                assert "shared_rounds" not in st, st
+            else:
+                assert st["shared_rounds"] > 0 and st["shared_bytes_received"] > 0, st
+                assert rank != 1 or st["shared_bytes_pulled"] == 0, st
+    finally:
+        reader_mod._machine_key = real_key
     return {"needed": needed, "plain": plain, "coop": out[None, "auto"][1]}
 
 
