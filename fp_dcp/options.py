@@ -155,7 +155,7 @@ class FastPersistOptions:
             temporaries take (targets of another dtype or device, dense
             slices read as whole ranges and copied out with one strided
             copy, the boxes and parts of the ``share_*`` options: a quarter
-            of it per round, four rounds alive at once, so larger budgets
+            of it per round, at most four rounds alive at once, so larger budgets
             mean fewer, larger rounds); a stored chunk is never read whole
             to be sliced.  At least 1 MiB.
         max_overread_percent: on load, bytes read beyond those the targets

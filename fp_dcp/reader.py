@@ -1503,6 +1503,10 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
             )
         return {ui: int(gathered[r, 1 + j]) for r in range(world) for j, ui in enumerate(per[r])}
 
+    def pull_failed(what: str, owner: int, e: BaseException) -> RuntimeError:
+        return RuntimeError(f"{what} from rank {owner}'s memory (pid {pids[owner]}) failed: {e}; set "
+                            "shared_read_transport='process_group' to send parts instead")
+
     def wait_pulled(ri: int) -> None:
         """Until every rank that pulls parts of this rank's boxes of round
         ``ri`` has pulled them: its progress counter is past ``ri``.  They
@@ -1514,8 +1518,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                 try:
                     _aio.pull(pids[r], cell.view(np.uint8), progress_at[r], _ZERO_START, 8)
                 except OSError as e:
-                    raise RuntimeError(f"reading rank {r}'s progress counter (pid {pids[r]}) failed: {e}; set "
-                                       "shared_read_transport='process_group' to send parts instead") from e
+                    raise pull_failed("reading the progress counter", r, e) from e
                 if cell[0] > ri:
                     break
                 time.sleep(0.0002)
@@ -1536,9 +1539,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                 stats["shared_bytes_received"] += buf.numel() * esize
                 finish()
         except BaseException as e:  # noqa: BLE001 - agreed on at the next status
-            pull_error.append(RuntimeError(f"{u.fqn}: copying a shared part from rank {u.owner}'s memory "
-                                           f"(pid {pids[u.owner]}) failed: {e}; set "
-                                           f"shared_read_transport='process_group' to send parts instead"))
+            pull_error.append(pull_failed(f"{u.fqn}: copying a shared part", u.owner, e))
         stats["shared_pull_seconds"] += time.perf_counter() - t
 
     def post(rd: _Round) -> None:
