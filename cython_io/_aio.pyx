@@ -404,19 +404,28 @@ cdef class AlignedBuffer:
         _n_buffers += 1
         if huge:
             madvise(p, alloc, MADV_HUGEPAGE)  # advisory: no error if THP is off
+        self._settle(prefault, lock)
+
+    cdef void _settle(self, bint prefault, bint lock):
+        """Fault the memory in (whole, as allocated) and page-lock it."""
+        global _locked_bytes
+        cdef size_t alloc = self._size if self._size > 0 else 1
+        cdef int rc
+        if self._size >= _HUGE_PAGE:
+            alloc = (alloc + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
         if prefault:
             with nogil:
-                memset(p, 0, alloc)
-        if lock and size_bytes > 0:
+                memset(self._ptr, 0, alloc)
+        if lock and self._size > 0 and not self._locked:
             with nogil:
-                rc = mlock(p, size_bytes)
+                rc = mlock(self._ptr, self._size)
                 if rc != 0:
                     rc = errno
             if rc == 0:
                 self._locked = True
-                _locked_bytes += size_bytes
+                _locked_bytes += self._size
             else:
-                _warn_mlock(rc, size_bytes)
+                _warn_mlock(rc, self._size)
 
     cdef void _free(self) noexcept:
         global _n_buffers, _locked_bytes
@@ -527,8 +536,10 @@ def available_engines():
 
 
 cdef class Engine:
-    """An I/O engine with its pool of queue_depth + 1 aligned, page-locked
-    bounce buffers, reused by every call. See docs/NATIVE.md."""
+    """An I/O engine with its pool of queue_depth + 1 aligned bounce buffers,
+    reused by every call, faulted in and page-locked by the first call that
+    needs one (a piece whose memory, offset or length is not aligned, or that
+    is shorter than a block). See docs/NATIVE.md."""
     cdef fpio_engine *_e
     cdef readonly str kind
     cdef readonly int queue_depth
@@ -540,6 +551,7 @@ cdef class Engine:
     cdef char **_slots
     cdef bint _busy
     cdef bint _counted
+    cdef bint _pool_settled
 
     def __init__(self, str kind="auto", *, int queue_depth=DEFAULT_QUEUE_DEPTH,
                  Py_ssize_t block_size=DEFAULT_BLOCK_SIZE, read_queue_depth=None,
@@ -575,8 +587,11 @@ cdef class Engine:
         self._slots = <char **>calloc(nslots, sizeof(char *))
         if self._slots == NULL:
             raise MemoryError()
-        # the bounce buffers: one allocation, carved in slots (whole huge pages for all)
-        self._pool = AlignedBuffer(nslots * slot_size, alignment)
+        # the bounce buffers: one allocation, carved in slots (whole huge pages
+        # for all), faulted in and page-locked by the first call that needs a
+        # slot (_settle_pool): reads and writes of aligned memory never do, and
+        # first touches are slow where the host hands memory out lazily
+        self._pool = AlignedBuffer(nslots * slot_size, alignment, lock=False, prefault=False)
         cdef char *base = self._pool._ptr
         cdef int i
         for i in range(nslots):
@@ -596,6 +611,27 @@ cdef class Engine:
                            None)
         self._counted = True
         _n_engines += 1
+
+    cdef void _settle_pool(self, fpio_piece *pieces, Py_ssize_t n, int64_t bs, int64_t align):
+        """Fault the pool in and lock it when a piece goes through a slot:
+        one shorter than a block, or whose memory, offset or length is not
+        aligned (fpio.c's direct_body takes the aligned rest in place)."""
+        cdef Py_ssize_t i
+        for i in range(n):
+            if pieces[i].len > 0 and (pieces[i].len < bs or pieces[i].len % align or pieces[i].off % align
+                                      or <uintptr_t>pieces[i].ptr % <uintptr_t>align):
+                self._pool._settle(True, True)
+                self._pool_settled = True
+                return
+
+    def settle_pool(self):
+        """Fault the bounce buffers in and lock them now (otherwise the first
+        call that needs one does), e.g. on a thread before the first call."""
+        if self._pool is None or self._pool.closed:
+            raise ValueError("Engine is closed")
+        if not self._pool_settled:
+            self._pool._settle(True, True)
+            self._pool_settled = True
 
     cdef void _free_pool(self) noexcept:
         if self._pool is not None:
@@ -828,6 +864,8 @@ cdef class Engine:
                 crc.block = crc_block
                 crc.first = &crc_first[0]
                 crc.out = &crc_out[0] if crc_first[n] > 0 else NULL
+            if not self._pool_settled:
+                self._settle_pool(pieces, n, bs, align)
             with nogil:
                 if write:
                     rc = fpio_write(self._e, cfds, nfiles, pieces, n, bs, qd, align, sync, crcp, res)

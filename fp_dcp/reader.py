@@ -291,9 +291,12 @@ class FastPersistReader(StorageReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         opts = self.options
         interleave = self._interleave_wanted()  # auto: when this rank has pieces to share
+        fragmented = [self._fragmented(r) for r in plan.items] if interleave else []
         may_share = self._use_collectives and (opts.share_replicated_reads or (interleave and (
-            opts.share_interleaved_reads or any(self._fragmented(r) for r in plan.items))))
-        self._set_up_engines_early(may_share)
+            opts.share_interleaved_reads or any(fragmented))))
+        # shared reads go into aligned temporaries and never touch the engine's
+        # bounce buffers: fault them in early only for a plan with other reads
+        self._set_up_engines_early(may_share, bounce=not (may_share and fragmented and all(fragmented)))
         if interleave and opts.share_interleaved_reads is None:
             # auto shares rows only among ranks of one machine: the coordinator
             # learns each rank's machine from its plan
@@ -370,19 +373,23 @@ class FastPersistReader(StorageReader):
             span *= n
         return False
 
-    def _set_up_engines_early(self, twin: bool) -> None:
+    def _set_up_engines_early(self, twin: bool, bounce: bool = True) -> None:
         """Start setting the engine up (and, with ``twin``, the second engine
-        of shared reads) on a thread of its own, while DCP plans the load:
-        their bounce buffers are allocated, faulted in and page-locked (tens
-        of ms where the host faults memory in lazily, as on VMs with
-        free-page reporting), and that need not wait for the plan.  Best
-        effort: a failure here is raised by the set-up ``read_data`` runs."""
+        of shared reads) on a thread of its own, while DCP plans the load.
+        With ``bounce`` the engine's bounce buffers are faulted in and
+        page-locked there too (tens of ms where the host faults memory in
+        lazily, as on VMs with free-page reporting), which need not wait for
+        the plan; the twin's are left to the first call that needs them
+        (shared reads, into aligned temporaries, do not).  Best effort: a
+        failure here is raised by the set-up ``read_data`` runs."""
         if self._setting_up is not None or self.path is None:
             return
 
         def work() -> None:
             try:
-                self._engine()
+                session = self._engine()
+                if bounce:
+                    session.engine.settle_pool()
                 if twin:
                     self._twin(0)
             except BaseException:  # noqa: BLE001 - read_data's own set-up reports it

@@ -110,13 +110,33 @@ def test_engines_and_names():
         assert (eng.queue_depth, eng.block_size, eng.alignment) == (2, A, 4096)
 
 
-def test_engine_pool_and_close():
+def test_engine_pool_and_close(tmp_path):
     base = _aio.stats()
     eng = _aio.Engine("threads", queue_depth=3, block_size=2 * A, alignment=A)
     s = _aio.stats()
     assert s["engines"] == base["engines"] + 1
     assert s["buffers"] == base["buffers"] + 1  # one pool of queue_depth + 1 bounce buffers
-    assert s["locked_bytes"] == base["locked_bytes"] + 4 * 2 * A
+    assert s["locked_bytes"] == base["locked_bytes"]  # untouched until a call needs a slot
+    src = _aio.AlignedBuffer(4 * A)
+    locked = _aio.stats()["locked_bytes"]
+    path = str(tmp_path / "f")
+    fd = eng.open(path, "w")
+    try:
+        # aligned pieces of at least a block go in place: the pool stays untouched
+        eng.write([fd], [path], [0], [0], [memoryview(src)[: 2 * A]])
+        assert _aio.stats()["locked_bytes"] == locked
+        # a short piece goes through a bounce buffer: the pool is locked, once
+        eng.write([fd], [path], [0, 0], [2 * A, 3 * A], [memoryview(src)[:A], memoryview(src)[:100]])
+        assert _aio.stats()["locked_bytes"] == locked + 4 * 2 * A
+    finally:
+        os.close(fd)
+    fd = eng.open(path, "r")
+    try:
+        eng.read([fd], [path], [0], [0], [memoryview(src)[:100]])
+        assert _aio.stats()["locked_bytes"] == locked + 4 * 2 * A
+    finally:
+        os.close(fd)
+    src.close()
     eng.close()
     eng.close()  # idempotent
     assert _aio.stats() == base
