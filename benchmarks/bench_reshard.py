@@ -461,7 +461,7 @@ def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path) -> None
     cold = all(r["cold"] for r in results)
     print()
     print(f"raw O_DIRECT sequential read (best of {len(raws)} runs in this run: "
-          f"{'; '.join(sorted(raw_notes))}; all: {', '.join(f'{r / 1e9:.2f}' for r in raws)} GB/s): "
+          f"{'; '.join(sorted(raw_notes))}; {min(raws) / 1e9:.2f}-{max(raws) / 1e9:.2f} GB/s, all in the JSON): "
           f"best {raw_gbps:.2f} GB/s (median {sorted(raws)[len(raws) // 2] / 1e9:.2f}); "
           f"loads {'COLD (page cache dropped)' if cold else 'WARM (could not drop caches)'}")
     print(f"bound = {READ_VS_NEEDED} x needed + {BLOCK} B per needed run (worst rank); "
