@@ -370,6 +370,7 @@ cdef class AlignedBuffer:
     without copying. close() frees it now (refused while views exist)."""
     cdef char *_ptr
     cdef Py_ssize_t _size
+    cdef size_t _alloc
     cdef Py_ssize_t _alignment
     cdef bint _locked
     cdef bint _closed
@@ -398,6 +399,7 @@ cdef class AlignedBuffer:
             raise MemoryError(f"posix_memalign({alignment}, {size_bytes}): {os.strerror(rc)}")
         self._ptr = <char *>p
         self._size = size_bytes
+        self._alloc = alloc
         self._alignment = alignment
         self._shape[0] = size_bytes
         self._strides[0] = 1
@@ -409,13 +411,10 @@ cdef class AlignedBuffer:
     cdef void _settle(self, bint prefault, bint lock):
         """Fault the memory in (whole, as allocated) and page-lock it."""
         global _locked_bytes
-        cdef size_t alloc = self._size if self._size > 0 else 1
         cdef int rc
-        if self._size >= _HUGE_PAGE:
-            alloc = (alloc + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
         if prefault:
             with nogil:
-                memset(self._ptr, 0, alloc)
+                memset(self._ptr, 0, self._alloc)
         if lock and self._size > 0 and not self._locked:
             with nogil:
                 rc = mlock(self._ptr, self._size)
@@ -613,9 +612,10 @@ cdef class Engine:
         _n_engines += 1
 
     cdef void _settle_pool(self, fpio_piece *pieces, Py_ssize_t n, int64_t bs, int64_t align):
-        """Fault the pool in and lock it when a piece goes through a slot:
-        one shorter than a block, or whose memory, offset or length is not
-        aligned (fpio.c's direct_body takes the aligned rest in place)."""
+        """In a call (busy): fault the pool in and lock it when a piece goes
+        through a slot: one shorter than a block, or whose memory, offset or
+        length is not aligned (fpio.c's direct_body takes the aligned rest
+        in place)."""
         cdef Py_ssize_t i
         for i in range(n):
             if pieces[i].len > 0 and (pieces[i].len < bs or pieces[i].len % align or pieces[i].off % align
@@ -626,12 +626,15 @@ cdef class Engine:
 
     def settle_pool(self):
         """Fault the bounce buffers in and lock them now (otherwise the first
-        call that needs one does), e.g. on a thread before the first call."""
-        if self._pool is None or self._pool.closed:
-            raise ValueError("Engine is closed")
-        if not self._pool_settled:
-            self._pool._settle(True, True)
-            self._pool_settled = True
+        call that needs one does), e.g. on a thread before the first call.
+        Refused, like a call, while another thread's call runs."""
+        self._enter()
+        try:
+            if not self._pool_settled:
+                self._pool._settle(True, True)
+                self._pool_settled = True
+        finally:
+            self._busy = False
 
     cdef void _free_pool(self) noexcept:
         if self._pool is not None:

@@ -137,6 +137,13 @@ def test_engine_pool_and_close(tmp_path):
     finally:
         os.close(fd)
     src.close()
+    locked = _aio.stats()["locked_bytes"]
+    other = _aio.Engine("threads", queue_depth=1, block_size=A, alignment=A)
+    other.settle_pool()  # now, before any call: a thread can fault it in ahead of the I/O
+    assert _aio.stats()["locked_bytes"] == locked + 2 * A
+    other.close()
+    with pytest.raises(ValueError, match="closed"):
+        other.settle_pool()
     eng.close()
     eng.close()  # idempotent
     assert _aio.stats() == base
