@@ -374,28 +374,23 @@ def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path) -> None
     results = []
     readers = [r for r in args.readers.split(",") if r]
     raws = []
-    def raw_now() -> float:
-        """One raw read the way the device reads fastest here (the native
-        engine into huge pages), cold: taken just before and just after
-        every load, which is compared with them."""
+    def raw_read(method: str = "hugebuf", bs: int = 256 * C.KiB, qd: int = 64) -> float:
+        """One cold raw read of the payload, in bytes/s. The defaults are the
+        way this device reads fastest (the native engine into huge pages):
+        one such read is taken just before and just after every load, which
+        is compared with them."""
         C.drop_caches()
-        raw = C.raw_device_io("read", raw_path, payload, method="hugebuf", block_size=256 * C.KiB, iodepth=64)
+        raw = C.raw_device_io("read", raw_path, payload, method=method, block_size=bs, iodepth=qd)
         raws.append(raw["bytes"] / raw["seconds"])
         raw_notes.add(raw["note"])
         return raws[-1]
 
     def measure_raw() -> None:
-        # the disk is shared and noisy: the best of three configurations (fio
-        # twice, and the native engine into a huge-page buffer, which this
-        # VM's disk reads about twice as fast), each round, is the reference
-        best = 0.0
-        for method, bs, qd in (("auto", 4 * C.MiB, 16), ("auto", C.MiB, 32), ("hugebuf", 256 * C.KiB, 64)):
-            C.drop_caches()
-            raw = C.raw_device_io("read", raw_path, payload, method=method, block_size=bs, iodepth=qd)
-            raws.append(raw["bytes"] / raw["seconds"])
-            raw_notes.add(raw["note"])
-            best = max(best, raws[-1])
-        raw_bests.append(best)
+        # every round, all three configurations (fio twice, and the native
+        # engine into a huge-page buffer, which this VM's disk reads about
+        # twice as fast): the best raw read of the run, and the JSON's record
+        raw_bests.append(max(raw_read(*cfg) for cfg in (("auto", 4 * C.MiB, 16), ("auto", C.MiB, 32),
+                                                         ("hugebuf", 256 * C.KiB, 64))))
 
     raw_notes: set[str] = set()
     raw_bests: list[float] = []  # per measurement (one before, one after each round)
@@ -407,7 +402,7 @@ def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path) -> None
             case_names = names[: args.rep_tensors] if placement == "rep" else names
             extra = {"rep": ["fp_dcp+share"], "s1": ["fp_dcp+coop-pg", "fp_dcp+nocoop", "fp_dcp+overread"]}.get(placement, [])
             for reader in readers + [r for r in (extra if "fp_dcp" in readers else []) if r not in readers]:
-                before = raw_now()
+                before = raw_read()
                 res = _world(dict(base, op="load", names=case_names, placement=placement, reader=reader), ws,
                              args.timeout)
                 bad = [r for r in res if not r["ok"]]
@@ -418,7 +413,7 @@ def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path) -> None
                 disk = [r["disk_read"] for r in res]
                 rec = {"round": rnd, "case": case, "reader": reader, "ws": ws, "seconds": wall,
                        "needed": needed, "disk_read": disk, "cold": res[0]["cold"],
-                       "gbps": sum(needed) / wall / 1e9, "raw_around_gbps": [before / 1e9, raw_now() / 1e9]}
+                       "gbps": sum(needed) / wall / 1e9, "raw_around_gbps": [before / 1e9, raw_read() / 1e9]}
                 if reader.startswith("fp_dcp"):
                     rec["runs"] = [r["runs"] for r in res]
                     rec["touched"] = [r["touched"] for r in res]

@@ -620,9 +620,13 @@ cdef class Engine:
         for i in range(n):
             if pieces[i].len > 0 and (pieces[i].len < bs or pieces[i].len % align or pieces[i].off % align
                                       or <uintptr_t>pieces[i].ptr % <uintptr_t>align):
-                self._pool._settle(True, True)
-                self._pool_settled = True
+                self._settle_now()
                 return
+
+    cdef void _settle_now(self):
+        if not self._pool_settled:
+            self._pool._settle(True, True)
+            self._pool_settled = True
 
     def settle_pool(self):
         """Fault the bounce buffers in and lock them now (otherwise the first
@@ -630,9 +634,7 @@ cdef class Engine:
         Refused, like a call, while another thread's call runs."""
         self._enter()
         try:
-            if not self._pool_settled:
-                self._pool._settle(True, True)
-                self._pool_settled = True
+            self._settle_now()
         finally:
             self._busy = False
 
