@@ -150,12 +150,12 @@ def describe(path: str) -> dict[str, Any]:
     """An fp_dcp checkpoint's metadata as plain (JSON-able) data."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from fp_dcp.reader import read_checkpoint_metadata
+    from fp_dcp.files import lstat_data_file, read_metadata_bytes
 
-    with open(os.path.join(path, fmt.METADATA_NAME), "rb") as f:
-        head = f.read(fmt.HEADER_SIZE)
-    version, _, _ = fmt.read_header(head, os.path.join(path, fmt.METADATA_NAME))
-    md, layout, extra = read_checkpoint_metadata(path)
+    meta_path = os.path.join(path, fmt.METADATA_NAME)
+    data = read_metadata_bytes(path)
+    version, _, _ = fmt.read_header(data, meta_path)
+    md, layout, extra = fmt.decode_metadata(data, meta_path)
     tensors, others = [], []
     extents = {}
     for index, exts in layout.extents.items():
@@ -177,10 +177,12 @@ def describe(path: str) -> dict[str, Any]:
         else:
             others.append({"name": name, "bytes": sum(e.length for e in exts), "files": files})
     files = []
-    for i, (name, size) in enumerate(layout.files):
-        full = os.path.join(path, name)
-        files.append({"index": i, "name": name, "size": size,
-                      "size_on_disk": os.path.getsize(full) if os.path.exists(full) else None})
+    for i, ((name, size), full) in enumerate(zip(layout.files, fmt.data_file_paths(path, layout))):
+        try:
+            on_disk = lstat_data_file(full).st_size
+        except (OSError, fmt.CheckpointFormatError):
+            on_disk = None  # missing, or not a regular file: not followed
+        files.append({"index": i, "name": name, "size": size, "size_on_disk": on_disk})
     return {
         "path": os.path.abspath(path),
         "format": fmt.FORMAT_NAME,
@@ -308,6 +310,7 @@ def _stream_torch_save(src: str, tmp: str, progress: bool) -> None:
 
     skeleton: dict[str, Any] = {}
     with FastPersistReader(src) as reader:
+        allow_pickle = reader.options.allow_pickle  # the objects pass the restricted unpickler unless set
         _load_state_dict(skeleton, storage_reader=reader, planner=only(LoadItemType.BYTE_IO, _EmptyStateDictLoadPlanner),
                          no_dist=True)
     with torch.serialization.skip_data():
@@ -315,7 +318,8 @@ def _stream_torch_save(src: str, tmp: str, progress: bool) -> None:
     del skeleton
     p = Progress(f"reading {src}", describe(src)["tensor_bytes"], progress)  # the objects are read already
     with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-        mapped = torch.load(tmp, mmap=True, weights_only=False)  # the objects the checkpoint held, just written
+        # the objects the checkpoint held, just written: rebuilt as safely as they were read
+        mapped = torch.load(tmp, mmap=True, weights_only=not allow_pickle)
     try:
         with FastPersistReader(src) as reader:
             reader.progress = lambda done, total: p.update(done)
@@ -422,12 +426,15 @@ def _batches(tensors, limit: int) -> Iterator[list]:
 
 
 def _load_dcp(src: str) -> dict:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    """A stock DCP checkpoint's state dict, read without running its code (:mod:`fp_dcp.stock`)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    from fp_dcp.options import FastPersistOptions
+    from fp_dcp.stock import SafeObjectsPlanner, SafeStockReader
+
     sd: dict[str, Any] = {}
-    _load_state_dict(sd, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    planner = SafeObjectsPlanner(src, allow_pickle=FastPersistOptions.from_env().allow_pickle)
+    _load_state_dict(sd, storage_reader=SafeStockReader(src), planner=planner, no_dist=True)
     return sd
 
 

@@ -217,7 +217,19 @@ class FastPersistOptions:
             tensors again and again while DCP plans and fp_dcp commits (a
             quarter of a 4 GiB save of 9,245 tensors here).  What the save
             allocates is still collected.  Skipped when the process has
-            already frozen objects itself.
+            already frozen objects itself; and if anything else freezes
+            objects while the save runs (the permanent generation grew past
+            what the save froze), nothing is unfrozen at the end, so the
+            application's own ``gc.freeze()`` is never undone.
+        allow_pickle: on load, unpickle the checkpoint's objects (DCP's bytes
+            items: non-tensor values such as a step counter or a scheduler's
+            state) with the full unpickler, which runs any code the
+            checkpoint names.  Off by default: every object is rebuilt by
+            torch's restricted unpickler (``torch.load(weights_only=True)``,
+            extended by ``torch.serialization.add_safe_globals``), and one
+            that needs another type is refused with
+            ``fp_dcp.objects.UnsafeObjectError`` naming the key and the
+            types.  Set it only for checkpoints you trust.
     """
 
     engine: str = "auto"
@@ -247,6 +259,7 @@ class FastPersistOptions:
     write_checksums: bool = True
     verify_checksums: bool = True
     freeze_gc_during_save: bool = True
+    allow_pickle: bool = False
 
     def __post_init__(self) -> None:
         self._check()

@@ -43,7 +43,6 @@ its owner, and the sub-box each rank needs of it.
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 import os
 import secrets
@@ -61,8 +60,10 @@ from torch.futures import Future
 
 from fp_dcp import _aio
 from fp_dcp import format as fmt
+from fp_dcp import objects
 from fp_dcp.checksums import ReadVerifier
 from fp_dcp.engine import IOSession
+from fp_dcp.files import read_checkpoint_metadata
 from fp_dcp.layout import box_runs, check_extents_cover
 from fp_dcp.options import FastPersistOptions
 from fp_dcp.readplan import (
@@ -101,45 +102,6 @@ _READ_BLOCK_BYTES = 256 << 10
 # shared reads: rounds read from disk ahead of the one being exchanged
 _READ_AHEAD = 2
 _ZERO_START = np.zeros(1, dtype=np.int64)  # one run, from the address given
-
-
-def read_checkpoint_metadata(directory: str) -> tuple[Metadata, fmt.StorageLayout, dict[str, Any]]:
-    """Read, validate and decode the metadata of the checkpoint in ``directory``,
-    and check that its data files are all there and not truncated."""
-    path = os.path.join(directory, fmt.METADATA_NAME)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        if os.path.exists(os.path.join(directory, fmt.STOCK_METADATA_NAME)):
-            raise fmt.CheckpointFormatError(
-                f"{directory}: this is a stock torch.distributed.checkpoint checkpoint (it has "
-                f"'{fmt.STOCK_METADATA_NAME}', not '{fmt.METADATA_NAME}'). Load it with "
-                f"FileSystemReader, or convert it once: fp-dcp convert --from-dcp {directory} OUT"
-            ) from None
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(2, "no checkpoint directory here", directory) from None
-        partial = any(n.endswith(fmt.DATA_SUFFIX) for n in os.listdir(directory))
-        raise FileNotFoundError(
-            2,
-            "no committed fp_dcp checkpoint: the metadata file is missing"
-            + (" (data files are there: a save was interrupted before its commit)" if partial else ""),
-            path,
-        ) from None
-    metadata, layout, extra = fmt.decode_metadata(data, path)
-    for name, size in layout.files:
-        fpath = os.path.join(directory, name)
-        try:
-            actual = os.stat(fpath).st_size
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                2, "a data file of the checkpoint is missing; the checkpoint is damaged", fpath
-            ) from None
-        if actual < size:
-            raise fmt.CheckpointFormatError(
-                f"{fpath}: data file is truncated ({actual} bytes, the checkpoint recorded {size})"
-            )
-    return metadata, layout, extra
 
 
 @dataclasses.dataclass(frozen=True)
@@ -481,11 +443,12 @@ class FastPersistReader(StorageReader):
         run: _Run | None = None
         setup_error: BaseException | None = None
         try:
+            objects.check_bytes_targets(items, planner, str(self.path))  # before any byte is read
             self._engines_set_up()
             session = self._engine()
             directory = self._directory()
             assert self.layout is not None
-            run = _Run(self, session, [os.path.join(directory, name) for name, _ in self.layout.files])
+            run = _Run(self, session, fmt.data_file_paths(directory, self.layout))
         except BaseException as e:  # noqa: BLE001
             if share is None:
                 raise
@@ -516,7 +479,7 @@ class FastPersistReader(StorageReader):
             nbytes = sum(e.length for e in exts)
             arrays = self._extents(fqn, chunk, nbytes)
             buf = np.empty(nbytes, dtype=np.uint8)
-            done = lambda: planner.load_bytes(req, io.BytesIO(buf.tobytes()))  # noqa: E731
+            done = lambda: self._load_object(req, planner, buf.tobytes())  # noqa: E731
             if nbytes == 0:
                 return [_Job.empty(done=done)]
             rng, within, files, offs, lens = map_ranges(np.zeros(1, np.int64), np.array([nbytes]), *arrays)
@@ -526,10 +489,23 @@ class FastPersistReader(StorageReader):
         commit = lambda: planner.commit_tensor(req, dest)  # noqa: E731
         return self._plan_box(fqn, chunk, sizes, dtype, list(req.storage_offsets), list(req.lengths), dest, run, commit)
 
+    def _load_object(self, req: ReadItem, planner: LoadPlanner, data: bytes) -> None:
+        """A bytes item's object, rebuilt safely (:mod:`fp_dcp.objects`), to the planner."""
+        key = req.storage_index.fqn
+        obj = objects.load_object(data, key, str(self.path), self.options.allow_pickle)
+        objects.deliver_object(planner, req, obj, data)
+
     def _target(self, req: ReadItem, planner: LoadPlanner, stored: torch.dtype) -> torch.Tensor:
-        """The planner's target tensor of ``req``, checked: its shape, and its
-        dtype against ``strict_dtype``."""
-        dest = planner.resolve_tensor(req).detach()
+        """The planner's target tensor of ``req``, checked: a tensor, its
+        shape, and its dtype against ``strict_dtype``."""
+        dest = planner.resolve_tensor(req)
+        if not isinstance(dest, torch.Tensor):
+            raise fmt.CheckpointFormatError(
+                f"{self.path}: {req.storage_index.fqn!r} is stored as a tensor ({stored}), but the state dict "
+                f"being loaded holds a {type(dest).__name__} under {req.dest_index.fqn!r}; refusing to load "
+                f"a tensor into it"
+            )
+        dest = dest.detach()
         if list(dest.shape) != [int(n) for n in req.lengths]:
             raise ValueError(
                 f"{req.dest_index.fqn}: the planner's target has shape {list(dest.shape)}, "

@@ -1,0 +1,121 @@
+"""Reading a *stock* DCP checkpoint (``FileSystemWriter``'s) without running its code.
+
+``fp-dcp convert --from-dcp`` reads checkpoints fp_dcp did not write.  The
+stock ``FileSystemReader`` unpickles ``.metadata`` with the full unpickler,
+opens whatever ``relative_path`` the metadata names (``../x`` included), and
+its planner ``torch.load``\\ s every bytes item with ``weights_only=False``.
+:class:`SafeStockReader` keeps the stock reader's data path but
+
+* unpickles the metadata with an unpickler that knows only DCP's metadata
+  classes, ``torch.Size``, dtypes and plain containers;
+* refuses a data file that is not a plain name of a regular file in the
+  checkpoint directory, and stream transforms (compression extensions);
+
+and :class:`SafeObjectsPlanner` rebuilds the bytes items with the restricted
+unpickler (:mod:`fp_dcp.objects`).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import stat
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_md
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from fp_dcp import format as fmt
+from fp_dcp import objects
+
+__all__ = ["SafeStockReader", "SafeObjectsPlanner"]
+
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", name): getattr(dcp_md, name)
+    for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",  # an Enum
+    )
+}
+_ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+_ALLOWED[("torch", "Size")] = torch.Size
+_ALLOWED[("collections", "OrderedDict")] = __import__("collections").OrderedDict
+# StorageMeta.checkpoint_id may be a path object
+_ALLOWED[("pathlib", "PosixPath")] = pathlib.PosixPath
+_ALLOWED[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
+# how torch pickles a layout: a look-up by name in a table (KeyError otherwise)
+_ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+for _name, _value in vars(torch).items():
+    if isinstance(_value, (torch.dtype, torch.layout, torch.memory_format)):
+        _ALLOWED[("torch", _name)] = _value
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """The full pickle machine, with globals limited to DCP's metadata types."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(
+                f"the metadata names {module}.{name}, which is not a DCP metadata type"
+            ) from None
+
+
+class SafeStockReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata cannot run code or name files outside."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_md.Metadata:
+        directory = os.fspath(self.path)
+        path = os.path.join(directory, fmt.STOCK_METADATA_NAME)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except Exception as e:  # noqa: BLE001 - any failure is a refused metadata file
+                raise fmt.CheckpointFormatError(f"{path}: refusing this stock DCP metadata: {e}") from None
+        if not isinstance(metadata, dcp_md.Metadata) or not isinstance(metadata.storage_data, dict):
+            raise fmt.CheckpointFormatError(f"{path}: not a stock DCP checkpoint's metadata")
+        for index, info in metadata.storage_data.items():
+            _check_storage_info(directory, index, info)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_md.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _check_storage_info(directory: str, index: Any, info: Any) -> None:
+    where = f"{directory}: {getattr(index, 'fqn', index)!r}"
+    if not isinstance(info, _StorageInfo):
+        raise fmt.CheckpointFormatError(f"{where}: malformed storage entry")
+    name = info.relative_path
+    if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
+        raise fmt.CheckpointFormatError(f"{where}: data file {str(name)[:200]!r} is not a file of the checkpoint")
+    if getattr(info, "transform_descriptors", None):
+        raise fmt.CheckpointFormatError(
+            f"{where}: stream transforms {list(info.transform_descriptors)!r} are not supported by fp-dcp convert"
+        )
+    for field in (info.offset, info.length):
+        if not isinstance(field, int) or isinstance(field, bool) or field < 0:
+            raise fmt.CheckpointFormatError(f"{where}: malformed offset or length")
+    st = os.lstat(os.path.join(directory, name))
+    if not stat.S_ISREG(st.st_mode):
+        raise fmt.CheckpointFormatError(f"{where}: data file {name!r} is a symbolic link or not a regular file")
+
+
+class SafeObjectsPlanner(_EmptyStateDictLoadPlanner):
+    """Loads every item of a checkpoint; objects through the restricted unpickler."""
+
+    def __init__(self, where: str, allow_pickle: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._where = where
+        self._allow_pickle = allow_pickle
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        data = value.read()
+        obj = objects.load_object(data, read_item.storage_index.fqn, self._where, self._allow_pickle)
+        objects.put_object(self, read_item, obj)
