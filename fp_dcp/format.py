@@ -10,8 +10,10 @@ A checkpoint is a directory holding
   names those files by absolute path;
 * the metadata file ``.fp_dcp.meta``, written last through a temporary name
   and a rename: the commit point.  Its bytes are a fixed header followed by a
-  JSON document (see ``docs/FORMAT.md``); nothing in it is unpickled, so a
-  checkpoint from a stranger cannot run code when it is opened.
+  JSON document (see ``docs/FORMAT.md``); nothing in it is unpickled, and
+  every file it names must follow the writer's naming inside the checkpoint
+  (:func:`data_file_paths`, the confinement rule of ``docs/FORMAT.md``).
+  Objects (DCP's bytes items) are rebuilt by :mod:`fp_dcp.objects`.
 
 Everything here is pure Python over plain data, so the codec can be fuzzed.
 """
@@ -19,7 +21,11 @@ Everything here is pure Python over plain data, so the codec can be fuzzed.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
+import os
+import re
 import struct
 import zlib
 from typing import Any
@@ -47,6 +53,8 @@ __all__ = [
     "encode_metadata",
     "decode_metadata",
     "data_file_name",
+    "data_file_paths",
+    "data_subdir_name",
     "valid_data_file_name",
 ]
 
@@ -70,6 +78,9 @@ _HEADER = struct.Struct("<8sIIQ")
 HEADER_SIZE = _HEADER.size
 # Refuse absurd metadata sizes before allocating (a corrupt length field).
 _MAX_BODY = 1 << 34
+# Sizes and offsets beyond this are refused: far past any file system, and
+# every sum of two of them still fits an int64 (the native layer's type).
+_MAX_FILE = 1 << 60
 
 
 class CheckpointFormatError(ValueError):
@@ -82,19 +93,76 @@ def data_file_name(save_id: str, rank: int, k: int, device: int | None = None) -
     return f"{save_id}.r{rank}.d{device}.{k}{DATA_SUFFIX}"
 
 
-def valid_data_file_name(name: object) -> bool:
-    """A data file of the metadata's ``files`` list: a plain name (a file in
-    the checkpoint directory) or a normalised absolute path (a file in a data
-    directory).  Relative paths (``../x``), empty components, ``.``/``..`` and
-    NUL are refused, so a name can only point inside the checkpoint
-    directory or at an explicit absolute location."""
+def data_subdir_name(checkpoint_dir: str) -> str:
+    """The sub-directory of a data directory that holds one checkpoint's
+    files: the checkpoint directory's name and a hash of its absolute path
+    (two checkpoints never share one, so removing one's files cannot touch
+    another's)."""
+    path = os.path.abspath(checkpoint_dir)
+    digest = hashlib.blake2b(path.encode(), digest_size=6).hexdigest()
+    return f"{os.path.basename(path) or 'checkpoint'}-{digest}"
+
+
+# What the writer names things, and so all a reader accepts (the
+# confinement rule, docs/FORMAT.md "Files"): a save id, data files of that
+# save id, and (data directories) one sub-directory per checkpoint.
+_SAVE_ID = re.compile(r"[0-9A-Za-z][0-9A-Za-z_-]{0,63}")
+_DATA_NAME = re.compile(r"(?P<sid>[0-9A-Za-z][0-9A-Za-z_-]{0,63})\.r\d{1,9}(?:\.d\d{1,9})?\.[01]\.fpd")
+_SUBDIR_NAME = re.compile(r".+-[0-9a-f]{12}")
+
+
+def valid_data_file_name(name: object, save_id: str | None = None) -> bool:
+    """A data file of the metadata's ``files`` list, by the writer's naming
+    alone: ``<save_id>.r<rank>[.d<device>].<k>.fpd`` (a file of the
+    checkpoint directory), or ``/<data dir>/<checkpoint>-<hash>/`` followed
+    by such a name with a ``.d<device>`` part (a file in a data directory).
+    With ``save_id``, the file must belong to that save.  Anything else —
+    another name, a relative path, ``.``/``..``, empty components, NUL — is
+    refused.  (Whether a data-directory sub-directory belongs to the
+    checkpoint being read is checked by :func:`data_file_paths`.)"""
     if not isinstance(name, str) or not name or "\0" in name:
         return False
-    if "/" not in name:
-        return name not in (".", "..")
-    if not name.startswith("/") or name.endswith("/") or "//" in name:
+    base = name.rsplit("/", 1)[-1]
+    m = _DATA_NAME.fullmatch(base)
+    if m is None or (save_id is not None and m.group("sid") != save_id):
         return False
-    return all(part not in ("", ".", "..") for part in name[1:].split("/"))
+    if "/" not in name:
+        return True
+    if not name.startswith("/") or ".d" not in base[len(m.group("sid")):]:
+        return False
+    parts = name[1:].split("/")
+    return (
+        len(parts) >= 3
+        and all(part not in ("", ".", "..") for part in parts)
+        and _SUBDIR_NAME.fullmatch(parts[-2]) is not None
+    )
+
+
+def data_file_paths(directory: str, layout: "StorageLayout") -> list[str]:
+    """The path of each of ``layout.files`` for the checkpoint in
+    ``directory``, proven to stay inside it: a plain name is a file of
+    ``directory``; an absolute name must lie in the sub-directory that the
+    writer's rule (:func:`data_subdir_name`) gives *this* checkpoint
+    directory (by its absolute or its real path), so crafted metadata
+    cannot name another checkpoint's files, let alone any other file.
+    Raises :class:`CheckpointFormatError` naming the entry."""
+    mine = {data_subdir_name(directory), data_subdir_name(os.path.realpath(directory))}
+    out = []
+    for name, _ in layout.files:
+        if not valid_data_file_name(name, layout.save_id):
+            raise CheckpointFormatError(f"{directory}: bad data file name {name!r}")
+        if "/" not in name:
+            out.append(os.path.join(directory, name))
+            continue
+        subdir = os.path.basename(os.path.dirname(name))
+        if subdir not in mine:
+            raise CheckpointFormatError(
+                f"{directory}: data file {name!r} lies in {subdir!r}, which is not this checkpoint's "
+                f"sub-directory of its data directory ({sorted(mine)[0]!r}): a checkpoint saved with "
+                f"data_dirs loads only from the path it was saved at (or one resolving to it)"
+            )
+        out.append(name)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +212,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# Only names of torch dtypes, looked up in a table: a name never reaches
+# getattr(torch, ...), whose lazy attributes import modules.
+_DTYPES = {k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
+
+
 def _dtype_from_name(name: Any, where: str) -> torch.dtype:
-    value = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(value, torch.dtype):
+    value = _DTYPES.get(name) if isinstance(name, str) else None
+    if value is None:
         raise CheckpointFormatError(
             f"{where}: unknown dtype {name!r} (written by a newer torch?)"
         )
@@ -330,6 +403,13 @@ def decode_metadata(data: bytes, path: str) -> tuple[Metadata, StorageLayout, di
         raise CheckpointFormatError(f"{path}: malformed metadata ({type(e).__name__}: {e})") from None
 
 
+def _alignment(value: Any) -> int:
+    a = _int(value, "alignment")
+    if not 0 < a <= 1 << 30 or a & (a - 1):
+        raise CheckpointFormatError(f"alignment {a} is not a power of two in [1, 2^30]")
+    return a
+
+
 def _checksum_block(doc: dict, version: int) -> int | None:
     """The checksum block size the body declares (None: no checksums)."""
     spec = doc.get("checksum")
@@ -397,6 +477,9 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
         if md.get("type") != "tensor":
             raise CheckpointFormatError(f"{fqn}: unknown entry type {md.get('type')!r}")
         size = _int_list(md["size"], f"{fqn} size")
+        dtype = _dtype_from_name(md["dtype"], fqn)
+        if len(size) > 64 or any(d < 0 for d in size) or math.prod(size) * dtype.itemsize > _MAX_FILE:
+            raise CheckpointFormatError(f"{fqn}: tensor size {size[:8]} out of range")
         chunks = []
         for c in _list(md["chunks"], f"{fqn} chunks"):
             offs, sizes = _int_list(c[0], f"{fqn} chunk offsets"), _int_list(c[1], f"{fqn} chunk sizes")
@@ -406,16 +489,24 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
                 raise CheckpointFormatError(f"{fqn}: chunk {offs}+{sizes} outside tensor {size}")
             chunks.append(ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
         props = TensorProperties(
-            dtype=_dtype_from_name(md["dtype"], fqn), requires_grad=bool(md.get("requires_grad", False))
+            dtype=dtype, requires_grad=bool(md.get("requires_grad", False))
         )
         sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
 
+    save_id = doc["save_id"]
+    if not isinstance(save_id, str) or not _SAVE_ID.fullmatch(save_id):
+        raise CheckpointFormatError(f"bad save id {str(save_id)[:80]!r}")
     files = []
+    seen: set[str] = set()
     for entry in _list(doc["files"], "files"):
-        name, size = entry
-        if not valid_data_file_name(name):
-            raise CheckpointFormatError(f"bad data file name {name!r}")
-        files.append((name, _int(size, f"size of {name}")))
+        name, size = _list(entry, "files entry")
+        if not valid_data_file_name(name, save_id) or name in seen:
+            raise CheckpointFormatError(f"bad data file name {str(name)[:200]!r}")
+        seen.add(name)
+        size = _int(size, f"size of {name}")
+        if not 0 <= size <= _MAX_FILE:
+            raise CheckpointFormatError(f"data file {name!r}: size {size} out of range")
+        files.append((name, size))
     extents: dict[MetadataIndex, list[Extent]] = {}
     for key, raw_exts in _list(doc["extents"], "extents"):
         index = _index_from_key(key)
@@ -425,7 +516,7 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
             if len(r) not in ((4, 5) if version >= 2 else (4,)):
                 raise CheckpointFormatError(f"{index.fqn}: an extent has {len(r)} fields")
             f, fo, io_, ln = (_int(v, f"extent of {index.fqn}") for v in r[:4])
-            if not 0 <= f < len(files) or fo < 0 or io_ < 0 or ln < 0 or fo + ln > files[f][1]:
+            if not 0 <= f < len(files) or fo < 0 or not 0 <= io_ <= _MAX_FILE or ln < 0 or fo + ln > files[f][1]:
                 raise CheckpointFormatError(
                     f"{index.fqn}: extent (file {f}, offset {fo}, length {ln}) lies outside the data files"
                 )
@@ -435,8 +526,8 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
         extents[index] = exts
     _check_no_overlap(extents)
     layout = StorageLayout(
-        save_id=str(doc["save_id"]),
-        alignment=_int(doc["alignment"], "alignment"),
+        save_id=save_id,
+        alignment=_alignment(doc["alignment"]),
         files=files,
         extents=extents,
         checksum_block_bytes=block,

@@ -11,7 +11,11 @@ directly under ``root`` count and are removed, oldest commit first.  A
 directory whose save is in progress (its ``.fp_dcp.lock`` is held) is never
 touched, nor is anything without metadata (an interrupted save: load it to
 see why, remove it by hand).  A checkpoint's data files in data directories
-(``FastPersistOptions.data_dirs``) are removed with it.
+(``FastPersistOptions.data_dirs``) are removed with it — only those its
+metadata names by the writer's rule in this checkpoint's own sub-directory of
+a data directory (``docs/FORMAT.md``, "Files"): crafted metadata cannot make
+rotation delete anything else.  A symbolic link under ``root`` is never
+followed.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 
 from fp_dcp import format as fmt
+from fp_dcp.files import lstat_data_file, read_metadata_bytes
 
 __all__ = ["keep_last", "committed_checkpoints"]
 
@@ -35,9 +41,11 @@ def committed_checkpoints(root: str | os.PathLike) -> list[str]:
             if not entry.is_dir(follow_symlinks=False):
                 continue
             try:
-                st = os.stat(os.path.join(entry.path, fmt.METADATA_NAME))
+                st = os.lstat(os.path.join(entry.path, fmt.METADATA_NAME))
             except FileNotFoundError:
                 continue
+            if not stat.S_ISREG(st.st_mode):
+                continue  # fp_dcp writes a regular file: anything else is not one of its checkpoints
             found.append((st.st_mtime_ns, entry.name, entry.path))
     found.sort()
     return [p for _, _, p in found]
@@ -59,7 +67,7 @@ def _remove_checkpoint(path: str) -> bool:
     """Remove one checkpoint under its own lock (skipped while a save holds it)."""
     lock = os.path.join(path, _LOCK_NAME)
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError:
         return False
     try:
@@ -70,16 +78,19 @@ def _remove_checkpoint(path: str) -> bool:
         meta = os.path.join(path, fmt.METADATA_NAME)
         external: list[str] = []
         try:
-            with open(meta, "rb") as f:
-                _, layout, _ = fmt.decode_metadata(f.read(), meta)
-            external = [name for name, _ in layout.files if os.path.isabs(name)]
+            _, layout, _ = fmt.decode_metadata(read_metadata_bytes(path), meta)
+            # only files proven to lie in this checkpoint's own sub-directory
+            # of a data directory (the writer's naming rule, checked here)
+            paths = fmt.data_file_paths(path, layout)  # every name confined, or it raises
+            external = [p for (name, _), p in zip(layout.files, paths) if "/" in name]
         except (OSError, fmt.CheckpointFormatError):
-            pass  # damaged metadata: remove what is in the directory
+            pass  # damaged or crafted metadata: remove only what is in the directory
         os.unlink(meta)  # no longer committed: nothing will load it half removed
         for name in external:
             try:
+                lstat_data_file(name)  # a regular file, in a sub-directory that is no link
                 os.unlink(name)
-            except FileNotFoundError:
+            except (OSError, fmt.CheckpointFormatError):
                 pass
         for d in {os.path.dirname(name) for name in external}:
             try:

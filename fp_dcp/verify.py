@@ -26,6 +26,7 @@ import numpy as np
 
 from fp_dcp import _aio
 from fp_dcp import format as fmt
+from fp_dcp.files import lstat_data_file, read_metadata_bytes
 from fp_dcp.checksums import BadBlock, ReadVerifier, item_name
 from fp_dcp.engine import IOSession
 from fp_dcp.options import FastPersistOptions, format_size
@@ -94,16 +95,8 @@ def verify_checkpoint(
     directory = os.fspath(path)
     t0 = time.perf_counter()
     meta_path = os.path.join(directory, fmt.METADATA_NAME)
-    try:
-        with open(meta_path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        from fp_dcp.reader import read_checkpoint_metadata
-
-        read_checkpoint_metadata(directory)  # raises the reader's explanation
-        raise
-    _, layout, _ = fmt.decode_metadata(data, meta_path)
-    paths = [os.path.join(directory, name) for name, _ in layout.files]
+    _, layout, _ = fmt.decode_metadata(read_metadata_bytes(directory), meta_path)
+    paths = fmt.data_file_paths(directory, layout)
     report = VerifyReport(path=directory, files=len(paths))
 
     # per file: its extents (index, extent), by offset
@@ -120,7 +113,12 @@ def verify_checkpoint(
         if fid not in by_file:
             continue
         try:
-            actual = os.stat(paths[fid]).st_size
+            actual = lstat_data_file(paths[fid]).st_size
+        except fmt.CheckpointFormatError as e:
+            report.errors.append(str(e))
+            for index, ext in by_file[fid]:
+                report.bad.append(_unreadable(index, ext, paths[fid], "data file is not a regular file"))
+            continue
         except OSError as e:
             report.errors.append(f"{paths[fid]}: {e.strerror}")
             for index, ext in by_file[fid]:

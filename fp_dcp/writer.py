@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import fcntl
 import gc
-import hashlib
 import io
 import os
 import secrets
@@ -199,13 +198,14 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         if self.options.freeze_gc_during_save and not self._gc_frozen and gc.get_freeze_count() == 0:
             gc.freeze()
             self._gc_frozen = True
-            self._gc_finalizer = weakref.finalize(self, gc.unfreeze)
+            self._gc_frozen_count = gc.get_freeze_count()
+            self._gc_finalizer = weakref.finalize(self, _thaw_if_ours, self._gc_frozen_count)
 
     def _thaw_gc(self) -> None:
         if self._gc_frozen:
             self._gc_frozen = False
             self._gc_finalizer.detach()
-            gc.unfreeze()
+            _thaw_if_ours(self._gc_frozen_count)
 
     @contextlib.contextmanager
     def _thaw_gc_on_error(self) -> Iterator[None]:
@@ -373,6 +373,11 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                     raise type(e)(e.errno, f"cannot write the checkpoint metadata: {e.strerror}", tmp) from None
                 raise
             os.close(fd)
+            if self.options.sync_files:
+                # the data files' and the temporary metadata's entries reach the
+                # disk before the rename can: a crash never leaves a committed
+                # metadata file whose data files' names were lost
+                _fsync_dir(directory)
             try:
                 os.replace(tmp, final)  # the commit point
             except BaseException:
@@ -435,7 +440,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             if os.path.realpath(d) == real:
                 out.append((directory, False))
             else:
-                out.append((os.path.join(d, _data_subdir_name(directory)), True))
+                out.append((os.path.join(d, fmt.data_subdir_name(directory)), True))
         return out
 
     def _write(self, assignment: _Assignment, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
@@ -761,7 +766,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         if self._lock_fd is not None:
             return
         path = os.path.join(self._directory(), _LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -851,15 +856,6 @@ def _data_dirs_option(value: Any) -> tuple[str, ...]:
     return dirs
 
 
-def _data_subdir_name(checkpoint_dir: str) -> str:
-    """The sub-directory of a data directory that holds one checkpoint's
-    files: its name and a hash of its absolute path (two checkpoints never
-    share one, so removing one's stale files cannot touch another's)."""
-    path = os.path.abspath(checkpoint_dir)
-    digest = hashlib.blake2b(path.encode(), digest_size=6).hexdigest()
-    return f"{os.path.basename(path) or 'checkpoint'}-{digest}"
-
-
 def _check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout) -> None:
     """Before the commit: every stored item's extents, merged from all ranks,
     tile its bytes exactly once (a tensor's size comes from the metadata; a
@@ -887,6 +883,16 @@ def _check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout) -> None:
         for key in keys:
             if key not in stored:
                 raise RuntimeError(f"fp_dcp wrote no bytes for {key}, refusing to commit the checkpoint")
+
+
+def _thaw_if_ours(frozen: int) -> None:
+    """``gc.unfreeze()``, unless something else froze objects since the save
+    froze ``frozen`` of them: the permanent generation only shrinks on its own
+    (frozen objects freed), so a larger one holds the application's, which a
+    global unfreeze would undo.  Then everything stays frozen (the objects are
+    still freed by reference counting; only cycles among them wait)."""
+    if gc.get_freeze_count() <= frozen:
+        gc.unfreeze()
 
 
 def _fsync_dir(directory: str) -> None:
