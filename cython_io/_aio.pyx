@@ -25,6 +25,10 @@ cdef dict _KIND = {"aio": FPIO_AIO, "uring": FPIO_URING, "threads": FPIO_THREADS
 
 # Chosen from the measurements in docs/NATIVE.md (benchmarks/tune_engine.py).
 _AUTO_ORDER = ("aio", "uring", "threads")
+# The largest file offset a piece may reach (2^62): far past any file system,
+# and every sum the pipeline forms from it (rounding up to an alignment, a
+# window's end, a checksum origin plus a length) still fits an int64.
+cdef int64_t _MAX_FILE_OFFSET = 1 << 62
 DEFAULT_QUEUE_DEPTH = 8
 DEFAULT_BLOCK_SIZE = 4 << 20
 DEFAULT_COALESCE_GAP = 64 * 1024
@@ -169,6 +173,7 @@ cdef _copy_pieces(object one, offsets, many, bint gather, Py_ssize_t block=0):
     many = list(many)
     cdef Py_buffer big
     cdef Py_ssize_t n = len(many), i, got = 0
+    cdef int64_t stop
     cdef const int64_t[::1] offs = _i64(offsets, "offsets")
     if offs.shape[0] != n:
         raise ValueError(f"{n} buffers but {offs.shape[0]} offsets")
@@ -185,8 +190,8 @@ cdef _copy_pieces(object one, offsets, many, bint gather, Py_ssize_t block=0):
         got = _acquire(many, views, PyBUF_SIMPLE if gather else PyBUF_WRITABLE,
                        "srcs" if gather else "dsts")
         for i in range(n):
-            if offs[i] < 0 or offs[i] + views[i].len > big.len:
-                raise ValueError(f"piece {i}: [{offs[i]}, {offs[i] + views[i].len}) is outside "
+            if offs[i] < 0 or fpio_add_i64(offs[i], views[i].len, &stop) < 0 or stop > big.len:
+                raise ValueError(f"piece {i}: {views[i].len} bytes at offset {offs[i]} are outside "
                                  f"the {big.len}-byte buffer")
             lens[i] = views[i].len
             if gather:
@@ -247,11 +252,12 @@ def pull(int pid, dst, uint64_t remote, starts, int64_t run_length):
     cdef Py_ssize_t n = st.shape[0]
     cdef Py_buffer view
     cdef int rc = 0
+    cdef int64_t total
     if run_length < 0:
         raise ValueError(f"run_length must be >= 0, got {run_length}")
     PyObject_GetBuffer(dst, &view, PyBUF_WRITABLE)
     try:
-        if n * run_length > view.len:
+        if fpio_mul_i64(n, run_length, &total) < 0 or total > view.len:
             raise ValueError(f"{n} runs of {run_length} bytes do not fit the {view.len}-byte buffer")
         if n and run_length:
             with nogil:
@@ -701,12 +707,14 @@ cdef class Engine:
     def open(self, path, str mode, direct=None):
         """Open `path` for the engine: mode "w" (create/truncate, 0o644) or "r".
         direct=None tries O_DIRECT and falls back to buffered on EINVAL;
-        True requires it; False never asks. Returns an fd (close it with os.close)."""
+        True requires it; False never asks. Returns an fd (close it with os.close).
+        A symbolic link as the last component is refused (ELOOP): fp_dcp never
+        writes one, and a checkpoint's data file must not lead out of it."""
         cdef int flags
         if mode == "w":
-            flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC
+            flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW
         elif mode == "r":
-            flags = O_RDONLY | O_CLOEXEC
+            flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW
         else:
             raise ValueError(f"mode must be 'w' or 'r', got {mode!r}")
         cdef bytes b = os.fsencode(path)
@@ -787,7 +795,7 @@ cdef class Engine:
         cdef int *cfds = NULL
         cdef Py_buffer *views = NULL
         cdef fpio_piece *pieces = NULL
-        cdef int64_t f, o, ln, pf = -1, po = 0, end = 0
+        cdef int64_t f, o, ln, stop, pf = -1, po = 0, end = 0
         cdef int64_t bs = self.block_size if write else self.read_block_size
         cdef int qd = self.queue_depth if write else self.read_queue_depth
         cdef int64_t align = self.alignment
@@ -815,8 +823,8 @@ cdef class Engine:
             if crc_org.shape[0] != n:
                 raise ValueError(f"{n} buffers but {crc_org.shape[0]} checksum_origin entries")
             for i in range(n):
-                if crc_org[i] < 0:
-                    raise ValueError(f"piece {i}: checksum_origin {crc_org[i]} is negative")
+                if not 0 <= crc_org[i] <= _MAX_FILE_OFFSET:
+                    raise ValueError(f"piece {i}: checksum_origin {crc_org[i]} is negative or beyond the largest file offset")
             if n:
                 crc.origin = &crc_org[0]
         self._enter()
@@ -838,6 +846,9 @@ cdef class Engine:
                     raise ValueError(f"piece {i}: file_index {f} is not in [0, {nfiles})")
                 if o < 0:
                     raise ValueError(f"piece {i}: file_offset {o} is negative")
+                if fpio_add_i64(o, ln, &stop) < 0 or stop > _MAX_FILE_OFFSET:
+                    raise ValueError(f"piece {i}: file_offset {o} + length {ln} is beyond the "
+                                     f"largest file offset ({_MAX_FILE_OFFSET})")
                 if f < pf or (f == pf and o < po):
                     raise ValueError(f"piece {i}: pieces must be sorted by (file_index, "
                                      f"file_offset); ({f}, {o}) follows ({pf}, {po})")

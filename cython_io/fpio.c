@@ -1428,6 +1428,22 @@ static int run(fpio_engine *e, int write, const int *fds, int nfiles, const fpio
         c.free_reqs = &e->reqs[i];
     }
 
+    /* Offsets and lengths must stay far from int64's end: every file offset
+     * the pipeline computes (an extent's end rounded up to the alignment, a
+     * window's end) must not overflow. The Python layer checks this too. */
+    for (int64_t i = 0; i < npieces; i++) {
+        int64_t end;
+        const fpio_piece *p = &pieces[i];
+        if (p->len < 0 || p->off < 0 || p->file < 0 || p->file >= nfiles ||
+            fpio_add_i64(p->off, p->len, &end) < 0 || fpio_add_i64(end, 2 * bs, &end) < 0) {
+            res->err = EINVAL;
+            res->op = "piece offset or length out of range";
+            res->file = p->file >= 0 && p->file < nfiles ? p->file : -1;
+            res->at = p->off;
+            res->len = p->len;
+            return -1;
+        }
+    }
     if (write)
         presize(&c, nfiles, pieces, npieces);
     for (int64_t i = 0; i < npieces && !res->err; i++) {
@@ -1536,6 +1552,12 @@ int fpio_pull(int pid, char *dst, uint64_t remote, const int64_t *starts, int64_
 {
     struct iovec rv[FPIO_PULL_IOV];
     int64_t i = 0, skip = 0; /* run i, skip bytes of it already copied */
+    int64_t total, end;
+    if (nruns < 0 || run_len < 0 || fpio_mul_i64(nruns, run_len, &total) < 0)
+        return -EOVERFLOW;
+    for (int64_t j = 0; j < nruns; j++)
+        if (starts[j] < 0 || fpio_add_i64(starts[j], run_len, &end) < 0 || (uint64_t)end > UINT64_MAX - remote)
+            return -EOVERFLOW;
     while (i < nruns && run_len > 0) {
         int k = 0;
         for (int64_t j = i; j < nruns && k < FPIO_PULL_IOV; j++, k++) {

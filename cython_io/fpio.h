@@ -17,6 +17,12 @@
 
 enum { FPIO_AIO = 0, FPIO_URING = 1, FPIO_THREADS = 2 };
 
+/* Checked int64 arithmetic for every sum or product that guards a memory or
+ * file access: 0 and the result in *out, or -1 when it overflows (a crafted
+ * offset or length must fail, not wrap into a wild access). */
+static inline int fpio_add_i64(int64_t a, int64_t b, int64_t *out) { return __builtin_add_overflow(a, b, out) ? -1 : 0; }
+static inline int fpio_mul_i64(int64_t a, int64_t b, int64_t *out) { return __builtin_mul_overflow(a, b, out) ? -1 : 0; }
+
 typedef struct fpio_engine fpio_engine;
 
 /* One piece of a write or read: `len` bytes at `ptr` <-> file `file` at `off`. */

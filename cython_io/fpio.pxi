@@ -59,6 +59,10 @@ cdef extern from "fpio.h" nogil:
     void fpio_copy_crc_many(char *const *dst, char *const *src, const int64_t *len, int64_t n, int64_t block,
                             const int64_t *first, uint32_t *out)
 
+cdef extern from "fpio.h" nogil:
+    int fpio_add_i64(int64_t a, int64_t b, int64_t *out)
+    int fpio_mul_i64(int64_t a, int64_t b, int64_t *out)
+
 cdef extern from "<stdlib.h>" nogil:
     int posix_memalign(void **memptr, size_t alignment, size_t size)
 
@@ -71,7 +75,7 @@ cdef extern from "<sys/mman.h>" nogil:
 cdef extern from "<fcntl.h>" nogil:
     int c_open "open"(const char *path, int flags, int mode)
     int fcntl(int fd, int cmd)
-    int O_RDONLY, O_WRONLY, O_RDWR, O_CREAT, O_TRUNC, O_EXCL, O_CLOEXEC, O_DIRECT
+    int O_RDONLY, O_WRONLY, O_RDWR, O_CREAT, O_TRUNC, O_EXCL, O_CLOEXEC, O_DIRECT, O_NOFOLLOW
     int F_GETFL
 
 cdef extern from "<unistd.h>" nogil:
