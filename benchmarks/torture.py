@@ -27,6 +27,10 @@ many survived with nothing lost; exit status 1 if any did not.
   padding), truncated and deleted data files, flipped and truncated metadata.
 * concurrency: two writers into one directory; a reader during saves.
 * rotation: 200 saves with ``keep_last(3)``, no leak.
+* attacks: every attack of ``tests/test_security.py`` (pickled payloads,
+  metadata naming files outside the checkpoint, planted symbolic links,
+  native-layer overflows, the metadata fuzzer): no code runs, nothing outside
+  the checkpoint is read, written or deleted.
 
 ``--bench-checksums`` measures save and load throughput with checksums on and
 off in the same run (alternating, cold cache for loads), through DCP, and
@@ -444,6 +448,32 @@ def corrupt_metadata(m: Matrix, base: str, quick: bool) -> None:
     _expect(_seed(path) == "seed6", "the checkpoint was not restored")
 
 
+# ------------------------------------------------------------------ attacks
+
+
+def attacks(m: Matrix, base: str, quick: bool) -> None:
+    """Every attack of tests/test_security.py (crafted objects, metadata naming
+    files outside, planted links, native overflows, and the metadata fuzzer),
+    run from there, each a case of the matrix."""
+    import inspect
+
+    from tests import test_security as ts
+
+    cases = [(name, fn, {}) for name, fn in vars(ts).items()
+             if name.startswith("test_") and list(inspect.signature(fn).parameters) == ["tmp_path"]]
+    cases += [(f"test_symbolic_links_planted_in_a_checkpoint_are_not_followed[{p}]",
+               ts.test_symbolic_links_planted_in_a_checkpoint_are_not_followed, {"planted": p})
+              for p in ("data", "metadata", "subdir")]
+    cases += [(f"test_native_layer_rejects_offsets_that_would_overflow[{o}]",
+               ts.test_native_layer_rejects_offsets_that_would_overflow, {"offset": o}) for o in (1 << 62, (1 << 63) - 4096)]
+    print(f"attacks: {len(cases) + 1} cases", flush=True)
+    for name, fn, kw in cases:
+        with m.case("attacks", name):
+            fn(Path(tempfile.mkdtemp(dir=base)), **kw)
+    with m.case("attacks", "metadata fuzzer (load, inspect, verify, rotation)"):
+        ts.test_fuzzed_metadata_never_escapes_the_checkpoint(pristine=ts.make_pristine(Path(tempfile.mkdtemp(dir=base))))
+
+
 # ------------------------------------------------------------------ concurrency and rotation
 
 
@@ -691,6 +721,7 @@ def main() -> int:
         ("corrupt-metadata", corrupt_metadata),
         ("concurrency", concurrency),
         ("rotation", rotation),
+        ("attacks", attacks),
     ]
     only = set(args.only.split(",")) if args.only else None
     m = Matrix()
