@@ -8,9 +8,10 @@ Shared by ``tests/test_faults.py`` (a sample of points) and
   (``_aio._set_fault("kill")``: requests in flight, data files half written);
 * ``("call", name, k)``: the coordinator dies just before the k-th call of
   ``os.<name>`` made by ``fp_dcp.writer`` — the commit protocol: ``open``
-  (#0 the lock file, #1 the temporary metadata, #2 the directory),
-  ``write`` / ``fsync`` of the temporary metadata, ``replace`` (the commit),
-  ``fsync`` of the directory, ``unlink`` of superseded files;
+  (#0 the lock file, #1 the temporary metadata, #2 the directory before the
+  rename, #3 after it), ``write`` / ``fsync`` (#0) of the temporary
+  metadata, ``fsync`` (#1) of the directory, ``replace`` (the commit),
+  ``fsync`` (#2) of the directory again, ``unlink`` of superseded files;
 * ``("after", 0)``: the rank dies right after ``dcp.save`` returned;
 * ``("delay", seconds)``: the parent kills every rank after that delay;
 * ``("pause", name, k, seconds)``: no kill; the coordinator sleeps before
@@ -241,11 +242,11 @@ def committed(point: tuple) -> bool | None:
         if name == "replace":
             return k > 0
         if name == "open":
-            return k >= 2
+            return k >= 3
         if name == "write":
             return False
         if name == "fsync":
-            return k >= 1
+            return k >= 2
         if name == "unlink":
             return True
     return None

@@ -227,7 +227,8 @@ def _killed_points(timeline):
 
 def test_timeline_covers_the_commit_protocol(timeline):
     calls = timeline["calls"]
-    assert calls["replace"] == 1 and calls["open"] == 3 and calls["fsync"] == 2 and calls["write"] >= 1
+    # lock, temporary metadata, the directory before the rename and after it
+    assert calls["replace"] == 1 and calls["open"] == 4 and calls["fsync"] == 3 and calls["write"] >= 1
     assert calls["unlink"] >= 1  # the superseded data file
     assert timeline["requests"][0] >= 8
 

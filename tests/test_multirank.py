@@ -288,12 +288,17 @@ def test_data_directories_stripe_each_hosts_bytes_and_old_files_go(tmp_path):
     assert on_disk == {n for n, _ in layout2.files}
 
 
-def test_data_file_names_are_plain_names_or_normalised_absolute_paths():
+def test_data_file_names_are_the_writers_names_only():
     from fp_dcp import format as fmt
 
-    for ok in ("a.fpd", "/nvme0/ckpt-1a2b/x.r0.d0.0.fpd", "/x"):
-        assert fmt.valid_data_file_name(ok), ok
-    for bad in ("", ".", "..", "../x", "a/b", "/a/../b", "/a//b", "/a/./b", "/a/", "/", "a\0b", None, 3):
+    sid = "20261121T032200-1a2b3c4d"
+    for ok in (f"{sid}.r0.0.fpd", f"{sid}.r12.d1.1.fpd", f"/nvme0/ckpt-0123456789ab/{sid}.r0.d0.0.fpd"):
+        assert fmt.valid_data_file_name(ok, sid), ok
+    assert not fmt.valid_data_file_name(f"{sid}.r0.0.fpd", "20261121T032200-ffffffff")  # another save's
+    for bad in ("", ".", "..", "../x", "a/b", "a.fpd", "/x", f"/{sid}.r0.d0.0.fpd", f"/a/{sid}.r0.d0.0.fpd",
+                f"/nvme0/ckpt-0123456789ab/{sid}.r0.0.fpd", f"/a/../ckpt-0123456789ab/{sid}.r0.d0.0.fpd",
+                f"/a//ckpt-0123456789ab/{sid}.r0.d0.0.fpd", f"../{sid}.r0.0.fpd", f"{sid}.r0.2.fpd",
+                f"{sid}.r0.0.fpd/", "a\0b", None, 3):
         assert not fmt.valid_data_file_name(bad), bad
 
 

@@ -502,3 +502,66 @@ def test_gc_freeze_of_the_application_is_never_undone(tmp_path):
         assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
+
+
+# ------------------------------------------------------------ several ranks
+
+
+def _save_evil_sharded(rank, world_size, path, marker):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+    sd = {"m": distribute_tensor(full, mesh, [Shard(0)]), "w": _Evil(marker), "step": _Evil(marker)}
+    w = FastPersistWriter(path)
+    dcp.save(sd, storage_writer=w)
+    w.close()
+
+
+def _load_victim(rank, world_size, path, step_target):
+    """Shard(1) target: the load shares interleaved reads between the ranks
+    (collectives inside read_data), so a refusal must reach every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    sd = {"m": distribute_tensor(torch.zeros(64, 48), mesh, [Shard(1)])}
+    sd.update({"step": 0} if step_target else {"w": torch.zeros(4)})
+    try:
+        dcp.load(sd, storage_reader=FastPersistReader(path))
+    except FAILED as e:
+        err = root_error(e)
+        return type(err).__name__, str(err)
+    return "loaded", ""
+
+
+@pytest.mark.parametrize("step_target", [False, True], ids=["object-over-tensor", "unsafe-object"])
+def test_every_rank_refuses_and_none_hangs(tmp_path, step_target):
+    from tests._dist import run_ranks
+
+    marker = _marker(tmp_path)
+    run_ranks(2, _save_evil_sharded, str(tmp_path / "c"), marker)
+    results = run_ranks(2, _load_victim, str(tmp_path / "c"), step_target, timeout=120)
+    for kind, msg in results:
+        if step_target:
+            assert kind == "UnsafeObjectError" and "'step'" in msg, (kind, msg)
+        else:  # a rank refuses its own item, or learns its peer's refusal in the shared round
+            assert kind in ("CheckpointFormatError", "RuntimeError") and "'w' is stored as an object" in msg, (kind, msg)
+    assert not os.path.exists(marker)
+
+
+def test_commit_syncs_the_directory_before_and_after_the_rename(tmp_path, monkeypatch):
+    from fp_dcp import writer as writer_mod
+
+    events = []
+    real_fsync_dir, real_replace = writer_mod._fsync_dir, os.replace
+    monkeypatch.setattr(writer_mod, "_fsync_dir", lambda d: (events.append(("fsync_dir", os.path.basename(d))),
+                                                               real_fsync_dir(d)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.path.basename(b))),
+                                                     real_replace(a, b)))
+    save({"v": torch.ones(3)}, tmp_path / "c")
+    i = events.index(("replace", fmt.METADATA_NAME))
+    assert ("fsync_dir", "c") in events[:i] and events[i + 1] == ("fsync_dir", "c"), events
