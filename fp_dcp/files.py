@@ -18,6 +18,7 @@ naming the entry, raised before anything outside is opened.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from typing import Any
@@ -43,7 +44,7 @@ def read_metadata_bytes(directory: str) -> bytes:
         _explain_missing(directory, path)
         raise
     except OSError as e:
-        if e.errno == 40:  # ELOOP: the metadata is a symbolic link
+        if e.errno == errno.ELOOP:  # the metadata is a symbolic link
             raise fmt.CheckpointFormatError(
                 f"{path}: the metadata file is a symbolic link; fp_dcp never writes one and does not "
                 f"follow it out of the checkpoint directory"

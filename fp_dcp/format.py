@@ -106,8 +106,9 @@ def data_subdir_name(checkpoint_dir: str) -> str:
 # What the writer names things, and so all a reader accepts (the
 # confinement rule, docs/FORMAT.md "Files"): a save id, data files of that
 # save id, and (data directories) one sub-directory per checkpoint.
-_SAVE_ID = re.compile(r"[0-9A-Za-z][0-9A-Za-z_-]{0,63}")
-_DATA_NAME = re.compile(r"(?P<sid>[0-9A-Za-z][0-9A-Za-z_-]{0,63})\.r\d{1,9}(?:\.d\d{1,9})?\.[01]\.fpd")
+_SAVE_ID_PATTERN = r"[0-9A-Za-z][0-9A-Za-z_-]{0,63}"
+_SAVE_ID = re.compile(_SAVE_ID_PATTERN)
+_DATA_NAME = re.compile(rf"(?P<sid>{_SAVE_ID_PATTERN})\.r\d{{1,9}}(?P<dev>\.d\d{{1,9}})?\.[01]\.fpd")
 _SUBDIR_NAME = re.compile(r".+-[0-9a-f]{12}")
 
 
@@ -128,7 +129,7 @@ def valid_data_file_name(name: object, save_id: str | None = None) -> bool:
         return False
     if "/" not in name:
         return True
-    if not name.startswith("/") or ".d" not in base[len(m.group("sid")):]:
+    if not name.startswith("/") or m.group("dev") is None:
         return False
     parts = name[1:].split("/")
     return (
