@@ -96,8 +96,13 @@ class FastPersistOptions:
             without a copy.
         pack_alignment_bytes: alignment of packed small extents in the file
             (keeps every element naturally aligned when viewed in place).
-        sync_files: ``fdatasync`` every data file and fsync the directory
-            before the checkpoint is committed.  Turning it off makes a crash
+        sync_files: make a save durable before it is reported: each rank
+            runs ``fdatasync`` on its data files (and ``fsync`` on its
+            sub-directory of each data directory); the coordinator runs
+            ``fsync`` on the temporary metadata, then on the checkpoint
+            directory (the data files' entries), renames the metadata into
+            place (the commit) and runs ``fsync`` on the directory again
+            (docs/FORMAT.md, "Commit protocol").  Turning it off makes a crash
             able to lose a checkpoint that was reported as saved.
         coalesce_gap_bytes: on load, two byte runs of one file closer than
             this are read by one request (bounded over-read).

@@ -27,12 +27,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import gc
 import io
 import os
 import secrets
 import socket
+import stat
 import time
 import weakref
 from torch.futures import Future
@@ -255,12 +257,17 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         dirs = self._data_directories()
         for d, by_path in dirs:
             try:
-                if by_path and not os.path.isdir(d):
+                if by_path and not os.path.lexists(d):
                     os.makedirs(d, exist_ok=True)
                     if self.options.sync_files:
                         _fsync_dir(os.path.dirname(d))
+                if by_path and not stat.S_ISDIR(os.lstat(d).st_mode):
+                    # fp_dcp creates this sub-directory: a link planted in its
+                    # place would lead the writes and the clean-up elsewhere
+                    raise OSError(errno.ENOTDIR, "this checkpoint's sub-directory of a data directory is a "
+                                  "symbolic link or not a directory (fp_dcp creates a real one); remove it", d)
             except OSError as e:
-                raise type(e)(e.errno, f"cannot create the data directory: {e.strerror}", d) from None
+                raise type(e)(e.errno, f"cannot use the data directory: {e.strerror}", d) from None
             # fail before any rank writes if the engine cannot run here
             granularity = max(granularity, self._engine_for(d).alignment)
         self._local_items = list(plan.items)

@@ -13,11 +13,13 @@ their bytes and their modification time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
 import os
 import shutil
+import signal
 import struct
 import traceback
 import zlib
@@ -301,6 +303,23 @@ def test_symbolic_links_planted_in_a_checkpoint_are_not_followed(tmp_path, plant
     _assert_canary(canary)
 
 
+def test_a_save_refuses_a_data_directory_sub_directory_planted_as_a_link(tmp_path):
+    """Its writes and its clean-up of superseded files would go wherever the link points."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    keep = victim / f"{_SAVE_ID}.r0.d0.0.fpd"  # looks like a superseded data file
+    keep.write_bytes(b"someone else's data")
+    dd = tmp_path / "dd"
+    dd.mkdir()
+    path = tmp_path / "c"
+    os.symlink(victim, dd / fmt.data_subdir_name(str(path)))
+    from tests._sd import failed_save
+
+    err = failed_save({"v": torch.ones(3)}, path, data_dirs=(str(dd),))
+    assert isinstance(err, OSError) and "symbolic link" in str(err) and fmt.data_subdir_name(str(path)) in str(err)
+    assert os.listdir(victim) == [keep.name] and keep.read_bytes() == b"someone else's data"
+
+
 def test_rotation_lock_planted_as_a_link_creates_nothing_outside(tmp_path):
     save({"v": torch.ones(2)}, tmp_path / "root" / "a")
     save({"v": torch.ones(2)}, tmp_path / "root" / "b")
@@ -444,7 +463,10 @@ def test_fuzzed_metadata_never_escapes_the_checkpoint(pristine, data):
 
     def attempt(fn):
         try:
-            fn()
+            with _bounded(60):
+                fn()
+        except _Hang:
+            raise
         except BaseException as e:  # noqa: BLE001
             _check_documented(e)
 
@@ -462,6 +484,24 @@ def test_fuzzed_metadata_never_escapes_the_checkpoint(pristine, data):
     for p, content in z_files.items():  # another checkpoint's files in the shared data directory
         assert open(p, "rb").read() == content
     assert not os.path.exists(base / MARKER)
+
+
+class _Hang(BaseException):
+    """An operation on a fuzzed checkpoint ran past its bound."""
+
+
+@contextlib.contextmanager
+def _bounded(seconds: int):
+    def expire(*_):
+        raise _Hang(f"an operation on the fuzzed checkpoint ran longer than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _files_under(d):
