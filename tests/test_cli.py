@@ -80,7 +80,7 @@ def test_inspect_table_and_chunks_of_a_sharded_checkpoint(tmp_path, capsys):
     run_ranks(2, _save_sharded, path)
     assert main(["inspect", path, "--chunks"]) == 0
     out = capsys.readouterr().out
-    assert "on 2 rank(s)" in out and "float32" in out and "64x40" in out
+    assert "on 2 ranks" in out and "float32" in out and "64x40" in out
     assert "w chunk at [32, 0] size [32, 40]" in out and "v chunk at [0, 25] size [30, 25]" in out
     # and the sharded checkpoint consolidates into one torch.save file
     out_pt = str(tmp_path / "s.pt")
