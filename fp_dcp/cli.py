@@ -1,15 +1,24 @@
-"""fp-dcp: the command line for people (also python -m fp_dcp).
+"""fp-dcp: look into, check and convert fp_dcp checkpoints (also python -m fp_dcp).
 
-    fp-dcp inspect CKPT [--json]            format, tensors, chunks, files
-    fp-dcp verify CKPT [--json]             read every byte, check every checksum
-    fp-dcp convert CKPT model.pt            one consolidated torch.save file
-    fp-dcp convert CKPT model.safetensors   one safetensors file (tensors only)
-    fp-dcp convert --to-dcp CKPT OUT_DIR    a stock torch.distributed.checkpoint
-    fp-dcp convert --from-dcp DCP_DIR OUT   a stock DCP checkpoint (or a
-                                            torch.save file) into fp_dcp
+commands:
+  fp-dcp inspect CKPT [--json]            format, tensors, chunks, files
+  fp-dcp verify CKPT [--json]             read every byte, check every checksum
+  fp-dcp convert CKPT model.pt            one consolidated torch.save file
+  fp-dcp convert CKPT model.safetensors   one safetensors file (tensors only)
+  fp-dcp convert --to-dcp CKPT OUT_DIR    a stock torch.distributed.checkpoint
+  fp-dcp convert --from-dcp DCP_DIR OUT   a stock DCP checkpoint into fp_dcp
+  fp-dcp COMMAND --help                   the options of one command
 
-Exit codes: 0 success, 1 failure (the message names the file and the fix),
-2 usage error.  Progress of long operations goes to stderr (``-q``: none).
+CKPT is the directory a save wrote into (it holds .fp_dcp.meta).
+
+exit codes:
+  0    success (verify: every byte read and every checksum matched)
+  1    failure: a path that is not what the command needs, a damaged
+       checkpoint, an I/O error (the message names the file and the fix)
+  2    usage error (unknown command or option, missing argument)
+  130  interrupted (Ctrl-C)
+
+Progress of long operations goes to stderr; -q (any command) turns it off.
 """
 
 from __future__ import annotations
@@ -19,29 +28,140 @@ import datetime as _dt
 import json
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from fp_dcp.options import format_size
 
-__all__ = ["main"]
+# torch (and the modules that import it) are imported by the commands that
+# need them, never at start-up: `fp-dcp --help` and usage errors answer at
+# once.
+
+__all__ = ["main", "PathProblem", "checkpoint_kind"]
+
+# = fp_dcp.format.METADATA_NAME / STOCK_METADATA_NAME / DATA_SUFFIX, spelled
+# here so that telling what a path is needs no torch (tests check they agree)
+META_NAME = ".fp_dcp.meta"
+STOCK_META_NAME = ".metadata"
+DATA_SUFFIX = ".fpd"
 
 _SUFFIXES = {".pt": "torch", ".pth": "torch", ".bin": "torch", ".ckpt": "torch", ".safetensors": "safetensors"}
 _TARGETS = ("torch", "safetensors", "dcp", "fp_dcp")
+_LIST_MAX = 8
+
+
+class PathProblem(Exception):
+    """A path that is not what a command needs; the message says what was
+    expected, what is there, and what to do."""
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"
+
+
+# ------------------------------------------------------------------ what is this path
+
+
+def checkpoint_kind(path: str) -> str:
+    """``"fp_dcp"`` (a committed fp_dcp checkpoint directory), ``"dcp"`` (a
+    stock DCP checkpoint directory) or ``"file"``; anything else raises
+    :class:`PathProblem` saying what the path is."""
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, META_NAME)):
+            return "fp_dcp"
+        if os.path.isfile(os.path.join(path, STOCK_META_NAME)):
+            return "dcp"
+        raise PathProblem(_not_a_checkpoint(path))
+    if os.path.isfile(path):
+        return "file"
+    if os.path.lexists(path):
+        raise PathProblem(f"{path}: neither a directory nor a regular file; expected a checkpoint directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    hint = ""
+    if os.path.isdir(parent):
+        near = _checkpoints_in(parent)
+        if near:
+            hint = f"; checkpoints in {parent}: " + _names(near)
+    raise PathProblem(f"{path}: no checkpoint directory here (nothing exists at this path){hint}")
+
+
+def _checkpoints_in(directory: str) -> list[tuple[str, str]]:
+    """(name, kind) of the checkpoint directories directly inside ``directory``."""
+    found = []
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: _natural(e.name))
+    except OSError:
+        return []
+    for e in entries:
+        try:
+            if not e.is_dir():
+                continue
+        except OSError:
+            continue
+        if os.path.isfile(os.path.join(e.path, META_NAME)):
+            found.append((e.name, "fp_dcp"))
+        elif os.path.isfile(os.path.join(e.path, STOCK_META_NAME)):
+            found.append((e.name, "dcp"))
+    return found
+
+
+def _natural(name: str) -> list[Any]:
+    """step9 before step10."""
+    import re
+
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _names(found: list[tuple[str, str]]) -> str:
+    shown = [n + ("" if k == "fp_dcp" else " (stock DCP)") for n, k in found[:_LIST_MAX]]
+    more = f" and {len(found) - _LIST_MAX} more" if len(found) > _LIST_MAX else ""
+    return ", ".join(shown) + more
+
+
+def _not_a_checkpoint(path: str) -> str:
+    found = _checkpoints_in(path)
+    if found:
+        own = [n for n, k in found if k == "fp_dcp"]
+        last = os.path.join(path, (own or [found[-1][0]])[-1])
+        return (f"{path}: not a checkpoint itself, but a directory holding {_plural(len(found), 'checkpoint')} "
+                f"one level down: {_names(found)}; give one of them, e.g. {last}")
+    try:
+        names = os.listdir(path)
+    except OSError as e:
+        return f"{path}: cannot list the directory ({e.strerror})"
+    if any(n.endswith(DATA_SUFFIX) for n in names):
+        return (f"{path}: fp_dcp data files but no {META_NAME}: a save was interrupted before its commit, "
+                f"so this is not a checkpoint (the previous one, if any, is intact where it was)")
+    what = "an empty directory" if not names else f"a directory of {_plural(len(names), 'entry', 'entries')}"
+    return (f"{path}: {what}, not a checkpoint: expected {META_NAME} (fp_dcp) or {STOCK_META_NAME} "
+            f"(stock DCP) in it, or checkpoint directories one level down")
+
+
+def _fp_dcp_checkpoint(path: str, command: str) -> None:
+    """Raise :class:`PathProblem` unless ``path`` is an fp_dcp checkpoint."""
+    kind = checkpoint_kind(path)
+    if kind == "dcp":
+        raise PathProblem(
+            f"{path}: a stock torch.distributed.checkpoint checkpoint ({STOCK_META_NAME}), not an fp_dcp one; "
+            f"fp-dcp {command} reads fp_dcp checkpoints: convert it once with "
+            f"fp-dcp convert --from-dcp {path} OUT (or load it with FileSystemReader)"
+        )
+    if kind == "file":
+        hint = ""
+        if os.path.splitext(path)[1].lower() in _SUFFIXES:
+            hint = f" (to turn a torch.save file into a checkpoint: fp-dcp convert {path} OUT --to fp_dcp)"
+        raise PathProblem(
+            f"{path}: a plain file, not a checkpoint directory; fp-dcp {command} expects the directory "
+            f"a save wrote into (it holds {META_NAME}){hint}"
+        )
 
 
 # ------------------------------------------------------------------ inspect
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    _fp_dcp_checkpoint(args.path, "inspect")
     from fp_dcp import convert
 
-    kind = convert.checkpoint_kind(args.path)
-    if kind != "fp_dcp":
-        what = "a stock DCP checkpoint" if kind == "dcp" else "a file, not a checkpoint directory"
-        raise convert.ConvertError(
-            f"{args.path}: {what}; fp-dcp inspect reads fp_dcp checkpoints"
-            + (f" (convert it: fp-dcp convert --from-dcp {args.path} OUT)" if kind == "dcp" else "")
-        )
     d = convert.describe(args.path)
     if args.json:
         print(json.dumps(d, indent=1))
@@ -49,20 +169,25 @@ def _inspect(args: argparse.Namespace) -> int:
     created = _dt.datetime.fromtimestamp(d["created"]).isoformat(" ", "seconds") if d["created"] else "?"
     print(f"{d['path']}")
     print(f"  format {d['format']} version {d['format_version']}, written by {d['writer']} "
-          f"(torch {d['torch_version']}) on {d['world_size']} rank(s) at {created}; save {d['save_id']}")
+          f"(torch {d['torch_version']}) on {_plural(d['world_size'] or 0, 'rank')} at {created}; "
+          f"save {d['save_id']}")
     ck = d["checksum_block_bytes"]
     print(f"  alignment {d['alignment']} B; checksums: "
           + (f"CRC-32C per {format_size(ck)} block" if ck else "none"))
-    print(f"  {len(d['tensors'])} tensors ({format_size(d['tensor_bytes'])}), {len(d['objects'])} other items, "
-          f"{len(d['files'])} data files ({format_size(d['file_bytes'])})")
-    print()
-    rows = [("tensor", "dtype", "shape", "chunks", "bytes", "files")]
-    for t in d["tensors"]:
-        rows.append((t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", str(len(t["chunks"])),
-                     format_size(t["bytes"]), ",".join(map(str, t["files"]))))
-    for o in d["objects"]:
-        rows.append((o["name"], "object", "-", "1", format_size(o["bytes"]), ",".join(map(str, o["files"]))))
-    _table(rows)
+    print(f"  {_plural(len(d['tensors']), 'tensor')} ({format_size(d['tensor_bytes'])}), "
+          f"{_plural(len(d['objects']), 'other item')}, "
+          f"{_plural(len(d['files']), 'data file')} ({format_size(d['file_bytes'])})")
+    if d["tensors"]:
+        print()
+        rows = [("tensor", "dtype", "shape", "chunks", "bytes", "files")]
+        for t in d["tensors"]:
+            rows.append((t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", str(len(t["chunks"])),
+                         format_size(t["bytes"]), ",".join(map(str, t["files"]))))
+        _table(rows)
+    if d["objects"]:
+        print()
+        _table([("other item", "bytes", "files")]
+               + [(o["name"], format_size(o["bytes"]), ",".join(map(str, o["files"]))) for o in d["objects"]])
     if args.chunks:
         print()
         for t in d["tensors"]:
@@ -81,32 +206,48 @@ def _table(rows: list[tuple[str, ...]]) -> None:
             print("  " + "  ".join("-" * w for w in widths))
 
 
+# ------------------------------------------------------------------ verify
+
+
+def _verify(args: argparse.Namespace) -> int:
+    _fp_dcp_checkpoint(args.path, "verify")
+    from fp_dcp import verify
+    from fp_dcp.convert import Progress
+
+    progress = Progress("verifying", 0, enabled=not args.quiet)
+    try:
+        report = verify.verify_checkpoint(args.path, workers=args.workers, progress=progress.update)
+    finally:
+        progress.close()
+    return verify.print_report(report, as_json=args.json)
+
+
 # ------------------------------------------------------------------ convert
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from fp_dcp import convert
-
     target = args.to
     if args.to_dcp:
         if target not in (None, "dcp"):
-            raise convert.ConvertError("--to-dcp and --to disagree; give one of them")
+            raise PathProblem("--to-dcp and --to disagree; give one of them")
         target = "dcp"
     if args.from_dcp and target is None:
         target = "fp_dcp"
     if target is None:
         target = _SUFFIXES.get(os.path.splitext(args.output)[1].lower())
     if target is None:
-        raise convert.ConvertError(
+        raise PathProblem(
             f"{args.output}: cannot tell the output format from its name; pass --to "
             f"{{{','.join(_TARGETS)}}} (or name it .pt / .safetensors)"
         )
-    kind = convert.checkpoint_kind(args.source)
+    kind = checkpoint_kind(args.source)
     if args.from_dcp and kind != "dcp":
-        raise convert.ConvertError(
-            f"{args.source}: --from-dcp needs a stock DCP checkpoint (a directory with .metadata); "
-            f"this is {'an fp_dcp checkpoint' if kind == 'fp_dcp' else 'a file'}"
+        raise PathProblem(
+            f"{args.source}: --from-dcp needs a stock DCP checkpoint (a directory with {STOCK_META_NAME}); "
+            f"this is {'an fp_dcp checkpoint' if kind == 'fp_dcp' else 'a plain file'}"
         )
+    from fp_dcp import convert
+
     kw = {"force": args.force, "progress": not args.quiet}
     if target == "torch":
         r = convert.to_torch_save(args.source, args.output, **kw)
@@ -128,21 +269,36 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fp-dcp", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    doc = __doc__ or ""
+    p = argparse.ArgumentParser(prog="fp-dcp", description=doc.split("\n\n")[0],
+                                epilog=doc.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    q = sub.add_parser("inspect", help="what a checkpoint holds: format, tensors, chunks, files")
-    q.add_argument("path", help="fp_dcp checkpoint directory")
+    q = sub.add_parser("inspect", parents=[common], help="what a checkpoint holds: format, tensors, chunks, files",
+                       description="Show what an fp_dcp checkpoint holds: its format, tensors, other items, "
+                                   "stored chunks and data files. Reads the metadata only.")
+    q.add_argument("path", help="fp_dcp checkpoint directory (the one holding .fp_dcp.meta)")
     q.add_argument("--json", action="store_true", help="print JSON instead of tables")
     q.add_argument("--chunks", action="store_true", help="also list every stored chunk")
     q.set_defaults(func=_inspect)
 
-    c = sub.add_parser("convert", help="to torch.save / safetensors / stock DCP, or from stock DCP",
+    v = sub.add_parser("verify", parents=[common], help="read every byte of a checkpoint and check its checksums",
+                       description="Read every byte of an fp_dcp checkpoint and check every CRC-32C block "
+                                   "against the checksums stored at save time. Lists every bad extent "
+                                   "(tensor, file, offset) and every missing or truncated file. "
+                                   "Exit code 0 when all is good, 1 otherwise.")
+    v.add_argument("path", help="fp_dcp checkpoint directory (the one holding .fp_dcp.meta)")
+    v.add_argument("--workers", type=int, default=None, help="reader threads (default: min(4, CPUs, files))")
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
+    v.set_defaults(func=_verify)
+
+    c = sub.add_parser("convert", parents=[common], help="to torch.save / safetensors / stock DCP, or from stock DCP",
                        description="Convert a checkpoint. The output format comes from --to, --to-dcp, "
                                    "--from-dcp (fp_dcp), or the output's suffix (.pt, .safetensors).")
-    c.add_argument("source", help="fp_dcp or stock DCP checkpoint directory (or a torch.save file with --from-dcp)")
+    c.add_argument("source", help="fp_dcp or stock DCP checkpoint directory (or a torch.save file with --to fp_dcp)")
     c.add_argument("output", help="output file (torch.save, safetensors) or directory (DCP, fp_dcp)")
     c.add_argument("--to", choices=_TARGETS, help="output format")
     c.add_argument("--to-dcp", action="store_true", help="write a stock torch.distributed.checkpoint directory")
@@ -150,42 +306,47 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="replace an existing output")
     c.add_argument("--skip-unsupported", action="store_true",
                    help="safetensors: leave out tensors of dtypes it cannot hold (listed on stderr)")
-    c.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     c.set_defaults(func=_convert)
-
-    try:  # fp-dcp verify, where that module is installed
-        from fp_dcp import verify
-    except ImportError:
-        verify = None
-    if verify is not None:
-        v = sub.add_parser("verify", help="read every byte of a checkpoint and check its checksums")
-        verify.add_arguments(v)
-        v.set_defaults(func=verify.run, passthrough=True)
     return p
 
 
+def _is_known(e: BaseException) -> bool:
+    """An error whose message is written for people (printed alone)."""
+    if isinstance(e, PathProblem):
+        return True
+    for module, name in (("fp_dcp.convert", "ConvertError"), ("fp_dcp.format", "CheckpointFormatError")):
+        m = sys.modules.get(module)
+        if m is not None and isinstance(e, getattr(m, name)):
+            return True
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; every command's errors end here: one line on stderr
+    naming the command, exit 1 (130 on Ctrl-C); with --json also a JSON
+    document ``{"path", "ok": false, "errors"}`` on stdout."""
+    args = _parser().parse_args(argv)
     import warnings
 
-    from fp_dcp import convert
-    from fp_dcp import format as fmt
-
-    args = _parser().parse_args(argv)
-    if getattr(args, "passthrough", False):
-        return args.func(args)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
         return args.func(args)
-    except (convert.ConvertError, fmt.CheckpointFormatError) as e:
-        print(f"fp-dcp {args.command}: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"fp-dcp {args.command}: {where}{e.strerror or e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
-        print(f"fp-dcp {args.command}: interrupted", file=sys.stderr)
+        print(f"\nfp-dcp {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if _is_known(e):
+            message = str(e)
+        elif isinstance(e, OSError):
+            where = f"{e.filename}: " if e.filename else ""
+            message = f"{where}{e.strerror or e}"
+        else:
+            raise
+        if getattr(args, "json", False):
+            print(json.dumps({"path": getattr(args, "path", None) or getattr(args, "source", None),
+                              "ok": False, "errors": [message]}))
+        print(f"fp-dcp {args.command}: {message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ files and read errors are reported too.  Nothing stops at the first problem:
 the report lists every bad extent with its tensor, file and offset.
 
 Exit code 0 when everything checked is good, 1 when anything is bad (or the
-metadata cannot be read), 2 for a usage error.
+metadata cannot be read), 2 for a usage error.  The command line itself
+(arguments, progress, errors) is ``fp_dcp.cli``; this module checks and
+reports.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
 import json
@@ -31,7 +32,7 @@ from fp_dcp.checksums import BadBlock, ReadVerifier, item_name
 from fp_dcp.engine import IOSession
 from fp_dcp.options import FastPersistOptions, format_size
 
-__all__ = ["verify_checkpoint", "VerifyReport", "BadExtent", "main"]
+__all__ = ["verify_checkpoint", "print_report", "VerifyReport", "BadExtent", "main"]
 
 _BATCH_BYTES = 64 << 20
 
@@ -293,32 +294,25 @@ def _bad_extents(blocks: list[BadBlock], pieces, path: str, block: int) -> list[
     return list(out.values())
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="checkpoint directory")
-    p.add_argument("--workers", type=int, default=None, help="reader threads (default: min(4, CPUs, files))")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        report = verify_checkpoint(args.path, workers=args.workers)
-    except (OSError, fmt.CheckpointFormatError) as e:
-        if args.json:
-            print(json.dumps({"path": args.path, "ok": False, "errors": [str(e)]}))
-        else:
-            print(f"fp-dcp verify: {e}", file=sys.stderr)
-        return 1
-    if args.json:
+def print_report(report: VerifyReport, *, as_json: bool = False) -> int:
+    """Print ``report`` for people (or as JSON); the exit code: 0 when
+    everything checked is good, else 1."""
+    if as_json:
         print(json.dumps(report.as_dict(), indent=1))
         return 0 if report.ok else 1
     rate = report.bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
     print(
-        f"{report.path}: {report.extents} extents, {format_size(report.bytes, 1)} in {report.files} files, "
-        f"{report.workers} workers, {report.seconds:.2f} s ({rate:.2f} GB/s); "
+        f"{report.path}: {_plural(report.extents, 'extent')}, {format_size(report.bytes, 1)} in "
+        f"{_plural(report.files, 'file')}, {_plural(report.workers, 'worker')}, {report.seconds:.2f} s "
+        f"({rate:.2f} GB/s); "
         f"{format_size(report.verified_bytes, 1)} checked against their CRC-32C"
     )
     if report.unchecked_extents:
-        print(f"note: {report.unchecked_extents} extent(s) were written without checksums: read, not checked")
+        print(f"note: {_plural(report.unchecked_extents, 'extent')} written without checksums: read, not checked")
     for err in report.errors:
         print(f"ERROR {err}")
     for b in report.bad:
@@ -326,14 +320,16 @@ def run(args: argparse.Namespace) -> int:
     if report.ok:
         print("OK")
         return 0
-    print(f"{len(report.bad)} bad extent(s), {len(report.errors)} file error(s)")
+    print(f"{_plural(len(report.bad), 'bad extent')}, {_plural(len(report.errors), 'file error')}")
     return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="fp-dcp verify", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    """``fp-dcp verify ARGS``: the command line's verify (one error path,
+    ``-q``, progress and exit codes shared with the other commands)."""
+    from fp_dcp.cli import main as cli_main
+
+    return cli_main(["verify", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

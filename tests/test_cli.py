@@ -24,6 +24,11 @@ from tests._dist import run_ranks
 from tests._sd import assert_sd_equal, bits_equal, mixed_state_dict, zeros_like_sd
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# children import this checkout, whatever else is installed
+_ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
 def _contiguous(x):
     if isinstance(x, torch.Tensor):
         return x.contiguous()
@@ -80,7 +85,7 @@ def test_inspect_table_and_chunks_of_a_sharded_checkpoint(tmp_path, capsys):
     run_ranks(2, _save_sharded, path)
     assert main(["inspect", path, "--chunks"]) == 0
     out = capsys.readouterr().out
-    assert "on 2 rank(s)" in out and "float32" in out and "64x40" in out
+    assert "on 2 ranks" in out and "float32" in out and "64x40" in out
     assert "w chunk at [32, 0] size [32, 40]" in out and "v chunk at [0, 25] size [30, 25]" in out
     # and the sharded checkpoint consolidates into one torch.save file
     out_pt = str(tmp_path / "s.pt")
@@ -94,12 +99,12 @@ def test_inspect_table_and_chunks_of_a_sharded_checkpoint(tmp_path, capsys):
 
 def test_python_dash_m_and_the_console_script(ckpt):
     _, path = ckpt
-    r = subprocess.run([sys.executable, "-m", "fp_dcp", "inspect", path], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "fp_dcp", "inspect", path], capture_output=True, text=True, env=_ENV)
     assert r.returncode == 0 and "format fp_dcp version" in r.stdout, r.stderr
     script = shutil.which("fp-dcp")
     if script is None:
         pytest.skip("the fp-dcp console script is not installed (pip install -e .)")
-    r = subprocess.run([script, "--help"], capture_output=True, text=True)
+    r = subprocess.run([script, "--help"], capture_output=True, text=True, env=_ENV)
     assert r.returncode == 0 and "inspect" in r.stdout and "convert" in r.stdout
 
 
@@ -257,3 +262,216 @@ def test_torch_save_file_converts_to_fp_dcp(tmp_path):
     dcp.load(target, storage_reader=FastPersistReader(out), no_dist=True)
     assert_sd_equal(sd, target)
     assert np.array_equal(target["a"].numpy(), np.arange(12.0).reshape(3, 4))
+
+
+# ------------------------------------------------------------------ start-up, help, one error path
+
+
+def _run_cli(*args, cwd=None, importtime=False):
+    cmd = [sys.executable] + (["-X", "importtime"] if importtime else []) + ["-m", "fp_dcp", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_ENV, cwd=cwd, timeout=120)
+
+
+def _imported(importtime_stderr):
+    """Module names from `python -X importtime` (one line per import)."""
+    return {line.split("|")[-1].strip() for line in importtime_stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_help_and_usage_errors_import_no_torch(tmp_path):
+    r = _run_cli("--help", importtime=True)
+    assert r.returncode == 0, r.stderr
+    mods = _imported(r.stderr)
+    assert "fp_dcp.cli" in mods and not {m for m in mods if m == "torch" or m.startswith("torch.")}
+    assert not {m for m in mods if m in ("numpy", "fp_dcp._aio", "fp_dcp.format")}
+    for word in ("inspect", "verify", "convert", "exit codes", "130", "-q"):
+        assert word in r.stdout
+    assert "``" not in r.stdout  # plain text, no markup
+    for argv in (["inspect"], ["nosuchcommand"], ["verify", "--nosuchoption", "x"], []):
+        r = _run_cli(*argv, importtime=True)
+        assert r.returncode == 2, (argv, r.stderr)
+        assert "usage: fp-dcp" in r.stderr and "torch" not in _imported(r.stderr)
+    # a bad path is answered before torch is imported, too
+    (tmp_path / "notes.txt").write_text("hello")
+    r = _run_cli("verify", str(tmp_path / "notes.txt"), importtime=True)
+    assert r.returncode == 1 and "a plain file, not a checkpoint directory" in r.stderr
+    assert "torch" not in _imported(r.stderr)
+
+
+def test_import_fp_dcp_cli_imports_no_torch_and_the_exports_still_work():
+    code = ("import sys, fp_dcp.cli, fp_dcp.options; assert 'torch' not in sys.modules, 'torch'; "
+            "from fp_dcp import FastPersistWriter, FastPersistReader, FastPersistOptions; "
+            "import fp_dcp; assert 'torch' in sys.modules; "
+            "assert sorted(fp_dcp.__all__) == sorted(['FastPersistWriter', 'FastPersistReader', "
+            "'FastPersistOptions', '__version__']); assert 'FastPersistWriter' in dir(fp_dcp); "
+            "print(FastPersistWriter.__module__, FastPersistReader.__module__, fp_dcp.__file__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_ENV, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["fp_dcp.writer", "fp_dcp.reader", os.path.join(REPO, "fp_dcp", "__init__.py")]
+    with pytest.raises(AttributeError):
+        import fp_dcp
+
+        fp_dcp.NoSuchThing  # noqa: B018
+
+
+def test_cli_spells_the_format_names_like_the_format():
+    from fp_dcp import cli
+    from fp_dcp import format as fmt
+
+    assert (cli.META_NAME, cli.STOCK_META_NAME, cli.DATA_SUFFIX) == (
+        fmt.METADATA_NAME, fmt.STOCK_METADATA_NAME, fmt.DATA_SUFFIX)
+
+
+def test_an_unbuilt_extension_says_how_to_build_it(tmp_path):
+    """A source tree whose extension was never built: one message naming the
+    fix, not "cannot import name '_aio' from partially initialized module"."""
+    pkg = tmp_path / "clone" / "fp_dcp"
+    pkg.mkdir(parents=True)
+    for name in os.listdir(os.path.join(REPO, "fp_dcp")):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(REPO, "fp_dcp", name), pkg / name)
+    shutil.copy(os.path.join(REPO, "pyproject.toml"), tmp_path / "clone")
+    # the clone first on sys.path (the current directory), and no editable
+    # install's finder (which would serve another checkout's fp_dcp._aio)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    no_editable = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+                   "if not getattr(f, '__module__', '').startswith('__editable__')]; ")
+    for code in ("from fp_dcp import FastPersistWriter", "from fp_dcp import FastPersistReader",
+                 "import fp_dcp.engine", "import fp_dcp.verify"):
+        r = subprocess.run([sys.executable, "-c", no_editable + code], capture_output=True, text=True, env=env,
+                           cwd=tmp_path / "clone", timeout=60)
+        assert r.returncode == 1, (code, r.stderr)
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("ImportError: fp_dcp's native extension (fp_dcp._aio) is not built"), (code, last)
+        assert f"cd {tmp_path / 'clone'} && pip install -e ." in last
+        assert "circular import" not in r.stderr and "partially initialized" not in r.stderr
+
+
+def test_a_clone_in_the_current_directory_says_so(tmp_path):
+    """Run from the directory holding a clone named fp_dcp, Python imports the
+    clone as a namespace package; the import says what happened and what to do
+    instead of "cannot import name ... (unknown location)"."""
+    os.symlink(REPO, tmp_path / "fp_dcp")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for name in ("FastPersistWriter", "FastPersistReader", "FastPersistOptions"):
+        r = subprocess.run([sys.executable, "-S", "-c", f"from fp_dcp import {name}"], capture_output=True,
+                           text=True, env=env, cwd=tmp_path, timeout=60)
+        assert r.returncode == 1
+        last = r.stderr.strip().splitlines()[-1]
+        assert "unknown location" not in r.stderr
+        assert last.startswith("ImportError: 'fp_dcp' here is the repository"), last
+        assert f"pip install -e {tmp_path / 'fp_dcp'}" in last and "another directory" in last
+
+
+def test_every_command_has_quiet_progress_and_the_interrupt_message(ckpt, monkeypatch, capsys):
+    from fp_dcp import verify
+
+    _, path = ckpt
+    assert main(["verify", path]) == 0
+    cap = capsys.readouterr()
+    assert "verifying:" in cap.err and "100.0%" in cap.err and cap.out.rstrip().endswith("OK")
+    assert main(["verify", "-q", path]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["inspect", "-q", path]) == 0
+    assert capsys.readouterr().err == ""
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verify, "verify_checkpoint", interrupted)
+    assert main(["verify", "-q", path]) == 130
+    assert "fp-dcp verify: interrupted" in capsys.readouterr().err
+    monkeypatch.setattr("fp_dcp.convert.describe", interrupted)
+    assert main(["inspect", path]) == 130
+    assert "fp-dcp inspect: interrupted" in capsys.readouterr().err
+
+
+def test_inspect_keeps_other_items_out_of_the_tensor_table_and_counts_in_words(tmp_path, capsys):
+    path = str(tmp_path / "c")
+    dcp.save({"w": torch.ones(10, 4), "step": 7}, storage_writer=FastPersistWriter(path), no_dist=True)
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "1 tensor (160 B), 1 other item, 1 data file (" in out and "on 1 rank " in out
+    assert "object" not in out and "1 other items" not in out and "data files" not in out
+    lines = out.splitlines()
+    tensor_table = lines[lines.index(next(ln for ln in lines if ln.split()[:2] == ["tensor", "dtype"])):]
+    tensor_table = tensor_table[:tensor_table.index("")]
+    assert [ln.split()[0] for ln in tensor_table[2:]] == ["w"]
+    other = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["other", "item"])
+    assert lines[other + 2].split()[0] == "step"
+
+
+# ------------------------------------------------------------------ bad paths: what was expected, what is there
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_bad_path_a_plain_file(tmp_path, capsys, command):
+    f = tmp_path / "somefile.txt"
+    f.write_text("x")
+    assert main([command, str(f)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"fp-dcp {command}: {f}: a plain file, not a checkpoint directory; fp-dcp {command} expects "
+                   f"the directory a save wrote into (it holds .fp_dcp.meta)\n")
+    assert "Errno" not in err
+    model = tmp_path / "model.pt"
+    torch.save({"a": torch.ones(1)}, model)
+    assert main([command, str(model)]) == 1
+    assert f"fp-dcp convert {model} OUT --to fp_dcp" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_bad_path_a_directory_of_checkpoints_lists_them(tmp_path, capsys, command):
+    for step in (9, 10):
+        dcp.save({"w": torch.ones(3), "step": step},
+                 storage_writer=FastPersistWriter(str(tmp_path / "run" / f"step{step}")), no_dist=True)
+    dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(tmp_path / "run" / "stock"), no_dist=True)
+    (tmp_path / "run" / "logs").mkdir()
+    run = tmp_path / "run"
+    assert main([command, str(run)]) == 1
+    err = capsys.readouterr().err
+    assert (f"{run}: not a checkpoint itself, but a directory holding 3 checkpoints one level down: "
+            f"step9, step10, stock (stock DCP); give one of them, e.g. {run / 'step10'}") in err
+    # a path that does not exist: the checkpoints beside it
+    assert main([command, str(run / "step11")]) == 1
+    err = capsys.readouterr().err
+    assert f"{run / 'step11'}: no checkpoint directory here (nothing exists at this path)" in err
+    assert f"checkpoints in {run}: step9, step10, stock (stock DCP)" in err
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_bad_path_a_stock_checkpoint_points_to_convert(tmp_path, capsys, command):
+    stock = tmp_path / "stock"
+    dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(stock), no_dist=True)
+    assert main([command, str(stock)]) == 1
+    err = capsys.readouterr().err
+    assert f"{stock}: a stock torch.distributed.checkpoint checkpoint (.metadata), not an fp_dcp one" in err
+    assert f"fp-dcp convert --from-dcp {stock} OUT" in err
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert"])
+def test_bad_path_an_empty_or_unrelated_directory(tmp_path, capsys, command):
+    extra = [str(tmp_path / "out.pt")] if command == "convert" else []
+    (tmp_path / "empty").mkdir()
+    assert main([command, str(tmp_path / "empty"), *extra]) == 1
+    err = capsys.readouterr().err
+    assert (f"{tmp_path / 'empty'}: an empty directory, not a checkpoint: expected .fp_dcp.meta (fp_dcp) or "
+            f".metadata (stock DCP) in it, or checkpoint directories one level down") in err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "a.txt").write_text("x")
+    assert main([command, str(tmp_path / "other"), *extra]) == 1
+    assert f"{tmp_path / 'other'}: a directory of 1 entry, not a checkpoint" in capsys.readouterr().err
+
+
+def test_bad_path_an_interrupted_save(tmp_path, capsys):
+    d = tmp_path / "half"
+    d.mkdir()
+    (d / "x.r0.0.fpd").write_bytes(b"\0" * 4096)
+    assert main(["verify", str(d)]) == 1
+    assert "a save was interrupted before its commit" in capsys.readouterr().err
+
+
+def test_verify_json_reports_a_bad_path_as_json(tmp_path, capsys):
+    assert main(["verify", "--json", str(tmp_path / "nothing")]) == 1
+    cap = capsys.readouterr()
+    doc = json.loads(cap.out)
+    assert doc["ok"] is False and "no checkpoint directory here" in doc["errors"][0]
+    assert "fp-dcp verify:" in cap.err
