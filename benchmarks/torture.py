@@ -124,7 +124,8 @@ def kills_one_rank(m: Matrix, base: str, quick: bool) -> None:
 
     counts = _crash.count_points(os.path.join(base, "count1"), 1, options=OPTS)
     pts = _crash.points(counts, engine_points=6 if quick else None)
-    pts += [("delay", random.uniform(0.02, 0.8)) for _ in range(3 if quick else 12)]
+    delays = random.Random(127)
+    pts += [("delay", delays.uniform(0.02, 0.8)) for _ in range(3 if quick else 12)]
     print(f"kill-1-rank: {len(pts)} points, over a checkpoint and into a fresh directory "
           f"({counts['requests'][0]} engine requests, calls {counts['calls']})", flush=True)
     for i, point in enumerate(pts):
@@ -158,7 +159,8 @@ def kills_two_ranks(m: Matrix, base: str, quick: bool) -> None:
     counts = _crash.count_points(os.path.join(base, "count2"), 1, world=2, options=OPTS)
     cases = [(p, 0) for p in _crash.points(counts, kill_rank=0, engine_points=3 if quick else None)]
     cases += [(p, 1) for p in _crash.points(counts, kill_rank=1, engine_points=3 if quick else None)]
-    cases += [(("delay", random.uniform(0.2, 2.0)), 0) for _ in range(2 if quick else 6)]
+    delays = random.Random(161)
+    cases += [(("delay", delays.uniform(0.2, 2.0)), 0) for _ in range(2 if quick else 6)]
     print(f"kill-2-ranks: {len(cases)} points (requests per rank {counts['requests']})", flush=True)
     path = os.path.join(base, "k2")
     r = _crash.run_save(path, 1, None, world=2, options=OPTS)
@@ -487,7 +489,7 @@ def concurrency(m: Matrix, base: str, quick: bool) -> None:
             results = [None, None]
 
             def go(j):
-                results[j] = _crash.run_save(path, 2 + j, ("pause", "open", 1, random.uniform(0, 0.4)))
+                results[j] = _crash.run_save(path, 2 + j, ("pause", "open", 1, random.Random(490 + j).uniform(0, 0.4)))
 
             ts = [threading.Thread(target=go, args=(j,)) for j in range(2)]
             for t in ts:

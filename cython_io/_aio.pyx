@@ -695,6 +695,11 @@ cdef class Engine:
     def closed(self):
         return self._e == NULL
 
+    @property
+    def busy(self):
+        """Whether a call (write, read, settle_pool) is running on this engine now."""
+        return bool(self._busy)
+
     cdef _enter(self):
         if self._e == NULL:
             raise ValueError("Engine is closed")

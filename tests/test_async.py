@@ -303,6 +303,7 @@ def test_eager_second_save_waits_for_the_first(tmp_path, aio_no_leaks):
 # ------------------------------------------------------------------ lifetime
 
 
+@pytest.mark.slow
 def test_100_saves_bit_exact_flat_rss_no_leaks(tmp_path, aio_no_leaks):
     sd = {"m": {f"l{i}": torch.randn(256, 1024) for i in range(8)}, "s": torch.zeros(3), "step": 0}
     rss = []
@@ -533,7 +534,7 @@ def _ranks_body(rank, world, root, kind):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("kind", ["THREAD", "PROCESS"])
+@pytest.mark.parametrize("kind", ["THREAD", pytest.param("PROCESS", marks=pytest.mark.slow)])
 def test_async_modes_on_ranks(tmp_path, kind, world):
     results = run_ranks(world, _ranks_body, str(tmp_path), kind, timeout=120)
     for per_rank in results:

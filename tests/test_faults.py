@@ -233,12 +233,13 @@ def test_timeline_covers_the_commit_protocol(timeline):
     assert timeline["requests"][0] >= 8
 
 
+@pytest.mark.slow
 def test_kill_one_rank_at_every_step(tmp_path, timeline):
     """Killed before the commit: the old checkpoint, bit for bit; after it:
     the new one. A fresh path killed before its first commit is refused as
     never committed. Saving again always works and leaves no stray file."""
     opts = {"block_size_bytes": 256 << 10}
-    pts = _killed_points(timeline) + [("delay", random.uniform(0.05, 0.6))]
+    pts = _killed_points(timeline) + [("delay", random.Random(241).uniform(0.05, 0.6))]
     for i, point in enumerate(pts):
         path = str(tmp_path / f"p{i}")
         save(state_dict(1), path)
@@ -291,7 +292,7 @@ def test_kill_two_ranks_at_a_random_moment(tmp_path):
     path = str(tmp_path / "c")
     opts = {"block_size_bytes": 256 << 10}
     assert run_save(path, 1, None, world=2, options=opts)["codes"] == [0, 0]
-    r = run_save(path, 2, ("delay", random.uniform(0.3, 1.5)), world=2, options=opts)
+    r = run_save(path, 2, ("delay", random.Random(294).uniform(0.3, 1.5)), world=2, options=opts)
     assert load_seed(path) in ("seed1", "seed2"), r
     assert run_save(path, 3, None, world=2, options=opts)["codes"] == [0, 0]
     assert load_seed(path) == "seed3" and leftovers(path) == []
@@ -360,6 +361,7 @@ def test_reader_during_a_save_sees_old_or_new_or_a_clear_error(tmp_path):
     assert load_seed(path) == "seed4"
 
 
+@pytest.mark.slow
 def test_200_saves_with_rotation_leak_nothing(tmp_path, no_leaks):
     root = tmp_path / "run"
     root.mkdir()

@@ -924,6 +924,7 @@ def _world_4_from_2(rank, ws, root):
     return losses
 
 
+@pytest.mark.slow
 def test_resharded_loads_fsdp2_restart_partial_and_shared_reads(tmp_path):
     root = str(tmp_path)
     reference = run_ranks(4, _save_world, root)[0]
