@@ -69,6 +69,8 @@ CHECKSUM_ALGORITHM = "crc32c"
 # block it covers.  Recorded in the metadata; a reader uses the recorded size.
 CHECKSUM_BLOCK_BYTES = 1 << 20
 METADATA_NAME = ".fp_dcp.meta"
+# flock'ed by the coordinator from planning to commit, and by rotation
+LOCK_NAME = ".fp_dcp.lock"
 STOCK_METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".fpd"
 

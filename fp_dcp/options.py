@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import typing
 from typing import Any, Iterator
 
 __all__ = ["FastPersistOptions", "format_size", "override", "parse_size"]
@@ -353,21 +354,28 @@ def _check_names(kwargs: dict[str, Any]) -> None:
 
 
 def _parse_env(name: str, raw: str) -> Any:
-    field = {f.name: f for f in dataclasses.fields(FastPersistOptions)}[name]
+    """An environment value for field ``name``, read by the field's declared
+    type (not by guessing from its text): ``bool`` (true/false, 1/0, yes/no,
+    on/off), ``int`` (sizes with units for ``*_bytes``), else the text.  For a
+    field that may be ``None`` (its default "decide for me"), an empty value
+    or ``none`` means ``None`` (and ``auto`` too for bool and int fields), so
+    ``FP_DCP_STAGING_SPILL_DIR=none`` is no spill directory, not one named
+    "none" (write ``./none`` for that)."""
+    hint = typing.get_type_hints(FastPersistOptions)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = type(None) in typing.get_args(hint)
+    base = args[0] if len(args) == 1 and optional else hint
     text = raw.strip()
-    kind = str(field.type)
-    if "bool" in kind:
-        low = text.lower()
-        if low in ("", "none", "auto") and "None" in kind:
-            return None
+    low = text.lower()
+    if optional and (low in ("", "none") or (low == "auto" and base in (bool, int))):
+        return None
+    if base is bool:
         if low in ("1", "true", "yes", "on"):
             return True
         if low in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"{_ENV_PREFIX}{name.upper()}={raw!r}: expected true/false")
-    if "int" in kind:
-        if text.lower() in ("", "none", "auto") and "None" in kind:
-            return None
+    if base is int:
         try:
             return parse_size(text) if name.endswith("_bytes") else int(text)
         except ValueError as e:

@@ -141,7 +141,7 @@ class _SharedUnit:
 
 
 @dataclasses.dataclass(frozen=True)
-class _LocalInfo:
+class _MachineInfo:
     """What a rank's local plan tells the coordinator (``storage_data``):
     the machine it runs on (:func:`_machine_id`)."""
 
@@ -262,7 +262,7 @@ class FastPersistReader(StorageReader):
         if interleave and opts.share_interleaved_reads is None:
             # auto shares rows only among ranks of one machine: the coordinator
             # learns each rank's machine from its plan
-            plan = dataclasses.replace(plan, storage_data=_LocalInfo(_machine_id()))
+            plan = dataclasses.replace(plan, storage_data=_MachineInfo(_machine_id()))
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -608,7 +608,7 @@ class FastPersistReader(StorageReader):
             )
             return None
         budget = opts.read_buffer_budget_bytes
-        machines = [p.storage_data.machine if isinstance(p.storage_data, _LocalInfo) else None for p in plans]
+        machines = [p.storage_data.machine if isinstance(p.storage_data, _MachineInfo) else None for p in plans]
         by_chunk: dict[tuple, dict[tuple, None]] = {}
         for rank, plan in enumerate(plans):
             for req in plan.items:

@@ -30,7 +30,6 @@ from fp_dcp.files import lstat_data_file, read_metadata_bytes
 
 __all__ = ["keep_last", "committed_checkpoints"]
 
-_LOCK_NAME = ".fp_dcp.lock"
 
 
 def committed_checkpoints(root: str | os.PathLike) -> list[str]:
@@ -65,7 +64,7 @@ def keep_last(root: str | os.PathLike, n: int) -> list[str]:
 
 def _remove_checkpoint(path: str) -> bool:
     """Remove one checkpoint under its own lock (skipped while a save holds it)."""
-    lock = os.path.join(path, _LOCK_NAME)
+    lock = os.path.join(path, fmt.LOCK_NAME)
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError:

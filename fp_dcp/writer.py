@@ -57,7 +57,6 @@ from fp_dcp.staging import AsyncStagingMixin, forget_staged_checksums, staged_ch
 
 __all__ = ["FastPersistWriter"]
 
-_LOCK_NAME = ".fp_dcp.lock"
 
 # Placements by structure (fp_dcp.balance.structure_key), shared by the
 # writers of this process: a training loop that builds a new writer for each
@@ -772,7 +771,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     def _acquire_lock(self) -> None:
         if self._lock_fd is not None:
             return
-        path = os.path.join(self._directory(), _LOCK_NAME)
+        path = os.path.join(self._directory(), fmt.LOCK_NAME)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

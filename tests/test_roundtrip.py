@@ -215,6 +215,29 @@ def test_options_from_environment_and_override(tmp_path):
         assert FastPersistOptions.from_env().cuda_chunk_bytes == 16 << 20
 
 
+@pytest.mark.parametrize("name, raw, expected", [
+    ("staging_spill_dir", "none", None),  # a field that may be None: "none" is None, not a directory "none"
+    ("staging_spill_dir", "./none", "./none"),
+    ("staging_spill_dir", "/tmp/spill", "/tmp/spill"),
+    ("direct_io", "auto", None),
+    ("direct_io", "off", False),
+    ("queue_depth", "", None),
+    ("queue_depth", "16", 16),
+    ("block_size_bytes", "8MiB", 8 << 20),
+    ("allow_pickle", "yes", True),
+    ("engine", "auto", "auto"),  # a str field keeps "auto"
+])
+def test_environment_values_are_read_by_the_fields_type(monkeypatch, name, raw, expected):
+    monkeypatch.setenv(f"FP_DCP_{name.upper()}", raw)
+    assert getattr(FastPersistOptions.from_env(), name) == expected
+
+
+def test_a_bad_environment_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv("FP_DCP_SYNC_FILES", "maybe")
+    with pytest.raises(ValueError, match="FP_DCP_SYNC_FILES='maybe': expected true/false"):
+        FastPersistOptions.from_env()
+
+
 def test_gc_is_frozen_only_during_a_save(tmp_path):
     import gc
 
