@@ -475,3 +475,44 @@ def test_verify_json_reports_a_bad_path_as_json(tmp_path, capsys):
     doc = json.loads(cap.out)
     assert doc["ok"] is False and "no checkpoint directory here" in doc["errors"][0]
     assert "fp-dcp verify:" in cap.err
+
+
+def test_ctrl_c_stops_verify_after_the_batches_in_flight(tmp_path, monkeypatch):
+    """Ctrl-C during fp-dcp verify: the workers take no new batch, so the
+    interrupt message comes at once, not after the whole checkpoint is read."""
+    import signal
+    import threading
+
+    from fp_dcp import verify
+
+    path = str(tmp_path / "c")
+    dcp.save({f"t{i}": torch.ones(1 << 18) for i in range(16)}, storage_writer=FastPersistWriter(path), no_dist=True)
+    monkeypatch.setattr(verify, "_BATCH_BYTES", 1 << 20)  # 16 batches of 1 MiB
+    real_worker, taken = verify._worker, []
+
+    def worker(directory, opts, verifier, paths, next_task, tick):
+        def next_and_interrupt():
+            task = next_task()
+            if task is not None:
+                taken.append(task)
+                if len(taken) == 2:
+                    # Ctrl-C, while the main thread waits for the workers
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                    assert shutting_down.wait(30)  # the main thread has taken the interrupt
+            return task
+
+        return real_worker(directory, opts, verifier, paths, next_and_interrupt, tick)
+
+    import concurrent.futures
+
+    shutting_down, real_shutdown = threading.Event(), concurrent.futures.ThreadPoolExecutor.shutdown
+
+    def shutdown(self, *a, **k):
+        shutting_down.set()
+        return real_shutdown(self, *a, **k)
+
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "shutdown", shutdown)
+    monkeypatch.setattr(verify, "_worker", worker)
+    with pytest.raises(KeyboardInterrupt):
+        verify.verify_checkpoint(path, workers=1)
+    assert len(taken) == 2  # of 16
