@@ -344,6 +344,16 @@ def test_an_unbuilt_extension_says_how_to_build_it(tmp_path):
         assert last.startswith("ImportError: fp_dcp's native extension (fp_dcp._aio) is not built"), (code, last)
         assert f"cd {tmp_path / 'clone'} && pip install -e ." in last
         assert "circular import" not in r.stderr and "partially initialized" not in r.stderr
+    # the command line says the same in one line
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    (ckpt / ".fp_dcp.meta").write_bytes(b"")
+    r = subprocess.run([sys.executable, "-c", no_editable + "import sys; from fp_dcp.cli import main; "
+                        f"sys.exit(main(['verify', {str(ckpt)!r}]))"], capture_output=True, text=True, env=env,
+                       cwd=tmp_path / "clone", timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.startswith("fp-dcp verify: fp_dcp's native extension (fp_dcp._aio) is not built"), r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_a_clone_in_the_current_directory_says_so(tmp_path):
