@@ -489,8 +489,10 @@ def test_verify_json_reports_a_bad_path_as_json(tmp_path, capsys):
 
 def test_ctrl_c_stops_verify_after_the_batches_in_flight(tmp_path, monkeypatch):
     """Ctrl-C during fp-dcp verify: the workers take no new batch, so the
-    interrupt message comes at once, not after the whole checkpoint is read."""
-    import signal
+    interrupt message comes at once, not after the whole checkpoint is read.
+    The interrupt is raised where Ctrl-C lands, in the main thread waiting for
+    a worker's result, while the worker is at its second batch of 16."""
+    import concurrent.futures
     import threading
 
     from fp_dcp import verify
@@ -499,6 +501,7 @@ def test_ctrl_c_stops_verify_after_the_batches_in_flight(tmp_path, monkeypatch):
     dcp.save({f"t{i}": torch.ones(1 << 18) for i in range(16)}, storage_writer=FastPersistWriter(path), no_dist=True)
     monkeypatch.setattr(verify, "_BATCH_BYTES", 1 << 20)  # 16 batches of 1 MiB
     real_worker, taken = verify._worker, []
+    interrupt, shutting_down = threading.Event(), threading.Event()
 
     def worker(directory, opts, verifier, paths, next_task, tick):
         def next_and_interrupt():
@@ -506,21 +509,24 @@ def test_ctrl_c_stops_verify_after_the_batches_in_flight(tmp_path, monkeypatch):
             if task is not None:
                 taken.append(task)
                 if len(taken) == 2:
-                    # Ctrl-C, while the main thread waits for the workers
-                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-                    assert shutting_down.wait(30)  # the main thread has taken the interrupt
+                    interrupt.set()  # Ctrl-C now
+                    assert shutting_down.wait(30)  # the main thread has taken it
             return task
 
         return real_worker(directory, opts, verifier, paths, next_and_interrupt, tick)
 
-    import concurrent.futures
+    real_result, real_shutdown = concurrent.futures.Future.result, concurrent.futures.ThreadPoolExecutor.shutdown
 
-    shutting_down, real_shutdown = threading.Event(), concurrent.futures.ThreadPoolExecutor.shutdown
+    def result(self, timeout=None):
+        if interrupt.wait(30):
+            raise KeyboardInterrupt
+        return real_result(self, timeout)
 
     def shutdown(self, *a, **k):
         shutting_down.set()
         return real_shutdown(self, *a, **k)
 
+    monkeypatch.setattr(concurrent.futures.Future, "result", result)
     monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "shutdown", shutdown)
     monkeypatch.setattr(verify, "_worker", worker)
     with pytest.raises(KeyboardInterrupt):
