@@ -1,4 +1,4 @@
-"""``python -m fp_dcp``: the ``fp-dcp`` command line (see :mod:`fp_dcp.cli`)."""
+"""python -m fp_dcp: the fp-dcp command line (fp_dcp/cli.py)."""
 
 import sys
 

@@ -335,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nfp-dcp {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        if _is_known(e):
+        if _is_known(e) or isinstance(e, ImportError):  # ImportError: fp_dcp's own names the fix
             message = str(e)
         elif isinstance(e, OSError):
             where = f"{e.filename}: " if e.filename else ""

@@ -149,9 +149,11 @@ def verify_checkpoint(
     queue = iter(tasks)
     done = [0]
 
+    stop = threading.Event()  # Ctrl-C: the workers finish their batch and take no other
+
     def next_task():
         with lock:
-            return next(queue, None)
+            return None if stop.is_set() else next(queue, None)
 
     def tick(n: int) -> None:
         with lock:
@@ -163,10 +165,14 @@ def verify_checkpoint(
         return _worker(directory, opts, verifier, paths, next_task, tick)
 
     with concurrent.futures.ThreadPoolExecutor(nworkers, thread_name_prefix="fp_dcp-verify") as pool:
-        for verified, bad, errors in pool.map(work, range(nworkers)):
-            report.verified_bytes += verified
-            report.bad.extend(bad)
-            report.errors.extend(errors)
+        try:
+            for verified, bad, errors in pool.map(work, range(nworkers)):
+                report.verified_bytes += verified
+                report.bad.extend(bad)
+                report.errors.extend(errors)
+        except KeyboardInterrupt:
+            stop.set()  # the pool's exit waits for the batches in flight only
+            raise
     report.bad = _merge_bad(report.bad)
     report.seconds = time.perf_counter() - t0
     return report

@@ -344,6 +344,16 @@ def test_an_unbuilt_extension_says_how_to_build_it(tmp_path):
         assert last.startswith("ImportError: fp_dcp's native extension (fp_dcp._aio) is not built"), (code, last)
         assert f"cd {tmp_path / 'clone'} && pip install -e ." in last
         assert "circular import" not in r.stderr and "partially initialized" not in r.stderr
+    # the command line says the same in one line
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    (ckpt / ".fp_dcp.meta").write_bytes(b"")
+    r = subprocess.run([sys.executable, "-c", no_editable + "import sys; from fp_dcp.cli import main; "
+                        f"sys.exit(main(['verify', {str(ckpt)!r}]))"], capture_output=True, text=True, env=env,
+                       cwd=tmp_path / "clone", timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.startswith("fp-dcp verify: fp_dcp's native extension (fp_dcp._aio) is not built"), r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_a_clone_in_the_current_directory_says_so(tmp_path):
@@ -475,3 +485,50 @@ def test_verify_json_reports_a_bad_path_as_json(tmp_path, capsys):
     doc = json.loads(cap.out)
     assert doc["ok"] is False and "no checkpoint directory here" in doc["errors"][0]
     assert "fp-dcp verify:" in cap.err
+
+
+def test_ctrl_c_stops_verify_after_the_batches_in_flight(tmp_path, monkeypatch):
+    """Ctrl-C during fp-dcp verify: the workers take no new batch, so the
+    interrupt message comes at once, not after the whole checkpoint is read.
+    The interrupt is raised where Ctrl-C lands, in the main thread waiting for
+    a worker's result, while the worker is at its second batch of 16."""
+    import concurrent.futures
+    import threading
+
+    from fp_dcp import verify
+
+    path = str(tmp_path / "c")
+    dcp.save({f"t{i}": torch.ones(1 << 18) for i in range(16)}, storage_writer=FastPersistWriter(path), no_dist=True)
+    monkeypatch.setattr(verify, "_BATCH_BYTES", 1 << 20)  # 16 batches of 1 MiB
+    real_worker, taken = verify._worker, []
+    interrupt, shutting_down = threading.Event(), threading.Event()
+
+    def worker(directory, opts, verifier, paths, next_task, tick):
+        def next_and_interrupt():
+            task = next_task()
+            if task is not None:
+                taken.append(task)
+                if len(taken) == 2:
+                    interrupt.set()  # Ctrl-C now
+                    assert shutting_down.wait(30)  # the main thread has taken it
+            return task
+
+        return real_worker(directory, opts, verifier, paths, next_and_interrupt, tick)
+
+    real_result, real_shutdown = concurrent.futures.Future.result, concurrent.futures.ThreadPoolExecutor.shutdown
+
+    def result(self, timeout=None):
+        if interrupt.wait(30):
+            raise KeyboardInterrupt
+        return real_result(self, timeout)
+
+    def shutdown(self, *a, **k):
+        shutting_down.set()
+        return real_shutdown(self, *a, **k)
+
+    monkeypatch.setattr(concurrent.futures.Future, "result", result)
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "shutdown", shutdown)
+    monkeypatch.setattr(verify, "_worker", worker)
+    with pytest.raises(KeyboardInterrupt):
+        verify.verify_checkpoint(path, workers=1)
+    assert len(taken) == 2  # of 16

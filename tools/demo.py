@@ -93,7 +93,7 @@ def measure_raw(directory: str, nbytes: int) -> dict:
 
     from fp_dcp import _aio
 
-    path = os.path.join(directory, "raw-device-test.bin")
+    path = os.path.join(directory, "raw-device-test.bin")  # in the demo's own scratch directory
     nbytes = -(-nbytes // max(RAW_REQUESTS)) * max(RAW_REQUESTS)
     direct = _aio.direct_io_supported(directory)
     span = min(nbytes, 128 * MiB)
@@ -262,19 +262,18 @@ def main(argv: list[str] | None = None) -> int:
         keep = args.keep
     t_start = _T0[0]
     say(f"writing under {root}" + ("" if keep else " (removed at the end; --keep to keep it)"))
+    # the raw device test file and the ranks' rendezvous: in a directory of
+    # the demo's own, on the same file system, always removed
+    scratch = tempfile.mkdtemp(prefix=".fp_dcp_demo_scratch_", dir=root)
     try:
-        return _run(args, size, root, keep, t_start)
+        return _run(args, size, root, scratch, keep, t_start)
     finally:
-        for scratch in ("rendezvous", "raw-device-test.bin"):
-            try:
-                os.unlink(os.path.join(root, scratch))
-            except FileNotFoundError:
-                pass
+        shutil.rmtree(scratch, ignore_errors=True)
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _run(args, size: int, root: str, keep: bool, t_start: float) -> int:
+def _run(args, size: int, root: str, scratch: str, keep: bool, t_start: float) -> int:
     import multiprocessing as mp
     import warnings
 
@@ -294,7 +293,7 @@ def _run(args, size: int, root: str, keep: bool, t_start: float) -> int:
     out(f"GB/s = 10^9 bytes of tensors per second; ratios: against the raw device and the stock writer/reader\n")
 
     # 1. the device
-    raw = measure_raw(root, min(nbytes, RAW_MAX_BYTES))
+    raw = measure_raw(scratch, min(nbytes, RAW_MAX_BYTES))
     out(f"raw device, no checkpoint format ({format_size(raw['bytes'])} sequential, "
         f"{'O_DIRECT' if raw['direct'] else 'buffered'}), in the order run:")
     for op in ("write", "read"):
@@ -309,7 +308,7 @@ def _run(args, size: int, root: str, keep: bool, t_start: float) -> int:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "fp_dcp.writer"])
     queue = ctx.Queue()
-    init_file = os.path.join(root, "rendezvous")
+    init_file = os.path.join(scratch, "rendezvous")
     procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, init_file, size, root, queue, _T0[0]))
              for r in range(args.ranks)]
     for p in procs:
