@@ -2,7 +2,8 @@
 when it mistakes this repository for the package, i.e. `from fp_dcp import
 FastPersistWriter` run in the directory that holds a clone named fp_dcp (the clone
 is then a namespace package).  It says so, instead of "cannot import name
-'FastPersistWriter' from 'fp_dcp' (unknown location)"."""
+'FastPersistWriter' from 'fp_dcp' (unknown location)"; FastPersistReader.py and
+FastPersistOptions.py beside it import this file for the same message."""
 
 import os
 

@@ -30,7 +30,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from fp_dcp.options import format_size
+from fp_dcp.options import format_size, plural
 
 # torch (and the modules that import it) are imported by the commands that
 # need them, never at start-up: `fp-dcp --help` and usage errors answer at
@@ -53,9 +53,6 @@ class PathProblem(Exception):
     """A path that is not what a command needs; the message says what was
     expected, what is there, and what to do."""
 
-
-def _plural(n: int, word: str, plural: str | None = None) -> str:
-    return f"{n:,} {word if n == 1 else plural or word + 's'}"
 
 
 # ------------------------------------------------------------------ what is this path
@@ -122,7 +119,7 @@ def _not_a_checkpoint(path: str) -> str:
     if found:
         own = [n for n, k in found if k == "fp_dcp"]
         last = os.path.join(path, (own or [found[-1][0]])[-1])
-        return (f"{path}: not a checkpoint itself, but a directory holding {_plural(len(found), 'checkpoint')} "
+        return (f"{path}: not a checkpoint itself, but a directory holding {plural(len(found), 'checkpoint')} "
                 f"one level down: {_names(found)}; give one of them, e.g. {last}")
     try:
         names = os.listdir(path)
@@ -131,7 +128,7 @@ def _not_a_checkpoint(path: str) -> str:
     if any(n.endswith(DATA_SUFFIX) for n in names):
         return (f"{path}: fp_dcp data files but no {META_NAME}: a save was interrupted before its commit, "
                 f"so this is not a checkpoint (the previous one, if any, is intact where it was)")
-    what = "an empty directory" if not names else f"a directory of {_plural(len(names), 'entry', 'entries')}"
+    what = "an empty directory" if not names else f"a directory of {plural(len(names), 'entry', 'entries')}"
     return (f"{path}: {what}, not a checkpoint: expected {META_NAME} (fp_dcp) or {STOCK_META_NAME} "
             f"(stock DCP) in it, or checkpoint directories one level down")
 
@@ -169,14 +166,14 @@ def _inspect(args: argparse.Namespace) -> int:
     created = _dt.datetime.fromtimestamp(d["created"]).isoformat(" ", "seconds") if d["created"] else "?"
     print(f"{d['path']}")
     print(f"  format {d['format']} version {d['format_version']}, written by {d['writer']} "
-          f"(torch {d['torch_version']}) on {_plural(d['world_size'] or 0, 'rank')} at {created}; "
+          f"(torch {d['torch_version']}) on {plural(d['world_size'] or 0, 'rank')} at {created}; "
           f"save {d['save_id']}")
     ck = d["checksum_block_bytes"]
     print(f"  alignment {d['alignment']} B; checksums: "
           + (f"CRC-32C per {format_size(ck)} block" if ck else "none"))
-    print(f"  {_plural(len(d['tensors']), 'tensor')} ({format_size(d['tensor_bytes'])}), "
-          f"{_plural(len(d['objects']), 'other item')}, "
-          f"{_plural(len(d['files']), 'data file')} ({format_size(d['file_bytes'])})")
+    print(f"  {plural(len(d['tensors']), 'tensor')} ({format_size(d['tensor_bytes'])}), "
+          f"{plural(len(d['objects']), 'other item')}, "
+          f"{plural(len(d['files']), 'data file')} ({format_size(d['file_bytes'])})")
     if d["tensors"]:
         print()
         rows = [("tensor", "dtype", "shape", "chunks", "bytes", "files")]

@@ -24,7 +24,7 @@ import re
 import typing
 from typing import Any, Iterator
 
-__all__ = ["FastPersistOptions", "format_size", "override", "parse_size"]
+__all__ = ["FastPersistOptions", "format_size", "override", "parse_size", "plural"]
 
 _ENV_PREFIX = "FP_DCP_"
 
@@ -57,6 +57,11 @@ def parse_size(text: str | int) -> int:
             f"(B, KiB, MiB, GiB, TiB), e.g. '64MiB'"
         )
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``plural(1, "file")`` -> ``"1 file"``, ``plural(1200, "entry", "entries")`` -> ``"1,200 entries"``."""
+    return f"{n:,} {word if n == 1 else many or word + 's'}"
 
 
 def format_size(n: float, digits: int = 2) -> str:

@@ -30,7 +30,7 @@ from fp_dcp import format as fmt
 from fp_dcp.files import lstat_data_file, read_metadata_bytes
 from fp_dcp.checksums import BadBlock, ReadVerifier, item_name
 from fp_dcp.engine import IOSession
-from fp_dcp.options import FastPersistOptions, format_size
+from fp_dcp.options import FastPersistOptions, format_size, plural
 
 __all__ = ["verify_checkpoint", "print_report", "VerifyReport", "BadExtent", "main"]
 
@@ -300,9 +300,6 @@ def _bad_extents(blocks: list[BadBlock], pieces, path: str, block: int) -> list[
     return list(out.values())
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
 
 def print_report(report: VerifyReport, *, as_json: bool = False) -> int:
     """Print ``report`` for people (or as JSON); the exit code: 0 when
@@ -312,13 +309,13 @@ def print_report(report: VerifyReport, *, as_json: bool = False) -> int:
         return 0 if report.ok else 1
     rate = report.bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
     print(
-        f"{report.path}: {_plural(report.extents, 'extent')}, {format_size(report.bytes, 1)} in "
-        f"{_plural(report.files, 'file')}, {_plural(report.workers, 'worker')}, {report.seconds:.2f} s "
+        f"{report.path}: {plural(report.extents, 'extent')}, {format_size(report.bytes, 1)} in "
+        f"{plural(report.files, 'file')}, {plural(report.workers, 'worker')}, {report.seconds:.2f} s "
         f"({rate:.2f} GB/s); "
         f"{format_size(report.verified_bytes, 1)} checked against their CRC-32C"
     )
     if report.unchecked_extents:
-        print(f"note: {_plural(report.unchecked_extents, 'extent')} written without checksums: read, not checked")
+        print(f"note: {plural(report.unchecked_extents, 'extent')} written without checksums: read, not checked")
     for err in report.errors:
         print(f"ERROR {err}")
     for b in report.bad:
@@ -326,7 +323,7 @@ def print_report(report: VerifyReport, *, as_json: bool = False) -> int:
     if report.ok:
         print("OK")
         return 0
-    print(f"{_plural(len(report.bad), 'bad extent')}, {_plural(len(report.errors), 'file error')}")
+    print(f"{plural(len(report.bad), 'bad extent')}, {plural(len(report.errors), 'file error')}")
     return 1
 
 
