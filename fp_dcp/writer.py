@@ -24,6 +24,7 @@ Call sequence (``torch.distributed.checkpoint.state_dict_saver``):
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -63,6 +64,55 @@ _LOCK_NAME = ".fp_dcp.lock"
 # save still plans once.
 _PLAN_CACHE = balance.PlanCache(capacity=8)
 
+# DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``):
+# a rank whose local plan did not change sends DCP an empty plan
+# (``usable=False``), so its ``prepare_local_plan`` sees no items, and the
+# coordinator's ``prepare_global_plan`` sees an empty plan for each such
+# rank.  Two per-process records fill the gap:
+#
+# * on every rank, ``_LOCAL_ITEMS``: the items each usable
+#   ``prepare_local_plan`` recorded, under a token that travels in
+#   ``_LocalInfo`` and comes back in that rank's ``_Assignment`` (the pieces
+#   index those items);
+# * on the coordinator, ``_LAST_GLOBAL``: per world size, the last
+#   ``_LocalInfo`` seen for each rank and the placement made from them.
+#
+# The coordinator answers every rank with a usable plan carrying a fresh
+# ``_Assignment`` (this save's ``save_id``): an unchanged rank gets a stub
+# (no items: ``write_data`` takes its items from ``_LOCAL_ITEMS``), which
+# DCP's ``finish_plan`` uses instead of its cached final plan, so no rank
+# ever writes under an earlier save's file names.
+_LOCAL_ITEMS_CAPACITY = 16
+_LOCAL_ITEMS: "collections.OrderedDict[str, list[WriteItem]]" = collections.OrderedDict()
+_LAST_TOKEN: dict[int, str] = {}  # rank -> token of this process's last usable local plan
+
+
+@dataclasses.dataclass
+class _GlobalRecord:
+    infos: list  # list[_LocalInfo], by rank
+    key: str
+    placement: Any
+
+
+_LAST_GLOBAL: dict[int, _GlobalRecord] = {}
+
+
+def _remember_local_items(rank: int, items: list[WriteItem]) -> str:
+    token = secrets.token_hex(8)
+    _LOCAL_ITEMS[token] = items
+    while len(_LOCAL_ITEMS) > _LOCAL_ITEMS_CAPACITY:
+        _LOCAL_ITEMS.popitem(last=False)
+    _LAST_TOKEN[rank] = token
+    return token
+
+
+def clear_plan_records() -> None:
+    """Forget the per-process records that serve DCP's plan caching (tests;
+    or after ``SavePlanner``'s class-level caches were cleared)."""
+    _LOCAL_ITEMS.clear()
+    _LAST_TOKEN.clear()
+    _LAST_GLOBAL.clear()
+
 
 @dataclasses.dataclass(frozen=True)
 class _LocalInfo:
@@ -73,6 +123,7 @@ class _LocalInfo:
     rank: int
     host: str
     holdings: balance.Holdings | None = None
+    token: str = ""  # key of these items in this rank's _LOCAL_ITEMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +137,7 @@ class _Assignment:
     pieces: balance.RankPieces | None = None
     n_items: int = 0
     plan_key: str = ""
+    token: str = ""  # the rank's _LocalInfo.token these pieces index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +206,6 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             raise ValueError(f"FastPersistOptions.split_alignment_bytes must be a power of two, got {a}")
         self.last_plan: dict[str, Any] = {}
         self._sessions: dict[str, IOSession] = {}
-        self._local_items: list[WriteItem] = []
         self.save_id = self._new_save_id()
         self.rank = 0
         self.is_coordinator = True
@@ -245,12 +296,6 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                 "pass another path or FastPersistOptions(overwrite=True)",
                 directory,
             )
-        if not plan.usable:
-            raise ValueError(
-                "FastPersistWriter got an empty cached plan (DefaultSavePlanner(enable_plan_caching=True)): "
-                "it needs every rank's items to balance them and caches its own placement by structure; "
-                "use a planner without plan caching"
-            )
         granularity = self.options.split_alignment_bytes
         dirs = self._data_directories()
         for d, by_path in dirs:
@@ -263,22 +308,28 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                 raise type(e)(e.errno, f"cannot create the data directory: {e.strerror}", d) from None
             # fail before any rank writes if the engine cannot run here
             granularity = max(granularity, self._engine_for(d).alignment)
-        self._local_items = list(plan.items)
+        if not plan.usable:
+            # DCP's plan caching: this rank's items are those of its last
+            # usable plan; the coordinator answers with an assignment naming
+            # them (see _LOCAL_ITEMS).
+            return plan
+        items = list(plan.items)
+        token = _remember_local_items(self.rank, items)
         sizes = []
-        for item in self._local_items:
+        for item in items:
             n = None if item.type == WriteItemType.BYTE_IO else _expected_nbytes(item)
             sizes.append(balance.UNSIZED if n is None else n)
         host = socket.gethostname()
         holdings = balance.make_holdings(
             self.rank,
             host,
-            [balance.item_key(it.index.fqn, it.index.offset) for it in self._local_items],
+            [balance.item_key(it.index.fqn, it.index.offset) for it in items],
             sizes,
             n_dirs=len(dirs),
             granularity=granularity,
             small_bytes=self.options.pack_threshold_bytes,
         )
-        return dataclasses.replace(plan, storage_data=_LocalInfo(self.rank, host, holdings))
+        return dataclasses.replace(plan, storage_data=_LocalInfo(self.rank, host, holdings, token))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         with self._thaw_gc_on_error():
@@ -287,23 +338,45 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._acquire_lock()
         t0 = time.perf_counter()
-        holdings = []
+        record = _LAST_GLOBAL.get(len(plans))
+        infos: list[_LocalInfo] = []
         for rank, plan in enumerate(plans):
+            if not plan.usable:
+                # DCP's plan caching: nothing changed on this rank since the
+                # last save through this planner; its items are the last ones
+                # this process saw from it.
+                if record is None:
+                    raise RuntimeError(
+                        f"FastPersistWriter.prepare_global_plan: DCP's plan caching sent a cached (empty) plan for "
+                        f"rank {rank}, but no earlier save of this process went through a FastPersistWriter with "
+                        f"{len(plans)} rank(s) (was the planner's cache filled by a save through another storage "
+                        f"writer?); save once with a planner without plan caching, or clear SavePlanner's caches"
+                    )
+                infos.append(record.infos[rank])
+                continue
             info = plan.storage_data
             if not isinstance(info, _LocalInfo) or info.holdings is None:
                 raise RuntimeError(
                     f"FastPersistWriter.prepare_global_plan: rank {rank}'s plan did not pass through its "
                     f"prepare_local_plan (a custom save function, or a planner that drops storage_data?)"
                 )
-            holdings.append(info.holdings)
-        key = balance.structure_key(holdings)
-        placement = _PLAN_CACHE.get(key)
-        cached = placement is not None
-        if placement is None:
-            placement = balance.plan_placement(holdings)
-            _PLAN_CACHE.put(key, placement)
+            infos.append(info)
+        dcp_cached = not any(plan.usable for plan in plans)
+        if dcp_cached and record is not None:
+            # Nothing changed anywhere: our placement is the last one, as is.
+            key, placement, cached = record.key, record.placement, True
+        else:
+            holdings = [info.holdings for info in infos]
+            key = balance.structure_key(holdings)
+            placement = _PLAN_CACHE.get(key)
+            cached = placement is not None
+            if placement is None:
+                placement = balance.plan_placement(holdings)
+                _PLAN_CACHE.put(key, placement)
+        _LAST_GLOBAL[len(plans)] = _GlobalRecord(infos, key, placement)
         self.last_plan = {
             "cached": cached,
+            "dcp_cached": dcp_cached,
             "seconds": time.perf_counter() - t0,
             "ranks": len(plans),
             "items": placement.items,
@@ -312,13 +385,20 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             "rank_bytes": placement.loads.tolist(),
             "device_bytes": {h: v.tolist() for h, v in placement.device_loads.items()},
         }
-        return [
-            dataclasses.replace(
-                plan,
-                storage_data=_Assignment(self.save_id, rank, placement.pieces[rank], len(holdings[rank].keys), key),
+        out = []
+        for rank, plan in enumerate(plans):
+            info = infos[rank]
+            assignment = _Assignment(
+                self.save_id, rank, placement.pieces[rank], len(info.holdings.keys), key, info.token
             )
-            for rank, plan in enumerate(plans)
-        ]
+            if plan.usable:
+                out.append(dataclasses.replace(plan, storage_data=assignment))
+            else:
+                # A usable stub: DCP's finish_plan then hands write_data this
+                # assignment (this save's save_id) instead of the final plan
+                # it cached from an earlier save.  Its items are not needed.
+                out.append(SavePlan([], storage_data=assignment, usable=True))
+        return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment = plan.storage_data
@@ -331,7 +411,8 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         # The pieces name this rank's own items (those of prepare_local_plan,
         # including the ones the planner's dedup removed from plan.items).
         try:
-            fut.set_result(self._write(assignment, self._local_items, planner))
+            items = self._items_of(assignment)
+            fut.set_result(self._write(assignment, items, planner))
         except BaseException:
             self._abandon(assignment.save_id, assignment.rank)
             self._thaw_gc()
@@ -392,6 +473,36 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         self.last_stats["finish_seconds"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------- internals
+
+    def _items_of(self, assignment: _Assignment) -> list[WriteItem]:
+        """The items ``assignment``'s pieces index: those this rank recorded
+        under ``assignment.token`` (its last usable local plan, or, with DCP's
+        plan caching, an earlier one the coordinator still describes)."""
+        items = _LOCAL_ITEMS.get(assignment.token)
+        if items is None:
+            raise RuntimeError(
+                f"rank {self.rank}: the global plan refers to local items this process no longer holds "
+                f"(DCP's plan caching across more than {_LOCAL_ITEMS_CAPACITY} state-dict structures, or a "
+                f"plan made in another process); save once with a planner without plan caching"
+            )
+        latest = _LAST_TOKEN.get(self.rank)
+        if latest is not None and latest != assignment.token:
+            # The coordinator planned with an older record of this rank (DCP
+            # sent it no news: this rank's global items had not changed).
+            # Every item it assigns to this rank must still be here, same size.
+            now = {
+                balance.item_key(it.index.fqn, it.index.offset): _expected_nbytes(it) for it in _LOCAL_ITEMS[latest]
+            }
+            for li in set(assignment.pieces.local.tolist()):
+                it = items[li]
+                k = balance.item_key(it.index.fqn, it.index.offset)
+                if k not in now or now[k] != _expected_nbytes(it):
+                    raise RuntimeError(
+                        f"rank {self.rank}: DCP's plan caching kept a global plan that assigns "
+                        f"{_item_name(it)} to this rank, which no longer holds it as planned; save once with "
+                        f"a planner without plan caching (or clear SavePlanner's class-level caches)"
+                    )
+        return items
 
     def _directory(self) -> str:
         if self.path is None:
