@@ -12,7 +12,11 @@ Call sequence (``torch.distributed.checkpoint.state_dict_saver``):
    striped over its data directories; the placement is cached by structure,
    so the next save of the same state-dict structure skips it.  Each rank's
    plan carries its pieces ``(item, byte range, device)``, including pieces
-   of items the planner's dedup removed from its plan;
+   of items the planner's dedup removed from its plan.  With DCP's plan
+   caching (``DefaultSavePlanner(enable_plan_caching=True)``) a rank whose
+   plan did not change sends an empty plan: its items and the placement come
+   from this process's records of the last save (``_LOCAL_ITEMS``,
+   ``_LAST_GLOBAL``), and every rank still gets this save's ``save_id``;
 3. every rank: ``write_data`` — lays its pieces out in one file per device
    (large extents aligned, small ones packed) and streams them through the
    native engine (O_DIRECT, queue of aligned requests, zero-copy where the
