@@ -38,7 +38,12 @@ The private hooks:
 4. **A torch 2.13 race** (``fp_dcp.staging._StagingFuture``): ``async_save``
    reads a staging future's ``done()`` before attaching its callback; a
    lazy staging that failed in between would read as a success.
-5. **Which thread runs a save** (``fp_dcp.staging.AsyncStagingMixin``
+5. **Whether a planner caches plans, and under which key**
+   (:func:`planner_cache_key`: ``DefaultSavePlanner._enable_plan_caching`` /
+   ``_cached_plans_key``): with DCP's plan caching the writer gets empty
+   plans and must know which earlier save (same planner cache) they stand
+   for; saves through a planner that does not cache must not count.
+6. **Which thread runs a save** (``fp_dcp.staging.AsyncStagingMixin``
    wraps the writer's DCP methods in ``__init_subclass__``): a staged save
    is attributed to the thread on which DCP calls ``set_up_storage_writer``,
    and DCP calls the writer's later methods for that save on the same
@@ -294,6 +299,30 @@ def _from_environment() -> None:
     if value not in ("1", "true", "yes", "on"):
         raise ValueError(f"{DEFAULT_STORAGE_ENV}={value!r}: use 1 (on) or 0 (off)")
     use_as_default()
+
+
+# ----------------------------------------------- plan caching (hook 5)
+
+
+def planner_cache_key(planner: Any) -> str | None:
+    """DCP's plan-cache key of ``planner`` if it caches plans
+    (``DefaultSavePlanner(enable_plan_caching=True)``), else None."""
+    if not getattr(planner, "_enable_plan_caching", False):
+        return None
+    require_tested_torch("FastPersistWriter with DCP's plan caching")
+    return str(getattr(planner, "_cached_plans_key", type(planner).__name__))
+
+
+def check_planner_hooks() -> None:
+    """Check that DefaultSavePlanner still exposes what
+    :func:`planner_cache_key` reads; raise ``RuntimeError`` if not."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    on, off = DefaultSavePlanner(enable_plan_caching=True), DefaultSavePlanner()
+    if getattr(on, "_enable_plan_caching", None) is not True or getattr(off, "_enable_plan_caching", None) is not False:
+        raise RuntimeError("DefaultSavePlanner no longer records enable_plan_caching as _enable_plan_caching")
+    if not isinstance(getattr(on, "_cached_plans_key", None), str):
+        raise RuntimeError("DefaultSavePlanner no longer has its plan-cache key in _cached_plans_key")
 
 
 # ------------------------------------------------- 2. the caller of stage()

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 import fp_dcp
-from fp_dcp import _aio, balance
+from fp_dcp import _aio, _dcp_hooks, balance
 from fp_dcp import format as fmt
 from fp_dcp.checksums import crc_hex, merge_block_crcs, piece_checksums
 from fp_dcp.engine import IOSession, PinnedBuffer, tensor_bytes
@@ -72,23 +72,29 @@ _PLAN_CACHE = balance.PlanCache(capacity=8)
 # a rank whose local plan did not change sends DCP an empty plan
 # (``usable=False``), so its ``prepare_local_plan`` sees no items, and the
 # coordinator's ``prepare_global_plan`` sees an empty plan for each such
-# rank.  Two per-process records fill the gap:
+# rank (DCP keeps its caches per planner class, in the process).  Per-process
+# records fill the gap:
 #
 # * on every rank, ``_LOCAL_ITEMS``: the items each usable
 #   ``prepare_local_plan`` recorded, under a token that travels in
 #   ``_LocalInfo`` and comes back in that rank's ``_Assignment`` (the pieces
-#   index those items);
+#   index those items); and ``_RANK_LAST``: per planner class (DCP's cache
+#   key), the assignment this rank last wrote with;
 # * on the coordinator, ``_LAST_GLOBAL``: per world size, the last
 #   ``_LocalInfo`` seen for each rank and the placement made from them.
 #
-# The coordinator answers every rank with a usable plan carrying a fresh
-# ``_Assignment`` (this save's ``save_id``): an unchanged rank gets a stub
-# (no items: ``write_data`` takes its items from ``_LOCAL_ITEMS``), which
-# DCP's ``finish_plan`` uses instead of its cached final plan, so no rank
-# ever writes under an earlier save's file names.
+# Nothing changed anywhere (every plan empty): the coordinator answers each
+# rank with a stub ``_Assignment(reuse=True)`` carrying this save's
+# ``save_id`` only, and each rank writes with its own last assignment for
+# this planner class (``_RANK_LAST``).  Some ranks changed: the coordinator
+# plans with its record for the others and answers them with a stub carrying
+# a full assignment.  Either way every plan it returns is usable, so DCP's
+# ``finish_plan`` hands ``write_data`` this save's assignment, never the
+# final plan it cached from an earlier save, and no rank ever writes under
+# an earlier save's file names.
 _LOCAL_ITEMS_CAPACITY = 16
 _LOCAL_ITEMS: "collections.OrderedDict[str, list[WriteItem]]" = collections.OrderedDict()
-_LAST_TOKEN: dict[int, str] = {}  # rank -> token of this process's last usable local plan
+_RANK_LAST: dict[tuple[int, str], "_Assignment"] = {}  # (rank, planner class) -> last assignment written
 
 
 @dataclasses.dataclass
@@ -98,15 +104,17 @@ class _GlobalRecord:
     placement: Any
 
 
-_LAST_GLOBAL: dict[int, _GlobalRecord] = {}
+_LAST_GLOBAL: dict[int, _GlobalRecord] = {}  # world size -> record of the last save through a caching planner
 
 
 def _remember_local_items(rank: int, items: list[WriteItem]) -> str:
     token = secrets.token_hex(8)
     _LOCAL_ITEMS[token] = items
-    while len(_LOCAL_ITEMS) > _LOCAL_ITEMS_CAPACITY:
-        _LOCAL_ITEMS.popitem(last=False)
-    _LAST_TOKEN[rank] = token
+    if len(_LOCAL_ITEMS) > _LOCAL_ITEMS_CAPACITY:
+        # the oldest first, but never those a planner's cache still stands for
+        pinned = {a.token for a in _RANK_LAST.values()} | {token}
+        for old in [t for t in _LOCAL_ITEMS if t not in pinned][: len(_LOCAL_ITEMS) - _LOCAL_ITEMS_CAPACITY]:
+            del _LOCAL_ITEMS[old]
     return token
 
 
@@ -114,7 +122,7 @@ def clear_plan_records() -> None:
     """Forget the per-process records that serve DCP's plan caching (tests;
     or after ``SavePlanner``'s class-level caches were cleared)."""
     _LOCAL_ITEMS.clear()
-    _LAST_TOKEN.clear()
+    _RANK_LAST.clear()
     _LAST_GLOBAL.clear()
 
 
@@ -142,6 +150,7 @@ class _Assignment:
     n_items: int = 0
     plan_key: str = ""
     token: str = ""  # the rank's _LocalInfo.token these pieces index
+    reuse: bool = False  # DCP cached everything: write with this rank's last assignment (save_id aside)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +220,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         self.last_plan: dict[str, Any] = {}
         self._sessions: dict[str, IOSession] = {}
         self.save_id = self._new_save_id()
+        self._save_token: str | None = None  # this save's _LOCAL_ITEMS token (None: DCP sent a cached plan)
         self.rank = 0
         self.is_coordinator = True
         self.last_stats: dict[str, Any] = {}
@@ -312,13 +322,14 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                 raise type(e)(e.errno, f"cannot create the data directory: {e.strerror}", d) from None
             # fail before any rank writes if the engine cannot run here
             granularity = max(granularity, self._engine_for(d).alignment)
+        self._save_token = None
         if not plan.usable:
             # DCP's plan caching: this rank's items are those of its last
             # usable plan; the coordinator answers with an assignment naming
             # them (see _LOCAL_ITEMS).
             return plan
         items = list(plan.items)
-        token = _remember_local_items(self.rank, items)
+        token = self._save_token = _remember_local_items(self.rank, items)
         sizes = []
         for item in items:
             n = None if item.type == WriteItemType.BYTE_IO else _expected_nbytes(item)
@@ -342,6 +353,15 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._acquire_lock()
         t0 = time.perf_counter()
+        if not any(plan.usable for plan in plans):
+            # DCP cached everything: each rank writes with its last
+            # assignment for this planner; only the save_id is new.
+            self.last_plan = {"cached": True, "dcp_cached": True, "seconds": time.perf_counter() - t0,
+                              "ranks": len(plans)}
+            return [
+                SavePlan([], storage_data=_Assignment(self.save_id, rank, reuse=True), usable=True)
+                for rank in range(len(plans))
+            ]
         record = _LAST_GLOBAL.get(len(plans))
         infos: list[_LocalInfo] = []
         for rank, plan in enumerate(plans):
@@ -365,22 +385,17 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                     f"prepare_local_plan (a custom save function, or a planner that drops storage_data?)"
                 )
             infos.append(info)
-        dcp_cached = not any(plan.usable for plan in plans)
-        if dcp_cached and record is not None:
-            # Nothing changed anywhere: our placement is the last one, as is.
-            key, placement, cached = record.key, record.placement, True
-        else:
-            holdings = [info.holdings for info in infos]
-            key = balance.structure_key(holdings)
-            placement = _PLAN_CACHE.get(key)
-            cached = placement is not None
-            if placement is None:
-                placement = balance.plan_placement(holdings)
-                _PLAN_CACHE.put(key, placement)
-        _LAST_GLOBAL[len(plans)] = _GlobalRecord(infos, key, placement)
+        holdings = [info.holdings for info in infos]
+        key = balance.structure_key(holdings)
+        placement = _PLAN_CACHE.get(key)
+        cached = placement is not None
+        if placement is None:
+            placement = balance.plan_placement(holdings)
+            _PLAN_CACHE.put(key, placement)
+        self._pending_record = _GlobalRecord(infos, key, placement)  # kept by write_data if the planner caches
         self.last_plan = {
             "cached": cached,
-            "dcp_cached": dcp_cached,
+            "dcp_cached": False,
             "seconds": time.perf_counter() - t0,
             "ranks": len(plans),
             "items": placement.items,
@@ -406,7 +421,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment = plan.storage_data
-        if not isinstance(assignment, _Assignment) or assignment.pieces is None:
+        if not isinstance(assignment, _Assignment) or (assignment.pieces is None and not assignment.reuse):
             raise RuntimeError(
                 "FastPersistWriter.write_data got a plan that did not pass through its "
                 "prepare_global_plan (a custom save function?)"
@@ -415,7 +430,11 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         # The pieces name this rank's own items (those of prepare_local_plan,
         # including the ones the planner's dedup removed from plan.items).
         try:
-            items = self._items_of(assignment)
+            cache_key = _dcp_hooks.planner_cache_key(planner)
+            assignment, items = self._items_of(assignment, cache_key)
+            record = self.__dict__.pop("_pending_record", None)
+            if cache_key is not None and record is not None:
+                _LAST_GLOBAL[len(record.infos)] = record
             fut.set_result(self._write(assignment, items, planner))
         except BaseException:
             self._abandon(assignment.save_id, assignment.rank)
@@ -478,24 +497,43 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
     # ------------------------------------------------------------- internals
 
-    def _items_of(self, assignment: _Assignment) -> list[WriteItem]:
-        """The items ``assignment``'s pieces index: those this rank recorded
-        under ``assignment.token`` (its last usable local plan, or, with DCP's
-        plan caching, an earlier one the coordinator still describes)."""
+    def _items_of(self, assignment: _Assignment, planner_key: str | None) -> tuple[_Assignment, list[WriteItem]]:
+        """This save's assignment and the items its pieces index: those this
+        rank recorded under ``assignment.token`` (its last usable local plan,
+        or, with DCP's plan caching, an earlier one the coordinator still
+        describes), or with ``reuse`` this rank's last assignment for the
+        planner class ``planner_key`` (DCP's cache key)."""
+        way_out = ("save once with a planner without plan caching (or clear SavePlanner's class-level "
+                   "caches)")
+        if assignment.reuse:
+            last = None if planner_key is None else _RANK_LAST.get((self.rank, planner_key))
+            if last is None:
+                raise RuntimeError(
+                    f"rank {self.rank}: DCP's plan caching ({planner_key}) reports nothing changed since the "
+                    f"last save, but no earlier save of this process through that planner went through a "
+                    f"FastPersistWriter (the planner's cache was filled through another storage writer?); "
+                    + way_out
+                )
+            assignment = dataclasses.replace(last, save_id=assignment.save_id, reuse=False)
         items = _LOCAL_ITEMS.get(assignment.token)
         if items is None:
             raise RuntimeError(
                 f"rank {self.rank}: the global plan refers to local items this process no longer holds "
                 f"(DCP's plan caching across more than {_LOCAL_ITEMS_CAPACITY} state-dict structures, or a "
-                f"plan made in another process); save once with a planner without plan caching"
+                f"plan made in another process); " + way_out
             )
-        latest = _LAST_TOKEN.get(self.rank)
-        if latest is not None and latest != assignment.token:
+        # What this rank holds now: this save's items, or (DCP sent nothing
+        # from it) those of its last save through this planner.
+        last = None if planner_key is None else _RANK_LAST.get((self.rank, planner_key))
+        reference = self._save_token or (last.token if last is not None else None)
+        if reference is not None and reference != assignment.token and reference in _LOCAL_ITEMS:
             # The coordinator planned with an older record of this rank (DCP
-            # sent it no news: this rank's global items had not changed).
-            # Every item it assigns to this rank must still be here, same size.
+            # sent it no news: this rank's global items had not changed, or
+            # another planner's save came between).  Every item it assigns
+            # to this rank must still be here, same size.
             now = {
-                balance.item_key(it.index.fqn, it.index.offset): _expected_nbytes(it) for it in _LOCAL_ITEMS[latest]
+                balance.item_key(it.index.fqn, it.index.offset): _expected_nbytes(it)
+                for it in _LOCAL_ITEMS[reference]
             }
             for li in set(assignment.pieces.local.tolist()):
                 it = items[li]
@@ -503,10 +541,11 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                 if k not in now or now[k] != _expected_nbytes(it):
                     raise RuntimeError(
                         f"rank {self.rank}: DCP's plan caching kept a global plan that assigns "
-                        f"{_item_name(it)} to this rank, which no longer holds it as planned; save once with "
-                        f"a planner without plan caching (or clear SavePlanner's class-level caches)"
+                        f"{_item_name(it)} to this rank, which no longer holds it as planned; " + way_out
                     )
-        return items
+        if planner_key is not None:
+            _RANK_LAST[(self.rank, planner_key)] = assignment
+        return assignment, items
 
     def _directory(self) -> str:
         if self.path is None:

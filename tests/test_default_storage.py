@@ -63,6 +63,7 @@ def _kind(path):
 def test_hooks_fit_the_installed_torch():
     # the day torch moves storage selection, this fails (and use_as_default refuses)
     _dcp_hooks.check_storage_hooks()
+    _dcp_hooks.check_planner_hooks()
     _dcp_hooks.require_tested_torch("anything")
     from torch.distributed.checkpoint import _storage_utils, format_utils
     from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter

@@ -227,3 +227,46 @@ def test_structure_change_dcp_does_not_report_is_right_or_loud(tmp_path):
     assert len(set(r.split(":")[0] for r in res)) == 1, res
     if res[0] != "ok":  # ours, naming the tensor and the way out
         assert "plan caching" in res[0] and "shared" in res[0], res
+
+
+def _interleaved(rank, world_size, root):
+    """One process saving three things in turn: a model through a caching
+    planner, a small state through a planner that does not cache (same
+    class, so the same DCP cache key), and another structure through a
+    caching planner of another class (its own DCP cache).  Each cached save
+    must write its own structure, bit-exact."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from fp_dcp import FastPersistWriter
+
+    class OtherPlanner(DefaultSavePlanner):
+        pass
+
+    flags = []
+    for step in range(4):
+        model = _sd(rank, world_size, step, extra=False)
+        small = {"rng": torch.full((3,), float(step)), f"it{rank}": torch.tensor([step, rank])}
+        other = {"o": torch.arange(50, dtype=torch.float64) * step, f"r{rank}": torch.ones(4 + rank) * step}
+        jobs = [
+            ("model", model, _planner()),
+            ("small", small, DefaultSavePlanner()),
+            ("other", other, OtherPlanner(enable_plan_caching=True)),
+        ]
+        for name, sd, planner in jobs:
+            path = os.path.join(root, f"{name}{step}")
+            w = FastPersistWriter(path)
+            dcp.save(sd, storage_writer=w, planner=planner)
+            flags.append((name, w.last_plan.get("dcp_cached")) if rank == 0 else None)
+            w.close()
+            _check_load(path, sd)
+    return flags
+
+
+def test_cached_saves_interleaved_with_other_planners(tmp_path):
+    flags = run_ranks(2, _interleaved, str(tmp_path), timeout=300)[0]
+    by_name = {}
+    for name, cached in flags:
+        by_name.setdefault(name, []).append(bool(cached))
+    assert by_name == {"model": [False, True, True, True], "small": [False] * 4, "other": [False, True, True, True]}
