@@ -24,7 +24,10 @@ The private hooks:
    rebinds those four module-level names (nothing else: code that names
    ``FileSystemWriter`` itself still gets the stock class) to factories that
    return fp_dcp's writer and reader — and the stock reader for a directory
-   holding a stock checkpoint.
+   holding a stock checkpoint.  With ``AsyncCheckpointerType.PROCESS`` the
+   save runs in a freshly spawned process where the switch is off, so it
+   also rebinds ``state_dict_saver._ProcessBasedAsyncCheckpointExecutor`` to
+   a subclass that passes fp_dcp's writer along when ``async_save`` got none.
 2. **The caller of ``stage``** (:func:`async_save_caller`): DCP applies
    ``async_save``'s ``checkpoint_id`` to the writer only after staging, but
    staging past ``staging_memory_limit_bytes`` needs a directory for its
@@ -122,15 +125,20 @@ def require_tested_torch(feature: str, version: str | None = None) -> None:
 # ----------------------------------------------------- 1. storage selection
 
 
+def _module(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"torch.distributed.checkpoint.{name}")
+
+
 def _storage_modules() -> tuple[Any, Any]:
-    from torch.distributed.checkpoint import _storage_utils, format_utils
-
-    return _storage_utils, format_utils
+    return _module("_storage_utils"), _module("format_utils")
 
 
-# (module, name) -> the stock class bound there before the switch
+# (module, name) the switch rebinds; _saved: the stock object bound there before
 _HOOK_NAMES = (("_storage_utils", "FileSystemWriter"), ("_storage_utils", "FileSystemReader"),
-               ("format_utils", "FileSystemWriter"), ("format_utils", "FileSystemReader"))
+               ("format_utils", "FileSystemWriter"), ("format_utils", "FileSystemReader"),
+               ("state_dict_saver", "_ProcessBasedAsyncCheckpointExecutor"))
 _lock = threading.RLock()
 _saved: dict[tuple[str, str], Any] = {}
 _current: dict[str, Any] | None = None  # the options of the switch, None when off
@@ -161,10 +169,21 @@ def check_storage_hooks() -> None:
         f = getattr(fu, fn, None)
         if f is None or name not in f.__code__.co_names:
             problems.append(f"format_utils.{fn} no longer builds {name} from its module's name")
-    stock = {"FileSystemWriter": FileSystemWriter, "FileSystemReader": FileSystemReader}
+    from torch.distributed.checkpoint._async_process_executor import _ProcessBasedAsyncCheckpointExecutor
+
+    import inspect
+
+    if "_ProcessBasedAsyncCheckpointExecutor" not in inspect.unwrap(saver.async_save).__code__.co_names:
+        problems.append("async_save no longer builds _ProcessBasedAsyncCheckpointExecutor from its module's name")
+    else:
+        params = inspect.signature(_ProcessBasedAsyncCheckpointExecutor.execute_save).parameters
+        if not {"checkpoint_id", "storage_writer"} <= set(params):
+            problems.append("_ProcessBasedAsyncCheckpointExecutor.execute_save takes no checkpoint_id / storage_writer")
+    stock = {"FileSystemWriter": FileSystemWriter, "FileSystemReader": FileSystemReader,
+             "_ProcessBasedAsyncCheckpointExecutor": _ProcessBasedAsyncCheckpointExecutor}
     with _lock:
         for mod_name, name in _HOOK_NAMES:
-            mod = su if mod_name == "_storage_utils" else fu
+            mod = _module(mod_name)
             bound = _saved.get((mod_name, name), getattr(mod, name, None))
             if bound is not stock[name]:
                 problems.append(f"torch.distributed.checkpoint.{mod_name}.{name} is not the stock class")
@@ -195,6 +214,40 @@ class _DefaultWriter:
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return _stock("FileSystemWriter").validate_checkpoint_id(checkpoint_id)
+
+
+_executor_class: Any = None
+
+
+def _process_executor() -> Any:
+    """``AsyncCheckpointerType.PROCESS``: the checkpoint process is a fresh
+    interpreter that picks its storage itself (stock: the switch is not on
+    there), so when ``async_save`` got no writer the executor gets ours here,
+    and it travels to that process with the save request."""
+    global _executor_class
+    if _executor_class is None:
+        from torch.distributed.checkpoint._async_process_executor import _ProcessBasedAsyncCheckpointExecutor
+
+        class _DefaultStorageProcessExecutor(_ProcessBasedAsyncCheckpointExecutor):
+            def execute_save(self, staging_future_or_state_dict: Any, *, checkpoint_id: Any = None,
+                             storage_writer: Any = None, **kwargs: Any) -> Any:
+                if (storage_writer is None and checkpoint_id is not None and _current is not None
+                        and _DefaultWriter.validate_checkpoint_id(checkpoint_id)):
+                    storage_writer = _DefaultWriter(checkpoint_id)
+                return super().execute_save(
+                    staging_future_or_state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, **kwargs
+                )
+
+        _executor_class = _DefaultStorageProcessExecutor
+    return _executor_class
+
+
+def _replacement(name: str) -> Any:
+    if name == "FileSystemWriter":
+        return _DefaultWriter
+    if name == "FileSystemReader":
+        return _DefaultReader
+    return _process_executor()
 
 
 def checkpoint_kind(path: str | os.PathLike) -> str | None:
@@ -247,13 +300,12 @@ def use_as_default(options: Any = None, **option_kwargs: Any) -> None:
 
         base = options if options is not None else FastPersistOptions.from_env()
         base.replace(**option_kwargs)
-    su, fu = _storage_modules()
     with _lock:
         for mod_name, name in _HOOK_NAMES:
-            mod = su if mod_name == "_storage_utils" else fu
+            mod = _module(mod_name)
             if (mod_name, name) not in _saved:
                 _saved[(mod_name, name)] = getattr(mod, name)
-            setattr(mod, name, _DefaultWriter if name == "FileSystemWriter" else _DefaultReader)
+            setattr(mod, name, _replacement(name))
         _current = {"options": options, "kwargs": dict(option_kwargs)}
 
 
@@ -262,9 +314,8 @@ def restore_default() -> None:
     global _current
     with _lock:
         if _saved:
-            su, fu = _storage_modules()
             for (mod_name, name), value in _saved.items():
-                setattr(su if mod_name == "_storage_utils" else fu, name, value)
+                setattr(_module(mod_name), name, value)
             _saved.clear()
         _current = None
 

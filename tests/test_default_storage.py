@@ -100,6 +100,12 @@ def test_hook_check_fails_loudly_when_torch_moves_storage_selection(monkeypatch)
     monkeypatch.delattr(format_utils, "dcp_to_torch_save")
     with pytest.raises(RuntimeError, match="format_utils.dcp_to_torch_save"):
         _dcp_hooks.check_storage_hooks()
+    monkeypatch.undo()
+    import torch.distributed.checkpoint.state_dict_saver as saver
+
+    monkeypatch.setattr(saver, "_ProcessBasedAsyncCheckpointExecutor", object)
+    with pytest.raises(RuntimeError, match="_ProcessBasedAsyncCheckpointExecutor is not the stock class"):
+        _dcp_hooks.check_storage_hooks()
 
 
 def test_version_gate(monkeypatch):
@@ -291,3 +297,41 @@ def _ranks_script(rank, world_size, root, on):
 def test_two_ranks_unmodified_script(tmp_path, on):
     kinds = run_ranks(2, _ranks_script, str(tmp_path), on)
     assert kinds == (["fp_dcp"] * 2 if on else ["stock"] * 2)
+
+
+def _ranks_process_mode(rank, world_size, root):
+    """async_save(checkpoint_id=...) with AsyncCheckpointerType.PROCESS: the
+    save runs in a spawned checkpoint process, where the switch is off; the
+    writer must travel there with the request.  Switch off again: stock."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    import multiprocessing as mp
+
+    import fp_dcp
+    from tests._sd import bits_equal
+
+    # run_ranks' workers are daemonic; DCP's PROCESS mode starts a child.
+    mp.current_process()._config["daemon"] = False
+    sd = {"shared": torch.randn(300, 41, generator=torch.Generator().manual_seed(3)), f"own{rank}": torch.ones(3) * rank}
+    kinds = []
+    for on in (True, False):
+        path = os.path.join(root, "on" if on else "off")
+        if on:
+            fp_dcp.use_as_default()
+        dcp.async_save(sd, checkpoint_id=path, async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+        fp_dcp.restore_default()
+        dist.barrier()
+        kinds.append(_dcp_hooks.checkpoint_kind(path))
+        with fp_dcp.default_storage():  # loads either kind
+            got = {k: torch.zeros_like(v) for k, v in sd.items()}
+            dcp.load(got, checkpoint_id=path)
+        assert all(bits_equal(got[k], sd[k]) for k in sd)
+    return kinds
+
+
+def test_async_save_process_mode_gets_the_writer(tmp_path):
+    kinds = run_ranks(2, _ranks_process_mode, str(tmp_path), timeout=300)
+    assert kinds == [["fp_dcp", "stock"]] * 2
