@@ -240,7 +240,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["env", "launch", "off"])
+@pytest.mark.parametrize("how", ["env", "launch", "launch -m", "off"])
 def test_unmodified_script(tmp_path, how):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
@@ -253,6 +253,9 @@ def test_unmodified_script(tmp_path, how):
                "runpy.run_path(sys.argv[0], run_name='__main__')", str(script), path]
     elif how == "launch":
         cmd = [sys.executable, "-m", "fp_dcp.launch", str(script), path]
+    elif how == "launch -m":
+        env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+        cmd = [sys.executable, "-m", "fp_dcp.launch", "-m", "train", path]
     else:
         cmd = [sys.executable, str(script), path]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
