@@ -24,10 +24,12 @@ The private hooks:
    rebinds those four module-level names (nothing else: code that names
    ``FileSystemWriter`` itself still gets the stock class) to factories that
    return fp_dcp's writer and reader — and the stock reader for a directory
-   holding a stock checkpoint.  With ``AsyncCheckpointerType.PROCESS`` the
-   save runs in a freshly spawned process where the switch is off, so it
-   also rebinds ``state_dict_saver._ProcessBasedAsyncCheckpointExecutor`` to
-   a subclass that passes fp_dcp's writer along when ``async_save`` got none.
+   holding a stock checkpoint.  ``dcp.async_save`` saves in the background
+   (a thread, or with ``AsyncCheckpointerType.PROCESS`` a freshly spawned
+   process where the switch is off), so the switch also rebinds
+   ``state_dict_saver._ThreadBasedAsyncCheckpointExecutor`` and
+   ``_ProcessBasedAsyncCheckpointExecutor`` to subclasses that hand the save
+   fp_dcp's writer, made when ``async_save`` is called, if it got none.
 2. **The caller of ``stage``** (:func:`async_save_caller`): DCP applies
    ``async_save``'s ``checkpoint_id`` to the writer only after staging, but
    staging past ``staging_memory_limit_bytes`` needs a directory for its
@@ -138,7 +140,8 @@ def _storage_modules() -> tuple[Any, Any]:
 # (module, name) the switch rebinds; _saved: the stock object bound there before
 _HOOK_NAMES = (("_storage_utils", "FileSystemWriter"), ("_storage_utils", "FileSystemReader"),
                ("format_utils", "FileSystemWriter"), ("format_utils", "FileSystemReader"),
-               ("state_dict_saver", "_ProcessBasedAsyncCheckpointExecutor"))
+               ("state_dict_saver", "_ProcessBasedAsyncCheckpointExecutor"),
+               ("state_dict_saver", "_ThreadBasedAsyncCheckpointExecutor"))
 _lock = threading.RLock()
 _saved: dict[tuple[str, str], Any] = {}
 _current: dict[str, Any] | None = None  # the options of the switch, None when off
@@ -169,18 +172,19 @@ def check_storage_hooks() -> None:
         f = getattr(fu, fn, None)
         if f is None or name not in f.__code__.co_names:
             problems.append(f"format_utils.{fn} no longer builds {name} from its module's name")
-    from torch.distributed.checkpoint._async_process_executor import _ProcessBasedAsyncCheckpointExecutor
-
     import inspect
 
-    if "_ProcessBasedAsyncCheckpointExecutor" not in inspect.unwrap(saver.async_save).__code__.co_names:
-        problems.append("async_save no longer builds _ProcessBasedAsyncCheckpointExecutor from its module's name")
-    else:
-        params = inspect.signature(_ProcessBasedAsyncCheckpointExecutor.execute_save).parameters
-        if not {"checkpoint_id", "storage_writer"} <= set(params):
-            problems.append("_ProcessBasedAsyncCheckpointExecutor.execute_save takes no checkpoint_id / storage_writer")
+    from torch.distributed.checkpoint._async_process_executor import _ProcessBasedAsyncCheckpointExecutor
+    from torch.distributed.checkpoint._async_thread_executor import _ThreadBasedAsyncCheckpointExecutor
+
     stock = {"FileSystemWriter": FileSystemWriter, "FileSystemReader": FileSystemReader,
-             "_ProcessBasedAsyncCheckpointExecutor": _ProcessBasedAsyncCheckpointExecutor}
+             "_ProcessBasedAsyncCheckpointExecutor": _ProcessBasedAsyncCheckpointExecutor,
+             "_ThreadBasedAsyncCheckpointExecutor": _ThreadBasedAsyncCheckpointExecutor}
+    for name in ("_ProcessBasedAsyncCheckpointExecutor", "_ThreadBasedAsyncCheckpointExecutor"):
+        if name not in inspect.unwrap(saver.async_save).__code__.co_names:
+            problems.append(f"async_save no longer builds {name} from its module's name")
+        elif not {"checkpoint_id", "storage_writer"} <= set(inspect.signature(stock[name].execute_save).parameters):
+            problems.append(f"{name}.execute_save takes no checkpoint_id / storage_writer")
     with _lock:
         for mod_name, name in _HOOK_NAMES:
             mod = _module(mod_name)
@@ -216,19 +220,25 @@ class _DefaultWriter:
         return _stock("FileSystemWriter").validate_checkpoint_id(checkpoint_id)
 
 
-_executor_class: Any = None
+_executor_classes: dict[str, Any] = {}
 
 
-def _process_executor() -> Any:
-    """``AsyncCheckpointerType.PROCESS``: the checkpoint process is a fresh
-    interpreter that picks its storage itself (stock: the switch is not on
-    there), so when ``async_save`` got no writer the executor gets ours here,
-    and it travels to that process with the save request."""
-    global _executor_class
-    if _executor_class is None:
-        from torch.distributed.checkpoint._async_process_executor import _ProcessBasedAsyncCheckpointExecutor
+def _executor(name: str) -> Any:
+    """DCP's async executor ``name`` (thread or process), handing the save
+    fp_dcp's writer when ``async_save`` got none and the switch is on *at the
+    call*: the background save must not depend on the switch still being on
+    when it starts (a ``with default_storage(): dcp.async_save(...)`` block
+    may have ended), and with ``AsyncCheckpointerType.PROCESS`` it runs in a
+    freshly spawned process where the switch is off (the writer travels there
+    with the request)."""
+    cls = _executor_classes.get(name)
+    if cls is None:
+        if name == "_ProcessBasedAsyncCheckpointExecutor":
+            from torch.distributed.checkpoint._async_process_executor import _ProcessBasedAsyncCheckpointExecutor as base
+        else:
+            from torch.distributed.checkpoint._async_thread_executor import _ThreadBasedAsyncCheckpointExecutor as base
 
-        class _DefaultStorageProcessExecutor(_ProcessBasedAsyncCheckpointExecutor):
+        class _WithDefaultStorage(base):  # type: ignore[misc,valid-type]
             def execute_save(self, staging_future_or_state_dict: Any, *, checkpoint_id: Any = None,
                              storage_writer: Any = None, **kwargs: Any) -> Any:
                 if (storage_writer is None and checkpoint_id is not None and _current is not None
@@ -238,8 +248,9 @@ def _process_executor() -> Any:
                     staging_future_or_state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, **kwargs
                 )
 
-        _executor_class = _DefaultStorageProcessExecutor
-    return _executor_class
+        _WithDefaultStorage.__name__ = _WithDefaultStorage.__qualname__ = f"{base.__name__}WithDefaultStorage"
+        cls = _executor_classes[name] = _WithDefaultStorage
+    return cls
 
 
 def _replacement(name: str) -> Any:
@@ -247,7 +258,7 @@ def _replacement(name: str) -> Any:
         return _DefaultWriter
     if name == "FileSystemReader":
         return _DefaultReader
-    return _process_executor()
+    return _executor(name)
 
 
 def checkpoint_kind(path: str | os.PathLike) -> str | None:

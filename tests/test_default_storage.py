@@ -174,6 +174,31 @@ def test_async_save_with_checkpoint_id(tmp_path):
     assert not _dcp_hooks.is_default()
 
 
+def test_async_save_keeps_the_writer_chosen_at_the_call(tmp_path, monkeypatch):
+    # the background save may start after the switch went off again: it
+    # gets its writer when async_save is called, not when it starts
+    from torch.distributed.checkpoint._async_thread_executor import _ThreadBasedAsyncCheckpointExecutor
+
+    seen = []
+    original = _ThreadBasedAsyncCheckpointExecutor.execute_save
+
+    def spy(self, staged, *, checkpoint_id=None, storage_writer=None, **kwargs):
+        seen.append(storage_writer)
+        return original(self, staged, checkpoint_id=checkpoint_id, storage_writer=storage_writer, **kwargs)
+
+    monkeypatch.setattr(_ThreadBasedAsyncCheckpointExecutor, "execute_save", spy)
+    sd = _sd(6)
+    path = str(tmp_path / "a")
+    with fp_dcp.default_storage():
+        fut = dcp.async_save(sd, checkpoint_id=path)
+    fut.result()
+    assert isinstance(seen[0], fp_dcp.FastPersistWriter)
+    assert _kind(path) == "fp_dcp"
+    fut = dcp.async_save(sd, checkpoint_id=str(tmp_path / "b"))  # switch off: stock, untouched
+    fut.result()
+    assert seen[1] is None and _kind(str(tmp_path / "b")) == "stock"
+
+
 def test_format_utils_convert_both_ways(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
