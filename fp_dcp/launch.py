@@ -2,7 +2,7 @@
 editing the script (it need not import fp_dcp)::
 
     python -m fp_dcp.launch train.py --its --args
-    python -m fp_dcp.launch -m torchtitan.train --job.config_file cfg.toml
+    python -m fp_dcp.launch -m torchtitan.train --module llama3 --config llama3_debugmodel
     torchrun --nproc-per-node 8 -m fp_dcp.launch train.py --its --args
 
 Turns the switch on (:func:`fp_dcp.use_as_default`; options from the
