@@ -20,9 +20,13 @@ _EXPORTS = {
     "FastPersistWriter": "fp_dcp.writer",
     "FastPersistReader": "fp_dcp.reader",
     "FastPersistOptions": "fp_dcp.options",
+    "use_as_default": "fp_dcp._dcp_hooks",
+    "restore_default": "fp_dcp._dcp_hooks",
+    "default_storage": "fp_dcp._dcp_hooks",
 }
 
-__all__ = ["FastPersistWriter", "FastPersistReader", "FastPersistOptions", "__version__"]
+__all__ = ["FastPersistWriter", "FastPersistReader", "FastPersistOptions", "__version__",
+           "use_as_default", "restore_default", "default_storage"]
 
 
 def _native_missing(error: ImportError) -> ImportError:
@@ -59,3 +63,11 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+# FP_DCP_DEFAULT_STORAGE=1: fp_dcp becomes the storage DCP picks as soon as
+# fp_dcp is imported (see fp_dcp/_dcp_hooks.py; python -m fp_dcp.launch
+# imports it before a script that never does).  Only then does importing
+# fp_dcp import torch.
+if os.environ.get("FP_DCP_DEFAULT_STORAGE", "").strip():
+    importlib.import_module("fp_dcp._dcp_hooks")._from_environment()

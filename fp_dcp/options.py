@@ -27,6 +27,8 @@ from typing import Any, Iterator
 __all__ = ["FastPersistOptions", "format_size", "override", "parse_size", "plural"]
 
 _ENV_PREFIX = "FP_DCP_"
+# FP_DCP_* variables that are not options (read by fp_dcp/_dcp_hooks.py)
+_NOT_OPTIONS = frozenset({"FP_DCP_DEFAULT_STORAGE", "FP_DCP_ALLOW_UNTESTED_TORCH"})
 
 _SIZE_UNITS = {
     "": 1,
@@ -332,7 +334,7 @@ class FastPersistOptions:
         values: dict[str, Any] = {}
         known = set(cls.field_names())
         for key, raw in os.environ.items():
-            if not key.startswith(_ENV_PREFIX):
+            if not key.startswith(_ENV_PREFIX) or key in _NOT_OPTIONS:
                 continue
             name = key[len(_ENV_PREFIX):].lower()
             if name not in known:

@@ -138,7 +138,6 @@ import mmap
 import os
 import secrets
 import struct
-import sys
 import threading
 import time
 import warnings
@@ -148,7 +147,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from fp_dcp import _aio
+from fp_dcp import _aio, _dcp_hooks
 from fp_dcp import format as fmt
 from fp_dcp.layout import align_up
 
@@ -730,8 +729,8 @@ def _walk(obj: Any, leaves: list[torch.Tensor], values: list[Any]) -> tuple:
     """The skeleton of ``obj``: containers kept, tensors replaced by their leaf
     index, anything else by its index in ``values``.  Comparable with ``==``."""
     if DTensor is not None and isinstance(obj, DTensor):
-        leaves.append(obj._local_tensor.detach())
-        return ("D", len(leaves) - 1, obj._spec)
+        leaves.append(_dcp_hooks.dtensor_local(obj))
+        return ("D", len(leaves) - 1, _dcp_hooks.dtensor_spec(obj))
     if (
         isinstance(obj, torch.Tensor)
         and (type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter)
@@ -767,29 +766,7 @@ def _build(node: tuple, tensors: list[torch.Tensor], values: list[Any], top: boo
 
 
 def _make_dtensor(local: torch.Tensor, spec: Any) -> Any:
-    if spec.mesh.device_type == local.device.type:
-        return DTensor.from_local(
-            local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
-        )
-    # from_local would move the staged shard back to the mesh's device; build
-    # the DTensor around the host copy as torch's own staging does.
-    return DTensor(local, spec, requires_grad=False)
-
-
-def _async_save_caller() -> tuple[bool, str | None]:
-    """Whether ``stage`` was called by ``dcp.async_save`` (which then hands
-    the staged dict to a save), and that call's ``checkpoint_id``: DCP applies
-    it to the writer (``reset``) only after staging, but the spill file of
-    ``staging_memory_limit_bytes`` needs a directory now."""
-    f = sys._getframe(2)
-    for _ in range(8):
-        if f is None:
-            break
-        if f.f_code.co_name == "async_save" and f.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
-            cid = f.f_locals.get("checkpoint_id")
-            return True, (os.fspath(cid) if isinstance(cid, (str, os.PathLike)) else None)
-        f = f.f_back
-    return False, None
+    return _dcp_hooks.dtensor_from_spec(local, spec)
 
 
 def _meta(t: torch.Tensor) -> tuple:
@@ -942,7 +919,8 @@ class _StagingFuture(concurrent.futures.Future):
     check would read as a success.  So a *failed* future reports ``done()``
     False until a callback has been attached to it (a callback attached to a
     done future runs at once and passes the failure on).  Only DCP sees this
-    future: ``result()`` and ``exception()`` behave as usual."""
+    future: ``result()`` and ``exception()`` behave as usual.  (Listed with
+    fp_dcp's other dependencies on torch internals in :mod:`fp_dcp._dcp_hooks`.)"""
 
     _watched = False
 
@@ -992,7 +970,7 @@ class _Stager:
             raise RuntimeError("FastPersistWriter is closed")
         if not isinstance(state_dict, dict):
             raise TypeError(f"stage() takes a state dict, not {type(state_dict).__name__}")
-        via_async_save, self.checkpoint_hint = _async_save_caller()
+        via_async_save, self.checkpoint_hint = _dcp_hooks.async_save_caller()
         leaves: list[torch.Tensor] = []
         values: list[Any] = []
         skeleton = _walk(state_dict, leaves, values)

@@ -12,7 +12,11 @@ Call sequence (``torch.distributed.checkpoint.state_dict_saver``):
    striped over its data directories; the placement is cached by structure,
    so the next save of the same state-dict structure skips it.  Each rank's
    plan carries its pieces ``(item, byte range, device)``, including pieces
-   of items the planner's dedup removed from its plan;
+   of items the planner's dedup removed from its plan.  With DCP's plan
+   caching (``DefaultSavePlanner(enable_plan_caching=True)``) a rank whose
+   plan did not change sends an empty plan: its items and the placement come
+   from this process's records of the last save (``_LOCAL_ITEMS``,
+   ``_LAST_GLOBAL``), and every rank still gets this save's ``save_id``;
 3. every rank: ``write_data`` — lays its pieces out in one file per device
    (large extents aligned, small ones packed) and streams them through the
    native engine (O_DIRECT, queue of aligned requests, zero-copy where the
@@ -24,6 +28,7 @@ Call sequence (``torch.distributed.checkpoint.state_dict_saver``):
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -47,7 +52,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 import fp_dcp
-from fp_dcp import _aio, balance
+from fp_dcp import _aio, _dcp_hooks, balance
 from fp_dcp import format as fmt
 from fp_dcp.checksums import crc_hex, merge_block_crcs, piece_checksums
 from fp_dcp.engine import IOSession, PinnedBuffer, tensor_bytes
@@ -63,6 +68,63 @@ __all__ = ["FastPersistWriter"]
 # save still plans once.
 _PLAN_CACHE = balance.PlanCache(capacity=8)
 
+# DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``):
+# a rank whose local plan did not change sends DCP an empty plan
+# (``usable=False``), so its ``prepare_local_plan`` sees no items, and the
+# coordinator's ``prepare_global_plan`` sees an empty plan for each such
+# rank (DCP keeps its caches per planner class, in the process).  Per-process
+# records fill the gap:
+#
+# * on every rank, ``_LOCAL_ITEMS``: the items each usable
+#   ``prepare_local_plan`` recorded, under a token that travels in
+#   ``_LocalInfo`` and comes back in that rank's ``_Assignment`` (the pieces
+#   index those items); and ``_RANK_LAST``: per planner class (DCP's cache
+#   key), the assignment this rank last wrote with;
+# * on the coordinator, ``_LAST_GLOBAL``: per world size, the last
+#   ``_LocalInfo`` seen for each rank and the placement made from them.
+#
+# Nothing changed anywhere (every plan empty): the coordinator answers each
+# rank with a stub ``_Assignment(reuse=True)`` carrying this save's
+# ``save_id`` only, and each rank writes with its own last assignment for
+# this planner class (``_RANK_LAST``).  Some ranks changed: the coordinator
+# plans with its record for the others and answers them with a stub carrying
+# a full assignment.  Either way every plan it returns is usable, so DCP's
+# ``finish_plan`` hands ``write_data`` this save's assignment, never the
+# final plan it cached from an earlier save, and no rank ever writes under
+# an earlier save's file names.
+_LOCAL_ITEMS_CAPACITY = 16
+_LOCAL_ITEMS: "collections.OrderedDict[str, list[WriteItem]]" = collections.OrderedDict()
+_RANK_LAST: dict[tuple[int, str], "_Assignment"] = {}  # (rank, planner class) -> last assignment written
+
+
+@dataclasses.dataclass
+class _GlobalRecord:
+    infos: list  # list[_LocalInfo], by rank
+    key: str
+    placement: Any
+
+
+_LAST_GLOBAL: dict[int, _GlobalRecord] = {}  # world size -> record of the last save through a caching planner
+
+
+def _remember_local_items(rank: int, items: list[WriteItem]) -> str:
+    token = secrets.token_hex(8)
+    _LOCAL_ITEMS[token] = items
+    if len(_LOCAL_ITEMS) > _LOCAL_ITEMS_CAPACITY:
+        # the oldest first, but never those a planner's cache still stands for
+        pinned = {a.token for a in _RANK_LAST.values()} | {token}
+        for old in [t for t in _LOCAL_ITEMS if t not in pinned][: len(_LOCAL_ITEMS) - _LOCAL_ITEMS_CAPACITY]:
+            del _LOCAL_ITEMS[old]
+    return token
+
+
+def clear_plan_records() -> None:
+    """Forget the per-process records that serve DCP's plan caching (tests;
+    or after ``SavePlanner``'s class-level caches were cleared)."""
+    _LOCAL_ITEMS.clear()
+    _RANK_LAST.clear()
+    _LAST_GLOBAL.clear()
+
 
 @dataclasses.dataclass(frozen=True)
 class _LocalInfo:
@@ -73,6 +135,7 @@ class _LocalInfo:
     rank: int
     host: str
     holdings: balance.Holdings | None = None
+    token: str = ""  # key of these items in this rank's _LOCAL_ITEMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +149,8 @@ class _Assignment:
     pieces: balance.RankPieces | None = None
     n_items: int = 0
     plan_key: str = ""
+    token: str = ""  # the rank's _LocalInfo.token these pieces index
+    reuse: bool = False  # DCP cached everything: write with this rank's last assignment (save_id aside)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +219,8 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             raise ValueError(f"FastPersistOptions.split_alignment_bytes must be a power of two, got {a}")
         self.last_plan: dict[str, Any] = {}
         self._sessions: dict[str, IOSession] = {}
-        self._local_items: list[WriteItem] = []
         self.save_id = self._new_save_id()
+        self._save_token: str | None = None  # this save's _LOCAL_ITEMS token (None: DCP sent a cached plan)
         self.rank = 0
         self.is_coordinator = True
         self.last_stats: dict[str, Any] = {}
@@ -246,12 +311,6 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                 "pass another path or FastPersistOptions(overwrite=True)",
                 directory,
             )
-        if not plan.usable:
-            raise ValueError(
-                "FastPersistWriter got an empty cached plan (DefaultSavePlanner(enable_plan_caching=True)): "
-                "it needs every rank's items to balance them and caches its own placement by structure; "
-                "use a planner without plan caching"
-            )
         granularity = self.options.split_alignment_bytes
         dirs = self._data_directories()
         for d, by_path in dirs:
@@ -269,22 +328,29 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                 raise type(e)(e.errno, f"cannot use the data directory: {e.strerror}", d) from None
             # fail before any rank writes if the engine cannot run here
             granularity = max(granularity, self._engine_for(d).alignment)
-        self._local_items = list(plan.items)
+        self._save_token = None
+        if not plan.usable:
+            # DCP's plan caching: this rank's items are those of its last
+            # usable plan; the coordinator answers with an assignment naming
+            # them (see _LOCAL_ITEMS).
+            return plan
+        items = list(plan.items)
+        token = self._save_token = _remember_local_items(self.rank, items)
         sizes = []
-        for item in self._local_items:
+        for item in items:
             n = None if item.type == WriteItemType.BYTE_IO else _expected_nbytes(item)
             sizes.append(balance.UNSIZED if n is None else n)
         host = socket.gethostname()
         holdings = balance.make_holdings(
             self.rank,
             host,
-            [balance.item_key(it.index.fqn, it.index.offset) for it in self._local_items],
+            [balance.item_key(it.index.fqn, it.index.offset) for it in items],
             sizes,
             n_dirs=len(dirs),
             granularity=granularity,
             small_bytes=self.options.pack_threshold_bytes,
         )
-        return dataclasses.replace(plan, storage_data=_LocalInfo(self.rank, host, holdings))
+        return dataclasses.replace(plan, storage_data=_LocalInfo(self.rank, host, holdings, token))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         with self._thaw_gc_on_error():
@@ -293,23 +359,49 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._acquire_lock()
         t0 = time.perf_counter()
-        holdings = []
+        if not any(plan.usable for plan in plans):
+            # DCP cached everything: each rank writes with its last
+            # assignment for this planner; only the save_id is new.
+            self.last_plan = {"cached": True, "dcp_cached": True, "seconds": time.perf_counter() - t0,
+                              "ranks": len(plans)}
+            return [
+                SavePlan([], storage_data=_Assignment(self.save_id, rank, reuse=True), usable=True)
+                for rank in range(len(plans))
+            ]
+        record = _LAST_GLOBAL.get(len(plans))
+        infos: list[_LocalInfo] = []
         for rank, plan in enumerate(plans):
+            if not plan.usable:
+                # DCP's plan caching: nothing changed on this rank since the
+                # last save through this planner; its items are the last ones
+                # this process saw from it.
+                if record is None:
+                    raise RuntimeError(
+                        f"FastPersistWriter.prepare_global_plan: DCP's plan caching sent a cached (empty) plan for "
+                        f"rank {rank}, but no earlier save of this process went through a FastPersistWriter with "
+                        f"{len(plans)} rank(s) (was the planner's cache filled by a save through another storage "
+                        f"writer?); save once with a planner without plan caching, or clear SavePlanner's caches"
+                    )
+                infos.append(record.infos[rank])
+                continue
             info = plan.storage_data
             if not isinstance(info, _LocalInfo) or info.holdings is None:
                 raise RuntimeError(
                     f"FastPersistWriter.prepare_global_plan: rank {rank}'s plan did not pass through its "
                     f"prepare_local_plan (a custom save function, or a planner that drops storage_data?)"
                 )
-            holdings.append(info.holdings)
+            infos.append(info)
+        holdings = [info.holdings for info in infos]
         key = balance.structure_key(holdings)
         placement = _PLAN_CACHE.get(key)
         cached = placement is not None
         if placement is None:
             placement = balance.plan_placement(holdings)
             _PLAN_CACHE.put(key, placement)
+        self._pending_record = _GlobalRecord(infos, key, placement)  # kept by write_data if the planner caches
         self.last_plan = {
             "cached": cached,
+            "dcp_cached": False,
             "seconds": time.perf_counter() - t0,
             "ranks": len(plans),
             "items": placement.items,
@@ -318,17 +410,24 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             "rank_bytes": placement.loads.tolist(),
             "device_bytes": {h: v.tolist() for h, v in placement.device_loads.items()},
         }
-        return [
-            dataclasses.replace(
-                plan,
-                storage_data=_Assignment(self.save_id, rank, placement.pieces[rank], len(holdings[rank].keys), key),
+        out = []
+        for rank, plan in enumerate(plans):
+            info = infos[rank]
+            assignment = _Assignment(
+                self.save_id, rank, placement.pieces[rank], len(info.holdings.keys), key, info.token
             )
-            for rank, plan in enumerate(plans)
-        ]
+            if plan.usable:
+                out.append(dataclasses.replace(plan, storage_data=assignment))
+            else:
+                # A usable stub: DCP's finish_plan then hands write_data this
+                # assignment (this save's save_id) instead of the final plan
+                # it cached from an earlier save.  Its items are not needed.
+                out.append(SavePlan([], storage_data=assignment, usable=True))
+        return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment = plan.storage_data
-        if not isinstance(assignment, _Assignment) or assignment.pieces is None:
+        if not isinstance(assignment, _Assignment) or (assignment.pieces is None and not assignment.reuse):
             raise RuntimeError(
                 "FastPersistWriter.write_data got a plan that did not pass through its "
                 "prepare_global_plan (a custom save function?)"
@@ -337,7 +436,12 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         # The pieces name this rank's own items (those of prepare_local_plan,
         # including the ones the planner's dedup removed from plan.items).
         try:
-            fut.set_result(self._write(assignment, self._local_items, planner))
+            cache_key = _dcp_hooks.planner_cache_key(planner)
+            assignment, items = self._items_of(assignment, cache_key)
+            record = self.__dict__.pop("_pending_record", None)
+            if cache_key is not None and record is not None:
+                _LAST_GLOBAL[len(record.infos)] = record
+            fut.set_result(self._write(assignment, items, planner))
         except BaseException:
             self._abandon(assignment.save_id, assignment.rank)
             self._thaw_gc()
@@ -403,6 +507,56 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         self.last_stats["finish_seconds"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------- internals
+
+    def _items_of(self, assignment: _Assignment, planner_key: str | None) -> tuple[_Assignment, list[WriteItem]]:
+        """This save's assignment and the items its pieces index: those this
+        rank recorded under ``assignment.token`` (its last usable local plan,
+        or, with DCP's plan caching, an earlier one the coordinator still
+        describes), or with ``reuse`` this rank's last assignment for the
+        planner class ``planner_key`` (DCP's cache key)."""
+        way_out = ("save once with a planner without plan caching (or clear SavePlanner's class-level "
+                   "caches)")
+        if assignment.reuse:
+            last = None if planner_key is None else _RANK_LAST.get((self.rank, planner_key))
+            if last is None:
+                raise RuntimeError(
+                    f"rank {self.rank}: DCP's plan caching ({planner_key}) reports nothing changed since the "
+                    f"last save, but no earlier save of this process through that planner went through a "
+                    f"FastPersistWriter (the planner's cache was filled through another storage writer?); "
+                    + way_out
+                )
+            assignment = dataclasses.replace(last, save_id=assignment.save_id, reuse=False)
+        items = _LOCAL_ITEMS.get(assignment.token)
+        if items is None:
+            raise RuntimeError(
+                f"rank {self.rank}: the global plan refers to local items this process no longer holds "
+                f"(DCP's plan caching across more than {_LOCAL_ITEMS_CAPACITY} state-dict structures, or a "
+                f"plan made in another process); " + way_out
+            )
+        # What this rank holds now: this save's items, or (DCP sent nothing
+        # from it) those of its last save through this planner.
+        last = None if planner_key is None else _RANK_LAST.get((self.rank, planner_key))
+        reference = self._save_token or (last.token if last is not None else None)
+        if reference is not None and reference != assignment.token and reference in _LOCAL_ITEMS:
+            # The coordinator planned with an older record of this rank (DCP
+            # sent it no news: this rank's global items had not changed, or
+            # another planner's save came between).  Every item it assigns
+            # to this rank must still be here, same size.
+            now = {
+                balance.item_key(it.index.fqn, it.index.offset): _expected_nbytes(it)
+                for it in _LOCAL_ITEMS[reference]
+            }
+            for li in set(assignment.pieces.local.tolist()):
+                it = items[li]
+                k = balance.item_key(it.index.fqn, it.index.offset)
+                if k not in now or now[k] != _expected_nbytes(it):
+                    raise RuntimeError(
+                        f"rank {self.rank}: DCP's plan caching kept a global plan that assigns "
+                        f"{_item_name(it)} to this rank, which no longer holds it as planned; " + way_out
+                    )
+        if planner_key is not None:
+            _RANK_LAST[(self.rank, planner_key)] = assignment
+        return assignment, items
 
     def _directory(self) -> str:
         if self.path is None:

@@ -372,20 +372,22 @@ def test_a_write_failure_on_one_rank_fails_all_and_keeps_the_previous_checkpoint
         assert old_intact
 
 
-def test_planner_plan_caching_is_refused_with_the_reason(tmp_path):
+def test_planner_plan_caching_is_accepted(tmp_path):
     """DefaultSavePlanner(enable_plan_caching=True) sends an empty plan from a
-    rank whose plan did not change; the writer needs the items (and caches
-    its own placement), so it says so instead of writing a stale plan."""
+    rank whose plan did not change; the writer takes that rank's items from
+    its record of the last save and writes the new values (issue 16; the
+    multi-rank cases are in tests/test_plan_caching.py)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    from fp_dcp import FastPersistWriter
-    from tests._sd import FAILED
+    from fp_dcp import FastPersistReader, FastPersistWriter
 
     planner = DefaultSavePlanner(enable_plan_caching=True)
-    sd = {"w": torch.ones(10)}
-    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path / "a"), planner=planner)
-    with pytest.raises(FAILED, match="use a planner without plan caching"):
-        dcp.save(sd, storage_writer=FastPersistWriter(tmp_path / "b"), planner=planner)
-    assert not os.path.exists(tmp_path / "b" / ".fp_dcp.meta")
+    dcp.save({"w": torch.ones(10)}, storage_writer=FastPersistWriter(tmp_path / "a"), planner=planner)
+    w = FastPersistWriter(tmp_path / "b")
+    dcp.save({"w": torch.full((10,), 3.0)}, storage_writer=w, planner=planner)
+    assert w.last_plan["dcp_cached"]
+    got = {"w": torch.zeros(10)}
+    dcp.load(got, storage_reader=FastPersistReader(tmp_path / "b"))
+    assert torch.equal(got["w"], torch.full((10,), 3.0))

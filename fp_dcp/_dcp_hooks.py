@@ -1,0 +1,436 @@
+"""Every place fp_dcp depends on torch internals, in one module, gated by the
+torch version.
+
+torch offers public ways for most of what fp_dcp does (``StorageWriter``,
+``StorageReader``, ``AsyncStager``, ``DTensor.to_local`` /
+``DTensor.from_local``).  Where it offers none, the dependency is here, and
+:func:`require_tested_torch` refuses, with a message saying what to do, on a
+torch release fp_dcp was not tested with (``TESTED_TORCH``; set
+``FP_DCP_ALLOW_UNTESTED_TORCH=1`` to go on anyway).  ``tests/test_default_storage.py``
+checks each hook against the installed torch, so a torch that moves one
+fails there, loudly, rather than in a user's job.
+
+The private hooks:
+
+1. **Storage auto-detection** (:func:`use_as_default`): ``dcp.save``,
+   ``dcp.async_save`` (its background save), ``dcp.load`` and
+   ``_load_state_dict_from_keys`` called with ``checkpoint_id=`` and no
+   storage object choose one in
+   ``torch.distributed.checkpoint._storage_utils._storage_setup``, which
+   tries the classes bound to the names ``FileSystemWriter`` /
+   ``FileSystemReader`` in that module; ``format_utils.dcp_to_torch_save`` /
+   ``torch_save_to_dcp`` build ``FileSystemReader(dir)`` /
+   ``FileSystemWriter(dir)`` from their own module's names.  The switch
+   rebinds those four module-level names (nothing else: code that names
+   ``FileSystemWriter`` itself still gets the stock class) to factories that
+   return fp_dcp's writer and reader — and the stock reader for a directory
+   holding a stock checkpoint.  ``dcp.async_save`` saves in the background
+   (a thread, or with ``AsyncCheckpointerType.PROCESS`` a freshly spawned
+   process where the switch is off), so the switch also rebinds
+   ``state_dict_saver._ThreadBasedAsyncCheckpointExecutor`` and
+   ``_ProcessBasedAsyncCheckpointExecutor`` to subclasses that hand the save
+   fp_dcp's writer, made when ``async_save`` is called, if it got none.
+2. **The caller of ``stage``** (:func:`async_save_caller`): DCP applies
+   ``async_save``'s ``checkpoint_id`` to the writer only after staging, but
+   staging past ``staging_memory_limit_bytes`` needs a directory for its
+   spill file, and the writer must know whether a save will pick the staged
+   dict up; both are read from ``async_save``'s frame.
+3. **DTensor internals** (:func:`dtensor_local`, :func:`dtensor_spec`,
+   :func:`dtensor_from_spec`): staging rebuilds a ``DTensor`` around its
+   host copy; ``DTensor.from_local`` (public) is used when the mesh's device
+   type is the copy's, the private constructor (as torch's own staging does)
+   when a CUDA mesh's shard is staged on the host.
+4. **A torch 2.13 race** (``fp_dcp.staging._StagingFuture``): ``async_save``
+   reads a staging future's ``done()`` before attaching its callback; a
+   lazy staging that failed in between would read as a success.
+5. **Whether a planner caches plans, and under which key**
+   (:func:`planner_cache_key`: ``DefaultSavePlanner._enable_plan_caching`` /
+   ``_cached_plans_key``): with DCP's plan caching the writer gets empty
+   plans and must know which earlier save (same planner cache) they stand
+   for; saves through a planner that does not cache must not count.
+6. **Which thread runs a save** (``fp_dcp.staging.AsyncStagingMixin``
+   wraps the writer's DCP methods in ``__init_subclass__``): a staged save
+   is attributed to the thread on which DCP calls ``set_up_storage_writer``,
+   and DCP calls the writer's later methods for that save on the same
+   thread.  This is fp_dcp's own code relying on DCP's call pattern, not a
+   private torch name; ``tests/test_async.py`` exercises it.
+
+Plain ``dcp.save(sd, storage_writer=FastPersistWriter(p))`` /
+``dcp.load(sd, storage_reader=FastPersistReader(p))`` use public interfaces
+only and run on any torch the package installs with.
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any, Iterator
+
+__all__ = [
+    "TESTED_TORCH",
+    "require_tested_torch",
+    "use_as_default",
+    "restore_default",
+    "default_storage",
+    "is_default",
+]
+
+# torch releases (major, minor) the private hooks above were tested with.
+TESTED_TORCH: tuple[tuple[int, int], ...] = ((2, 13),)
+ALLOW_ENV = "FP_DCP_ALLOW_UNTESTED_TORCH"
+DEFAULT_STORAGE_ENV = "FP_DCP_DEFAULT_STORAGE"
+
+
+def _torch_release(version: str | None = None) -> tuple[int, int]:
+    if version is None:
+        import torch
+
+        version = torch.__version__
+    parts = str(version).split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        raise RuntimeError(f"fp_dcp: cannot read the torch version {version!r}") from None
+
+
+_installed_tested: bool | None = None
+
+
+def require_tested_torch(feature: str, version: str | None = None) -> None:
+    """Raise ``RuntimeError`` if ``feature`` (one of the private hooks) would
+    run on a torch release fp_dcp was not tested with, unless
+    ``FP_DCP_ALLOW_UNTESTED_TORCH=1``.  ``version``: for tests."""
+    global _installed_tested
+    if version is None:
+        if _installed_tested is None:
+            _installed_tested = _torch_release() in TESTED_TORCH
+        if _installed_tested:
+            return
+    elif _torch_release(version) in TESTED_TORCH:
+        return
+    if os.environ.get(ALLOW_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return
+    tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH)
+    import torch
+
+    raise RuntimeError(
+        f"fp_dcp: {feature} relies on torch internals that were tested with torch {tested} only, "
+        f"and this is torch {version or torch.__version__}. Install a tested torch, or set "
+        f"{ALLOW_ENV}=1 to try anyway (then run fp_dcp's tests: tests/test_default_storage.py checks "
+        f"these hooks). Passing storage_writer=FastPersistWriter(path) / "
+        f"storage_reader=FastPersistReader(path) explicitly needs no private hook."
+    )
+
+
+# ----------------------------------------------------- 1. storage selection
+
+
+def _module(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"torch.distributed.checkpoint.{name}")
+
+
+def _storage_modules() -> tuple[Any, Any]:
+    return _module("_storage_utils"), _module("format_utils")
+
+
+# (module, name) the switch rebinds; _saved: the stock object bound there before
+_HOOK_NAMES = (("_storage_utils", "FileSystemWriter"), ("_storage_utils", "FileSystemReader"),
+               ("format_utils", "FileSystemWriter"), ("format_utils", "FileSystemReader"),
+               ("state_dict_saver", "_ProcessBasedAsyncCheckpointExecutor"),
+               ("state_dict_saver", "_ThreadBasedAsyncCheckpointExecutor"))
+_lock = threading.RLock()
+_saved: dict[tuple[str, str], Any] = {}
+_current: dict[str, Any] | None = None  # the options of the switch, None when off
+
+
+def check_storage_hooks() -> None:
+    """Check that the installed torch still selects storage the way the
+    switch expects (see the module documentation); raise ``RuntimeError``
+    naming what moved."""
+    import torch.distributed.checkpoint.state_dict_loader as loader
+    import torch.distributed.checkpoint.state_dict_saver as saver
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+
+    su, fu = _storage_modules()
+    problems = []
+    setup = getattr(su, "_storage_setup", None)
+    if setup is None:
+        problems.append("torch.distributed.checkpoint._storage_utils._storage_setup is gone")
+    else:
+        for name in ("FileSystemWriter", "FileSystemReader"):
+            if name not in setup.__code__.co_names:
+                problems.append(f"_storage_setup no longer looks up {name} in its module")
+        if getattr(saver, "_storage_setup", None) is not setup:
+            problems.append("state_dict_saver no longer calls _storage_utils._storage_setup")
+        if getattr(loader, "_storage_setup", None) is not setup:
+            problems.append("state_dict_loader no longer calls _storage_utils._storage_setup")
+    for fn, name in (("dcp_to_torch_save", "FileSystemReader"), ("torch_save_to_dcp", "FileSystemWriter")):
+        f = getattr(fu, fn, None)
+        if f is None or name not in f.__code__.co_names:
+            problems.append(f"format_utils.{fn} no longer builds {name} from its module's name")
+    import inspect
+
+    from torch.distributed.checkpoint._async_process_executor import _ProcessBasedAsyncCheckpointExecutor
+    from torch.distributed.checkpoint._async_thread_executor import _ThreadBasedAsyncCheckpointExecutor
+
+    stock = {"FileSystemWriter": FileSystemWriter, "FileSystemReader": FileSystemReader,
+             "_ProcessBasedAsyncCheckpointExecutor": _ProcessBasedAsyncCheckpointExecutor,
+             "_ThreadBasedAsyncCheckpointExecutor": _ThreadBasedAsyncCheckpointExecutor}
+    for name in ("_ProcessBasedAsyncCheckpointExecutor", "_ThreadBasedAsyncCheckpointExecutor"):
+        if name not in inspect.unwrap(saver.async_save).__code__.co_names:
+            problems.append(f"async_save no longer builds {name} from its module's name")
+        elif not {"checkpoint_id", "storage_writer"} <= set(inspect.signature(stock[name].execute_save).parameters):
+            problems.append(f"{name}.execute_save takes no checkpoint_id / storage_writer")
+    with _lock:
+        for mod_name, name in _HOOK_NAMES:
+            mod = _module(mod_name)
+            bound = _saved.get((mod_name, name), getattr(mod, name, None))
+            if bound is not stock[name]:
+                problems.append(f"torch.distributed.checkpoint.{mod_name}.{name} is not the stock class")
+    if problems:
+        import torch
+
+        raise RuntimeError(
+            f"fp_dcp's default-storage switch does not fit torch {torch.__version__}: " + "; ".join(problems)
+        )
+
+
+def _stock(name: str) -> Any:
+    from torch.distributed.checkpoint import filesystem
+
+    return getattr(filesystem, name)
+
+
+class _DefaultWriter:
+    """Stands where DCP looks for ``FileSystemWriter``: makes a
+    ``FastPersistWriter`` for a local path."""
+
+    def __new__(cls, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        from fp_dcp.writer import FastPersistWriter
+
+        opts = _current or {}
+        return FastPersistWriter(path, options=opts.get("options"), **opts.get("kwargs", {}))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _stock("FileSystemWriter").validate_checkpoint_id(checkpoint_id)
+
+
+_executor_classes: dict[str, Any] = {}
+
+
+def _executor(name: str) -> Any:
+    """DCP's async executor ``name`` (thread or process), handing the save
+    fp_dcp's writer when ``async_save`` got none and the switch is on *at the
+    call*: the background save must not depend on the switch still being on
+    when it starts (a ``with default_storage(): dcp.async_save(...)`` block
+    may have ended), and with ``AsyncCheckpointerType.PROCESS`` it runs in a
+    freshly spawned process where the switch is off (the writer travels there
+    with the request)."""
+    cls = _executor_classes.get(name)
+    if cls is None:
+        if name == "_ProcessBasedAsyncCheckpointExecutor":
+            from torch.distributed.checkpoint._async_process_executor import _ProcessBasedAsyncCheckpointExecutor as base
+        else:
+            from torch.distributed.checkpoint._async_thread_executor import _ThreadBasedAsyncCheckpointExecutor as base
+
+        class _WithDefaultStorage(base):  # type: ignore[misc,valid-type]
+            def execute_save(self, staging_future_or_state_dict: Any, *, checkpoint_id: Any = None,
+                             storage_writer: Any = None, **kwargs: Any) -> Any:
+                if (storage_writer is None and checkpoint_id is not None and _current is not None
+                        and _DefaultWriter.validate_checkpoint_id(checkpoint_id)):
+                    storage_writer = _DefaultWriter(checkpoint_id)
+                return super().execute_save(
+                    staging_future_or_state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, **kwargs
+                )
+
+        _WithDefaultStorage.__name__ = _WithDefaultStorage.__qualname__ = f"{base.__name__}WithDefaultStorage"
+        cls = _executor_classes[name] = _WithDefaultStorage
+    return cls
+
+
+def _replacement(name: str) -> Any:
+    if name == "FileSystemWriter":
+        return _DefaultWriter
+    if name == "FileSystemReader":
+        return _DefaultReader
+    return _executor(name)
+
+
+def checkpoint_kind(path: str | os.PathLike) -> str | None:
+    """``"fp_dcp"``, ``"stock"`` or None: which committed checkpoint the
+    directory ``path`` holds (by its metadata file; the newer one if both)."""
+    from fp_dcp import format as fmt
+
+    p = os.fspath(path)
+    mtimes = {}
+    for kind, name in (("fp_dcp", fmt.METADATA_NAME), ("stock", fmt.STOCK_METADATA_NAME)):
+        try:
+            mtimes[kind] = os.stat(os.path.join(p, name)).st_mtime_ns
+        except OSError:
+            pass
+    if not mtimes:
+        return None
+    return max(mtimes, key=lambda k: (mtimes[k], k == "fp_dcp"))
+
+
+class _DefaultReader:
+    """Stands where DCP looks for ``FileSystemReader``: a
+    ``FastPersistReader`` for an fp_dcp checkpoint, the stock reader for
+    anything else (a stock checkpoint loads as before)."""
+
+    def __new__(cls, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        if checkpoint_kind(path) == "fp_dcp":
+            from fp_dcp.reader import FastPersistReader
+
+            opts = _current or {}
+            return FastPersistReader(path, options=opts.get("options"), **opts.get("kwargs", {}))
+        return _stock("FileSystemReader")(path, *args, **kwargs)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _stock("FileSystemReader").validate_checkpoint_id(checkpoint_id)
+
+
+def use_as_default(options: Any = None, **option_kwargs: Any) -> None:
+    """Make fp_dcp the storage DCP picks for a local ``checkpoint_id``
+    (``dcp.save``, ``dcp.async_save``, ``dcp.load``,
+    ``_load_state_dict_from_keys``, ``format_utils``) until
+    :func:`restore_default`.  ``options`` / keyword arguments: as for
+    ``FastPersistWriter`` and ``FastPersistReader``.  A stock checkpoint
+    still loads with the stock reader.  Calling it again replaces the options."""
+    global _current
+    require_tested_torch("fp_dcp.use_as_default (DCP's storage auto-detection)")
+    check_storage_hooks()
+    if options is not None or option_kwargs:  # fail now on a bad option, not at the first save
+        from fp_dcp.options import FastPersistOptions
+
+        base = options if options is not None else FastPersistOptions.from_env()
+        base.replace(**option_kwargs)
+    with _lock:
+        for mod_name, name in _HOOK_NAMES:
+            mod = _module(mod_name)
+            if (mod_name, name) not in _saved:
+                _saved[(mod_name, name)] = getattr(mod, name)
+            setattr(mod, name, _replacement(name))
+        _current = {"options": options, "kwargs": dict(option_kwargs)}
+
+
+def restore_default() -> None:
+    """Undo :func:`use_as_default`: DCP picks its stock storage again."""
+    global _current
+    with _lock:
+        if _saved:
+            for (mod_name, name), value in _saved.items():
+                setattr(_module(mod_name), name, value)
+            _saved.clear()
+        _current = None
+
+
+def is_default() -> bool:
+    """Whether the switch is on."""
+    return _current is not None
+
+
+@contextlib.contextmanager
+def default_storage(options: Any = None, **option_kwargs: Any) -> Iterator[None]:
+    """``with fp_dcp.default_storage(): ...``: the switch on inside the
+    block, back to what it was (off, or on with other options) after it."""
+    with _lock:
+        before = None if _current is None else dict(_current)
+        use_as_default(options, **option_kwargs)
+    try:
+        yield
+    finally:
+        with _lock:
+            if before is None:
+                restore_default()
+            else:
+                use_as_default(before["options"], **before["kwargs"])
+
+
+def _from_environment() -> None:
+    """``FP_DCP_DEFAULT_STORAGE=1``: the switch on when fp_dcp is imported."""
+    value = os.environ.get(DEFAULT_STORAGE_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return
+    if value not in ("1", "true", "yes", "on"):
+        raise ValueError(f"{DEFAULT_STORAGE_ENV}={value!r}: use 1 (on) or 0 (off)")
+    use_as_default()
+
+
+# ----------------------------------------------- plan caching (hook 5)
+
+
+def planner_cache_key(planner: Any) -> str | None:
+    """DCP's plan-cache key of ``planner`` if it caches plans
+    (``DefaultSavePlanner(enable_plan_caching=True)``), else None."""
+    if not getattr(planner, "_enable_plan_caching", False):
+        return None
+    require_tested_torch("FastPersistWriter with DCP's plan caching")
+    return str(getattr(planner, "_cached_plans_key", type(planner).__name__))
+
+
+def check_planner_hooks() -> None:
+    """Check that DefaultSavePlanner still exposes what
+    :func:`planner_cache_key` reads; raise ``RuntimeError`` if not."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    on, off = DefaultSavePlanner(enable_plan_caching=True), DefaultSavePlanner()
+    if getattr(on, "_enable_plan_caching", None) is not True or getattr(off, "_enable_plan_caching", None) is not False:
+        raise RuntimeError("DefaultSavePlanner no longer records enable_plan_caching as _enable_plan_caching")
+    if not isinstance(getattr(on, "_cached_plans_key", None), str):
+        raise RuntimeError("DefaultSavePlanner no longer has its plan-cache key in _cached_plans_key")
+
+
+# ------------------------------------------------- 2. the caller of stage()
+
+
+def async_save_caller() -> tuple[bool, str | None]:
+    """Whether ``stage`` was called by ``dcp.async_save`` (which then hands
+    the staged dict to a save), and that call's ``checkpoint_id``.  Called
+    by ``_Stager.stage``; the search starts two frames up (the writer's
+    ``stage``)."""
+    import sys
+
+    require_tested_torch("fp_dcp's async staging (it reads dcp.async_save's checkpoint_id)")
+    f = sys._getframe(2)
+    for _ in range(8):
+        if f is None:
+            break
+        if f.f_code.co_name == "async_save" and f.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
+            cid = f.f_locals.get("checkpoint_id")
+            return True, (os.fspath(cid) if isinstance(cid, (str, os.PathLike)) else None)
+        f = f.f_back
+    return False, None
+
+
+# ----------------------------------------------------- 3. DTensor internals
+
+
+def dtensor_local(t: Any) -> Any:
+    """A DTensor's local shard, detached (public: ``to_local``)."""
+    return t.to_local().detach()
+
+
+def dtensor_spec(t: Any) -> Any:
+    """What :func:`dtensor_from_spec` needs to rebuild ``t`` around another
+    local tensor (private: ``DTensor._spec``; compared with ``==``)."""
+    require_tested_torch("fp_dcp's async staging of DTensors (it reads DTensor._spec)")
+    return t._spec
+
+
+def dtensor_from_spec(local: Any, spec: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if spec.mesh.device_type == local.device.type:
+        return DTensor.from_local(
+            local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+        )
+    # from_local would move the staged shard back to the mesh's device; build
+    # the DTensor around the host copy as torch's own staging does.
+    return DTensor(local, spec, requires_grad=False)
