@@ -264,14 +264,16 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         if self.options.freeze_gc_during_save and not self._gc_frozen and gc.get_freeze_count() == 0:
             gc.freeze()
             self._gc_frozen = True
-            self._gc_frozen_count = gc.get_freeze_count()
-            self._gc_finalizer = weakref.finalize(self, _thaw_if_ours, self._gc_frozen_count)
+            # made after the freeze: it stays out of the permanent generation
+            # unless something else calls gc.freeze() before the thaw
+            self._gc_sentinel = [self.path]
+            self._gc_finalizer = weakref.finalize(self, _thaw_if_ours, self._gc_sentinel)
 
     def _thaw_gc(self) -> None:
         if self._gc_frozen:
             self._gc_frozen = False
             self._gc_finalizer.detach()
-            _thaw_if_ours(self._gc_frozen_count)
+            _thaw_if_ours(self._gc_sentinel)
 
     @contextlib.contextmanager
     def _thaw_gc_on_error(self) -> Iterator[None]:
@@ -1045,13 +1047,16 @@ def _check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout) -> None:
                 raise RuntimeError(f"fp_dcp wrote no bytes for {key}, refusing to commit the checkpoint")
 
 
-def _thaw_if_ours(frozen: int) -> None:
+def _thaw_if_ours(sentinel: list) -> None:
     """``gc.unfreeze()``, unless something else froze objects since the save
-    froze ``frozen`` of them: the permanent generation only shrinks on its own
-    (frozen objects freed), so a larger one holds the application's, which a
-    global unfreeze would undo.  Then everything stays frozen (the objects are
-    still freed by reference counting; only cycles among them wait)."""
-    if gc.get_freeze_count() <= frozen:
+    did: ``sentinel`` was made right after the save's ``gc.freeze()``, so it is
+    still among the collector's generations (``gc.get_objects()``, which holds
+    only what was made since the freeze and is small) unless another
+    ``gc.freeze()`` moved it to the permanent generation.  Then the
+    application froze objects of its own, which a global unfreeze would undo,
+    and everything stays frozen (still freed by reference counting; only
+    cycles among the frozen objects wait)."""
+    if any(o is sentinel for o in gc.get_objects()):
         gc.unfreeze()
 
 

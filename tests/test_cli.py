@@ -302,7 +302,8 @@ def test_import_fp_dcp_cli_imports_no_torch_and_the_exports_still_work():
             "from fp_dcp import FastPersistWriter, FastPersistReader, FastPersistOptions; "
             "import fp_dcp; assert 'torch' in sys.modules; "
             "assert sorted(fp_dcp.__all__) == sorted(['FastPersistWriter', 'FastPersistReader', "
-            "'FastPersistOptions', '__version__']); assert 'FastPersistWriter' in dir(fp_dcp); "
+            "'FastPersistOptions', '__version__', 'use_as_default', 'restore_default', 'default_storage']); "
+            "assert 'FastPersistWriter' in dir(fp_dcp) and 'use_as_default' in dir(fp_dcp); "
             "print(FastPersistWriter.__module__, FastPersistReader.__module__, fp_dcp.__file__)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_ENV, timeout=120)
     assert r.returncode == 0, r.stderr
