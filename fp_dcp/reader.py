@@ -938,6 +938,7 @@ class _Run:
             "temp_bytes": 0,
             "temp_units": 0,
             "checksum_verified_bytes": 0,
+            "checksum_bytes": 0,  # bytes the engine fed to the CRC (each read byte at most once)
             "read_seconds": 0.0,
             "copy_seconds": 0.0,
         }
@@ -1064,6 +1065,7 @@ class _Run:
             )
             if check is not None:
                 self.stats["checksum_verified_bytes"] += check.verify(s)
+                self.stats["checksum_bytes"] += s.get("checksum_bytes", 0)
             self.stats["read_seconds"] += time.perf_counter() - t0
             self.stats["bytes_read"] += s.get("bytes_read", 0)
             self.stats["requests"] += s.get("requests", 0)
