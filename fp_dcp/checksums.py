@@ -232,6 +232,11 @@ class _Check:
         self.v = verifier
         self.ext, self.inside, self.origin, self.lens = ext, inside, origin, lens
 
+    def subset(self, idx: np.ndarray) -> "_Check":
+        """The check of the pieces ``idx`` (ascending) alone, for an engine
+        call that reads only those."""
+        return _Check(self.v, self.ext[idx], self.inside[idx], self.origin[idx], self.lens[idx])
+
     @property
     def engine_kwargs(self) -> dict[str, Any]:
         return {"checksums": self.v.block, "checksum_origin": self.origin, "checksum_skip": ~self.inside}
