@@ -261,6 +261,10 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
         # huge-page buffer, the engine's default shapes (write 4M x 8, read 256K x 64)
         cs.append({"name": "raw[hugebuf]", "kind": "raw", "method": "hugebuf", "role": "raw",
                    "block_size": 4 * C.MiB, "iodepth": 8, "read_block_size": 256 * C.KiB, "read_iodepth": 64})
+        # and reads in the large shape: a device that charges per operation
+        # (the throttled profile) reads 256 KiB requests at 1/16 the bandwidth
+        cs.append({"name": "raw[hugebuf,4M]", "kind": "raw", "method": "hugebuf", "role": "raw",
+                   "block_size": 4 * C.MiB, "iodepth": 8, "read_block_size": 4 * C.MiB, "read_iodepth": 8})
     return cs
 
 

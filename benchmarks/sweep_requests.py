@@ -76,6 +76,10 @@ def main() -> int:
     ap.add_argument("--profiles", default="bare,throttled")
     ap.add_argument("--throttle-iops", type=int, default=1000)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--configs", default=",".join(f"{b >> 10}Kx{q}" for b, q in CONFIGS),
+                    help="engine shapes, e.g. 256Kx64,4096Kx8")
+    ap.add_argument("--modes", default="torch,zc,scatter")
+    ap.add_argument("--no-fio", action="store_true")
     args = ap.parse_args()
     nbytes = C.parse_size(args.size)
     target, created = C.prepare_target(args.dir)
@@ -105,7 +109,7 @@ def main() -> int:
                 continue
             with prof:
                 print(f"== {prof.label()}", flush=True)
-                for bs in ("1M", "4M", "16M"):
+                for bs in () if args.no_fio else ("1M", "4M", "16M"):
                     best = 0.0
                     for _ in range(args.reps):
                         C.drop_caches()
@@ -114,8 +118,9 @@ def main() -> int:
                     rows.append([name, f"fio {bs} qd16", "seq", f"{best:.2f}"])
                     report["results"].append({"profile": name, "what": f"fio {bs} qd16", "gbps": best})
                     print("  ", rows[-1], flush=True)
-                for block, qd in CONFIGS:
-                    for mode, ck in (("torch", True), ("zc", True), ("scatter", True)):
+                configs = [(C.parse_block_size(c.split("x")[0]), int(c.split("x")[1])) for c in args.configs.split(",")]
+                for block, qd in configs:
+                    for mode, ck in ((m, True) for m in args.modes.split(",")):
                         g = max(read_once(path, nbytes, block, qd, mode, ck) for _ in range(args.reps))
                         label = f"engine {block >> 10}K x {qd}"
                         rows.append([name, label, mode + (" +crc" if ck else ""), f"{g:.2f}"])
