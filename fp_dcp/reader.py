@@ -1105,8 +1105,11 @@ class _Run:
             if large is None:
                 self._engine_read(self.session, files, offs, views, check)
             else:
-                # long runs as large requests, the rest (scattered small runs) as small ones
-                long = np.fromiter((v.nbytes for v in views), dtype=np.int64, count=len(views)) >= _LONG_RUN_BYTES
+                # long runs as large requests, the rest (scattered small runs) as
+                # small ones; a run is a stretch of pieces back to back in one
+                # file (packed small tensors, pieces joined by fillers)
+                long = _in_long_runs(files, offs, np.fromiter((v.nbytes for v in views), dtype=np.int64,
+                                                              count=len(views)))
                 for session, mask in ((large, long), (self.session, ~long)):
                     if mask.all():
                         self._engine_read(session, files, offs, views, check)
@@ -1131,6 +1134,23 @@ class _Run:
 
 # --------------------------------------------------------------------------
 # replicated reads shared over the process group
+
+
+def _in_long_runs(files: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """For pieces sorted by (file, offset): whether each lies in a run of at
+    least ``_LONG_RUN_BYTES`` of pieces back to back (or overlapping) in one
+    file, the requests of which the engine of large requests makes."""
+    n = len(lens)
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    shift = int(max(int((offs + lens).max()), 1)).bit_length() + 1
+    keys = (files.astype(np.int64) << shift) + offs  # files far apart: a run never crosses one
+    ends = np.maximum.accumulate(keys + lens)
+    new = np.ones(n, dtype=bool)
+    new[1:] = keys[1:] > ends[:-1]
+    first = np.flatnonzero(new)
+    span = np.maximum.reduceat(keys + lens, first) - keys[first]
+    return span[np.cumsum(new) - 1] >= _LONG_RUN_BYTES
 
 
 def _read_key(req: ReadItem) -> tuple:

@@ -64,7 +64,8 @@ def test_long_runs_go_out_as_large_requests(tmp_path):
     s = load(target, path).last_stats
     assert_sd_equal(sd, target)
     big = sd["big"].numel() * 4
-    assert s["large_request_bytes"] == big        # the 8 MiB tensor, the small one not
+    # the 8 MiB tensor (and the small one where it is packed right behind it)
+    assert big <= s["large_request_bytes"] <= s["bytes"]
     block, _ = large_read_shape(device_max_request_bytes(str(path)), 4096)
     assert s["requests"] <= -(-big // block) + 4  # a handful of large requests, not 32 of 256 KiB
     assert s["checksum_bytes"] == s["bytes"]      # both engines' reads verified, each byte once
@@ -96,3 +97,34 @@ def test_a_flipped_byte_in_a_long_run_is_still_caught(tmp_path):
     with pytest.raises(FAILED, match="checksum mismatch"):
         load(zeros_like_sd(sd), path)
     assert _aio.stats()["inflight"] == 0
+
+
+def test_in_long_runs_groups_pieces_back_to_back():
+    from fp_dcp.reader import _LONG_RUN_BYTES, _in_long_runs
+
+    L = _LONG_RUN_BYTES
+    files = np.array([0, 0, 0, 0, 1, 1, 1], np.int64)
+    offs = np.array([0, L // 2, L // 2 + 100, 5 * L, 0, L // 4, 3 * L], np.int64)
+    lens = np.array([L // 2, 100, L // 2, L, L // 4, L // 2, 10], np.int64)
+    # file 0: [0, L/2) + [L/2, L/2+100) + [L/2+100, L+100): one run of L+100 bytes; then a lone L piece
+    # file 1: [0, L/4) + [L/4, 3L/4): 3L/4, short; a lone 10-byte piece
+    assert _in_long_runs(files, offs, lens).tolist() == [True, True, True, True, False, False, False]
+    # an overlap continues the run; another file never does
+    assert _in_long_runs(np.array([0, 1]), np.array([0, 0]), np.array([L - 1, L - 1])).tolist() == [False, False]
+    assert _in_long_runs(np.array([0, 0]), np.array([0, 10]), np.array([L - 1, L - 1])).tolist() == [True, True]
+    assert _in_long_runs(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)).tolist() == []
+
+
+def test_packed_small_tensors_go_out_as_large_requests(tmp_path):
+    """Hundreds of small tensors packed back to back are one long run: read
+    in large requests (a device that charges per operation reads 256 KiB
+    requests at a twelfth of 4 MiB ones), each tensor still checked."""
+    rng = np.random.default_rng(2)
+    sd = {f"s{i}": torch.from_numpy(rng.standard_normal(2048, dtype=np.float32)) for i in range(600)}  # 8 KiB each
+    save(sd, tmp_path / "c")
+    target = zeros_like_sd(sd)
+    s = load(target, tmp_path / "c").last_stats
+    assert_sd_equal(sd, target)
+    assert s["large_request_bytes"] >= s["bytes"] // 2
+    assert s["checksum_bytes"] == s["bytes"]
+    assert s["requests"] < 600 // 4
