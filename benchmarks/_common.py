@@ -16,6 +16,10 @@ Everything a benchmark needs besides the thing it measures:
   ``method="hugebuf"``: fp_dcp's engine into one huge-page buffer, else a
   single-request O_DIRECT loop in Python);
 - machine: ``hardware_info(dir)``, ``check_free_space``;
+- device profiles: ``DeviceProfile("bare" | "throttled", dir, iops)``, a
+  context manager that puts this process (and so its children) into a cgroup
+  v1 blkio group limiting the disk under ``dir`` to ``iops`` operations per
+  second, torn down on exit;
 - set-up: ``import_fp_dcp`` (installed package, else this checkout),
   ``prepare_target`` (the work directory under ``DEFAULT_DIR``, SIGTERM
   unwinding like Ctrl-C), ``timestamp``;
@@ -650,6 +654,108 @@ def block_device_of(path: str | Path) -> dict:
     if "name" not in info:
         info["name"] = _mount_of(path)[2]
     return info
+
+
+def disk_dev_of(path: str | Path) -> tuple[str, str] | None:
+    """("major:minor", name) of the whole disk holding ``path`` (a partition's
+    parent), as cgroup blkio throttling wants it; None where sysfs does not say."""
+    try:
+        st = os.stat(path)
+        sysdev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
+        disk = sysdev if (sysdev / "queue").exists() else sysdev.parent
+        return (disk / "dev").read_text().strip(), disk.name
+    except OSError:
+        return None
+
+
+BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
+PROFILES = ("bare", "throttled")
+
+
+class DeviceProfile:
+    """A device profile the benchmark runs inside, as a context manager.
+
+    ``bare``: the disk as it is.  ``throttled``: the same disk limited to
+    ``iops`` read and ``iops`` write operations per second, the way a cloud
+    volume that charges per operation is: a cgroup v1 blkio group
+    (``blkio.throttle.read_iops_device`` / ``write_iops_device`` for the disk
+    under ``target``), which the calling process joins, so every child it
+    starts (fp_dcp, the stock writer, fio, ...) runs inside it; on exit the
+    process goes back to the root group and the group is removed.  Where it
+    cannot be set up (not root, no cgroup v1 blkio, no disk found)
+    ``available`` is False and ``why`` says why; nothing was changed.
+    """
+
+    def __init__(self, name: str, target: str | Path, iops: int = 2000) -> None:
+        if name not in PROFILES:
+            raise ValueError(f"unknown device profile {name!r}: choose from {', '.join(PROFILES)}")
+        self.name, self.target, self.iops = name, Path(target), iops
+        self.group: Path | None = None
+        self.available, self.why = True, ""
+        dev = disk_dev_of(target)
+        self.dev, self.disk = dev if dev else (None, None)
+        self.max_sectors_kb = None
+        if self.disk:
+            try:
+                self.max_sectors_kb = int(Path(f"/sys/block/{self.disk}/queue/max_sectors_kb").read_text())
+            except (OSError, ValueError):
+                pass
+        if name == "throttled":
+            if self.dev is None:
+                self.available, self.why = False, f"no block device found under {target}"
+            elif not (BLKIO_ROOT / "blkio.throttle.read_iops_device").exists():
+                self.available, self.why = False, f"no cgroup v1 blkio throttling at {BLKIO_ROOT}"
+            elif os.geteuid() != 0:
+                self.available, self.why = False, "cgroup blkio throttling needs root"
+
+    def describe(self) -> dict:
+        return {"profile": self.name, "available": self.available, "why": self.why or None,
+                "disk": self.disk, "dev": self.dev, "max_sectors_kb": self.max_sectors_kb,
+                "read_iops": self.iops if self.name == "throttled" else None,
+                "write_iops": self.iops if self.name == "throttled" else None}
+
+    def label(self) -> str:
+        if self.name == "bare":
+            return f"bare ({self.disk or '?'})"
+        return f"throttled ({self.disk or '?'} {self.dev}: {self.iops} read / {self.iops} write IOPS, cgroup v1 blkio)"
+
+    def __enter__(self) -> "DeviceProfile":
+        if self.name != "throttled" or not self.available:
+            return self
+        group = BLKIO_ROOT / f"fp_dcp_bench_{os.getpid()}"
+        try:
+            group.mkdir(exist_ok=True)
+            self.group = group
+            (group / "blkio.throttle.read_iops_device").write_text(f"{self.dev} {self.iops}\n")
+            (group / "blkio.throttle.write_iops_device").write_text(f"{self.dev} {self.iops}\n")
+            (group / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        except OSError as e:
+            self.available, self.why = False, f"cannot set up {group}: {e}"
+            self._tear_down()
+        return self
+
+    def _tear_down(self) -> None:
+        if self.group is None:
+            return
+        try:
+            (BLKIO_ROOT / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        except OSError:
+            pass
+        for f in ("blkio.throttle.read_iops_device", "blkio.throttle.write_iops_device"):
+            try:
+                (self.group / f).write_text(f"{self.dev} 0\n")
+            except OSError:
+                pass
+        for _ in range(50):  # children that just exited may still be listed for a moment
+            try:
+                self.group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+        self.group = None
+
+    def __exit__(self, *exc: Any) -> None:
+        self._tear_down()
 
 
 def hardware_info(target_dir: str | Path) -> dict:

@@ -13,6 +13,14 @@ project's targets. JSON with the machine description goes to --json.
     python benchmarks/bench_save_load.py --quick                 # smoke test
     python benchmarks/bench_save_load.py --size 4GiB --mix both  # the real run
     python benchmarks/bench_save_load.py --engines aio,uring --repeat 5
+    python benchmarks/bench_save_load.py --profiles bare,throttled --throttle-iops 1000
+
+Contenders: fp_dcp, fp_dcp[noverify] (the same reader with verify_checksums
+off, same rounds), stock FileSystemWriter/Reader, torch_checkpointing (the
+peer, the ``bench`` extra), torch.save, and the raw device (fio at 1, 4 and
+16 MiB and fp_dcp's engine into one huge-page buffer: the best is the raw
+reference).  Each runs in every device profile: ``bare`` and ``throttled``
+(cgroup v1 blkio IOPS limits, root only; see benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ SAVE_VS_RAW = {"large": 0.90, "small": 0.80}
 SAVE_VS_STOCK = 3.0
 LOAD_VS_RAW = 0.90
 LOAD_VS_STOCK = 1.5
+VERIFY_VS_NOVERIFY = 0.95  # verified load within 5 % of the same load unverified
+PEER_MIN = 1.0
 RSS_OVERHEAD_MAX = 300 * C.MiB
 
 
@@ -48,6 +58,42 @@ def _fp_dcp_import():
     """The API from an installed fp_dcp, else from the repository checkout."""
     fp = C.import_fp_dcp()
     return fp.FastPersistWriter, fp.FastPersistReader, fp.FastPersistOptions
+
+
+def _tc_manager():
+    """torch_checkpointing's fastest correct CPU configuration here: a
+    synchronous save (its async saver's staging defaults need CUDA) through
+    buffered files.  Its default ``use_direct_io=True`` fails on this ext4
+    (torch.save's zip writer issues unaligned writes: EINVAL at close)."""
+    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.config import SyncCheckpointSaverConfig
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    return CheckpointManager(CheckpointManager.Config(
+        save=SyncCheckpointSaverConfig(), storage_config=LocalFileSystemStorageConfig(use_direct_io=False)))
+
+
+def _tc_key(key: str) -> str:
+    """torch_checkpointing takes only file-name-safe item keys ([a-zA-Z0-9_-]):
+    every other character (``.`` of module paths, and ``-``) as ``-xx`` hex."""
+    import re
+
+    return re.sub(r"[^a-zA-Z0-9_]", lambda m: f"-{ord(m.group()):02x}", key)
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _child(spec: dict) -> dict:
@@ -93,6 +139,7 @@ def _child(spec: dict) -> dict:
     reset_ok = C.reset_peak_rss()
 
     engine = spec.get("engine")
+    extra: dict = {}
     if op == "save":
         t0 = time.perf_counter()
         if kind == "fp_dcp":
@@ -101,6 +148,11 @@ def _child(spec: dict) -> dict:
         elif kind == "stock":
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path),
                                                              thread_count=spec["threads"]))
+        elif kind == "torch_checkpointing":
+            m = _tc_manager()
+            m.save(str(path), {_tc_key(k): v for k, v in sd.items()})
+            m.close()
+            _fsync_tree(path)  # it does not fsync: the clock stops when its files are durable
         elif kind == "torch_save":
             path.mkdir(parents=True, exist_ok=True)
             with open(path / "state_dict.pt", "wb") as f:
@@ -116,8 +168,20 @@ def _child(spec: dict) -> dict:
     else:
         t0 = time.perf_counter()
         if kind == "fp_dcp":
-            r = Reader(str(path), options=Options(engine=engine)) if engine else Reader(str(path))
+            kw = {"verify_checksums": spec.get("verify", True)}
+            r = Reader(str(path), options=Options(engine=engine, **kw)) if engine else Reader(str(path), **kw)
             dcp.load(sd, storage_reader=r)
+            extra["checksum_bytes"] = r.last_stats.get("checksum_bytes", 0)
+            extra["checksum_verified_bytes"] = r.last_stats.get("checksum_verified_bytes", 0)
+            extra["bytes_read"] = r.last_stats.get("bytes_read", 0)
+        elif kind == "torch_checkpointing":
+            m = _tc_manager()
+            names = {_tc_key(k): k for k in sd}
+            loaded = m.load(str(path), into={_tc_key(k): v for k, v in sd.items()})
+            m.close()
+            for k, v in (loaded or {}).items():  # non-tensor items come back in the result
+                if not isinstance(sd.get(names[k]), torch.Tensor):
+                    sd[names[k]] = v
         elif kind == "stock":
             dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
         elif kind == "torch_save":
@@ -139,7 +203,7 @@ def _child(spec: dict) -> dict:
         "errors": errors, "rss_base_bytes": base, "rss_peak_bytes": peak,
         "rss_overhead_bytes": peak - base if reset_ok else max(0, peak - base),
         "peak_reset": reset_ok, "generation_peak_bytes": gen_peak,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(), **extra,
     }
 
 
@@ -171,6 +235,11 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
     want = set(args.contenders.split(","))
     if "fp_dcp" in want and fp_ok:
         cs.append({"name": "fp_dcp", "kind": "fp_dcp", "engine": None, "role": "fp_dcp"})
+        if not args.no_verify_row:
+            # the same default reader with verification off, in the same rounds:
+            # the row that catches a verifier slower than the device (issue 15)
+            cs.append({"name": "fp_dcp[noverify]", "kind": "fp_dcp", "engine": None, "verify": False,
+                       "role": "fp_dcp_noverify"})
         for e in filter(None, args.engines.split(",")):
             cs.append({"name": f"fp_dcp[{e}]", "kind": "fp_dcp", "engine": e, "role": "fp_dcp_engine"})
     if "stock" in want:
@@ -178,6 +247,8 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
         if args.stock_threads and args.stock_threads != 1:
             cs.append({"name": f"stock-t{args.stock_threads}", "kind": "stock",
                        "threads": args.stock_threads, "role": "stock_tuned"})
+    if "torch_checkpointing" in want:
+        cs.append({"name": "torch_checkpointing", "kind": "torch_checkpointing", "role": "peer"})
     if "torch.save" in want:
         cs.append({"name": "torch.save", "kind": "torch_save", "role": "torch_save"})
     if "raw" in want:
@@ -190,6 +261,10 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
         # huge-page buffer, the engine's default shapes (write 4M x 8, read 256K x 64)
         cs.append({"name": "raw[hugebuf]", "kind": "raw", "method": "hugebuf", "role": "raw",
                    "block_size": 4 * C.MiB, "iodepth": 8, "read_block_size": 256 * C.KiB, "read_iodepth": 64})
+        # and reads in the large shape: a device that charges per operation
+        # (the throttled profile) reads 256 KiB requests at 1/16 the bandwidth
+        cs.append({"name": "raw[hugebuf,4M]", "kind": "raw", "method": "hugebuf", "role": "raw",
+                   "block_size": 4 * C.MiB, "iodepth": 8, "read_block_size": 4 * C.MiB, "read_iodepth": 8})
     return cs
 
 
@@ -258,6 +333,10 @@ def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
         return max(vals) if vals else (None, None)
 
     raw_w, raw_w_name = best("raw", "save")
+    noverify = {op: summ["fp_dcp[noverify]"][op]["median"] if "fp_dcp[noverify]" in summ else None
+                for op in ("save", "load")}
+    peer = {op: summ["torch_checkpointing"][op]["median"] if "torch_checkpointing" in summ else None
+            for op in ("save", "load")}
     raw_r, raw_r_name = best("raw", "load")
     stock = {op: summ["stock"][op]["median"] if "stock" in summ else None for op in ("save", "load")}
     tuned_name = next((c["name"] for c in contenders if c["role"] == "stock_tuned"), None)
@@ -270,6 +349,8 @@ def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
         targets = c["role"] == "fp_dcp"
 
         def add(op, what, num, den, den_name, minimum=None):
+            if den_name in ("fp_dcp[noverify]", "torch_checkpointing") and den_name not in summ:
+                return
             ratio = num / den if num and den else None
             verdict = ""
             if targets and minimum is not None:
@@ -284,6 +365,11 @@ def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
         add("load", "raw read", s["load"]["median"], raw_r, raw_r_name, LOAD_VS_RAW)
         add("load", "stock reader", s["load"]["median"], stock["load"], "stock", LOAD_VS_STOCK)
         add("load", "stock tuned ckpt", s["load"]["median"], tuned["load"], tuned_name)
+        if c["role"] == "fp_dcp":
+            add("load", "verify off (same rounds)", s["load"]["median"], noverify["load"], "fp_dcp[noverify]",
+                VERIFY_VS_NOVERIFY)
+            add("save", "torch_checkpointing", s["save"]["median"], peer["save"], "torch_checkpointing", 1.0)
+            add("load", "torch_checkpointing", s["load"]["median"], peer["load"], "torch_checkpointing", 1.0)
         for op in ("save", "load"):
             ov = s[op]["rss_overhead_max_bytes"]
             rows.append({"contender": c["name"], "op": op, "vs": "peak RSS overhead",
@@ -350,8 +436,18 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="rounds; contenders alternate within a round")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: --size 256MiB --repeat 1 (overrides both)")
-    p.add_argument("--contenders", default="fp_dcp,stock,torch.save,raw",
-                   help="comma list from: fp_dcp, stock, torch.save, raw")
+    p.add_argument("--contenders", default="fp_dcp,stock,torch_checkpointing,torch.save,raw",
+                   help="comma list from: fp_dcp, stock, torch_checkpointing, torch.save, raw "
+                        "(torch_checkpointing: pip install -e '.[bench]'; skipped with a message if missing)")
+    p.add_argument("--no-verify-row", action="store_true",
+                   help="leave out fp_dcp[noverify] (the default reader with verify_checksums=False, "
+                        "run in the same rounds to show the verifier's cost)")
+    p.add_argument("--profiles", default="bare,throttled",
+                   help="device profiles, each a full run of every contender: bare (the disk as it is), "
+                        "throttled (the same disk limited per operation by a cgroup v1 blkio group; "
+                        "needs root, skipped with a message otherwise)")
+    p.add_argument("--throttle-iops", type=int, default=1000,
+                   help="read and write IOPS limit of the throttled profile")
     p.add_argument("--engines", default="",
                    help="also run fp_dcp with FastPersistOptions(engine=E) for each E (e.g. aio,uring,threads)")
     p.add_argument("--stock-threads", type=int, default=4,
@@ -359,8 +455,9 @@ def parse_args(argv=None):
     p.add_argument("--raw", choices=("auto", "fio", "python"), default="auto",
                    help="raw device method: fio (O_DIRECT libaio) if on PATH, else a single-request "
                         "O_DIRECT loop in Python")
-    p.add_argument("--raw-bs", default="1M,4M",
-                   help="raw block sizes (one raw contender each; ratios use the fastest)")
+    p.add_argument("--raw-bs", default="1M,4M,16M",
+                   help="raw block sizes (one fio contender each, plus raw[hugebuf]; the raw reference "
+                        "of every ratio is the fastest of them in the same run)")
     p.add_argument("--raw-iodepth", type=int, default=16, help="fio iodepth")
     p.add_argument("--dir", type=Path, default=None,
                    help=f"target directory (default {C.DEFAULT_DIR}); needs 3x --size free")
@@ -378,9 +475,13 @@ def parse_args(argv=None):
     args.size_bytes = C.parse_size(args.size)
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
-    bad = set(args.contenders.split(",")) - {"fp_dcp", "stock", "torch.save", "raw"}
+    bad = set(args.contenders.split(",")) - {"fp_dcp", "stock", "torch_checkpointing", "torch.save", "raw"}
     if bad:
-        p.error(f"unknown contenders {sorted(bad)}: choose from fp_dcp, stock, torch.save, raw")
+        p.error(f"unknown contenders {sorted(bad)}: choose from fp_dcp, stock, torch_checkpointing, "
+                f"torch.save, raw")
+    bad = set(args.profiles.split(",")) - set(C.PROFILES)
+    if bad:
+        p.error(f"unknown profiles {sorted(bad)}: choose from {', '.join(C.PROFILES)}")
     return args
 
 
@@ -414,6 +515,12 @@ def main(argv=None) -> int:
         if not fp_ok:
             print(f"SKIPPING fp_dcp contenders: cannot import FastPersistWriter/Reader/Options "
                   f"from fp_dcp ({fp_info})")
+    if "torch_checkpointing" in args.contenders.split(","):
+        try:
+            import torch_checkpointing  # noqa: F401
+        except ImportError as e:
+            print(f"SKIPPING torch_checkpointing: {e} (pip install -e '.[bench]')")
+            args.contenders = ",".join(c for c in args.contenders.split(",") if c != "torch_checkpointing")
     raw_method = args.raw if args.raw != "auto" else ("fio" if C.fio_path() else "python")
     if args.raw == "fio" and not C.fio_path():
         sys.exit("error: --raw fio but fio is not on PATH")
@@ -432,19 +539,33 @@ def main(argv=None) -> int:
           f"{'cold (page cache dropped before each run)' if can_drop else 'WARM'}")
 
     mixes = ["large", "small"] if args.mix == "both" else [args.mix]
+    profiles = [C.DeviceProfile(name, target, args.throttle_iops) for name in args.profiles.split(",")]
     report = {"benchmark": "save_load", "timestamp": ts, "argv": sys.argv[1:],
               "size_bytes": args.size_bytes, "repeat": args.repeat, "seed": args.seed,
               "hardware": hw, "raw_method": raw_method, "cold_loads": can_drop,
               "fp_dcp": {"available": fp_ok, "info": fp_info},
-              "contenders": contenders, "mixes": []}
+              "contenders": contenders, "mixes": [],
+              "profiles": [p.describe() for p in profiles]}
     texts = []
     try:
-        for mix in mixes:
-            res = run_mix(args, mix, contenders, workdir, can_drop)
-            summ = _summaries(res, contenders)
-            ratios = _ratios(mix, summ, contenders)
-            texts.append(print_report(res, summ, ratios, contenders))
-            report["mixes"].append({**res, "summary": summ, "ratios": ratios})
+        for prof in profiles:
+            if not prof.available:
+                print(f"\nSKIPPING device profile {prof.name}: {prof.why}")
+                texts.append(f"device profile {prof.name}: SKIPPED ({prof.why})")
+                continue
+            with prof:
+                if not prof.available:
+                    print(f"\nSKIPPING device profile {prof.name}: {prof.why}")
+                    texts.append(f"device profile {prof.name}: SKIPPED ({prof.why})")
+                    continue
+                print(f"\n==== device profile: {prof.label()} ====", flush=True)
+                for mix in mixes:
+                    res = run_mix(args, mix, contenders, workdir, can_drop)
+                    summ = _summaries(res, contenders)
+                    ratios = _ratios(mix, summ, contenders)
+                    texts.append(f"device profile: {prof.label()}\n"
+                                 + print_report(res, summ, ratios, contenders))
+                    report["mixes"].append({**res, "profile": prof.name, "summary": summ, "ratios": ratios})
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -326,6 +326,17 @@ def _crc32c_impl(which=None):
     return "hw" if fpio_crc32c_impl(-1 if which is None else (1 if which == "hw" else 0)) else "sw"
 
 
+def _crc_copy_streams(uintptr_t dst, uintptr_t src, size_t length):
+    """Tests: whether a fused copy + CRC-32C of ``length`` bytes from address
+    ``src`` to address ``dst`` uses streaming (non-temporal) stores; and
+    :func:`_crc_nt_bytes`, the bytes so copied in this process so far."""
+    return bool(fpio_crc_copy_streams(dst, src, length))
+
+
+def _crc_nt_bytes():
+    return fpio_crc_nt_bytes()
+
+
 def stats():
     """Process-wide live counters: buffers, locked_bytes, engines, inflight."""
     return {"buffers": _n_buffers, "locked_bytes": _locked_bytes,
@@ -766,27 +777,30 @@ cdef class Engine:
         self._run(True, fds, paths, file_index, file_offset, sources, sync, 0, checksums,
                   checksum_origin, out, &res)
         stats = {"bytes": res.bytes, "bytes_on_disk": res.bytes_io, "requests": res.requests,
-                 "zero_copy_bytes": res.zc_bytes, "seconds": res.seconds}
+                 "zero_copy_bytes": res.zc_bytes, "checksum_bytes": res.crc_bytes, "seconds": res.seconds}
         stats.update(out)
         return stats
 
     def read(self, fds, paths, file_index, file_offset, dests,
-             Py_ssize_t coalesce_gap=DEFAULT_COALESCE_GAP, checksums=False, checksum_origin=None):
+             Py_ssize_t coalesce_gap=DEFAULT_COALESCE_GAP, checksums=False, checksum_origin=None,
+             checksum_skip=None):
         """Fill dests[i] from file_offset[i] of fds[file_index[i]]. See docs/NATIVE.md.
-        checksums as for write(), of what landed in each dest."""
+        checksums as for write(), of what landed in each dest; checksum_skip
+        (with a block size): a bool per dest, True = no checksum for it (one
+        entry, 0; its bytes are not fed to the CRC)."""
         cdef fpio_result res
         if coalesce_gap < 0:
             raise ValueError(f"coalesce_gap must be >= 0, got {coalesce_gap}")
         out = {}
         self._run(False, fds, paths, file_index, file_offset, dests, False, coalesce_gap, checksums,
-                  checksum_origin, out, &res)
+                  checksum_origin, out, &res, checksum_skip)
         stats = {"bytes": res.bytes, "bytes_read": res.bytes_io, "requests": res.requests,
-                 "direct_bytes": res.zc_bytes, "seconds": res.seconds}
+                 "direct_bytes": res.zc_bytes, "checksum_bytes": res.crc_bytes, "seconds": res.seconds}
         stats.update(out)
         return stats
 
     cdef _run(self, bint write, fds, paths, file_index, file_offset, bufs, bint sync,
-              int64_t gap, checksums, checksum_origin, dict out, fpio_result *res):
+              int64_t gap, checksums, checksum_origin, dict out, fpio_result *res, checksum_skip=None):
         bufs = list(bufs)
         cdef Py_ssize_t n = len(bufs), nfiles = len(fds), i, got = 0
         cdef const int64_t[::1] fi = _i64(file_index, "file_index")
@@ -811,6 +825,7 @@ cdef class Engine:
         cdef int64_t[::1] crc_first
         cdef uint32_t[::1] crc_out
         cdef const int64_t[::1] crc_org
+        cdef const uint8_t[::1] crc_skip
         cdef int64_t org
         if checksums is True:
             crcp = &crc
@@ -832,6 +847,16 @@ cdef class Engine:
                     raise ValueError(f"piece {i}: checksum_origin {crc_org[i]} is negative or beyond the largest file offset")
             if n:
                 crc.origin = &crc_org[0]
+        crc.skip = NULL
+        if checksum_skip is not None:
+            if crc_block == 0:
+                raise ValueError("checksum_skip needs checksums=<block size>")
+            skip_arr = np.ascontiguousarray(checksum_skip, dtype=np.bool_).view(np.uint8)
+            if skip_arr.ndim != 1 or skip_arr.shape[0] != n:
+                raise ValueError(f"{n} buffers but {skip_arr.size} checksum_skip entries")
+            crc_skip = skip_arr
+            if n:
+                crc.skip = &crc_skip[0]
         self._enter()
         try:
             cfds = <int *>malloc((nfiles + 1) * sizeof(int))
@@ -878,7 +903,7 @@ cdef class Engine:
                     ln = pieces[i].len
                     org = crc.origin[i] if crc.origin != NULL else 0
                     crc_first[i + 1] = crc_first[i] + (
-                        1 if crc_block == 0 or ln == 0
+                        1 if crc_block == 0 or ln == 0 or (crc.skip != NULL and crc.skip[i])
                         else (org + ln - 1) // crc_block - org // crc_block + 1)
                 crcs = np.zeros(crc_first[n], dtype=np.uint32)
                 crc_out = crcs

@@ -49,6 +49,7 @@ typedef struct {
     int64_t bytes_io;    /* bytes written incl. padding / bytes actually read */
     int64_t requests;    /* requests submitted, resubmissions included */
     int64_t zc_bytes;    /* bytes moved straight from/to the caller's memory */
+    int64_t crc_bytes;   /* bytes fed to the CRC (0 without checksums) */
     double seconds;
 } fpio_result;
 
@@ -75,6 +76,7 @@ typedef struct {
     const int64_t *origin;
     const int64_t *first;
     uint32_t *out;
+    const uint8_t *skip;  /* NULL, or per piece: nonzero = no checksum (one entry, 0) */
 } fpio_crc;
 
 /* Pipelines (call without the GIL). Pieces sorted by (file, off); for writes
@@ -94,6 +96,10 @@ uint32_t fpio_crc32c(uint32_t crc, const void *buf, size_t len);
 uint32_t fpio_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t len);
 /* The CRC of A || B from crc(A), crc(B) and |B|. */
 uint32_t fpio_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
+/* Whether a fused copy + CRC of len bytes from src to dst uses streaming stores
+ * (see CRC_NT_MIN_DELTA in fpio.c); the bytes so copied since the start. */
+int fpio_crc_copy_streams(uintptr_t dst, uintptr_t src, size_t len);
+int64_t fpio_crc_nt_bytes(void);
 /* Tests: want 0 = tables, 1 = hardware (if the CPU has it), -1 = ask.
  * Returns 1 when the hardware path is in use. */
 int fpio_crc32c_impl(int want);

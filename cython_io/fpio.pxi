@@ -1,5 +1,5 @@
 # Declarations only: the C core (fpio.h) and the few libc calls _aio.pyx makes itself.
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 
 cdef extern from "fpio.h" nogil:
     enum:
@@ -28,6 +28,7 @@ cdef extern from "fpio.h" nogil:
         int64_t bytes_io
         int64_t requests
         int64_t zc_bytes
+        int64_t crc_bytes
         double seconds
 
     int fpio_engine_open(int kind, int qd_max, int nthreads, char **slots, int nslots,
@@ -38,6 +39,7 @@ cdef extern from "fpio.h" nogil:
         const int64_t *origin
         const int64_t *first
         uint32_t *out
+        const uint8_t *skip
 
     int fpio_write(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
                    int64_t npieces, int64_t block_size, int qd, int64_t align, int sync,
@@ -48,6 +50,8 @@ cdef extern from "fpio.h" nogil:
     uint32_t fpio_crc32c(uint32_t crc, const void *buf, size_t len)
     uint32_t fpio_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t len)
     uint32_t fpio_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)
+    int fpio_crc_copy_streams(uintptr_t dst, uintptr_t src, size_t len)
+    int64_t fpio_crc_nt_bytes()
     int fpio_crc32c_impl(int want)
     long fpio_inflight()
     void fpio_fault_set(int err, long after)

@@ -21,7 +21,42 @@ import torch
 from fp_dcp import _aio
 from fp_dcp.options import FastPersistOptions
 
-__all__ = ["IOSession", "tensor_bytes", "PinnedBuffer"]
+__all__ = ["IOSession", "tensor_bytes", "PinnedBuffer", "device_max_request_bytes", "large_read_shape"]
+
+# The reader's engine of large requests (issue 15): one request as large as
+# the device takes in one piece (``max_sectors_kb``), within these bounds, and
+# this many bytes in flight.  Measured in docs/NATIVE.md, "Request sizes".
+LARGE_REQUEST_MIN_BYTES = 1 << 20
+LARGE_REQUEST_MAX_BYTES = 4 << 20
+LARGE_IN_FLIGHT_BYTES = 32 << 20
+
+
+def device_max_request_bytes(directory: str) -> int | None:
+    """The largest request the block device under ``directory`` takes whole
+    (``/sys/block/<disk>/queue/max_sectors_kb``), or None where sysfs does not
+    say (tmpfs, network file systems, no sysfs)."""
+    try:
+        st = os.stat(directory)
+        real = os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+        for d in (real, os.path.dirname(real)):  # a partition's queue is its disk's
+            path = os.path.join(d, "queue", "max_sectors_kb")
+            if os.path.exists(path):
+                with open(path) as f:
+                    return int(f.read()) << 10
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def large_read_shape(max_request: int | None, alignment: int) -> tuple[int, int]:
+    """(block size, queue depth) of the reader's engine for long runs: the
+    device's largest whole request bounded to [1, 4] MiB (4 MiB where the
+    device does not say), a multiple of ``alignment``, and enough requests
+    for ``LARGE_IN_FLIGHT_BYTES`` in flight."""
+    block = LARGE_REQUEST_MAX_BYTES if max_request is None else max_request
+    block = min(max(block, LARGE_REQUEST_MIN_BYTES), LARGE_REQUEST_MAX_BYTES)
+    block = max(alignment, block // alignment * alignment)
+    return block, max(4, LARGE_IN_FLIGHT_BYTES // block)
 
 
 def tensor_bytes(t: torch.Tensor, name: str) -> np.ndarray:
@@ -156,6 +191,17 @@ class IOSession:
         twin.engine = _aio.Engine(self.kind, **self._engine_kwargs)
         twin._lock = threading.Lock()
         return twin
+
+    def reshaped(self, queue_depth: int, block_size: int) -> "IOSession":
+        """A session with this one's probed settings and an engine of its own
+        with another request size and queue depth (the reader's engine of
+        large requests); close it when done."""
+        other = copy.copy(self)
+        kwargs = dict(self._engine_kwargs, queue_depth=queue_depth, block_size=block_size)
+        other.engine = _aio.Engine(self.kind, **kwargs)
+        other._engine_kwargs = kwargs
+        other._lock = threading.Lock()
+        return other
 
     def matches(self, options: FastPersistOptions, directory: str) -> bool:
         """Whether this session serves ``directory`` too: same options, same

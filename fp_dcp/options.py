@@ -93,7 +93,13 @@ class FastPersistOptions:
             tuned default.
         block_size_bytes: size of one request and of one bounce buffer;
             ``None`` takes the engine's tuned default.  A multiple of the
-            file system's direct-I/O alignment.
+            file system's direct-I/O alignment.  With both ``None`` the
+            requests are sized by what is moved and by the device: the
+            writer sends 4 MiB x 8; the reader sends runs of 1 MiB and more
+            as requests of the device's largest whole request
+            (``max_sectors_kb``, bounded to 1-4 MiB, 32 MiB in flight) and
+            shorter runs as 256 KiB x 64 (docs/NATIVE.md, "Request sizes").
+            Setting either one gives every request that one shape.
         alignment_bytes: alignment of offsets, lengths and memory for direct
             I/O; ``None`` asks the file system (``statx`` ``STATX_DIOALIGN``,
             else 4096).

@@ -62,7 +62,7 @@ from fp_dcp import _aio
 from fp_dcp import format as fmt
 from fp_dcp import objects
 from fp_dcp.checksums import ReadVerifier
-from fp_dcp.engine import IOSession
+from fp_dcp.engine import IOSession, device_max_request_bytes, large_read_shape
 from fp_dcp.files import read_checkpoint_metadata
 from fp_dcp.layout import box_runs, check_extents_cover
 from fp_dcp.options import FastPersistOptions
@@ -99,6 +99,14 @@ _PROGRESS_BATCH_BYTES = 256 << 20
 # block_size_bytes to the engine (see FastPersistReader._engine).
 _READ_QUEUE_DEPTH = 64
 _READ_BLOCK_BYTES = 256 << 10
+# Requests sized by what they move (issue 15): with the engine's shape left
+# to fp_dcp, pieces at least this long (after the verifier's cuts) go to a
+# second engine of large requests (engine.large_read_shape: the device's
+# largest whole request, 4 MiB here, 8 in flight); shorter ones, scattered
+# runs above all, stay on the one above, many small requests in flight.
+# A 256 KiB request costs a device that charges per operation 16x the
+# operations of a 4 MiB one: measured in docs/NATIVE.md, "Request sizes".
+_LONG_RUN_BYTES = 1 << 20
 # shared reads: rounds read from disk ahead of the one being exchanged
 _READ_AHEAD = 2
 _ZERO_START = np.zeros(1, dtype=np.int64)  # one run, from the address given
@@ -207,6 +215,7 @@ class FastPersistReader(StorageReader):
         self.progress: Callable[[int, int], None] | None = None  # (bytes done, bytes total), for tools
         self._session: IOSession | None = None
         self._twins: list[IOSession] = []  # the other engines of shared reads
+        self._large: IOSession | None = None  # the engine of large requests (long runs)
         self._setting_up: threading.Thread | None = None
         self._ext_cache: dict[MetadataIndex, tuple[np.ndarray, ...]] = {}
         self._verifier: ReadVerifier | None = None
@@ -350,8 +359,11 @@ class FastPersistReader(StorageReader):
         def work() -> None:
             try:
                 session = self._engine()
+                large = self._large_engine()
                 if bounce:
                     session.engine.settle_pool()
+                    if large is not None:
+                        large.engine.settle_pool()
                 if twin:
                     self._twin(0)
             except BaseException:  # noqa: BLE001 - read_data's own set-up reports it
@@ -376,10 +388,25 @@ class FastPersistReader(StorageReader):
         return self._twins[i]
 
     def _close_sessions(self) -> None:
-        for session in [*self._twins, self._session]:
+        for session in [*self._twins, self._large, self._session]:
             if session is not None:
                 session.close()
-        self._session, self._twins = None, []
+        self._session, self._twins, self._large = None, [], None
+
+    def _large_engine(self) -> IOSession | None:
+        """The engine of large requests for long runs, kept with the reader;
+        None when the options set the engine's shape (they override the
+        rule) or when the rule gives no larger request."""
+        opts = self.options
+        if opts.queue_depth is not None or opts.block_size_bytes is not None:
+            return None
+        session = self._engine()
+        if self._large is None:
+            block, qd = large_read_shape(device_max_request_bytes(self._directory()), session.alignment)
+            if block <= _READ_BLOCK_BYTES:
+                return None
+            self._large = session.reshaped(qd, block)
+        return self._large
 
     def _engine(self) -> IOSession:
         directory = self._directory()
@@ -896,6 +923,7 @@ class _Run:
         assert reader.layout is not None
         self.file_sizes = np.array([size for _, size in reader.layout.files] or [0], dtype=np.int64)
         self.verifier = reader._checksums(paths)
+        self.large = reader._large_engine()
         self.fds: dict[int, int] = {}
         self.arena: Any = None
         self.arena_np: np.ndarray | None = None
@@ -914,6 +942,8 @@ class _Run:
             "temp_bytes": 0,
             "temp_units": 0,
             "checksum_verified_bytes": 0,
+            "checksum_bytes": 0,  # bytes the engine fed to the CRC (each read byte at most once)
+            "large_request_bytes": 0,  # bytes moved by the engine of large requests (long runs)
             "read_seconds": 0.0,
             "copy_seconds": 0.0,
         }
@@ -953,6 +983,23 @@ class _Run:
         self.arena_np = np.frombuffer(self.arena, dtype=np.uint8)
         self.arena_t = torch.frombuffer(self.arena, dtype=torch.uint8)
         self.stats["temp_bytes"] = size
+
+    def _engine_read(self, session: IOSession, files, offs, views, check) -> None:
+        kwargs = check.engine_kwargs if check is not None else {}
+        used, local = np.unique(files, return_inverse=True)
+        fds = [self._fd(int(f)) for f in used.tolist()]
+        s = session.engine.read(
+            fds, [self.paths[int(f)] for f in used.tolist()], local.astype(np.int64), offs, views,
+            coalesce_gap=0, **kwargs
+        )
+        if check is not None:
+            self.stats["checksum_verified_bytes"] += check.verify(s)
+            self.stats["checksum_bytes"] += s.get("checksum_bytes", 0)
+        self.stats["bytes_read"] += s.get("bytes_read", 0)
+        self.stats["requests"] += s.get("requests", 0)
+        if session is self.large:
+            self.stats["large_request_bytes"] += s.get("bytes", 0)
+        self.stats["engine_calls"] += 1
 
     def _fd(self, file: int) -> int:
         fd = self.fds.get(file)
@@ -1025,25 +1072,28 @@ class _Run:
                 files, offs = files[order], offs[order]
                 views = [views[i] for i in order.tolist()]
             check = None
-            kwargs: dict[str, Any] = {}
             if self.verifier is not None:
                 # pieces cut at extent boundaries; every checksum block a piece
                 # covers whole is compared with the CRC stored at save time
                 files, offs, views, check = self.verifier.plan(files, offs, views, skip=self.scratch)
-                kwargs = check.engine_kwargs
-            used, local = np.unique(files, return_inverse=True)
-            fds = [self._fd(int(f)) for f in used.tolist()]
             t0 = time.perf_counter()
-            s = self.session.engine.read(
-                fds, [self.paths[int(f)] for f in used.tolist()], local.astype(np.int64), offs, views,
-                coalesce_gap=0, **kwargs
-            )
-            if check is not None:
-                self.stats["checksum_verified_bytes"] += check.verify(s)
+            large = self.large
+            if large is None:
+                self._engine_read(self.session, files, offs, views, check)
+            else:
+                # long runs as large requests, the rest (scattered small runs) as
+                # small ones; a run is a stretch of pieces back to back in one
+                # file (packed small tensors, pieces joined by fillers)
+                long = _in_long_runs(files, offs, np.fromiter((v.nbytes for v in views), dtype=np.int64,
+                                                              count=len(views)))
+                for session, mask in ((large, long), (self.session, ~long)):
+                    if mask.all():
+                        self._engine_read(session, files, offs, views, check)
+                    elif mask.any():
+                        idx = np.flatnonzero(mask)
+                        self._engine_read(session, files[idx], offs[idx], [views[i] for i in idx.tolist()],
+                                          None if check is None else check.subset(idx))
             self.stats["read_seconds"] += time.perf_counter() - t0
-            self.stats["bytes_read"] += s.get("bytes_read", 0)
-            self.stats["requests"] += s.get("requests", 0)
-            self.stats["engine_calls"] += 1
             del views
         t0 = time.perf_counter()
         for j in batch:
@@ -1060,6 +1110,23 @@ class _Run:
 
 # --------------------------------------------------------------------------
 # replicated reads shared over the process group
+
+
+def _in_long_runs(files: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """For pieces sorted by (file, offset): whether each lies in a run of at
+    least ``_LONG_RUN_BYTES`` of pieces back to back (or overlapping) in one
+    file, the requests of which the engine of large requests makes."""
+    n = len(lens)
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    shift = int(max(int((offs + lens).max()), 1)).bit_length() + 1
+    keys = (files.astype(np.int64) << shift) + offs  # files far apart: a run never crosses one
+    ends = np.maximum.accumulate(keys + lens)
+    new = np.ones(n, dtype=bool)
+    new[1:] = keys[1:] > ends[:-1]
+    first = np.flatnonzero(new)
+    span = np.maximum.reduceat(keys + lens, first) - keys[first]
+    return span[np.cumsum(new) - 1] >= _LONG_RUN_BYTES
 
 
 def _read_key(req: ReadItem) -> tuple:

@@ -76,6 +76,8 @@ def test_load_checks_every_byte_of_whole_extents(big_ckpt):
     assert_sd_equal(sd, target)
     # a whole load reads every extent whole: every byte it needs is checked
     assert r.last_stats["checksum_verified_bytes"] == r.last_stats["bytes"] > 4 * MiB
+    # the verifier's work is bounded by what is read: each byte fed to the CRC once
+    assert r.last_stats["checksum_bytes"] == r.last_stats["bytes"] <= r.last_stats["bytes_read"]
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
@@ -315,6 +317,9 @@ def test_verifier_flags_exactly_the_bad_whole_blocks(tmp_path, case, seed):
         finally:
             os.close(fd)
     verified, found = check.compare(stats)
+    # counted work: only pieces covering a block whole go through the CRC, once
+    assert stats["checksum_bytes"] == sum(x.nbytes for x, k in zip(views, check.inside) if k)
+    assert stats["checksum_bytes"] <= sum(b - a for a, b in reads)
     # the expected answer, block by block
     expect_bad, expect_bytes = set(), 0
     for off, length in exts:

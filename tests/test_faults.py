@@ -97,7 +97,9 @@ def test_engine_fault_during_save_commits_nothing(tmp_path, no_leaks, err, after
 def test_engine_fault_during_load_names_the_file(tmp_path, no_leaks):
     path = tmp_path / "c"
     save(state_dict(1), path)
-    _aio._set_fault("io", errno.EIO, after=2)
+    # the second completion fails: this load is 2 large requests (its packed
+    # tensors are one contiguous run, read 4 MiB at a time)
+    _aio._set_fault("io", errno.EIO, after=1)
     r = FastPersistReader(path)
     try:
         with pytest.raises((Exception, CheckpointException)) as ei:

@@ -1,0 +1,130 @@
+"""Requests sized by what is moved and by the device (issue 15): the reader
+reads long runs through an engine of large requests (the device's largest
+whole request, bounded) and short scattered runs through one of many small
+requests; explicit engine options override the rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fp_dcp import _aio
+from fp_dcp.engine import (
+    LARGE_IN_FLIGHT_BYTES,
+    LARGE_REQUEST_MAX_BYTES,
+    LARGE_REQUEST_MIN_BYTES,
+    device_max_request_bytes,
+    large_read_shape,
+)
+from tests._sd import assert_sd_equal, load, save, zeros_like_sd
+
+pytestmark = pytest.mark.usefixtures("aio_no_leaks")
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    "max_request, alignment, want",
+    [
+        (None, 4096, (4 * MiB, 8)),          # the device does not say: 4 MiB, 32 MiB in flight
+        (4 * MiB, 4096, (4 * MiB, 8)),       # this VM's virtio disk (max_sectors_kb 4096)
+        (1280 << 10, 4096, (1280 << 10, 25)),
+        (128 << 10, 4096, (1 * MiB, 32)),    # a small limit: no smaller than 1 MiB
+        (32 * MiB, 4096, (4 * MiB, 8)),      # a large one: bounded by memory
+        ((1 << 20) + 512, 4096, (1 * MiB, 32)),  # rounded down to the alignment
+    ],
+)
+def test_large_read_shape(max_request, alignment, want):
+    block, qd = large_read_shape(max_request, alignment)
+    assert (block, qd) == want
+    assert LARGE_REQUEST_MIN_BYTES <= block <= LARGE_REQUEST_MAX_BYTES and block % alignment == 0
+    assert block * qd <= LARGE_IN_FLIGHT_BYTES and qd >= 4
+
+
+def test_device_max_request_bytes_reads_sysfs(tmp_path):
+    got = device_max_request_bytes(str(tmp_path))
+    assert got is None or (got > 0 and got % 512 == 0)
+    assert device_max_request_bytes("/proc") is None  # no block device
+
+
+def _ckpt(tmp_path):
+    rng = np.random.default_rng(1)
+    sd = {
+        "big": torch.from_numpy(rng.standard_normal((2048, 1024), dtype=np.float32)),  # 8 MiB
+        "small": torch.from_numpy(rng.standard_normal(1000, dtype=np.float32)),
+    }
+    save(sd, tmp_path / "c")
+    return sd, tmp_path / "c"
+
+
+def test_long_runs_go_out_as_large_requests(tmp_path):
+    sd, path = _ckpt(tmp_path)
+    target = zeros_like_sd(sd)
+    s = load(target, path).last_stats
+    assert_sd_equal(sd, target)
+    big = sd["big"].numel() * 4
+    # the 8 MiB tensor (and the small one where it is packed right behind it)
+    assert big <= s["large_request_bytes"] <= s["bytes"]
+    block, _ = large_read_shape(device_max_request_bytes(str(path)), 4096)
+    assert s["requests"] <= -(-big // block) + 4  # a handful of large requests, not 32 of 256 KiB
+    assert s["checksum_bytes"] == s["bytes"]      # both engines' reads verified, each byte once
+
+
+def test_explicit_engine_options_override_the_rule(tmp_path):
+    sd, path = _ckpt(tmp_path)
+    target = zeros_like_sd(sd)
+    s = load(target, path, queue_depth=4, block_size_bytes=1 << 20).last_stats
+    assert_sd_equal(sd, target)
+    assert s["large_request_bytes"] == 0
+    assert s["requests"] >= sd["big"].numel() * 4 // MiB
+
+
+def test_a_flipped_byte_in_a_long_run_is_still_caught(tmp_path):
+    from tests._sd import FAILED
+
+    sd, path = _ckpt(tmp_path)
+    from fp_dcp.reader import read_checkpoint_metadata
+    import os
+
+    _, layout, _ = read_checkpoint_metadata(str(path))
+    e = next(exts[0] for idx, exts in layout.extents.items() if idx.fqn == "big")
+    with open(os.path.join(path, layout.files[e.file][0]), "r+b") as f:
+        f.seek(e.file_offset + 5 * MiB + 3)
+        b = f.read(1)
+        f.seek(e.file_offset + 5 * MiB + 3)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(FAILED, match="checksum mismatch"):
+        load(zeros_like_sd(sd), path)
+    assert _aio.stats()["inflight"] == 0
+
+
+def test_in_long_runs_groups_pieces_back_to_back():
+    from fp_dcp.reader import _LONG_RUN_BYTES, _in_long_runs
+
+    L = _LONG_RUN_BYTES
+    files = np.array([0, 0, 0, 0, 1, 1, 1], np.int64)
+    offs = np.array([0, L // 2, L // 2 + 100, 5 * L, 0, L // 4, 3 * L], np.int64)
+    lens = np.array([L // 2, 100, L // 2, L, L // 4, L // 2, 10], np.int64)
+    # file 0: [0, L/2) + [L/2, L/2+100) + [L/2+100, L+100): one run of L+100 bytes; then a lone L piece
+    # file 1: [0, L/4) + [L/4, 3L/4): 3L/4, short; a lone 10-byte piece
+    assert _in_long_runs(files, offs, lens).tolist() == [True, True, True, True, False, False, False]
+    # an overlap continues the run; another file never does
+    assert _in_long_runs(np.array([0, 1]), np.array([0, 0]), np.array([L - 1, L - 1])).tolist() == [False, False]
+    assert _in_long_runs(np.array([0, 0]), np.array([0, 10]), np.array([L - 1, L - 1])).tolist() == [True, True]
+    assert _in_long_runs(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)).tolist() == []
+
+
+def test_packed_small_tensors_go_out_as_large_requests(tmp_path):
+    """Hundreds of small tensors packed back to back are one long run: read
+    in large requests (a device that charges per operation reads 256 KiB
+    requests at a twelfth of 4 MiB ones), each tensor still checked."""
+    rng = np.random.default_rng(2)
+    sd = {f"s{i}": torch.from_numpy(rng.standard_normal(2048, dtype=np.float32)) for i in range(600)}  # 8 KiB each
+    save(sd, tmp_path / "c")
+    target = zeros_like_sd(sd)
+    s = load(target, tmp_path / "c").last_stats
+    assert_sd_equal(sd, target)
+    assert s["large_request_bytes"] >= s["bytes"] // 2
+    assert s["checksum_bytes"] == s["bytes"]
+    assert s["requests"] < 600 // 4
