@@ -33,6 +33,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIX_NAMES = {"large": "large tensors", "small": "small tensors + objects"}
 
 
+def _profile_name(report: dict[str, Any], name: str) -> str:
+    """``bare`` or ``throttled to 1000 IOPS``: the device profile a mix ran in."""
+    for p in report.get("profiles") or []:
+        if p.get("profile") == name and p.get("read_iops"):
+            return f"{name} ({p['read_iops']} read / {p.get('write_iops')} write IOPS)"
+    return name
+
+
 def load_profiles(paths: list[str]) -> list[dict[str, Any]]:
     """One profile per (JSON file, mix): the device, the contenders' median
     GB/s (save, load), and the device's best raw write / read."""
@@ -62,7 +70,8 @@ def load_profiles(paths: list[str]) -> list[dict[str, Any]]:
                 })
             profiles.append({
                 "source": path, "device": device, "mix": mix["mix"],
-                "title": f"{MIX_NAMES.get(mix['mix'], mix['mix'])}, {_size(mix.get('payload_bytes'))}",
+                "title": f"{MIX_NAMES.get(mix['mix'], mix['mix'])}, {_size(mix.get('payload_bytes'))}"
+                         + (f", {_profile_name(report, mix['profile'])}" if mix.get("profile") else ""),
                 "tensors": mix.get("tensors"), "objects": mix.get("objects"),
                 "contenders": contenders, "raw": raw,
                 "command": "python benchmarks/bench_save_load.py " + " ".join(report.get("argv", [])),
