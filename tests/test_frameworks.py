@@ -57,6 +57,19 @@ class _Net:
             torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 48), torch.nn.LayerNorm(48)
         )
 
+    @staticmethod
+    def fsdp2(seed: int, mesh):
+        """``make(seed)`` with each Linear and the whole model ``fully_shard``-ed over ``mesh``."""
+        import torch
+        from torch.distributed.fsdp import fully_shard
+
+        model = _Net.make(seed)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
 
 def _full_sd(sd):
     """Global values of a (possibly DTensor) state dict, flattened to
@@ -205,7 +218,6 @@ def _titan(rank, world_size, root, async_mode):
     import torch
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torchtitan.components.checkpointer.dcp import CheckpointManager
 
     import fp_dcp
@@ -214,11 +226,7 @@ def _titan(rank, world_size, root, async_mode):
     mesh = init_device_mesh("cpu", (world_size,))
 
     def build(seed):
-        model = _Net.make(seed)
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = _Net.fsdp2(seed, mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         config = CheckpointManager.Config(
             enable=True, folder="checkpoint", interval=2, keep_latest_k=0, async_mode=async_mode
@@ -281,7 +289,6 @@ def _accelerate(rank, world_size, root):
         set_optimizer_state_dict,
     )
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from fp_dcp import FastPersistReader, FastPersistWriter
 
@@ -290,11 +297,7 @@ def _accelerate(rank, world_size, root):
     sd_options = StateDictOptions(full_state_dict=False, cpu_offload=False, broadcast_from_rank0=False)
 
     def build(seed):
-        model = _Net.make(seed)
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = _Net.fsdp2(seed, mesh)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     model, optimizer = build(0)
