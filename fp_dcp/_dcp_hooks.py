@@ -280,16 +280,24 @@ def checkpoint_kind(path: str | os.PathLike) -> str | None:
 
 class _DefaultReader:
     """Stands where DCP looks for ``FileSystemReader``: a
-    ``FastPersistReader`` for an fp_dcp checkpoint, the stock reader for
-    anything else (a stock checkpoint loads as before)."""
+    ``FastPersistReader`` for an fp_dcp checkpoint, for anything else the
+    stock reader with its metadata and objects through restricted
+    unpicklers (``fp_dcp.stock.SafeStockReader``): a stock checkpoint loads
+    as before, and a ``.metadata`` planted beside an fp_dcp checkpoint runs
+    no code either."""
 
     def __new__(cls, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        from fp_dcp.options import FastPersistOptions
+
+        opts = _current or {}
+        options = opts.get("options") or FastPersistOptions.from_env(**opts.get("kwargs", {}))
         if checkpoint_kind(path) == "fp_dcp":
             from fp_dcp.reader import FastPersistReader
 
-            opts = _current or {}
             return FastPersistReader(path, options=opts.get("options"), **opts.get("kwargs", {}))
-        return _stock("FileSystemReader")(path, *args, **kwargs)
+        from fp_dcp.stock import SafeStockReader
+
+        return SafeStockReader(path, *args, allow_pickle=options.allow_pickle, **kwargs)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -429,12 +429,12 @@ def _load_dcp(src: str) -> dict:
     """A stock DCP checkpoint's state dict, read without running its code (:mod:`fp_dcp.stock`)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from fp_dcp.options import FastPersistOptions
-    from fp_dcp.stock import SafeObjectsPlanner, SafeStockReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    from fp_dcp.stock import SafeStockReader
 
     sd: dict[str, Any] = {}
-    planner = SafeObjectsPlanner(src, allow_pickle=FastPersistOptions.from_env().allow_pickle)
-    _load_state_dict(sd, storage_reader=SafeStockReader(src), planner=planner, no_dist=True)
+    _load_state_dict(sd, storage_reader=SafeStockReader(src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return sd
 
 

@@ -11,8 +11,10 @@ its planner ``torch.load``\\ s every bytes item with ``weights_only=False``.
 * refuses a data file that is not a plain name of a regular file in the
   checkpoint directory, and stream transforms (compression extensions);
 
-and :class:`SafeObjectsPlanner` rebuilds the bytes items with the restricted
-unpickler (:mod:`fp_dcp.objects`).
+and rebuilds the bytes items with the restricted unpickler
+(:mod:`fp_dcp.objects`) before the caller's planner sees them.  fp-dcp
+convert --from-dcp reads with it, and so does ``dcp.load`` of a stock
+checkpoint while fp_dcp's default-storage switch is on.
 """
 
 from __future__ import annotations
@@ -26,13 +28,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_md
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from fp_dcp import format as fmt
 from fp_dcp import objects
 
-__all__ = ["SafeStockReader", "SafeObjectsPlanner"]
+__all__ = ["SafeStockReader"]
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name): getattr(dcp_md, name)
@@ -67,7 +68,22 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeStockReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata cannot run code or name files outside."""
+    """``FileSystemReader`` whose metadata cannot run code or name files
+    outside, and whose objects are rebuilt by the restricted unpickler
+    (unless ``allow_pickle``; ``None``: ``FP_DCP_ALLOW_PICKLE``)."""
+
+    def __init__(self, path: Any, *args: Any, allow_pickle: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        if allow_pickle is None:
+            from fp_dcp.options import FastPersistOptions
+
+            allow_pickle = FastPersistOptions.from_env().allow_pickle
+        self.allow_pickle = allow_pickle
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        where = os.fspath(self.path)
+        objects.check_bytes_targets(plan.items, planner, where)  # before any byte is read
+        return super().read_data(plan, _RestrictedObjects(planner, where, self.allow_pickle))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_md.Metadata:
         directory = os.fspath(self.path)
@@ -97,7 +113,8 @@ def _check_storage_info(directory: str, index: Any, info: Any) -> None:
         raise fmt.CheckpointFormatError(f"{where}: data file {str(name)[:200]!r} is not a file of the checkpoint")
     if getattr(info, "transform_descriptors", None):
         raise fmt.CheckpointFormatError(
-            f"{where}: stream transforms {list(info.transform_descriptors)!r} are not supported by fp-dcp convert"
+            f"{where}: stream transforms {list(info.transform_descriptors)!r} (a compressed stock checkpoint) "
+            f"are not read by fp_dcp's safe stock reader; load it with DCP's FileSystemReader if you trust it"
         )
     for field in (info.offset, info.length):
         if not isinstance(field, int) or isinstance(field, bool) or field < 0:
@@ -107,15 +124,17 @@ def _check_storage_info(directory: str, index: Any, info: Any) -> None:
         raise fmt.CheckpointFormatError(f"{where}: data file {name!r} is a symbolic link or not a regular file")
 
 
-class SafeObjectsPlanner(_EmptyStateDictLoadPlanner):
-    """Loads every item of a checkpoint; objects through the restricted unpickler."""
+class _RestrictedObjects:
+    """The caller's planner, except that ``load_bytes`` gets objects rebuilt
+    by the restricted unpickler (:func:`fp_dcp.objects.deliver_object`)."""
 
-    def __init__(self, where: str, allow_pickle: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._where = where
-        self._allow_pickle = allow_pickle
+    def __init__(self, planner: Any, where: str, allow_pickle: bool) -> None:
+        self._planner, self._where, self._allow_pickle = planner, where, allow_pickle
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         data = value.read()
         obj = objects.load_object(data, read_item.storage_index.fqn, self._where, self._allow_pickle)
-        objects.put_object(self, read_item, obj)
+        objects.deliver_object(self._planner, read_item, obj, data)

@@ -605,3 +605,31 @@ def test_commit_syncs_the_directory_before_and_after_the_rename(tmp_path, monkey
     save({"v": torch.ones(3)}, tmp_path / "c")
     i = events.index(("replace", fmt.METADATA_NAME))
     assert ("fsync_dir", "c") in events[:i] and events[i + 1] == ("fsync_dir", "c"), events
+
+
+def test_default_storage_switch_loads_stock_checkpoints_without_running_their_code(tmp_path):
+    """With fp_dcp's switch on, dcp.load(checkpoint_id=...) of a stock checkpoint
+    goes through the safe stock reader: ordinary state loads bit-exact, a
+    pickled payload (in an object, or a .metadata planted beside an fp_dcp
+    checkpoint) runs nothing."""
+    import pickle
+
+    import fp_dcp
+
+    marker = _marker(tmp_path)
+    dcp.save({"v": torch.arange(6.0), "step": 3}, storage_writer=FileSystemWriter(str(tmp_path / "ok")))
+    dcp.save({"v": torch.ones(2), "step": _Evil(marker)}, storage_writer=FileSystemWriter(str(tmp_path / "evil")))
+    save({"v": torch.ones(2), "step": 1}, tmp_path / "fp")
+    with open(tmp_path / "fp" / ".metadata", "wb") as f:  # planted, newer than .fp_dcp.meta
+        pickle.dump(_Evil(marker), f)
+    with fp_dcp.default_storage():
+        target = {"v": torch.zeros(6), "step": 0}
+        dcp.load(target, checkpoint_id=str(tmp_path / "ok"))
+        assert torch.equal(target["v"], torch.arange(6.0)) and target["step"] == 3
+        with pytest.raises(FAILED) as info:
+            dcp.load({"v": torch.zeros(2), "step": 0}, checkpoint_id=str(tmp_path / "evil"))
+        assert isinstance(root_error(info.value), UnsafeObjectError)
+        with pytest.raises(FAILED) as info:
+            dcp.load({"v": torch.zeros(2), "step": 0}, checkpoint_id=str(tmp_path / "fp"))
+        assert "refusing this stock DCP metadata" in str(info.value)
+    assert not os.path.exists(marker)
