@@ -533,7 +533,7 @@ def _ranks_body(rank, world, root, kind):
     return [(s["arena_shared"], s["arena_allocated"]) for s in stats]
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["THREAD", pytest.param("PROCESS", marks=pytest.mark.slow)])
 def test_async_modes_on_ranks(tmp_path, kind, world):
     results = run_ranks(world, _ranks_body, str(tmp_path), kind, timeout=120)

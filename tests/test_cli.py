@@ -97,6 +97,7 @@ def test_inspect_table_and_chunks_of_a_sharded_checkpoint(tmp_path, capsys):
     assert got["step"] == 3
 
 
+@pytest.mark.slow
 def test_python_dash_m_and_the_console_script(ckpt):
     _, path = ckpt
     r = subprocess.run([sys.executable, "-m", "fp_dcp", "inspect", path], capture_output=True, text=True, env=_ENV)

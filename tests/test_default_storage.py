@@ -265,7 +265,8 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["env", "launch", "launch -m", "off"])
+@pytest.mark.parametrize("how", ["env", "launch", pytest.param("launch -m", marks=pytest.mark.slow),
+                                 pytest.param("off", marks=pytest.mark.slow)])
 def test_unmodified_script(tmp_path, how):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
@@ -360,6 +361,7 @@ def _ranks_process_mode(rank, world_size, root):
     return kinds
 
 
+@pytest.mark.slow
 def test_async_save_process_mode_gets_the_writer(tmp_path):
     kinds = run_ranks(2, _ranks_process_mode, str(tmp_path), timeout=300)
     assert kinds == [["fp_dcp", "stock"]] * 2

@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from fp_dcp.cli import main as cli_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,6 +20,7 @@ _ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPA
 NUM = r"\d+\.\d+"
 
 
+@pytest.mark.slow  # CI runs it (the whole suite); about 15 s
 def test_demo_end_to_end_small(tmp_path, capsys):
     d = tmp_path / "kept"
     r = subprocess.run([sys.executable, DEMO, "--size", "16MiB", "--ranks", "2", "--dir", str(d)],

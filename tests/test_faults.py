@@ -276,6 +276,7 @@ def test_kill_one_rank_at_every_step(tmp_path, timeline):
     (("call", "fsync", 1), 0),
     (("after", 0), 1),
 ])
+@pytest.mark.slow  # the fast subset keeps test_kill_two_ranks_at_a_random_moment
 def test_kill_two_ranks(tmp_path, point, kill_rank):
     opts = {"block_size_bytes": 256 << 10}
     path = str(tmp_path / "c")
@@ -332,6 +333,7 @@ def test_two_writers_on_one_path(tmp_path):
     assert leftovers(path) == []
 
 
+@pytest.mark.slow
 def test_reader_during_a_save_sees_old_or_new_or_a_clear_error(tmp_path):
     path = str(tmp_path / "c")
     save(state_dict(1), path)

@@ -94,7 +94,7 @@ def _save_replicated(rank, world_size, path, stock_path):
     return {"bytes": writer.last_stats["bytes"], "plan": writer.last_plan}
 
 
-@pytest.mark.parametrize("world_size", [1, 4])
+@pytest.mark.parametrize("world_size", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_replicated_state_dict_is_split_by_bytes_over_every_rank(tmp_path, world_size):
     path, stock = str(tmp_path / "fp"), str(tmp_path / "stock")
     out = run_ranks(world_size, _save_replicated, path, stock)
@@ -199,6 +199,7 @@ def _mesh_2d(rank, world_size, path):
     return writer.last_stats["bytes"]
 
 
+@pytest.mark.slow
 def test_2d_mesh_shard_x_replicate_splits_each_shard_over_its_replicas(tmp_path):
     written = run_ranks(4, _mesh_2d, str(tmp_path / "c"))
     total = (1024 * 512 * 4) + (300 * 1000 * 2)

@@ -187,7 +187,7 @@ def _series(rank, world_size, root, mode, same_dir):
         (2, "sync", False),
         (2, "async", True),
         (2, "reuse", False),
-        (2, "process", True),
+        pytest.param(2, "process", True, marks=pytest.mark.slow),
         pytest.param(3, "sync", True, marks=pytest.mark.slow),
         (4, "sync", True),
         pytest.param(4, "async", False, marks=pytest.mark.slow),

@@ -578,7 +578,8 @@ def _load_victim(rank, world_size, path, step_target):
     return "loaded", ""
 
 
-@pytest.mark.parametrize("step_target", [False, True], ids=["object-over-tensor", "unsafe-object"])
+@pytest.mark.parametrize("step_target", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["object-over-tensor", "unsafe-object"])
 def test_every_rank_refuses_and_none_hangs(tmp_path, step_target):
     from tests._dist import run_ranks
 
