@@ -287,16 +287,15 @@ class _DefaultReader:
     no code either."""
 
     def __new__(cls, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
-        from fp_dcp.options import FastPersistOptions
-
         opts = _current or {}
-        options = opts.get("options") or FastPersistOptions.from_env(**opts.get("kwargs", {}))
         if checkpoint_kind(path) == "fp_dcp":
             from fp_dcp.reader import FastPersistReader
 
             return FastPersistReader(path, options=opts.get("options"), **opts.get("kwargs", {}))
+        from fp_dcp.options import FastPersistOptions
         from fp_dcp.stock import SafeStockReader
 
+        options = opts.get("options") or FastPersistOptions.from_env(**opts.get("kwargs", {}))
         return SafeStockReader(path, *args, allow_pickle=options.allow_pickle, **kwargs)
 
     @classmethod

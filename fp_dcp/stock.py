@@ -96,15 +96,16 @@ class SafeStockReader(FileSystemReader):
                 raise fmt.CheckpointFormatError(f"{path}: refusing this stock DCP metadata: {e}") from None
         if not isinstance(metadata, dcp_md.Metadata) or not isinstance(metadata.storage_data, dict):
             raise fmt.CheckpointFormatError(f"{path}: not a stock DCP checkpoint's metadata")
+        checked: set[str] = set()  # each data file is lstat'ed once, not once per item
         for index, info in metadata.storage_data.items():
-            _check_storage_info(directory, index, info)
+            _check_storage_info(directory, index, info, checked)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_md.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-def _check_storage_info(directory: str, index: Any, info: Any) -> None:
+def _check_storage_info(directory: str, index: Any, info: Any, checked: set[str]) -> None:
     where = f"{directory}: {getattr(index, 'fqn', index)!r}"
     if not isinstance(info, _StorageInfo):
         raise fmt.CheckpointFormatError(f"{where}: malformed storage entry")
@@ -119,9 +120,11 @@ def _check_storage_info(directory: str, index: Any, info: Any) -> None:
     for field in (info.offset, info.length):
         if not isinstance(field, int) or isinstance(field, bool) or field < 0:
             raise fmt.CheckpointFormatError(f"{where}: malformed offset or length")
-    st = os.lstat(os.path.join(directory, name))
-    if not stat.S_ISREG(st.st_mode):
+    if name in checked:
+        return
+    if not stat.S_ISREG(os.lstat(os.path.join(directory, name)).st_mode):
         raise fmt.CheckpointFormatError(f"{where}: data file {name!r} is a symbolic link or not a regular file")
+    checked.add(name)
 
 
 class _RestrictedObjects:
