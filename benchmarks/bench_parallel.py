@@ -216,7 +216,7 @@ def sim_holdings(scenario: str, world: int, tp: int, per_node: int, n_dirs: int)
     everywhere) and the optimizer's param_groups (a bytes item)."""
     import numpy as np
 
-    from fp_dcp import balance
+    from fp_dcp.save import balance
 
     dp = world // tp
     params = _llama_params(LLAMA_70B)
@@ -298,7 +298,7 @@ def child_sim(cfg: dict) -> dict:
     from torch.distributed.checkpoint.planner import SavePlan
 
     fp_dcp = C.import_fp_dcp()
-    from fp_dcp import writer as W
+    from fp_dcp.save import writer as W
 
     results = []
     for scenario in cfg["scenarios"]:

@@ -347,8 +347,8 @@ def corrupt_data(m: Matrix, base: str, quick: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
     from fp_dcp import FastPersistReader
-    from fp_dcp import verify as verify_mod
-    from fp_dcp.reader import read_checkpoint_metadata
+    from fp_dcp.tools import verify as verify_mod
+    from fp_dcp.load.reader import read_checkpoint_metadata
     from tests import _crash
 
     path = os.path.join(base, "cd")
@@ -421,7 +421,7 @@ def corrupt_data(m: Matrix, base: str, quick: bool) -> None:
 
 def corrupt_metadata(m: Matrix, base: str, quick: bool) -> None:
     from fp_dcp import format as fmt
-    from fp_dcp.reader import read_checkpoint_metadata
+    from fp_dcp.load.reader import read_checkpoint_metadata
     from tests import _crash
 
     path = os.path.join(base, "cm")
@@ -541,7 +541,7 @@ def rotation(m: Matrix, base: str, quick: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
     from fp_dcp import FastPersistWriter
-    from fp_dcp.rotation import keep_last
+    from fp_dcp.tools.rotation import keep_last
     from tests import _crash
 
     with m.case("rotation", "200 saves, keep_last(3)"):

@@ -5,7 +5,7 @@ at the speed of the disk.
     dcp.load(state_dict, storage_reader=FastPersistReader(path))
 
 The exports are loaded on first use (module ``__getattr__``), so that
-``import fp_dcp.cli`` (``fp-dcp --help``) and ``fp_dcp.options`` do not import
+``import fp_dcp.tools.cli`` (``fp-dcp --help``) and ``fp_dcp.options`` do not import
 torch; ``from fp_dcp import FastPersistWriter`` works as usual.
 """
 
@@ -17,8 +17,8 @@ import os
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "FastPersistWriter": "fp_dcp.writer",
-    "FastPersistReader": "fp_dcp.reader",
+    "FastPersistWriter": "fp_dcp.save.writer",
+    "FastPersistReader": "fp_dcp.load.reader",
     "FastPersistOptions": "fp_dcp.options",
     "use_as_default": "fp_dcp._dcp_hooks",
     "restore_default": "fp_dcp._dcp_hooks",
@@ -29,33 +29,12 @@ __all__ = ["FastPersistWriter", "FastPersistReader", "FastPersistOptions", "__ve
            "use_as_default", "restore_default", "default_storage"]
 
 
-def _native_missing(error: ImportError) -> ImportError:
-    """One message naming the fix, instead of a circular-import trace, when the
-    native extension ``fp_dcp._aio`` is not built (a source checkout that was
-    never installed) or does not load."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
-    in_clone = os.path.exists(os.path.join(root, "pyproject.toml"))
-    if isinstance(error, ModuleNotFoundError) and error.name == "fp_dcp._aio":
-        what = f"fp_dcp's native extension (fp_dcp._aio) is not built in {here}"
-    else:
-        what = f"fp_dcp's native extension (fp_dcp._aio) in {here} does not load ({error})"
-    fix = (f"build it from the clone: cd {root} && pip install -e ." if in_clone
-           else "reinstall the package: pip install --force-reinstall fp-dcp")
-    return ImportError(f"{what}; {fix}  (it needs a C compiler and the Python headers)")
-
-
 def __getattr__(name: str):
-    if name == "_aio":  # reached by `from fp_dcp import _aio` before the submodule is imported
-        try:
-            return importlib.import_module("fp_dcp._aio")
-        except ImportError as e:
-            raise _native_missing(e) from None
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fp_dcp' has no attribute {name!r}")
     if module != "fp_dcp.options":
-        __getattr__("_aio")  # the clear message first, not a trace from deep in the import
+        importlib.import_module("fp_dcp._native")  # the clear message first, not a trace from deep in the import
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -1,7 +1,7 @@
-"""python -m fp_dcp: the fp-dcp command line (fp_dcp/cli.py)."""
+"""python -m fp_dcp: the fp-dcp command line (fp_dcp/tools/cli.py)."""
 
 import sys
 
-from fp_dcp.cli import main
+from fp_dcp.tools.cli import main
 
 sys.exit(main())

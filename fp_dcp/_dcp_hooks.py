@@ -40,7 +40,7 @@ The private hooks:
    host copy; ``DTensor.from_local`` (public) is used when the mesh's device
    type is the copy's, the private constructor (as torch's own staging does)
    when a CUDA mesh's shard is staged on the host.
-4. **A torch 2.13 race** (``fp_dcp.staging._StagingFuture``): ``async_save``
+4. **A torch 2.13 race** (``fp_dcp.staging.stager._StagingFuture``): ``async_save``
    reads a staging future's ``done()`` before attaching its callback; a
    lazy staging that failed in between would read as a success.
 5. **Whether a planner caches plans, and under which key**
@@ -48,7 +48,7 @@ The private hooks:
    ``_cached_plans_key``): with DCP's plan caching the writer gets empty
    plans and must know which earlier save (same planner cache) they stand
    for; saves through a planner that does not cache must not count.
-6. **Which thread runs a save** (``fp_dcp.staging.AsyncStagingMixin``
+6. **Which thread runs a save** (``fp_dcp.staging.stager.AsyncStagingMixin``
    wraps the writer's DCP methods in ``__init_subclass__``): a staged save
    is attributed to the thread on which DCP calls ``set_up_storage_writer``,
    and DCP calls the writer's later methods for that save on the same
@@ -210,7 +210,7 @@ class _DefaultWriter:
     ``FastPersistWriter`` for a local path."""
 
     def __new__(cls, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
-        from fp_dcp.writer import FastPersistWriter
+        from fp_dcp.save.writer import FastPersistWriter
 
         opts = _current or {}
         return FastPersistWriter(path, options=opts.get("options"), **opts.get("kwargs", {}))
@@ -282,18 +282,18 @@ class _DefaultReader:
     """Stands where DCP looks for ``FileSystemReader``: a
     ``FastPersistReader`` for an fp_dcp checkpoint, for anything else the
     stock reader with its metadata and objects through restricted
-    unpicklers (``fp_dcp.stock.SafeStockReader``): a stock checkpoint loads
+    unpicklers (``fp_dcp.load.stock.SafeStockReader``): a stock checkpoint loads
     as before, and a ``.metadata`` planted beside an fp_dcp checkpoint runs
     no code either."""
 
     def __new__(cls, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
         opts = _current or {}
         if checkpoint_kind(path) == "fp_dcp":
-            from fp_dcp.reader import FastPersistReader
+            from fp_dcp.load.reader import FastPersistReader
 
             return FastPersistReader(path, options=opts.get("options"), **opts.get("kwargs", {}))
         from fp_dcp.options import FastPersistOptions
-        from fp_dcp.stock import SafeStockReader
+        from fp_dcp.load.stock import SafeStockReader
 
         options = opts.get("options") or FastPersistOptions.from_env(**opts.get("kwargs", {}))
         return SafeStockReader(path, *args, allow_pickle=options.allow_pickle, **kwargs)

@@ -11,7 +11,7 @@ engine call at extent boundaries, tells the engine where each piece starts
 in its extent (``checksum_origin``), and compares the CRC of every checksum
 block a piece covers whole with the stored one.  A piece that covers part of
 a block (a resharded read of a few rows or columns) leaves that block
-unchecked; ``fp-dcp verify`` (:mod:`fp_dcp.verify`) reads every block.
+unchecked; ``fp-dcp verify`` (:mod:`fp_dcp.tools.verify`) reads every block.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def merge_block_crcs(parts: Sequence[tuple[int, int, Any]], block: int) -> np.nd
     piece's grid that the part touches, the first and last possibly partial.
     Partial blocks cut by a part boundary are joined with ``crc32c_combine``.
     An empty piece has one entry, 0 (as the engine reports it)."""
-    from fp_dcp import _aio
+    from fp_dcp import _native
 
     out: list[int] = []
     pos = 0
@@ -103,7 +103,7 @@ def merge_block_crcs(parts: Sequence[tuple[int, int, Any]], block: int) -> np.nd
                 raise ValueError(f"a part of {length} bytes at {origin} has too many CRCs ({len(crcs)})")
             stop = min((pos // block + 1) * block, end)
             if pos % block:
-                out[-1] = _aio.crc32c_combine(out[-1], c, stop - pos)
+                out[-1] = _native.crc32c_combine(out[-1], c, stop - pos)
             else:
                 out.append(c)
             pos = stop

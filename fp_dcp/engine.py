@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from fp_dcp import _aio
+from fp_dcp import _native
 from fp_dcp.options import FastPersistOptions
 
 __all__ = ["IOSession", "tensor_bytes", "PinnedBuffer", "device_max_request_bytes", "large_read_shape"]
@@ -90,7 +90,7 @@ class PinnedBuffer:
     into it are DMA transfers."""
 
     def __init__(self, size: int, alignment: int) -> None:
-        self.raw = _aio.AlignedBuffer(size, alignment)
+        self.raw = _native.AlignedBuffer(size, alignment)
         self.size = size
         self.cuda_registered = False
         if torch.cuda.is_available():
@@ -147,14 +147,14 @@ class IOSession:
             # The file system's direct-I/O minimum, raised to its preferred block
             # size so that no request straddles a physical block (no device RMW).
             try:
-                probed = _aio.probe_alignment(directory)
+                probed = _native.probe_alignment(directory)
             except OSError as e:
                 if e.errno not in _CANNOT_CREATE:
                     raise
                 probed = (4096, 4096)  # a read-only directory: the safe default
             self.alignment = max(*probed, os.statvfs(directory).f_bsize)
         try:
-            supported = _aio.direct_io_supported(directory)
+            supported = _native.direct_io_supported(directory)
         except OSError as e:
             if e.errno not in _CANNOT_CREATE:
                 raise
@@ -178,7 +178,7 @@ class IOSession:
             kwargs["queue_depth"] = options.queue_depth
         if options.block_size_bytes is not None:
             kwargs["block_size"] = options.block_size_bytes
-        self.engine = _aio.Engine(kind, **kwargs)
+        self.engine = _native.Engine(kind, **kwargs)
         self.kind = self.engine.kind
         self._engine_kwargs = kwargs
         self._lock = threading.Lock()
@@ -188,7 +188,7 @@ class IOSession:
         (an engine serves one thread at a time), for a second thread reading
         at the same time; close it when done."""
         twin = copy.copy(self)
-        twin.engine = _aio.Engine(self.kind, **self._engine_kwargs)
+        twin.engine = _native.Engine(self.kind, **self._engine_kwargs)
         twin._lock = threading.Lock()
         return twin
 
@@ -198,7 +198,7 @@ class IOSession:
         large requests); close it when done."""
         other = copy.copy(self)
         kwargs = dict(self._engine_kwargs, queue_depth=queue_depth, block_size=block_size)
-        other.engine = _aio.Engine(self.kind, **kwargs)
+        other.engine = _native.Engine(self.kind, **kwargs)
         other._engine_kwargs = kwargs
         other._lock = threading.Lock()
         return other

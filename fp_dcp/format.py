@@ -13,7 +13,7 @@ A checkpoint is a directory holding
   JSON document (see ``docs/FORMAT.md``); nothing in it is unpickled, and
   every file it names must follow the writer's naming inside the checkpoint
   (:func:`data_file_paths`, the confinement rule of ``docs/FORMAT.md``).
-  Objects (DCP's bytes items) are rebuilt by :mod:`fp_dcp.objects`.
+  Objects (DCP's bytes items) are rebuilt by :mod:`fp_dcp.load.objects`.
 
 Everything here is pure Python over plain data, so the codec can be fuzzed.
 """

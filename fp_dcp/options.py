@@ -128,7 +128,7 @@ class FastPersistOptions:
             commits.
         data_dirs: directories for the data files, one per storage device
             (mount point / NVMe drive) of a node; the ranks of a node stripe
-            their bytes over them (see ``fp_dcp.balance``).  Empty (the
+            their bytes over them (see ``fp_dcp.save.balance``).  Empty (the
             default): the data files go in the checkpoint directory (one
             path, e.g. a shared file system).  Otherwise each rank writes
             under ``<data_dir>/<checkpoint name>-<hash of its path>/`` and the
@@ -142,7 +142,7 @@ class FastPersistOptions:
             A power of two.  Items smaller than ``pack_threshold_bytes`` are
             never split.
         staging: how ``dcp.async_save`` stages (copies) the state dict into
-            the writer's host arena (``fp_dcp.staging``): ``"eager"`` copies
+            the writer's host arena (``fp_dcp.staging.stager``): ``"eager"`` copies
             before ``async_save`` returns; ``"lazy"`` returns at once and
             copies in the background (CPU: memcpy with the GIL released;
             CUDA: a side stream), and ``async_save`` returns
@@ -247,7 +247,7 @@ class FastPersistOptions:
             torch's restricted unpickler (``torch.load(weights_only=True)``,
             extended by ``torch.serialization.add_safe_globals``), and one
             that needs another type is refused with
-            ``fp_dcp.objects.UnsafeObjectError`` naming the key and the
+            ``fp_dcp.load.objects.UnsafeObjectError`` naming the key and the
             types.  Set it only for checkpoints you trust.
     """
 
@@ -284,9 +284,9 @@ class FastPersistOptions:
         self._check()
 
     def _check(self) -> None:
-        from fp_dcp import _aio
+        from fp_dcp import _native
 
-        valid = ("auto",) + tuple(_aio.ENGINES)
+        valid = ("auto",) + tuple(_native.ENGINES)
         if self.engine not in valid:
             raise ValueError(
                 f"FastPersistOptions.engine={self.engine!r} is not an engine; "

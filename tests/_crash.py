@@ -7,7 +7,7 @@ Shared by ``tests/test_faults.py`` (a sample of points) and
 * ``("engine", k)``: the rank dies at its engine's k-th I/O completion
   (``_aio._set_fault("kill")``: requests in flight, data files half written);
 * ``("call", name, k)``: the coordinator dies just before the k-th call of
-  ``os.<name>`` made by ``fp_dcp.writer`` — the commit protocol: ``open``
+  ``os.<name>`` made by ``fp_dcp.save.writer`` — the commit protocol: ``open``
   (#0 the lock file, #1 the temporary metadata, #2 the directory before the
   rename, #3 after it), ``write`` / ``fsync`` (#0) of the temporary
   metadata, ``fsync`` (#1) of the directory, ``replace`` (the commit),
@@ -84,7 +84,7 @@ def same(a: Any, b: Any) -> bool:
 
 
 class _OsProxy:
-    """``fp_dcp.writer.os`` in a child: counts the watched calls and dies
+    """``fp_dcp.save.writer.os`` in a child: counts the watched calls and dies
     before the chosen one."""
 
     def __init__(self, real, kill_at: tuple[str, int] | None, pause_at: tuple | None = None) -> None:
@@ -119,7 +119,7 @@ def _child(path: str, seed: int, point: tuple | None, kill_rank: int, world: int
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    import fp_dcp.writer as writer_mod
+    import fp_dcp.save.writer as writer_mod
     from fp_dcp import FastPersistWriter, _aio
 
     torch.set_num_threads(1)
@@ -281,7 +281,7 @@ def outcome(path: str, candidates: dict[str, int]) -> str:
 def leftovers(path: str) -> list[str]:
     """Files in a checkpoint directory beyond the committed ones: stale
     temporary metadata and data files no committed metadata names."""
-    from fp_dcp.reader import read_checkpoint_metadata
+    from fp_dcp.load.reader import read_checkpoint_metadata
 
     _, layout, _ = read_checkpoint_metadata(path)
     keep = {name for name, _ in layout.files}

@@ -1,4 +1,4 @@
-"""dcp.async_save with FastPersistWriter as the AsyncStager (fp_dcp.staging).
+"""dcp.async_save with FastPersistWriter as the AsyncStager (fp_dcp.staging.stager).
 
 Safety (what reaches the checkpoint), lifetime (100 saves, leaks, close),
 failures (injected, reported, previous checkpoint intact), the memory limit,
@@ -121,7 +121,7 @@ def test_round_trip_zero_copy_and_return_type(tmp_path, mode, aio_no_leaks):
 
 def _extent_crcs(path) -> dict:
     """{(tensor, chunk offset): [crc32c of each extent]} of a checkpoint."""
-    from fp_dcp.reader import read_checkpoint_metadata
+    from fp_dcp.load.reader import read_checkpoint_metadata
 
     _, layout, _ = read_checkpoint_metadata(str(path))
     return {(i.fqn, tuple(i.offset or ())): [e.crc32c for e in exts] for i, exts in layout.extents.items()}
@@ -132,8 +132,8 @@ def test_staging_copy_checksums_are_the_files_checksums(tmp_path, mode, piece, a
     """The staging copy checksums what it copies (one pass over memory); the
     writer stores those CRCs instead of reading the arena again.  They must be
     exactly the CRCs the engine computes for the same bytes."""
-    from fp_dcp import staging
-    from fp_dcp.verify import verify_checkpoint
+    from fp_dcp.staging import stager as staging
+    from fp_dcp.tools.verify import verify_checkpoint
 
     sd = _sd(3)
     sd["large"]["c"] = torch.randn(5 * MiB // 4 + 77)  # blocks and a partial last block
@@ -456,7 +456,7 @@ def _ranks_body(rank, world, root, kind):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from fp_dcp.verify import verify_checkpoint
+    from fp_dcp.tools.verify import verify_checkpoint
 
     # run_ranks' workers are daemonic; DCP's PROCESS mode starts a child.
     mp.current_process()._config["daemon"] = False
@@ -592,7 +592,7 @@ def test_cuda_sync_save_chunks_checksummed_like_cpu(tmp_path, aio_no_leaks):
     those of the same tensors saved from the CPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from fp_dcp.verify import verify_checkpoint
+    from fp_dcp.tools.verify import verify_checkpoint
 
     g = torch.Generator(device="cuda").manual_seed(2)
     sd = {"w": torch.randn(5 * MiB // 4 + 333, device="cuda", generator=g),

@@ -1,4 +1,4 @@
-"""Property tests of the balancer (fp_dcp.balance): pure functions, no disk,
+"""Property tests of the balancer (fp_dcp.save.balance): pure functions, no disk,
 no process group.
 
 Every structure is built the way DCP's parallelisms build them: each rank
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp_dcp.balance import (
+from fp_dcp.save.balance import (
     UNSIZED,
     PlanCache,
     cut_stream,

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from fp_dcp import FastPersistReader, _aio
 from fp_dcp import format as fmt
-from fp_dcp import verify as verify_mod
+from fp_dcp.tools import verify as verify_mod
 from fp_dcp.checksums import ChecksumError, ReadVerifier, crc_array, crc_hex, merge_block_crcs
-from fp_dcp.reader import read_checkpoint_metadata
+from fp_dcp.load.reader import read_checkpoint_metadata
 from tests._sd import FAILED, assert_sd_equal, load, mixed_state_dict, save, zeros_like_sd
 
 pytestmark = pytest.mark.usefixtures("aio_no_leaks")

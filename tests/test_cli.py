@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from fp_dcp import FastPersistReader, FastPersistWriter
-from fp_dcp.cli import main
-from fp_dcp.convert import SAFETENSORS_DTYPES
+from fp_dcp.tools.cli import main
+from fp_dcp.tools.convert import SAFETENSORS_DTYPES
 from tests._dist import run_ranks
 from tests._sd import assert_sd_equal, bits_equal, mixed_state_dict, zeros_like_sd
 
@@ -130,7 +130,7 @@ def test_convert_to_torch_save_streams_tensors_through_the_file(tmp_path):
     import threading
     import time
 
-    from fp_dcp.convert import to_torch_save
+    from fp_dcp.tools.convert import to_torch_save
 
     g = torch.Generator().manual_seed(4)
     sd = {"layers": [torch.randn(4 << 20, generator=g) for _ in range(12)], "note": {"step": 7},
@@ -282,7 +282,7 @@ def test_help_and_usage_errors_import_no_torch(tmp_path):
     r = _run_cli("--help", importtime=True)
     assert r.returncode == 0, r.stderr
     mods = _imported(r.stderr)
-    assert "fp_dcp.cli" in mods and not {m for m in mods if m == "torch" or m.startswith("torch.")}
+    assert "fp_dcp.tools.cli" in mods and not {m for m in mods if m == "torch" or m.startswith("torch.")}
     assert not {m for m in mods if m in ("numpy", "fp_dcp._aio", "fp_dcp.format")}
     for word in ("inspect", "verify", "convert", "exit codes", "130", "-q"):
         assert word in r.stdout
@@ -299,7 +299,7 @@ def test_help_and_usage_errors_import_no_torch(tmp_path):
 
 
 def test_import_fp_dcp_cli_imports_no_torch_and_the_exports_still_work():
-    code = ("import sys, fp_dcp.cli, fp_dcp.options; assert 'torch' not in sys.modules, 'torch'; "
+    code = ("import sys, fp_dcp.tools.cli, fp_dcp.options; assert 'torch' not in sys.modules, 'torch'; "
             "from fp_dcp import FastPersistWriter, FastPersistReader, FastPersistOptions; "
             "import fp_dcp; assert 'torch' in sys.modules; "
             "assert sorted(fp_dcp.__all__) == sorted(['FastPersistWriter', 'FastPersistReader', "
@@ -308,7 +308,7 @@ def test_import_fp_dcp_cli_imports_no_torch_and_the_exports_still_work():
             "print(FastPersistWriter.__module__, FastPersistReader.__module__, fp_dcp.__file__)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_ENV, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["fp_dcp.writer", "fp_dcp.reader", os.path.join(REPO, "fp_dcp", "__init__.py")]
+    assert r.stdout.split() == ["fp_dcp.save.writer", "fp_dcp.load.reader", os.path.join(REPO, "fp_dcp", "__init__.py")]
     with pytest.raises(AttributeError):
         import fp_dcp
 
@@ -316,7 +316,7 @@ def test_import_fp_dcp_cli_imports_no_torch_and_the_exports_still_work():
 
 
 def test_cli_spells_the_format_names_like_the_format():
-    from fp_dcp import cli
+    from fp_dcp.tools import cli
     from fp_dcp import format as fmt
 
     assert (cli.META_NAME, cli.STOCK_META_NAME, cli.DATA_SUFFIX) == (
@@ -326,11 +326,8 @@ def test_cli_spells_the_format_names_like_the_format():
 def test_an_unbuilt_extension_says_how_to_build_it(tmp_path):
     """A source tree whose extension was never built: one message naming the
     fix, not "cannot import name '_aio' from partially initialized module"."""
-    pkg = tmp_path / "clone" / "fp_dcp"
-    pkg.mkdir(parents=True)
-    for name in os.listdir(os.path.join(REPO, "fp_dcp")):
-        if name.endswith(".py"):
-            shutil.copy(os.path.join(REPO, "fp_dcp", name), pkg / name)
+    shutil.copytree(os.path.join(REPO, "fp_dcp"), tmp_path / "clone" / "fp_dcp",
+                    ignore=lambda _d, names: [n for n in names if n.endswith((".so", ".c")) or n == "__pycache__"])
     shutil.copy(os.path.join(REPO, "pyproject.toml"), tmp_path / "clone")
     # the clone first on sys.path (the current directory), and no editable
     # install's finder (which would serve another checkout's fp_dcp._aio)
@@ -338,7 +335,7 @@ def test_an_unbuilt_extension_says_how_to_build_it(tmp_path):
     no_editable = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
                    "if not getattr(f, '__module__', '').startswith('__editable__')]; ")
     for code in ("from fp_dcp import FastPersistWriter", "from fp_dcp import FastPersistReader",
-                 "import fp_dcp.engine", "import fp_dcp.verify"):
+                 "import fp_dcp.engine", "import fp_dcp.tools.verify"):
         r = subprocess.run([sys.executable, "-c", no_editable + code], capture_output=True, text=True, env=env,
                            cwd=tmp_path / "clone", timeout=60)
         assert r.returncode == 1, (code, r.stderr)
@@ -350,7 +347,7 @@ def test_an_unbuilt_extension_says_how_to_build_it(tmp_path):
     ckpt = tmp_path / "ck"
     ckpt.mkdir()
     (ckpt / ".fp_dcp.meta").write_bytes(b"")
-    r = subprocess.run([sys.executable, "-c", no_editable + "import sys; from fp_dcp.cli import main; "
+    r = subprocess.run([sys.executable, "-c", no_editable + "import sys; from fp_dcp.tools.cli import main; "
                         f"sys.exit(main(['verify', {str(ckpt)!r}]))"], capture_output=True, text=True, env=env,
                        cwd=tmp_path / "clone", timeout=60)
     assert r.returncode == 1
@@ -375,7 +372,7 @@ def test_a_clone_in_the_current_directory_says_so(tmp_path):
 
 
 def test_every_command_has_quiet_progress_and_the_interrupt_message(ckpt, monkeypatch, capsys):
-    from fp_dcp import verify
+    from fp_dcp.tools import verify
 
     _, path = ckpt
     assert main(["verify", path]) == 0
@@ -392,7 +389,7 @@ def test_every_command_has_quiet_progress_and_the_interrupt_message(ckpt, monkey
     monkeypatch.setattr(verify, "verify_checkpoint", interrupted)
     assert main(["verify", "-q", path]) == 130
     assert "fp-dcp verify: interrupted" in capsys.readouterr().err
-    monkeypatch.setattr("fp_dcp.convert.describe", interrupted)
+    monkeypatch.setattr("fp_dcp.tools.convert.describe", interrupted)
     assert main(["inspect", path]) == 130
     assert "fp-dcp inspect: interrupted" in capsys.readouterr().err
 
@@ -497,7 +494,7 @@ def test_ctrl_c_stops_verify_after_the_batches_in_flight(tmp_path, monkeypatch):
     import concurrent.futures
     import threading
 
-    from fp_dcp import verify
+    from fp_dcp.tools import verify
 
     path = str(tmp_path / "c")
     dcp.save({f"t{i}": torch.ones(1 << 18) for i in range(16)}, storage_writer=FastPersistWriter(path), no_dist=True)

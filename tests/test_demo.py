@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from fp_dcp.cli import main as cli_main
+from fp_dcp.tools.cli import main as cli_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(REPO, "tools", "demo.py")

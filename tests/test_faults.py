@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fp_dcp import FastPersistReader, FastPersistWriter, _aio
-from fp_dcp.reader import read_checkpoint_metadata
-from fp_dcp.rotation import keep_last
+from fp_dcp.load.reader import read_checkpoint_metadata
+from fp_dcp.tools.rotation import keep_last
 from tests import _crash
 from tests._crash import COMMIT, committed, leftovers, outcome, resources, run_save, settle, state_dict
 from tests._sd import failed_load, failed_save, root_error, save

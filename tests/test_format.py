@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from fp_dcp import FastPersistReader, FastPersistWriter
 from fp_dcp import format as fmt
 from tests._sd import FAILED
-from fp_dcp.reader import read_checkpoint_metadata
+from fp_dcp.load.reader import read_checkpoint_metadata
 from tests._sd import assert_sd_equal, mixed_state_dict, zeros_like_sd
 
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp_dcp.format import CheckpointFormatError, Extent
-from fp_dcp.layout import align_up, box_runs, check_extents_cover, map_runs_to_extents, place_extents
+from fp_dcp.save.layout import align_up, box_runs, check_extents_cover, map_runs_to_extents, place_extents
 
 
 @given(

@@ -56,7 +56,7 @@ def _stock_bytes_per_rank(path: str) -> dict[int, int]:
 
 
 def _layout(path: str):
-    from fp_dcp.reader import read_checkpoint_metadata
+    from fp_dcp.load.reader import read_checkpoint_metadata
 
     return read_checkpoint_metadata(path)
 

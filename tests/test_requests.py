@@ -84,7 +84,7 @@ def test_a_flipped_byte_in_a_long_run_is_still_caught(tmp_path):
     from tests._sd import FAILED
 
     sd, path = _ckpt(tmp_path)
-    from fp_dcp.reader import read_checkpoint_metadata
+    from fp_dcp.load.reader import read_checkpoint_metadata
     import os
 
     _, layout, _ = read_checkpoint_metadata(str(path))
@@ -100,7 +100,7 @@ def test_a_flipped_byte_in_a_long_run_is_still_caught(tmp_path):
 
 
 def test_in_long_runs_groups_pieces_back_to_back():
-    from fp_dcp.reader import _LONG_RUN_BYTES, _in_long_runs
+    from fp_dcp.load.reader import _LONG_RUN_BYTES, _in_long_runs
 
     L = _LONG_RUN_BYTES
     files = np.array([0, 0, 0, 0, 1, 1, 1], np.int64)

@@ -1,7 +1,7 @@
 """Resharded loads (Universal Checkpointing): the reader rebuilds any target
 sharding from exactly the bytes it needs.
 
-* pure planning functions (``fp_dcp.readplan``) against naive references;
+* pure planning functions (``fp_dcp.load.plan``) against naive references;
 * one process, hand-made ``ReadItem``s of random boxes into every kind of
   target (contiguous, strided, transposed, another dtype): bit-exact, and the
   bytes read from disk stay within the blocks the needed bytes touch plus the
@@ -28,9 +28,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp_dcp import readplan
+from fp_dcp.load import plan as readplan
 from fp_dcp.format import Extent
-from fp_dcp.layout import box_runs, map_runs_to_extents
+from fp_dcp.save.layout import box_runs, map_runs_to_extents
 from tests._dist import run_ranks
 from tests._sd import FAILED, bits_equal
 
@@ -40,9 +40,9 @@ from tests._sd import FAILED, bits_equal
 
 def needed_blocks(path: str, items, alignment: int) -> tuple[int, int]:
     """(bytes the read items need, bytes of the aligned blocks those bytes
-    touch), computed with fp_dcp.layout's reference functions."""
-    from fp_dcp.layout import item_file_ranges
-    from fp_dcp.reader import read_checkpoint_metadata
+    touch), computed with fp_dcp.save.layout's reference functions."""
+    from fp_dcp.save.layout import item_file_ranges
+    from fp_dcp.load.reader import read_checkpoint_metadata
 
     md, layout, _ = read_checkpoint_metadata(path)
     ranges = item_file_ranges(md, layout, items)
@@ -55,8 +55,8 @@ def needed_blocks(path: str, items, alignment: int) -> tuple[int, int]:
 def needed_runs(path: str, items) -> int:
     """Maximal contiguous byte runs of the files that the read items need
     (runs of different items that touch are one)."""
-    from fp_dcp.layout import count_runs, item_file_ranges
-    from fp_dcp.reader import read_checkpoint_metadata
+    from fp_dcp.save.layout import count_runs, item_file_ranges
+    from fp_dcp.load.reader import read_checkpoint_metadata
 
     md, layout, _ = read_checkpoint_metadata(path)
     return count_runs(item_file_ranges(md, layout, items))
@@ -813,7 +813,7 @@ def _interleaved_reads(root, rank, ws):
     # auto shares rows only among ranks of one machine: with rank 1 saying it
     # runs elsewhere, every rank reads its own runs; True still shares, and
     # rank 1's parts go over gloo
-    import fp_dcp.reader as reader_mod
+    import fp_dcp.load.reader as reader_mod
 
     real_key = reader_mod._machine_key
     if rank == 1:

@@ -78,7 +78,7 @@ def test_fallback_on_a_file_system_without_o_direct(tmp_path, monkeypatch):
 
     import fp_dcp.engine
 
-    monkeypatch.setattr(fp_dcp.engine._aio, "direct_io_supported", lambda d: False)
+    monkeypatch.setattr(fp_dcp.engine._native, "direct_io_supported", lambda d: False)
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path) as d:
         sd = mixed_state_dict(4)
         writer = save(sd, os.path.join(d, "c"), "fp_dcp")
@@ -153,7 +153,7 @@ def test_layout_is_aligned_for_large_and_packed_for_small(tmp_path):
     sd = {f"small{i}": random_tensor((10,), torch.float32, rng) for i in range(100)}
     sd["large"] = random_tensor((1000, 1000), torch.float32, rng)
     save(sd, tmp_path / "c", "fp_dcp")
-    meta, layout, _ = __import__("fp_dcp.reader", fromlist=["x"]).read_checkpoint_metadata(str(tmp_path / "c"))
+    meta, layout, _ = __import__("fp_dcp.load.reader", fromlist=["x"]).read_checkpoint_metadata(str(tmp_path / "c"))
     exts = {idx.fqn: e for idx, es in layout.extents.items() for e in es}
     assert exts["large"].file_offset % layout.alignment == 0
     small = sorted(exts[f"small{i}"].file_offset for i in range(100))
@@ -270,7 +270,7 @@ def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatc
     second one) on a thread while DCP plans; the load uses those sessions, a
     second load keeps them, close() closes both.  A set-up that fails on that
     thread is tried again, and raised, by the read itself."""
-    import fp_dcp.reader as reader_mod
+    import fp_dcp.load.reader as reader_mod
 
     sd = mixed_state_dict(3)
     path = tmp_path / "ckpt"

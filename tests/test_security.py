@@ -34,11 +34,11 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from fp_dcp import FastPersistReader, FastPersistWriter, _aio
 from fp_dcp import format as fmt
-from fp_dcp import rotation
+from fp_dcp.tools import rotation
 from fp_dcp.checksums import ChecksumError
-from fp_dcp.convert import describe, dcp_to_fp_dcp, to_torch_save
-from fp_dcp.objects import UnsafeObjectError
-from fp_dcp.verify import verify_checkpoint as verify
+from fp_dcp.tools.convert import describe, dcp_to_fp_dcp, to_torch_save
+from fp_dcp.load.objects import UnsafeObjectError
+from fp_dcp.tools.verify import verify_checkpoint as verify
 from tests._sd import FAILED, assert_sd_equal, failed_load, load, root_error, save
 
 MARKER = "PWNED"
@@ -595,7 +595,7 @@ def test_every_rank_refuses_and_none_hangs(tmp_path, step_target):
 
 
 def test_commit_syncs_the_directory_before_and_after_the_rename(tmp_path, monkeypatch):
-    from fp_dcp import writer as writer_mod
+    from fp_dcp.save import writer as writer_mod
 
     events = []
     real_fsync_dir, real_replace = writer_mod._fsync_dir, os.replace

@@ -306,7 +306,7 @@ def _run(args, size: int, root: str, scratch: str, keep: bool, t_start: float) -
     # forkserver: fresh single-threaded processes forked from a server that
     # imported torch once (spawn would import it in every rank)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "fp_dcp.writer"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "fp_dcp.save.writer"])
     queue = ctx.Queue()
     init_file = os.path.join(scratch, "rendezvous")
     procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, init_file, size, root, queue, _T0[0]))

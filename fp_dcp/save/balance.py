@@ -387,7 +387,7 @@ def plan_placement(holdings: Sequence[Holdings]) -> Placement:
         item_m = np.repeat(np.arange(len(multi_all)), nh)
         rep_pos = first_m[rep[group_m[item_m]]] + (np.arange(len(rank_m)) - first_m[item_m])
         if not np.array_equal(rank_m[rep_pos], rank_m):
-            raise RuntimeError("holder-set signature collision (report this as a bug in fp_dcp.balance)")
+            raise RuntimeError("holder-set signature collision (report this as a bug in fp_dcp.save.balance)")
         item_group[multi_all] = group_m
         group_ranks = [rank_m[first_m[r] : first_m[r] + nh[r]] for r in rep.tolist()]
 

@@ -3,7 +3,7 @@ into which memory, and where the planner (not the engine) allows over-read.
 
 Nothing here touches a disk, a tensor or a process group: every function
 takes and returns plain numbers and numpy arrays, so it can be tested with
-hypothesis.  The reader (:mod:`fp_dcp.reader`) turns the result into engine
+hypothesis.  The reader (:mod:`fp_dcp.load.reader`) turns the result into engine
 calls and copies.
 
 The model.  A ``ReadItem`` needs a box of a stored row-major chunk and lands it
@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from fp_dcp.layout import check_box
+from fp_dcp.save.layout import check_box
 
 __all__ = [
     "Grid",

@@ -147,9 +147,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from fp_dcp import _aio, _dcp_hooks
+from fp_dcp import _native, _dcp_hooks
 from fp_dcp import format as fmt
-from fp_dcp.layout import align_up
+from fp_dcp.save.layout import align_up
 
 __all__ = ["AsyncStagingMixin"]
 
@@ -160,7 +160,7 @@ except Exception:  # pragma: no cover
 
 STAGING_MODES = ("eager", "lazy")
 
-_PAGE = _aio.page_size()
+_PAGE = _native.page_size()
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _ARENA_PREFIX = "fp_dcp-arena-"
 _SPILL_PREFIX = ".fp_dcp-spill-"
@@ -264,7 +264,7 @@ def _is_resource(value: Any) -> bool:
     """Engines, sessions and buffers: they stay with the process that made them."""
     from fp_dcp.engine import IOSession, PinnedBuffer
 
-    return isinstance(value, (IOSession, PinnedBuffer, _aio.AlignedBuffer, _aio.Engine))
+    return isinstance(value, (IOSession, PinnedBuffer, _native.AlignedBuffer, _native.Engine))
 
 
 def _tracked(name: str, fn: Callable) -> Callable:
@@ -501,7 +501,7 @@ class _Arena:
             self.address = _buffer_address(buf)
             self.locked = _mlock(self.address, size)
         else:
-            buf = _aio.AlignedBuffer(size, alignment)
+            buf = _native.AlignedBuffer(size, alignment)
             self.address = buf.address
             self.locked = bool(buf.locked)
         self.fd = fd
@@ -579,7 +579,7 @@ _ATTACHED_KEEP = 2
 
 # The staging copy of a CPU tensor computes the CRC-32C of every
 # CHECKSUM_BLOCK_BYTES block of the tensor in the same pass over memory
-# (``_aio.copy_gather(..., checksum_block=...)``), so that the writer need not
+# (``_native.copy_gather(..., checksum_block=...)``), so that the writer need not
 # read the arena a second time to checksum it.  By arena address: (the buffer
 # — held, so that its address cannot be reused while the entry exists — its
 # size, {arena offset: (bytes, CRCs)}).  An entry lives from the end of a
@@ -1214,7 +1214,7 @@ class _Stager:
             block = 0  # pieces must cut sources on the checksum grid
         total = sum(len(b) for b in sources)
         if k <= 1 or total < 2 * piece_max:
-            got = _aio.copy_gather(arena.buf, np.asarray(offsets, dtype=np.int64), sources, checksum_block=block)
+            got = _native.copy_gather(arena.buf, np.asarray(offsets, dtype=np.int64), sources, checksum_block=block)
             if not block:
                 return None
             crcs, first = got
@@ -1234,12 +1234,12 @@ class _Stager:
                 self.copy_pool.shutdown(wait=True)
             self.copy_pool = concurrent.futures.ThreadPoolExecutor(k - 1, thread_name_prefix="fp_dcp-copy")
         futs = [
-            self.copy_pool.submit(_aio.copy_gather, arena.buf, np.asarray(o, dtype=np.int64), b, block)
+            self.copy_pool.submit(_native.copy_gather, arena.buf, np.asarray(o, dtype=np.int64), b, block)
             for o, b, _ in groups[1:]
         ]
         results = []
         try:
-            results.append(_aio.copy_gather(arena.buf, np.asarray(groups[0][0], dtype=np.int64), groups[0][1], block))
+            results.append(_native.copy_gather(arena.buf, np.asarray(groups[0][0], dtype=np.int64), groups[0][1], block))
         finally:
             results += [f.result() for f in futs]
         if not block:
@@ -1298,7 +1298,7 @@ class _Stager:
                         offs.append(base + a - start)
                         srcs.append(src[a - off : b - off])
                 if srcs:
-                    _aio.copy_gather(arena.buf, np.asarray(offs, dtype=np.int64), srcs)
+                    _native.copy_gather(arena.buf, np.asarray(offs, dtype=np.int64), srcs)
                 for ev in evs:
                     ev.synchronize()
                 view = memoryview(arena.buf)[base : base + (stop - start)]
@@ -1329,7 +1329,7 @@ class _Stager:
             shared = _Arena(arena.size, _PAGE, True)
             if arena.cuda_registered:
                 shared.register_cuda()
-            _aio.copy_gather(shared.buf, np.zeros(1, np.int64), [arena.buf])
+            _native.copy_gather(shared.buf, np.zeros(1, np.int64), [arena.buf])
             self.shared = True
             if self.arena is arena:
                 self.views = None

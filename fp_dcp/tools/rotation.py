@@ -4,7 +4,7 @@ A training loop that saves every K steps into ``root/step<N>`` calls
 ``keep_last(root, 3)`` after each save::
 
     dcp.save(state, storage_writer=writer, checkpoint_id=f"{root}/step{step:06d}")
-    fp_dcp.rotation.keep_last(root, 3)
+    fp_dcp.tools.rotation.keep_last(root, 3)
 
 Only committed fp_dcp checkpoints (directories holding ``.fp_dcp.meta``)
 directly under ``root`` count and are removed, oldest commit first.  A

@@ -212,7 +212,7 @@ def load_fp_dcp(path: str, keys: list[str] | None = None, progress: Progress | N
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from fp_dcp.reader import FastPersistReader
+    from fp_dcp.load.reader import FastPersistReader
 
     reader = FastPersistReader(path, **options)
     if progress is not None:
@@ -298,7 +298,7 @@ def _stream_torch_save(src: str, tmp: str, progress: bool) -> None:
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from fp_dcp.reader import FastPersistReader
+    from fp_dcp.load.reader import FastPersistReader
 
     def only(kind_kept: LoadItemType, base: type) -> Any:
         class _Planner(base):  # type: ignore[misc, valid-type]
@@ -332,7 +332,7 @@ def _stream_torch_save(src: str, tmp: str, progress: bool) -> None:
 
 
 def _flat_tensor_keys(path: str) -> tuple[list[tuple[str, torch.dtype, list[int]]], list[str]]:
-    from fp_dcp.reader import read_checkpoint_metadata
+    from fp_dcp.load.reader import read_checkpoint_metadata
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md, _, _ = read_checkpoint_metadata(path)
@@ -426,12 +426,12 @@ def _batches(tensors, limit: int) -> Iterator[list]:
 
 
 def _load_dcp(src: str) -> dict:
-    """A stock DCP checkpoint's state dict, read without running its code (:mod:`fp_dcp.stock`)."""
+    """A stock DCP checkpoint's state dict, read without running its code (:mod:`fp_dcp.load.stock`)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 
-    from fp_dcp.stock import SafeStockReader
+    from fp_dcp.load.stock import SafeStockReader
 
     sd: dict[str, Any] = {}
     _load_state_dict(sd, storage_reader=SafeStockReader(src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
@@ -463,7 +463,7 @@ def fp_dcp_to_dcp(src: str, out: str, *, force: bool = False, progress: bool = T
 
 def dcp_to_fp_dcp(src: str, out: str, *, force: bool = False, progress: bool = True) -> dict[str, Any]:
     """Stock DCP checkpoint (or a torch.save file) -> fp_dcp checkpoint."""
-    from fp_dcp.writer import FastPersistWriter
+    from fp_dcp.save.writer import FastPersistWriter
 
     kind = checkpoint_kind(src)
     t0 = time.perf_counter()

@@ -157,7 +157,7 @@ def _fp_dcp_checkpoint(path: str, command: str) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     _fp_dcp_checkpoint(args.path, "inspect")
-    from fp_dcp import convert
+    from fp_dcp.tools import convert
 
     d = convert.describe(args.path)
     if args.json:
@@ -208,8 +208,8 @@ def _table(rows: list[tuple[str, ...]]) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     _fp_dcp_checkpoint(args.path, "verify")
-    from fp_dcp import verify
-    from fp_dcp.convert import Progress
+    from fp_dcp.tools import verify
+    from fp_dcp.tools.convert import Progress
 
     progress = Progress("verifying", 0, enabled=not args.quiet)
     try:
@@ -243,7 +243,7 @@ def _convert(args: argparse.Namespace) -> int:
             f"{args.source}: --from-dcp needs a stock DCP checkpoint (a directory with {STOCK_META_NAME}); "
             f"this is {'an fp_dcp checkpoint' if kind == 'fp_dcp' else 'a plain file'}"
         )
-    from fp_dcp import convert
+    from fp_dcp.tools import convert
 
     kw = {"force": args.force, "progress": not args.quiet}
     if target == "torch":
@@ -311,7 +311,7 @@ def _is_known(e: BaseException) -> bool:
     """An error whose message is written for people (printed alone)."""
     if isinstance(e, PathProblem):
         return True
-    for module, name in (("fp_dcp.convert", "ConvertError"), ("fp_dcp.format", "CheckpointFormatError")):
+    for module, name in (("fp_dcp.tools.convert", "ConvertError"), ("fp_dcp.format", "CheckpointFormatError")):
         m = sys.modules.get(module)
         if m is not None and isinstance(e, getattr(m, name)):
             return True

@@ -8,7 +8,7 @@ the report lists every bad extent with its tensor, file and offset.
 
 Exit code 0 when everything checked is good, 1 when anything is bad (or the
 metadata cannot be read), 2 for a usage error.  The command line itself
-(arguments, progress, errors) is ``fp_dcp.cli``; this module checks and
+(arguments, progress, errors) is ``fp_dcp.tools.cli``; this module checks and
 reports.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from fp_dcp import _aio
+from fp_dcp import _native
 from fp_dcp import format as fmt
 from fp_dcp.files import lstat_data_file, read_metadata_bytes
 from fp_dcp.checksums import BadBlock, ReadVerifier, item_name
@@ -211,7 +211,7 @@ def _worker(directory, opts, verifier, paths, next_task, tick):
     """One engine and one buffer; tasks until there are none left."""
     session = IOSession(opts, directory)
     align = session.alignment
-    buf = _aio.AlignedBuffer(_BATCH_BYTES + 64 * align, max(align, 4096), lock=False)
+    buf = _native.AlignedBuffer(_BATCH_BYTES + 64 * align, max(align, 4096), lock=False)
     mv = memoryview(buf)
     verified = 0
     bad: list[BadExtent] = []
@@ -330,7 +330,7 @@ def print_report(report: VerifyReport, *, as_json: bool = False) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``fp-dcp verify ARGS``: the command line's verify (one error path,
     ``-q``, progress and exit codes shared with the other commands)."""
-    from fp_dcp.cli import main as cli_main
+    from fp_dcp.tools.cli import main as cli_main
 
     return cli_main(["verify", *(sys.argv[1:] if argv is None else argv)])
 

@@ -7,7 +7,7 @@ Call sequence (``torch.distributed.checkpoint.state_dict_saver``):
    data directories) in ``SavePlan.storage_data``, which survives the
    planner's dedup of replicated items;
 2. coordinator: ``prepare_global_plan`` — names this save (``save_id``) and
-   balances the bytes (:mod:`fp_dcp.balance`): replicated items are divided
+   balances the bytes (:mod:`fp_dcp.save.balance`): replicated items are divided
    by byte range among all the ranks that hold them, each host's bytes are
    striped over its data directories; the placement is cached by structure,
    so the next save of the same state-dict structure skips it.  Each rank's
@@ -52,18 +52,19 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 import fp_dcp
-from fp_dcp import _aio, _dcp_hooks, balance
+from fp_dcp import _native, _dcp_hooks
+from fp_dcp.save import balance
 from fp_dcp import format as fmt
 from fp_dcp.checksums import crc_hex, merge_block_crcs, piece_checksums
 from fp_dcp.engine import IOSession, PinnedBuffer, tensor_bytes
-from fp_dcp.layout import align_up, place_extents
+from fp_dcp.save.layout import align_up, place_extents
 from fp_dcp.options import FastPersistOptions
-from fp_dcp.staging import AsyncStagingMixin, forget_staged_checksums, staged_checksums
+from fp_dcp.staging.stager import AsyncStagingMixin, forget_staged_checksums, staged_checksums
 
 __all__ = ["FastPersistWriter"]
 
 
-# Placements by structure (fp_dcp.balance.structure_key), shared by the
+# Placements by structure (fp_dcp.save.balance.structure_key), shared by the
 # writers of this process: a training loop that builds a new writer for each
 # save still plans once.
 _PLAN_CACHE = balance.PlanCache(capacity=8)
@@ -700,7 +701,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                     reuse = self.options.write_checksums and 2 * sum(lengths[i] for i in missing) <= sum(lengths)
                     if reuse:
                         for i in missing:
-                            staged[i] = crc_hex(_aio.crc32c_blocks(group[i][2], fmt.CHECKSUM_BLOCK_BYTES))
+                            staged[i] = crc_hex(_native.crc32c_blocks(group[i][2], fmt.CHECKSUM_BLOCK_BYTES))
                     s = session.write(
                         [path],
                         np.zeros(len(group), dtype=np.int64),
@@ -1024,7 +1025,7 @@ def _check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout) -> None:
     bytes item must be gap-free from 0)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from fp_dcp.layout import check_extents_cover
+    from fp_dcp.save.layout import check_extents_cover
 
     for index, exts in layout.extents.items():
         md = metadata.state_dict_metadata.get(index.fqn)

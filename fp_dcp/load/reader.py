@@ -3,7 +3,7 @@ rank needs, into any world size and sharding (Universal Checkpointing).
 
 For every ``ReadItem`` (a box of a stored chunk that lands in a box of a
 target tensor) the reader describes the bytes as a grid of runs contiguous in
-both the stored chunk and the target (:func:`fp_dcp.readplan.box_grid`), maps
+both the stored chunk and the target (:func:`fp_dcp.load.plan.box_grid`), maps
 them onto the stored extents (a chunk may be split over several files and
 ranks), and decides — in Python, so the decision is the planner's, not the
 engine's — how to read them:
@@ -58,15 +58,15 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from fp_dcp import _aio
+from fp_dcp import _native
 from fp_dcp import format as fmt
-from fp_dcp import objects
+from fp_dcp.load import objects
 from fp_dcp.checksums import ReadVerifier
 from fp_dcp.engine import IOSession, device_max_request_bytes, large_read_shape
 from fp_dcp.files import read_checkpoint_metadata
-from fp_dcp.layout import box_runs, check_extents_cover
+from fp_dcp.save.layout import box_runs, check_extents_cover
 from fp_dcp.options import FastPersistOptions
-from fp_dcp.readplan import (
+from fp_dcp.load.plan import (
     Grid,
     assign_owners,
     box_grid,
@@ -517,7 +517,7 @@ class FastPersistReader(StorageReader):
         return self._plan_box(fqn, chunk, sizes, dtype, list(req.storage_offsets), list(req.lengths), dest, run, commit)
 
     def _load_object(self, req: ReadItem, planner: LoadPlanner, data: bytes) -> None:
-        """A bytes item's object, rebuilt safely (:mod:`fp_dcp.objects`), to the planner."""
+        """A bytes item's object, rebuilt safely (:mod:`fp_dcp.load.objects`), to the planner."""
         key = req.storage_index.fqn
         obj = objects.load_object(data, key, str(self.path), self.options.allow_pickle)
         objects.deliver_object(planner, req, obj, data)
@@ -611,10 +611,10 @@ class FastPersistReader(StorageReader):
 
         Per stored chunk, with ``share_interleaved_reads``: row slabs where the
         ranks' boxes are fragmented and together cover the rows
-        (:func:`fp_dcp.readplan.interleaved_slabs`); with
+        (:func:`fp_dcp.load.plan.interleaved_slabs`); with
         ``share_replicated_reads``: boxes that several ranks need whole, cut to
         the budget.  Owners: the rank with the most of its quota left
-        (:func:`fp_dcp.readplan.assign_owners`), its quota being its share of
+        (:func:`fp_dcp.load.plan.assign_owners`), its quota being its share of
         the shared bytes in proportion to what it needs of them, so each rank
         reads about what it needs."""
         import torch.distributed as dist
@@ -979,7 +979,7 @@ class _Run:
         if self.arena is not None:
             self.arena.close()
         size = -(-size // (1 << 20)) * (1 << 20)  # whole MiB: every dtype views it
-        self.arena = _aio.AlignedBuffer(size, max(self.alignment, 4096), lock=False)
+        self.arena = _native.AlignedBuffer(size, max(self.alignment, 4096), lock=False)
         self.arena_np = np.frombuffer(self.arena, dtype=np.uint8)
         self.arena_t = torch.frombuffer(self.arena, dtype=torch.uint8)
         self.stats["temp_bytes"] = size
@@ -1170,7 +1170,7 @@ class _Scratch:
             return
         size = -(-nbytes // self.alignment) * self.alignment
         if self.device.type == "cpu":
-            self.raw = _aio.AlignedBuffer(size, max(self.alignment, 4096), lock=False, prefault=self.prefault)
+            self.raw = _native.AlignedBuffer(size, max(self.alignment, 4096), lock=False, prefault=self.prefault)
             self.base = torch.frombuffer(self.raw, dtype=torch.uint8)
         else:
             self.base = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -1246,7 +1246,7 @@ def _pull_table(group: Any, rank: int, world: int, progress: int,
             continue
         got[:] = 0
         try:
-            _aio.pull(int(peers[r, 1]), got.view(np.uint8), int(peers[r, 2]), _ZERO_START, 16)
+            _native.pull(int(peers[r, 1]), got.view(np.uint8), int(peers[r, 2]), _ZERO_START, 16)
         except OSError:
             continue
         if got[0] == peers[r, 3] and got[1] == peers[r, 4]:
@@ -1566,7 +1566,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
         for r in sorted(pullers[ri]):
             while True:
                 try:
-                    _aio.pull(pids[r], cell.view(np.uint8), progress_at[r], _ZERO_START, 8)
+                    _native.pull(pids[r], cell.view(np.uint8), progress_at[r], _ZERO_START, 8)
                 except OSError as e:
                     raise pull_failed("reading the progress counter", r, e) from e
                 if cell[0] > ri:
@@ -1584,7 +1584,7 @@ def _share_reads(reader: FastPersistReader, run: _Run | None, items: list[ReadIt
                 esize = buf.element_size()
                 rel = [o - uo for o, uo in zip(p.offsets, u.offsets)]
                 starts, run_length = box_runs(u.lengths, rel, p.lengths, esize)
-                _aio.pull(pids[u.owner], _storage_bytes(buf), addresses[ui], starts, run_length)
+                _native.pull(pids[u.owner], _storage_bytes(buf), addresses[ui], starts, run_length)
                 stats["shared_bytes_pulled"] += buf.numel() * esize
                 stats["shared_bytes_received"] += buf.numel() * esize
                 finish()

@@ -12,7 +12,7 @@ its planner ``torch.load``\\ s every bytes item with ``weights_only=False``.
   checkpoint directory, and stream transforms (compression extensions);
 
 and rebuilds the bytes items with the restricted unpickler
-(:mod:`fp_dcp.objects`) before the caller's planner sees them.  fp-dcp
+(:mod:`fp_dcp.load.objects`) before the caller's planner sees them.  fp-dcp
 convert --from-dcp reads with it, and so does ``dcp.load`` of a stock
 checkpoint while fp_dcp's default-storage switch is on.
 """
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from fp_dcp import format as fmt
-from fp_dcp import objects
+from fp_dcp.load import objects
 
 __all__ = ["SafeStockReader"]
 
@@ -129,7 +129,7 @@ def _check_storage_info(directory: str, index: Any, info: Any, checked: set[str]
 
 class _RestrictedObjects:
     """The caller's planner, except that ``load_bytes`` gets objects rebuilt
-    by the restricted unpickler (:func:`fp_dcp.objects.deliver_object`)."""
+    by the restricted unpickler (:func:`fp_dcp.load.objects.deliver_object`)."""
 
     def __init__(self, planner: Any, where: str, allow_pickle: bool) -> None:
         self._planner, self._where, self._allow_pickle = planner, where, allow_pickle
