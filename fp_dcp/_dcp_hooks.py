@@ -48,8 +48,9 @@ The private hooks:
    ``_cached_plans_key``): with DCP's plan caching the writer gets empty
    plans and must know which earlier save (same planner cache) they stand
    for; saves through a planner that does not cache must not count.
-6. **Which thread runs a save** (``fp_dcp.staging.stager.AsyncStagingMixin``
-   wraps the writer's DCP methods in ``__init_subclass__``): a staged save
+6. **Which thread runs a save** (``fp_dcp.staging.tracking``: the
+   ``AsyncStagingMixin`` wraps the writer's DCP methods in
+   ``__init_subclass__``): a staged save
    is attributed to the thread on which DCP calls ``set_up_storage_writer``,
    and DCP calls the writer's later methods for that save on the same
    thread.  This is fp_dcp's own code relying on DCP's call pattern, not a

@@ -12,13 +12,12 @@ import copy
 import errno
 import os
 import threading
-import warnings
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from fp_dcp import _native
+from fp_dcp import _native, pinned
 from fp_dcp.options import FastPersistOptions
 
 __all__ = ["IOSession", "tensor_bytes", "PinnedBuffer", "device_max_request_bytes", "large_read_shape"]
@@ -86,18 +85,15 @@ def tensor_bytes(t: torch.Tensor, name: str) -> np.ndarray:
 
 class PinnedBuffer:
     """A page-aligned, pre-faulted, page-locked host buffer; registered with
-    CUDA (``cudaHostRegister``) when CUDA is available so device-to-host copies
-    into it are DMA transfers."""
+    CUDA (``cudaHostRegister``, :mod:`fp_dcp.pinned`) when CUDA is available
+    so device-to-host copies into it are DMA transfers."""
 
     def __init__(self, size: int, alignment: int) -> None:
         self.raw = _native.AlignedBuffer(size, alignment)
         self.size = size
-        self.cuda_registered = False
-        if torch.cuda.is_available():
-            rc = torch.cuda.cudart().cudaHostRegister(self.raw.address, size, 0)
-            self.cuda_registered = int(rc) == 0
-            if not self.cuda_registered:
-                warnings.warn(f"cudaHostRegister failed ({rc}); device-to-host copies will be staged", stacklevel=2)
+        self.cuda_registered = torch.cuda.is_available() and pinned.cuda_register(
+            self.raw.address, size, "device-to-host copy buffer"
+        )
         self.tensor = torch.frombuffer(self.raw, dtype=torch.uint8, count=size)
 
     def close(self) -> None:
@@ -105,7 +101,7 @@ class PinnedBuffer:
             return
         self.tensor = None
         if self.cuda_registered:
-            torch.cuda.cudart().cudaHostUnregister(self.raw.address)
+            pinned.cuda_unregister(self.raw.address)
             self.cuda_registered = False
         self.raw.close()
         self.raw = None

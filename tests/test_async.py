@@ -1,4 +1,4 @@
-"""dcp.async_save with FastPersistWriter as the AsyncStager (fp_dcp.staging.stager).
+"""dcp.async_save with FastPersistWriter as the AsyncStager (fp_dcp.staging).
 
 Safety (what reaches the checkpoint), lifetime (100 saves, leaks, close),
 failures (injected, reported, previous checkpoint intact), the memory limit,
@@ -132,7 +132,7 @@ def test_staging_copy_checksums_are_the_files_checksums(tmp_path, mode, piece, a
     """The staging copy checksums what it copies (one pass over memory); the
     writer stores those CRCs instead of reading the arena again.  They must be
     exactly the CRCs the engine computes for the same bytes."""
-    from fp_dcp.staging import stager as staging
+    from fp_dcp.staging import crc_registry
     from fp_dcp.tools.verify import verify_checkpoint
 
     sd = _sd(3)
@@ -142,13 +142,13 @@ def test_staging_copy_checksums_are_the_files_checksums(tmp_path, mode, piece, a
     try:
         with FastPersistWriter(tmp_path / "ck", staging=mode, sync_files=False) as w:
             if piece:
-                w._stager().copy_piece = piece  # the copy split in pieces over two threads
+                w._stager().copier.piece_bytes = piece  # the copy split in pieces over two threads
             _wait(dcp.async_save(sd, storage_writer=w))
             large = sum(t.numel() * t.element_size() for t in sd["large"].values())
             assert w.last_stats["staged_checksum_bytes"] >= large
-            assert not staging._STAGED_CRCS  # used by this save only
+            assert not crc_registry._STAGED  # used by this save only
             if piece:
-                assert w._stager().copy_pool is not None
+                assert w._stager().copier.copy_pool is not None
     finally:
         torch.set_num_threads(threads)
     with FastPersistWriter(tmp_path / "sync", sync_files=False) as w:
@@ -194,9 +194,9 @@ def test_eager_copy_split_over_threads(tmp_path, aio_no_leaks):
     torch.set_num_threads(3)
     try:
         with FastPersistWriter(tmp_path / "ck", sync_files=False) as w:
-            w._stager().copy_piece = 64 * 1024  # many pieces over three threads
+            w._stager().copier.piece_bytes = 64 * 1024  # many pieces over three threads
             staged = w.stage(sd)
-            assert w._stager().copy_pool is not None  # the copy was split
+            assert w._stager().copier.copy_pool is not None  # the copy was split
             assert_sd_equal(sd, staged)
             del staged
     finally:

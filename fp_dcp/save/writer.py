@@ -59,7 +59,7 @@ from fp_dcp.checksums import crc_hex, merge_block_crcs, piece_checksums
 from fp_dcp.engine import IOSession, PinnedBuffer, tensor_bytes
 from fp_dcp.save.layout import align_up, place_extents
 from fp_dcp.options import FastPersistOptions
-from fp_dcp.staging.stager import AsyncStagingMixin, forget_staged_checksums, staged_checksums
+from fp_dcp.staging import AsyncStagingMixin, forget_staged_checksums, staged_checksums
 
 __all__ = ["FastPersistWriter"]
 

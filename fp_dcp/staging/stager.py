@@ -123,6 +123,17 @@ Process groups
     when the training uses it (gloo on CPU).  Pass a group created for
     checkpointing: ``dcp.async_save(..., process_group=dist.new_group(backend="gloo"))``
     (created once, on every rank).
+
+The modules
+    This one is the protocol: the mixin, the lazy future and :class:`Stager`,
+    which runs one staging (walk, layout, arena, copy) and keeps the saves
+    in flight.  :mod:`~fp_dcp.staging.layout` places the tensors (pure),
+    :mod:`~fp_dcp.staging.arena` holds the memory (arena, attach, spill
+    file), :mod:`~fp_dcp.staging.copier` copies into it,
+    :mod:`~fp_dcp.staging.crc_registry` keeps the copy's checksums for the
+    writer, :mod:`~fp_dcp.staging.tracking` learns which save runs and how it
+    ends, :mod:`~fp_dcp.staging.snapshot` is the staged state dict and its
+    pickling.
 """
 
 from __future__ import annotations
@@ -130,57 +141,26 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import copy
-import ctypes
-import dataclasses
-import functools
-import gc
-import mmap
 import os
-import secrets
-import struct
 import threading
 import time
-import warnings
 import weakref
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from fp_dcp import _native, _dcp_hooks
+from fp_dcp import _dcp_hooks, _native
 from fp_dcp import format as fmt
-from fp_dcp.save.layout import align_up
+from fp_dcp.engine import IOSession, PinnedBuffer
+from fp_dcp.staging import crc_registry
+from fp_dcp.staging.arena import PAGE, PENDING, Arena, Spill, write_status
+from fp_dcp.staging.copier import Copier, eager_copy_threads
+from fp_dcp.staging.layout import SPILL, Layout, build, meta, plan, views, walk
+from fp_dcp.staging.snapshot import Snapshot, StagedStateDict
+from fp_dcp.staging.tracking import PreviousSaveFailed, Reporter, Save, Track, attribute, wrap_hooks
 
-__all__ = ["AsyncStagingMixin"]
-
-try:  # torch built without distributed
-    from torch.distributed.tensor import DTensor
-except Exception:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
-
-STAGING_MODES = ("eager", "lazy")
-
-_PAGE = _native.page_size()
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_ARENA_PREFIX = "fp_dcp-arena-"
-_SPILL_PREFIX = ".fp_dcp-spill-"
-
-# Eager staging splits its memcpy over up to this many threads, in pieces of
-# at most _COPY_PIECE bytes.
-_MAX_COPY_THREADS = 4
-_COPY_PIECE = 64 << 20
-
-# Where a staged tensor lives.
-_ARENA, _SPILL, _EMPTY = 0, 1, 2
-
-# The arena's first page: the outcome of the save that uses it, written by the
-# writer of the checkpoint process (PROCESS mode) and read by this one.
-_HEADER = struct.Struct("<8sQII")  # magic, save sequence number, state, message length
-_MAGIC = b"FPDCPSTG"
-_PENDING, _RUNNING, _OK, _FAILED = 0, 1, 2, 3
-
-# Writer methods whose calls tell which save is running, and how it ends.
-_TRACKED = ("set_up_storage_writer", "prepare_local_plan", "prepare_global_plan", "write_data", "finish")
+__all__ = ["AsyncStagingMixin", "Stager"]
 
 
 # ----------------------------------------------------------------- the mixin
@@ -204,10 +184,7 @@ class AsyncStagingMixin:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for name in _TRACKED:
-            fn = cls.__dict__.get(name)
-            if fn is not None and not getattr(fn, "_fp_tracked", False):
-                setattr(cls, name, _tracked(name, fn))
+        wrap_hooks(cls, _track_of)
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -232,10 +209,10 @@ class AsyncStagingMixin:
         st = self.__dict__.get("_fp_staging")
         return dict(st.last_stats) if st is not None else {}
 
-    def _stager(self) -> "_Stager":
+    def _stager(self) -> "Stager":
         st = self.__dict__.get("_fp_staging")
         if st is None:
-            st = self.__dict__["_fp_staging"] = _Stager()
+            st = self.__dict__["_fp_staging"] = Stager()
         return st
 
     def _close_staging(self) -> None:
@@ -262,652 +239,21 @@ class AsyncStagingMixin:
 
 def _is_resource(value: Any) -> bool:
     """Engines, sessions and buffers: they stay with the process that made them."""
-    from fp_dcp.engine import IOSession, PinnedBuffer
-
     return isinstance(value, (IOSession, PinnedBuffer, _native.AlignedBuffer, _native.Engine))
 
 
-def _tracked(name: str, fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def wrapper(self, *args: Any, **kwargs: Any) -> Any:
-        st = self.__dict__.get("_fp_staging")
-        if st is not None:
-            track = st.track(name, args, kwargs)
-        else:
-            report = self.__dict__.get("_fp_report")
-            track = _Reporter(report, name, args, kwargs) if report is not None else None
-        if track is None:
-            return fn(self, *args, **kwargs)
-        try:
-            out = fn(self, *args, **kwargs)
-        except BaseException as e:
-            track.failed(e)
-            raise
-        if name == "write_data" and hasattr(out, "add_done_callback"):
-            def done(f: Any) -> None:
-                try:
-                    f.value()
-                except BaseException as e:  # noqa: BLE001 - recorded, DCP raises it
-                    track.failed(e)
-                else:
-                    track.written()
-
-            out.add_done_callback(done)
-        elif name == "write_data":
-            track.written()
-        elif name == "finish":
-            track.finished()
-        return out
-
-    wrapper._fp_tracked = True  # type: ignore[attr-defined]
-    return wrapper
-
-
-# ------------------------------------------------------------ one save's record
-
-
-class _PreviousSaveFailed(RuntimeError):
-    pass
-
-
-class _Save:
-    """One staged save on this rank: from ``stage`` until the writer is done
-    with it (coordinator: ``finish`` returned; other ranks: ``write_data``
-    completed), it failed, or the thread running it ended."""
-
-    def __init__(self, seq: int) -> None:
-        self.seq = seq
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        self.reported = False
-        self.thread: threading.Thread | None = None
-        self.coordinator = True
-        self.collectives = True
-        self.staged = False  # staging finished (the save may start)
-        self.process = False  # pickled for a checkpoint process
-        self.reporting = False  # ... whose writer reports through the arena header
-        self.arena: _Arena | None = None
-        self.refs: list[weakref.ref] = []  # the staged dict / lazy future
-        self.snapshot: weakref.ref | None = None
-        self.via_async_save = False  # a DCP save will pick the staged dict up
-        self.copy_threads = 1  # memcpy threads of its staging
-
-    def finish(self, error: BaseException | None = None, *, reported: bool = False) -> None:
-        if not self.done.is_set():
-            self.error = error
-            self.reported = reported or error is None
-            self.done.set()
-
-    def _orphaned(self) -> bool:
-        """Staged, never picked up by a save, and nobody holds it any more
-        (an ``async_save`` that failed after staging, a dropped ``stage()``)."""
-        return self.thread is None and self.staged and all(r() is None for r in self.refs)
-
-    def wait(self) -> None:
-        me = threading.current_thread()
-        polls = 0
-        while not self.done.is_set():
-            t = self.thread
-            if t is None:
-                if self._orphaned():
-                    self.finish(None)
-                elif not self.done.wait(0.05):
-                    polls += 1
-                    if polls % 20 == 0:
-                        gc.collect()  # a staged dict held only by a reference cycle (a traceback)
-                continue
-            if t is not me:
-                t.join(0.1)
-                if t.is_alive():
-                    continue
-            # The thread that ran the save has ended (or is this one: a save
-            # run synchronously after stage()) without the writer finishing.
-            self._ended()
-
-    def _ended(self) -> None:
-        if self.process and not self.reporting:
-            self.finish(None)  # no way to learn how it went here: the future tells
-            return
-        if self.process and self.arena is not None:
-            state, msg = self.arena.read_status(self.seq)
-            if state == _OK:
-                self.finish(None)
-                return
-            if state == _FAILED:
-                self.finish(RuntimeError(f"the checkpoint process failed: {msg}"))
-                return
-        self.finish(
-            RuntimeError(
-                "the save did not complete on this rank (see the future that dcp.async_save returned)"
-            )
-        )
-
-
-class _Track:
-    """Hook calls of the writer, attributed to one ``_Save``."""
-
-    def __init__(self, rec: _Save, name: str, args: tuple, kwargs: dict) -> None:
-        self.rec = rec
-        if name == "set_up_storage_writer":
-            rec.coordinator = bool(args[0] if args else kwargs.get("is_coordinator", True))
-            rec.collectives = bool(kwargs.get("use_collectives", True))
-
-    def failed(self, e: BaseException) -> None:
-        self.rec.finish(e)
-
-    def written(self) -> None:
-        if not self.rec.coordinator and self.rec.collectives:
-            self.rec.finish(None)  # this rank's writer is not used again
-
-    def finished(self) -> None:
-        self.rec.finish(None)
-
-
-class _Reporter:
-    """The same hooks in the checkpoint process: the outcome goes to the header
-    page of the arena the staged state dict came in."""
-
-    def __init__(self, handle: tuple, name: str, args: tuple, kwargs: dict) -> None:
-        self.handle = handle
-        self.coordinator = True
-        self.collectives = True
-        if name == "set_up_storage_writer":
-            coordinator = bool(args[0] if args else kwargs.get("is_coordinator", True))
-            collectives = bool(kwargs.get("use_collectives", True))
-            handle[-1]["coordinator"] = coordinator
-            handle[-1]["collectives"] = collectives
-            self._post(_RUNNING)
-        self.coordinator = handle[-1].get("coordinator", True)
-        self.collectives = handle[-1].get("collectives", True)
-
-    def _post(self, state: int, msg: str = "") -> None:
-        pid, fd, token, size, seq, _ = self.handle
-        try:
-            buf = _attach(pid, fd, token, size)
-            _write_status(buf, seq, state, msg)
-        except OSError:
-            pass  # the trainer went away; nobody to tell
-
-    def failed(self, e: BaseException) -> None:
-        self._post(_FAILED, f"{type(e).__name__}: {e}")
-
-    def written(self) -> None:
-        if not self.coordinator and self.collectives:
-            self._post(_OK)
-
-    def finished(self) -> None:
-        self._post(_OK)
-
-
-def _write_status(buf: Any, seq: int, state: int, msg: str = "") -> None:
-    data = msg.encode("utf-8", "replace")[: _PAGE - _HEADER.size]
-    mv = memoryview(buf)
-    try:
-        mv[_HEADER.size : _HEADER.size + len(data)] = data
-        _HEADER.pack_into(mv, 0, _MAGIC, seq, state, len(data))
-    finally:
-        mv.release()
-
-
-# ------------------------------------------------------------------ the arena
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_mlock_warned = False
-
-
-def _buffer_address(buf: Any) -> int:
-    c = ctypes.c_char.from_buffer(buf)
-    try:
-        return ctypes.addressof(c)
-    finally:
-        del c
-
-
-def _mlock(address: int, size: int) -> bool:
-    global _mlock_warned
-    if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size)) == 0:
-        return True
-    if not _mlock_warned:
-        _mlock_warned = True
-        err = ctypes.get_errno()
-        warnings.warn(
-            f"fp_dcp: the staging arena is not page-locked: mlock of {size} bytes "
-            f"failed: {os.strerror(err)} (raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return False
-
-
-class _Arena:
-    """The staging arena: ``AlignedBuffer`` (private) or a ``memfd`` mapping
-    (shared with a checkpoint process); pre-faulted, page-locked, registered
-    with CUDA on demand.  ``close()`` (or garbage collection) releases it."""
-
-    def __init__(self, size: int, alignment: int, shared: bool) -> None:
-        self.size = size
-        self.shared = shared
-        self.token = secrets.token_hex(8)
-        self.pid = os.getpid()
-        fd = -1
-        if shared:
-            fd = os.memfd_create(_ARENA_PREFIX + self.token, os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, size)
-                buf: Any = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
-            except BaseException:
-                os.close(fd)
-                raise
-            self.address = _buffer_address(buf)
-            self.locked = _mlock(self.address, size)
-        else:
-            buf = _native.AlignedBuffer(size, alignment)
-            self.address = buf.address
-            self.locked = bool(buf.locked)
-        self.fd = fd
-        self.buf = buf
-        self.cuda_registered = False
-        self._res = [buf, fd, 0]  # what the finalizer releases: buffer, memfd, CUDA address
-        self._finalizer = weakref.finalize(self, _Arena._release, self._res)
-
-    def register_cuda(self) -> None:
-        if self.cuda_registered or not torch.cuda.is_available():
-            return
-        rc = torch.cuda.cudart().cudaHostRegister(self.address, self.size, 1)  # cudaHostRegisterPortable
-        if int(rc) == 0:
-            self.cuda_registered = True
-            self._res[2] = self.address
-        else:
-            warnings.warn(
-                f"fp_dcp: cudaHostRegister of the {self.size}-byte staging arena failed ({rc}); "
-                f"device-to-host copies will not be DMA transfers",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-
-    def read_status(self, seq: int) -> tuple[int, str]:
-        magic, s, state, n = _HEADER.unpack_from(self.buf, 0)
-        if magic != _MAGIC or s != seq:
-            return _PENDING, ""
-        msg = bytes(memoryview(self.buf)[_HEADER.size : _HEADER.size + n]).decode("utf-8", "replace")
-        return state, msg
-
-    def handle(self) -> tuple[int, int, str, int]:
-        return (self.pid, self.fd, self.token, self.size)
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
-
-    def close(self) -> None:
-        forget_staged_checksums([self.address])
-        self.buf = None
-        self._finalizer()
-
-    @staticmethod
-    def _release(res: list) -> None:
-        buf, fd, cuda_address = res
-        res[:] = [None, -1, 0]
-        if cuda_address:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(cuda_address)
-            except Exception:  # noqa: BLE001 - CUDA already torn down at exit
-                pass
-        closed = True
-        if buf is not None:
-            try:
-                buf.close()
-            except BufferError:
-                closed = False  # staged views still use it: freed with the last one
-        if fd >= 0:
-            if closed:
-                try:
-                    os.ftruncate(fd, 0)  # the checkpoint process's mapping holds nothing now
-                except OSError:
-                    pass
-            os.close(fd)
-
-
-# Mappings of other processes' arenas (the checkpoint process side), by token;
-# the last few are kept so that a save does not fault the arena in again.
-_ATTACHED: "collections.OrderedDict[str, mmap.mmap]" = collections.OrderedDict()
-_ATTACHED_LOCK = threading.Lock()
-_ATTACHED_KEEP = 2
-
-
-# ------------------------------------------- checksums of the staging copy
-
-# The staging copy of a CPU tensor computes the CRC-32C of every
-# CHECKSUM_BLOCK_BYTES block of the tensor in the same pass over memory
-# (``_native.copy_gather(..., checksum_block=...)``), so that the writer need not
-# read the arena a second time to checksum it.  By arena address: (the buffer
-# — held, so that its address cannot be reused while the entry exists — its
-# size, {arena offset: (bytes, CRCs)}).  An entry lives from the end of a
-# staging copy until the save's ``write_data`` has used it
-# (:func:`forget_staged_checksums`), the next staging into that arena starts,
-# or the arena is closed: the CRCs are only ever used by the save they were
-# staged for.
-_STAGED_CRCS: "collections.OrderedDict[int, tuple[Any, int, dict[int, tuple[int, np.ndarray]]]]" = (
-    collections.OrderedDict()
-)
-_STAGED_CRCS_LOCK = threading.Lock()
-_STAGED_CRCS_KEEP = 4
-
-
-def _remember_checksums(buf: Any, address: int, size: int, crcs: dict[int, tuple[int, np.ndarray]]) -> None:
-    with _STAGED_CRCS_LOCK:
-        _STAGED_CRCS.pop(address, None)
-        if crcs:
-            _STAGED_CRCS[address] = (buf, size, crcs)
-            while len(_STAGED_CRCS) > _STAGED_CRCS_KEEP:
-                _STAGED_CRCS.popitem(last=False)
-
-
-def forget_staged_checksums(addresses: Any = None) -> None:
-    """Drop the staging CRCs of the arenas at ``addresses`` (all when None)."""
-    with _STAGED_CRCS_LOCK:
-        if addresses is None:
-            _STAGED_CRCS.clear()
-        for a in addresses or ():
-            _STAGED_CRCS.pop(a, None)
-
-
-def staged_checksums(address: int, nbytes: int) -> tuple[int, np.ndarray] | None:
-    """``(arena address, CRCs)`` of the tensor bytes at ``address`` if the
-    staging copy that put exactly these ``nbytes`` there checksummed them
-    (one CRC-32C per CHECKSUM_BLOCK_BYTES block from ``address``), else None."""
-    with _STAGED_CRCS_LOCK:
-        for base, (_, size, crcs) in _STAGED_CRCS.items():
-            if base <= address < base + size:
-                hit = crcs.get(address - base)
-                if hit is not None and hit[0] == nbytes:
-                    return base, hit[1]
-                return None
-    return None
-
-
-def _open_other(pid: int, fd: int, token: str, prefix: str, flags: int) -> int:
-    """Open another process's descriptor ``fd`` through /proc, checking that it
-    is still the buffer named ``token`` (descriptor numbers are reused)."""
-    path = f"/proc/{pid}/fd/{fd}"
-    try:
-        target = os.readlink(path)
-        if prefix not in target or token not in target:
-            raise FileNotFoundError(2, f"it is now {target!r}: the saving process closed the buffer")
-        return os.open(path, flags | os.O_CLOEXEC)
-    except OSError as e:
-        raise OSError(e.errno, f"cannot reach the staging buffer of process {pid}: {e.strerror}", path) from None
-
-
-def _attach(pid: int, fd: int, token: str, size: int) -> mmap.mmap:
-    """Map another process's shared arena (cached: the same arena serves
-    every save of that writer)."""
-    with _ATTACHED_LOCK:
-        key = f"{pid}:{token}"
-        m = _ATTACHED.get(key)
-        if m is not None:
-            _ATTACHED.move_to_end(key)
-            return m
-        nfd = _open_other(pid, fd, token, _ARENA_PREFIX, os.O_RDWR)
-        try:
-            m = mmap.mmap(nfd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
-        finally:
-            os.close(nfd)
-        _ATTACHED[key] = m
-        while len(_ATTACHED) > _ATTACHED_KEEP:
-            _ATTACHED.popitem(last=False)  # unmapped when its last view goes
-        return m
-
-
-def _attach_spill(pid: int, fd: int, token: str, size: int) -> mmap.mmap:
-    nfd = _open_other(pid, fd, token, _SPILL_PREFIX, os.O_RDONLY)
-    try:
-        return mmap.mmap(nfd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(nfd)
-
-
-class _Spill:
-    """The unlinked file that tensors past the memory limit stream into."""
-
-    def __init__(self, directory: str, options: Any) -> None:
-        from fp_dcp.engine import IOSession
-
-        os.makedirs(directory, exist_ok=True)
-        self.directory = directory
-        self.session = IOSession(options, directory)
-        self.token = secrets.token_hex(8)
-        self.path = os.path.join(directory, f"{_SPILL_PREFIX}{os.getpid()}-{self.token}")
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        if self.session.direct:
-            flags |= os.O_DIRECT
-        try:
-            self.fd = os.open(self.path, flags, 0o600)
-        except BaseException:
-            self.session.close()
-            raise
-        os.unlink(self.path)  # nothing is left behind, whatever happens
-        self.dev = os.fstat(self.fd).st_dev
-        self.size = 0
-
-    def resize(self, size: int) -> None:
-        if size != self.size:
-            os.ftruncate(self.fd, size)
-            self.size = size
-
-    def write(self, offset: int, view: memoryview) -> dict:
-        try:
-            return self.session.write_fds(
-                [self.fd], [self.path], np.zeros(1, np.int64), np.asarray([offset], np.int64), [view], sync=False
-            )
-        finally:
-            view.release()
-
-    def mapping(self) -> mmap.mmap:
-        # Private and writable: torch.frombuffer wants a writable buffer; pages
-        # are never written, so nothing is copied.
-        return mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-
-    def drop_cache(self) -> None:
-        try:
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
-
-    def handle(self) -> tuple[int, int, str, int]:
-        return (os.getpid(), self.fd, self.token, self.size)
-
-    def close(self) -> None:
-        self.session.close()
-        os.close(self.fd)
-
-
-# ------------------------------------------------------------ state-dict walk
-
-
-def _walk(obj: Any, leaves: list[torch.Tensor], values: list[Any]) -> tuple:
-    """The skeleton of ``obj``: containers kept, tensors replaced by their leaf
-    index, anything else by its index in ``values``.  Comparable with ``==``."""
-    if DTensor is not None and isinstance(obj, DTensor):
-        leaves.append(_dcp_hooks.dtensor_local(obj))
-        return ("D", len(leaves) - 1, _dcp_hooks.dtensor_spec(obj))
-    if (
-        isinstance(obj, torch.Tensor)
-        and (type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter)
-        and obj.layout == torch.strided
-    ):
-        leaves.append(obj.detach())
-        return ("T", len(leaves) - 1)
-    t = type(obj)
-    if t is dict or t is collections.OrderedDict:
-        return ("M", t, tuple((k, _walk(v, leaves, values)) for k, v in obj.items()))
-    if t is list or t is tuple:
-        return ("L" if t is list else "U", tuple(_walk(v, leaves, values) for v in obj))
-    values.append(obj)  # other tensor subclasses and layouts included: deep-copied
-    return ("V", len(values) - 1)
-
-
-def _build(node: tuple, tensors: list[torch.Tensor], values: list[Any], top: bool = False) -> Any:
-    kind = node[0]
-    if kind == "T":
-        return tensors[node[1]]
-    if kind == "D":
-        return _make_dtensor(tensors[node[1]], node[2])
-    if kind == "M":
-        out = _StagedStateDict() if top else node[1]()
-        for k, sub in node[2]:
-            out[k] = _build(sub, tensors, values)
-        return out
-    if kind == "L":
-        return [_build(sub, tensors, values) for sub in node[1]]
-    if kind == "U":
-        return tuple(_build(sub, tensors, values) for sub in node[1])
-    return values[node[1]]
-
-
-def _make_dtensor(local: torch.Tensor, spec: Any) -> Any:
-    return _dcp_hooks.dtensor_from_spec(local, spec)
-
-
-def _meta(t: torch.Tensor) -> tuple:
-    return (t.dtype, tuple(t.shape), t.device)
-
-
-def _flat_bytes(t: torch.Tensor) -> np.ndarray | None:
-    """A uint8 numpy view of a contiguous CPU tensor's bytes; None if a plain
-    memcpy cannot copy it."""
-    if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.layout != torch.strided:
-        return None
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-# ------------------------------------------------------------------- layout
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    metas: tuple
-    nbytes: tuple[int, ...]
-    where: tuple[int, ...]
-    offset: tuple[int, ...]  # in the arena, or in the spill file
-    arena_bytes: int  # header + resident tensors (+ ring)
-    ring_offset: int
-    slot_bytes: int  # 0: everything fits
-    spill_bytes: int
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(self.nbytes)
-
-
-def _plan(metas: tuple, options: Any, alignment: int) -> _Layout:
-    nbytes = [int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for dtype, shape, _ in metas]
-    threshold, packed = options.pack_threshold_bytes, options.pack_alignment_bytes
-
-    def fill(budget: int | None) -> tuple[list[int], list[int], int, int]:
-        """Tensors in the arena (first fit, page 0 the header) while they end
-        within ``budget`` (None: all of them), the others in the spill file:
-        (where, offset, arena end, spill end)."""
-        where, offset = [], []
-        pos, spos = alignment, 0
-        for n in nbytes:
-            if n == 0:
-                where.append(_EMPTY)
-                offset.append(0)
-                continue
-            off = align_up(pos, alignment if n >= threshold else packed)
-            if budget is None or off + n <= budget:
-                where.append(_ARENA)
-                offset.append(off)
-                pos = off + n
-            else:
-                soff = align_up(spos, alignment)
-                where.append(_SPILL)
-                offset.append(soff)
-                spos = soff + n
-        return where, offset, align_up(pos, alignment), align_up(spos, alignment)
-
-    where, offset, full, _ = fill(None)
-    cap = options.staging_memory_limit_bytes
-    if cap is None or full <= cap:
-        return _Layout(metas, tuple(nbytes), tuple(where), tuple(offset), full, full, 0, 0)
-
-    # Past the limit: two ring slots, the rest of the budget for resident tensors.
-    slot = min(options.cuda_chunk_bytes, (cap - alignment) // 4) // alignment * alignment
-    budget = (cap - 2 * slot) // alignment * alignment
-    if slot < alignment or budget < alignment:
-        raise ValueError(
-            f"FastPersistOptions.staging_memory_limit_bytes={cap} is too small to stream "
-            f"through: allow at least {5 * alignment} bytes"
-        )
-    where, offset, ring, spill = fill(budget)
-    return _Layout(metas, tuple(nbytes), tuple(where), tuple(offset), ring + 2 * slot, ring, slot, spill)
-
-
-# --------------------------------------------------------- the staged dict
-
-
-class _StagedStateDict(dict):
-    """The staged state dict: a plain dict to DCP; pickles (PROCESS mode) as
-    one handle to the arena instead of one shared segment per tensor."""
-
-    _fp_snapshot: "_Snapshot | None" = None
-
-    def __reduce_ex__(self, protocol: int) -> Any:
-        snap = self._fp_snapshot
-        if snap is None:
-            return (dict, (dict(self),))
-        return snap.reduce(self)
-
-
-@dataclasses.dataclass
-class _Snapshot:
-    stager: "_Stager"
-    rec: _Save
-    arena: "_Arena"
-    layout: _Layout
-    skeleton: tuple
-    values: list[Any]
-    spill: tuple | None  # handle of the spill file when tensors were spilled
-    shared_option: bool | None
-    crcs: dict[int, tuple[int, np.ndarray]]  # the staging copy's checksums, by arena offset
-
-    def reduce(self, staged: dict) -> Any:
-        self.rec.process = True
-        if self.rec.thread is None:
-            self.rec.thread = threading.current_thread()
-        if self.shared_option is False:
-            # torch pickles each tensor by moving its storage to a shared
-            # segment: hand it fresh views, not the ones cached for reuse.
-            fresh = _views(self.arena.buf, _attach_spill(*self.spill) if self.spill else None, self.layout)
-            return (dict, (dict(_build(self.skeleton, fresh, self.values)),))
-        arena = self.stager.share(self)
-        return (_rebuild, (arena.handle(), self.spill, self.layout, self.skeleton, self.values, self.crcs))
-
-
-def _rebuild(arena: tuple, spill: tuple | None, layout: _Layout, skeleton: tuple, values: list[Any],
-             crcs: dict[int, tuple[int, np.ndarray]] | None = None) -> dict:
-    """Unpickling in the checkpoint process: views into the trainer's arena
-    (and the staging copy's checksums, for this process's writer)."""
-    buf = _attach(*arena)
-    _remember_checksums(buf, _buffer_address(buf), arena[3], crcs or {})
-    smap = _attach_spill(*spill) if spill is not None else None
-    return _build(skeleton, _views(buf, smap, layout), values)
-
-
-def _views(buf: Any, spill_map: Any, layout: _Layout) -> list[torch.Tensor | None]:
-    """Tensors viewing the arena (and the spill mapping; None without one)."""
-    out: list[torch.Tensor | None] = []
-    for (dtype, shape, _), where, off, n in zip(layout.metas, layout.where, layout.offset, layout.nbytes):
-        if where == _EMPTY:
-            out.append(torch.empty(shape, dtype=dtype))
-            continue
-        src = buf if where == _ARENA else spill_map
-        if src is None:
-            out.append(None)
-            continue
-        out.append(torch.frombuffer(src, dtype=dtype, count=n // dtype.itemsize, offset=off).view(shape))
-    return out
+def _track_of(writer: Any, name: str, args: tuple, kwargs: dict) -> Track | Reporter | None:
+    """Where a hook call of ``writer`` reports (see :mod:`fp_dcp.staging.tracking`):
+    the save it belongs to in this process, the arena header of the trainer
+    in a checkpoint process, or nowhere (a save that was not staged)."""
+    st = writer.__dict__.get("_fp_staging")
+    if st is not None:
+        return st.track(name, args, kwargs)
+    report = writer.__dict__.get("_fp_report")
+    return Reporter(report, name, args, kwargs) if report is not None else None
+
+
+# ------------------------------------------------------------ the lazy future
 
 
 class _StagingFuture(concurrent.futures.Future):
@@ -938,23 +284,20 @@ class _StagingFuture(concurrent.futures.Future):
 # ------------------------------------------------------------------ the stager
 
 
-class _Stager:
+class Stager:
     """A writer's staging state: arena, layout, saves in flight."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.arena: _Arena | None = None
-        self.spill: _Spill | None = None
-        self.layout: _Layout | None = None
+        self.arena: Arena | None = None
+        self.spill: Spill | None = None
+        self.layout: Layout | None = None
         self.views: list[torch.Tensor] | None = None  # resident views of (arena, layout)
         self.shared = False  # stage into shared memory (PROCESS mode seen, or asked for)
         self.seq = 0
-        self.saves: collections.deque[_Save] = collections.deque()
+        self.saves: collections.deque[Save] = collections.deque()
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.ring_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.copy_piece = _COPY_PIECE
-        self.streams: dict[torch.device, Any] = {}
+        self.copier = Copier()
         self.last_future: weakref.ref | None = None
         self.last_stats: dict[str, Any] = {}
         self.closed = False
@@ -973,21 +316,21 @@ class _Stager:
         via_async_save, self.checkpoint_hint = _dcp_hooks.async_save_caller()
         leaves: list[torch.Tensor] = []
         values: list[Any] = []
-        skeleton = _walk(state_dict, leaves, values)
+        skeleton = walk(state_dict, leaves, values)
         values = copy.deepcopy(values)
-        metas = tuple(_meta(t) for t in leaves)
-        events = self._cuda_events(leaves)
+        metas = tuple(meta(t) for t in leaves)
+        events = self.copier.cuda_events(leaves)
         with self.lock:
             prev = self.saves[-1] if self.saves else None
             self.seq += 1
-            rec = _Save(self.seq)
+            rec = Save(self.seq)
             rec.via_async_save = via_async_save
             self.saves.append(rec)
             while self.saves and self.saves[0].done.is_set() and self.saves[0] is not prev:
                 self.saves.popleft()
         if mode == "eager":
             # The training waits for an eager copy: use the cores it would use.
-            rec.copy_threads = max(1, min(torch.get_num_threads(), _MAX_COPY_THREADS))
+            rec.copy_threads = eager_copy_threads()
             try:
                 self._wait(prev)
                 staged = self._stage_now(writer, rec, skeleton, metas, leaves, values, events)
@@ -1009,7 +352,7 @@ class _Stager:
         try:
             self._wait(prev)
             staged = self._stage_now(writer, rec, skeleton, metas, leaves, values, events)
-        except _PreviousSaveFailed as e:
+        except PreviousSaveFailed as e:
             rec.finish(e, reported=True)
             fut.set_exception(e)
         except BaseException as e:  # noqa: BLE001 - handed to the future
@@ -1018,7 +361,7 @@ class _Stager:
         else:
             fut.set_result(staged)
 
-    def _wait(self, prev: _Save | None) -> None:
+    def _wait(self, prev: Save | None) -> None:
         """Wait until the previous save on this writer is done; raise its
         failure once."""
         if prev is None:
@@ -1026,18 +369,18 @@ class _Stager:
         prev.wait()
         if prev.error is not None and not prev.reported:
             prev.reported = True
-            raise _PreviousSaveFailed(
+            raise PreviousSaveFailed(
                 f"the previous async save on this FastPersistWriter failed, so this one was not "
                 f"started: {type(prev.error).__name__}: {prev.error}"
             ) from prev.error
 
-    def _stage_now(self, writer, rec: _Save, skeleton, metas, leaves, values, events) -> dict:
+    def _stage_now(self, writer, rec: Save, skeleton, metas, leaves, values, events) -> dict:
         t0 = time.perf_counter()
         options = writer.options
         # Each save gets a fresh save_id even when async_save passes no
         # checkpoint_id (DCP then does not call reset()).
         writer.reset()
-        alignment = max(_PAGE, options.alignment_bytes or 0)
+        alignment = max(PAGE, options.alignment_bytes or 0)
         with self.lock:
             if self.closed:
                 raise RuntimeError("FastPersistWriter is closed")
@@ -1045,7 +388,7 @@ class _Stager:
                 self.shared = True
             layout = self.layout
             if layout is None or layout.metas != metas or self._options_key(options) != self._layout_key:
-                layout = _plan(metas, options, alignment)
+                layout = plan(metas, options, alignment)
                 self._layout_key = self._options_key(options)
             grown = self._ensure_arena(layout, alignment, options)
             arena = self.arena
@@ -1054,10 +397,10 @@ class _Stager:
             if self.layout is not layout or self.views is None:
                 self.views = None
                 self.layout = layout
-                self.views = _views(arena.buf, None, layout)
-            _write_status(arena.buf, rec.seq, _PENDING)
+                self.views = views(arena.buf, None, layout)
+            write_status(arena.buf, rec.seq, PENDING)
             rec.arena = arena
-        forget_staged_checksums([arena.address])
+        crc_registry.forget_staged_checksums([arena.address])
         if self.before_copy is not None:
             self.before_copy()
         spill_handle = None
@@ -1066,15 +409,15 @@ class _Stager:
         block = fmt.CHECKSUM_BLOCK_BYTES if options.write_checksums and options.staging_checksums else 0
         if layout.spill_bytes:
             spill = self._spill_file(writer, options)
-            crcs = self._copy(arena, layout, leaves, events, spill, rec.copy_threads, block)
+            crcs = self.copier.copy(arena.buf, layout, tensors, leaves, events, spill, rec.copy_threads, block)
             spill_map = spill.mapping()
             spill_handle = spill.handle()
-            tensors = [v if w != _SPILL else t for v, w, t in zip(tensors, layout.where, _views(None, spill_map, layout))]
+            tensors = [v if w != SPILL else t for v, w, t in zip(tensors, layout.where, views(None, spill_map, layout))]
         else:
-            crcs = self._copy(arena, layout, leaves, events, None, rec.copy_threads, block)
-        _remember_checksums(arena.buf, arena.address, arena.size, crcs)
-        staged = _build(skeleton, tensors, values, top=True)
-        staged._fp_snapshot = _Snapshot(
+            crcs = self.copier.copy(arena.buf, layout, tensors, leaves, events, None, rec.copy_threads, block)
+        crc_registry.remember(arena.buf, arena.address, arena.size, crcs)
+        staged = build(skeleton, tensors, values, root=StagedStateDict)
+        staged._fp_snapshot = Snapshot(
             self, rec, arena, layout, skeleton, values, spill_handle, options.staging_shared_memory, crcs
         )
         rec.refs.append(weakref.ref(staged))
@@ -1089,13 +432,14 @@ class _Stager:
             "arena_allocated": grown,
             "arena_shared": arena.shared,
             "arena_locked": arena.locked,
-            "spilled_bytes": sum(n for n, w in zip(layout.nbytes, layout.where) if w == _SPILL),
+            "spilled_bytes": layout.spilled_bytes,
             "tensors": len(leaves),
         }
         return staged
 
     @staticmethod
     def _options_key(options: Any) -> tuple:
+        """The options a layout depends on."""
         return (
             options.staging_memory_limit_bytes,
             options.pack_threshold_bytes,
@@ -1106,7 +450,8 @@ class _Stager:
 
     _layout_key: tuple | None = None
 
-    def _ensure_arena(self, layout: _Layout, alignment: int, options: Any) -> bool:
+    def _ensure_arena(self, layout: Layout, alignment: int, options: Any) -> bool:
+        """An arena for ``layout`` (the one there if it fits); whether it is new."""
         a = self.arena
         if a is not None and a.size >= layout.arena_bytes and a.shared == self.shared:
             cap = options.staging_memory_limit_bytes
@@ -1114,12 +459,12 @@ class _Stager:
                 return False
         self.views = None
         if a is not None:
-            a.close()
+            _close_arena(a)
             self.arena = None
-        self.arena = _Arena(layout.arena_bytes, alignment, self.shared)
+        self.arena = Arena(layout.arena_bytes, alignment, self.shared)
         return True
 
-    def _spill_file(self, writer: Any, options: Any) -> _Spill:
+    def _spill_file(self, writer: Any, options: Any) -> Spill:
         directory = options.staging_spill_dir or self.checkpoint_hint or writer.path
         if directory is None:
             raise ValueError(
@@ -1135,186 +480,13 @@ class _Stager:
                 s.close()
                 self.spill = s = None
         if s is None:
-            self.spill = s = _Spill(directory, options)
+            self.spill = s = Spill(directory, options)
         s.drop_cache()
         return s
 
-    # ------------------------------------------------------------------ copy
-
-    def _cuda_events(self, leaves: list[torch.Tensor]) -> dict:
-        """On the calling (training) thread: mark where each device's current
-        stream is, so the side-stream copies start after the work queued so far."""
-        devices = {t.device for t in leaves if t.device.type == "cuda"}
-        events = {}
-        for d in devices:
-            if d not in self.streams:
-                self.streams[d] = torch.cuda.Stream(device=d)
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(d))
-            events[d] = ev
-        return events
-
-    def _copy(self, arena: _Arena, layout: _Layout, leaves, events: dict, spill: _Spill | None, threads: int,
-              block: int = 0) -> dict[int, tuple[int, np.ndarray]]:
-        """Copy the leaves into the arena (and the spill file); returns the
-        CRC-32C of every ``block`` bytes of each tensor that a CPU memcpy
-        copied (``{arena offset: (bytes, CRCs)}``; empty when ``block`` is 0)."""
-        offsets: list[int] = []
-        sources: list[np.ndarray] = []
-        slow: list[tuple[torch.Tensor, torch.Tensor]] = []
-        cuda: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        views = self.views
-        for i, t in enumerate(leaves):
-            if layout.where[i] != _ARENA:
-                continue
-            if t.device.type == "cuda":
-                cuda.setdefault(t.device, []).append((views[i], t))
-                continue
-            b = _flat_bytes(t) if t.device.type == "cpu" else None
-            if b is None:
-                slow.append((views[i], t))
-            else:
-                offsets.append(layout.offset[i])
-                sources.append(b)
-        done = []
-        for d, pairs in cuda.items():  # queued first: the DMA runs while the CPU copies
-            s = self.streams[d]
-            with torch.cuda.device(d), torch.cuda.stream(s):
-                s.wait_event(events[d])
-                for dst, src in pairs:
-                    dst.copy_(src, non_blocking=True)
-                    src.record_stream(s)
-                ev = torch.cuda.Event()
-                ev.record(s)
-                done.append(ev)
-        crcs: dict[int, tuple[int, np.ndarray]] = {}
-        if sources:
-            got = self._gather(arena, offsets, sources, threads, block)
-            if got is not None:
-                crcs = {off: (len(b), c) for off, b, c in zip(offsets, sources, got)}
-        for dst, src in slow:
-            dst.copy_(src)
-        for ev in done:
-            ev.synchronize()
-        del views
-        if spill is not None:
-            self._stream(arena, layout, leaves, events, spill)
-        return crcs
-
-    def _gather(self, arena: _Arena, offsets: list[int], sources: list[np.ndarray], threads: int,
-                block: int = 0) -> list[np.ndarray] | None:
-        """memcpy every source to its arena offset, the GIL released; split
-        over ``threads`` threads (eager staging: the training is waiting
-        anyway) in pieces of at most ``self.copy_piece`` bytes.  With
-        ``block``, the copy also checksums every ``block`` bytes of each
-        source (fused: one pass over memory) and returns them per source."""
-        k = threads
-        piece_max = self.copy_piece
-        if block and piece_max % block:
-            block = 0  # pieces must cut sources on the checksum grid
-        total = sum(len(b) for b in sources)
-        if k <= 1 or total < 2 * piece_max:
-            got = _native.copy_gather(arena.buf, np.asarray(offsets, dtype=np.int64), sources, checksum_block=block)
-            if not block:
-                return None
-            crcs, first = got
-            return [crcs[a:b] for a, b in zip(first[:-1].tolist(), first[1:].tolist())]
-        groups: list[tuple[list[int], list[np.ndarray], list[tuple[int, int]]]] = [([], [], []) for _ in range(k)]
-        loads = [0] * k
-        for si, (off, b) in enumerate(zip(offsets, sources)):
-            for lo in range(0, len(b), piece_max):
-                g = loads.index(min(loads))
-                piece = b[lo : lo + piece_max]
-                groups[g][0].append(off + lo)
-                groups[g][1].append(piece)
-                groups[g][2].append((si, lo))
-                loads[g] += len(piece)
-        if self.copy_pool is None or self.copy_pool._max_workers < k - 1:
-            if self.copy_pool is not None:
-                self.copy_pool.shutdown(wait=True)
-            self.copy_pool = concurrent.futures.ThreadPoolExecutor(k - 1, thread_name_prefix="fp_dcp-copy")
-        futs = [
-            self.copy_pool.submit(_native.copy_gather, arena.buf, np.asarray(o, dtype=np.int64), b, block)
-            for o, b, _ in groups[1:]
-        ]
-        results = []
-        try:
-            results.append(_native.copy_gather(arena.buf, np.asarray(groups[0][0], dtype=np.int64), groups[0][1], block))
-        finally:
-            results += [f.result() for f in futs]
-        if not block:
-            return None
-        out = [np.zeros(max(1, -(-len(b) // block)), dtype=np.uint32) for b in sources]
-        for (_, _, where), (crcs, first) in zip(groups, results):
-            for (si, lo), a, b in zip(where, first[:-1].tolist(), first[1:].tolist()):
-                out[si][lo // block : lo // block + b - a] = crcs[a:b]
-        return out
-
-    def _stream(self, arena: _Arena, layout: _Layout, leaves, events: dict, spill: _Spill) -> None:
-        """Tensors past the limit: copy a slot, write it while the next slot is
-        copied, wait for a slot's write before copying into it again."""
-        spill.resize(layout.spill_bytes)
-        items = []
-        for i, t in enumerate(leaves):
-            if layout.where[i] != _SPILL:
-                continue
-            if t.device.type == "cuda":
-                st = self.streams[t.device]
-                with torch.cuda.device(t.device), torch.cuda.stream(st):
-                    st.wait_event(events[t.device])
-                    src: Any = t.contiguous().reshape(-1).view(torch.uint8)
-                    t.record_stream(st)
-            else:
-                src = _flat_bytes(t)
-                if src is None:
-                    src = _flat_bytes(t.resolve_conj().resolve_neg().contiguous().cpu())
-            items.append((layout.offset[i], layout.nbytes[i], src, t.device))
-        if self.ring_pool is None:
-            self.ring_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-spill")
-        slot = layout.slot_bytes
-        pending: list[concurrent.futures.Future | None] = [None, None]
-        try:
-            for k, start in enumerate(range(0, layout.spill_bytes, slot)):
-                s = k % 2
-                if pending[s] is not None:
-                    pending[s].result()  # back-pressure: the slot is free again
-                    pending[s] = None
-                stop = min(start + slot, layout.spill_bytes)
-                base = layout.ring_offset + s * slot
-                offs, srcs, evs = [], [], []
-                for off, n, src, dev in items:
-                    a, b = max(off, start), min(off + n, stop)
-                    if b <= a:
-                        continue
-                    if dev.type == "cuda":
-                        st = self.streams[dev]
-                        with torch.cuda.device(dev), torch.cuda.stream(st):
-                            host = torch.frombuffer(arena.buf, dtype=torch.uint8, count=b - a, offset=base + a - start)
-                            host.copy_(src[a - off : b - off], non_blocking=True)
-                            ev = torch.cuda.Event()
-                            ev.record(st)
-                            evs.append(ev)
-                    else:
-                        offs.append(base + a - start)
-                        srcs.append(src[a - off : b - off])
-                if srcs:
-                    _native.copy_gather(arena.buf, np.asarray(offs, dtype=np.int64), srcs)
-                for ev in evs:
-                    ev.synchronize()
-                view = memoryview(arena.buf)[base : base + (stop - start)]
-                pending[s] = self.ring_pool.submit(spill.write, start, view)
-            for k in range(2):
-                if pending[k] is not None:
-                    pending[k].result()
-                    pending[k] = None
-        finally:
-            for p in pending:
-                if p is not None:
-                    p.exception()  # no write may outlive this call
-
     # ---------------------------------------------------------- PROCESS mode
 
-    def share(self, snap: _Snapshot) -> _Arena:
+    def share(self, snap: Snapshot) -> Arena:
         """The arena a pickled snapshot refers to, moved to shared memory on
         first use (auto mode); later saves stage into shared memory directly."""
         with self.lock:
@@ -1326,7 +498,7 @@ class _Stager:
                 )
             if arena.shared:
                 return arena
-            shared = _Arena(arena.size, _PAGE, True)
+            shared = Arena(arena.size, PAGE, True)
             if arena.cuda_registered:
                 shared.register_cuda()
             _native.copy_gather(shared.buf, np.zeros(1, np.int64), [arena.buf])
@@ -1335,10 +507,10 @@ class _Stager:
                 self.views = None
                 self.layout = None
                 self.arena = shared
-                arena.close()
+                _close_arena(arena)
             snap.arena = shared
             snap.rec.arena = shared
-            _remember_checksums(shared.buf, shared.address, shared.size, snap.crcs)
+            crc_registry.remember(shared.buf, shared.address, shared.size, snap.crcs)
             return shared
 
     def report_handle(self) -> tuple | None:
@@ -1361,19 +533,10 @@ class _Stager:
 
     # --------------------------------------------------------- hooks, waits
 
-    def track(self, name: str, args: tuple, kwargs: dict) -> _Track | None:
-        me = threading.current_thread()
+    def track(self, name: str, args: tuple, kwargs: dict) -> Track | None:
+        """Where a hook call of the writer on this thread reports."""
         with self.lock:
-            for rec in self.saves:
-                if not rec.done.is_set() and rec.thread is me:
-                    return _Track(rec, name, args, kwargs)
-            if name != "set_up_storage_writer":
-                return None
-            for rec in self.saves:
-                if not rec.done.is_set() and rec.thread is None and rec.staged:
-                    rec.thread = me
-                    return _Track(rec, name, args, kwargs)
-        return None
+            return attribute(self.saves, name, args, kwargs)
 
     def synchronize(self) -> None:
         ref = self.last_future
@@ -1391,19 +554,20 @@ class _Stager:
             # dict from a direct stage() call that no save picked up keeps its views.
             if rec.thread is not None or rec.via_async_save:
                 rec.wait()
-        if self.ring_pool is not None:
-            self.ring_pool.shutdown(wait=True)
-        if self.copy_pool is not None:
-            self.copy_pool.shutdown(wait=True)
+        self.copier.shutdown()
         with self.lock:
             self.saves.clear()
             self.views = None
             self.layout = None
             if self.arena is not None:
-                self.arena.close()
+                _close_arena(self.arena)
                 self.arena = None
             if self.spill is not None:
                 self.spill.close()
                 self.spill = None
-            self.streams.clear()
 
+
+def _close_arena(arena: Arena) -> None:
+    """Close an arena, dropping the staging checksums kept for it first."""
+    crc_registry.forget_staged_checksums([arena.address])
+    arena.close()

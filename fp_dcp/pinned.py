@@ -1,0 +1,75 @@
+"""Pinning host memory: page-locking (``mlock``) and CUDA host registration.
+
+Two owners hold host buffers that must stay resident and, with CUDA tensors,
+take device-to-host copies as DMA transfers: the staging arena
+(:mod:`fp_dcp.staging.arena`) and the writer's double buffers for CUDA
+tensors (:class:`fp_dcp.engine.PinnedBuffer`).  Both pin through this module.
+
+Pinning is an optimisation, never a requirement: a lock or a registration
+that fails warns and the save goes on (slower: page faults during a copy,
+device-to-host copies through pageable memory).  ``_native.AlignedBuffer``
+locks its own pages in C; :func:`lock_pages` is for memory mapped here
+(a shared ``memfd`` arena).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+
+import torch
+
+__all__ = ["lock_pages", "cuda_register", "cuda_unregister"]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_lock_warned = False  # one warning per process: every later lock fails the same way
+
+# cudaHostRegister flags (cuda_runtime_api.h)
+_CUDA_HOST_REGISTER_DEFAULT = 0
+_CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current device's
+
+
+def lock_pages(address: int, size: int, what: str) -> bool:
+    """``mlock`` ``size`` bytes at ``address``; whether it worked.  The first
+    failure in this process warns (naming ``what``), later ones are silent."""
+    global _lock_warned
+    if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size)) == 0:
+        return True
+    if not _lock_warned:
+        _lock_warned = True
+        err = ctypes.get_errno()
+        warnings.warn(
+            f"fp_dcp: the {what} is not page-locked: mlock of {size} bytes "
+            f"failed: {os.strerror(err)} (raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+def cuda_register(address: int, size: int, what: str, *, portable: bool = False) -> bool:
+    """Register ``size`` bytes at ``address`` with CUDA (``cudaHostRegister``)
+    so that device-to-host copies into them are DMA transfers; whether it
+    worked (a failure warns, naming ``what``).  ``portable``: for every
+    device's context.  The caller checks ``torch.cuda.is_available()``."""
+    flags = _CUDA_HOST_REGISTER_PORTABLE if portable else _CUDA_HOST_REGISTER_DEFAULT
+    rc = torch.cuda.cudart().cudaHostRegister(address, size, flags)
+    if int(rc) == 0:
+        return True
+    warnings.warn(
+        f"fp_dcp: cudaHostRegister of the {size}-byte {what} failed ({rc}); "
+        f"device-to-host copies into it will not be DMA transfers",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return False
+
+
+def cuda_unregister(address: int) -> None:
+    """Undo :func:`cuda_register`; quiet when CUDA is already torn down (a
+    finalizer at interpreter exit)."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(address)
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,245 @@
+"""The staging copy: a state dict's tensors into the arena and the spill file.
+
+CPU tensors go through ``_native.copy_gather`` with the GIL released, fused
+with the CRC-32C of every checksum block (one pass over memory; the CRCs go
+to :mod:`fp_dcp.staging.crc_registry`) and, for eager staging, split over a
+few threads.  CUDA tensors are copied on a side stream per device that first
+waits for the work queued on the tensors' streams when ``stage`` was called
+(device-to-host DMA into the registered arena); those copies are queued
+first, so the DMA runs while the CPU copies.  Tensors past the memory limit
+stream through a ring of two arena slots into the spill file: the copy of
+slot k+1 overlaps the write of slot k, and waits for a slot's write before
+copying into it again (back-pressure).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import numpy as np
+import torch
+
+from fp_dcp import _native
+from fp_dcp.staging.layout import ARENA, SPILL, Layout
+
+__all__ = ["Copier", "eager_copy_threads", "MAX_COPY_THREADS", "COPY_PIECE_BYTES"]
+
+# Eager staging holds the training until the copy is done, so the copy takes
+# the cores the training would use (torch.get_num_threads()), at most this
+# many.  A judgement, not a measured optimum: the copy is bound by memory
+# bandwidth, which two threads already reached where it was measured (22 GB/s
+# memcpy, 20 GB/s fused with the CRC on 2 cores, docs/NATIVE.md); the cap
+# leaves room for machines with more memory channels without starting a
+# thread per core.  Lazy staging copies in one thread.
+MAX_COPY_THREADS = 4
+# The pieces a split copy hands out, at most this large: large enough that
+# a piece's overhead (a task, a GIL round trip) is noise beside copying it
+# (~3 ms at 20 GB/s), small enough that a few large tensors still split
+# evenly over the threads; a multiple of CHECKSUM_BLOCK_BYTES, so that the
+# pieces cut each tensor on its checksum grid.
+COPY_PIECE_BYTES = 64 << 20
+
+
+def eager_copy_threads() -> int:
+    """Threads of an eager staging copy: the training's, within MAX_COPY_THREADS."""
+    return max(1, min(torch.get_num_threads(), MAX_COPY_THREADS))
+
+
+def flat_bytes(t: torch.Tensor) -> np.ndarray | None:
+    """A uint8 numpy view of a contiguous CPU tensor's bytes; None if a plain
+    memcpy cannot copy it."""
+    if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.layout != torch.strided:
+        return None
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class Copier:
+    """A writer's copy machinery, kept across saves: a side stream per CUDA
+    device, the threads of split copies and of spill writes."""
+
+    def __init__(self) -> None:
+        self.piece_bytes = COPY_PIECE_BYTES
+        self.streams: dict[torch.device, Any] = {}
+        self.copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.ring_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def cuda_events(self, leaves: list[torch.Tensor]) -> dict:
+        """On the calling (training) thread: mark where each device's current
+        stream is, so the side-stream copies start after the work queued so far."""
+        devices = {t.device for t in leaves if t.device.type == "cuda"}
+        events = {}
+        for d in devices:
+            if d not in self.streams:
+                self.streams[d] = torch.cuda.Stream(device=d)
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(d))
+            events[d] = ev
+        return events
+
+    def copy(self, buf: Any, layout: Layout, views: list[torch.Tensor], leaves, events: dict, spill: Any,
+             threads: int, block: int = 0) -> dict[int, tuple[int, np.ndarray]]:
+        """Copy the leaves into the arena ``buf`` (``views``: the resident
+        tensors viewing it) and the spill file (``spill``, a
+        :class:`~fp_dcp.staging.arena.Spill`, or None); returns the CRC-32C
+        of every ``block`` bytes of each tensor that a CPU memcpy copied
+        (``{arena offset: (bytes, CRCs)}``; empty when ``block`` is 0)."""
+        offsets: list[int] = []
+        sources: list[np.ndarray] = []
+        slow: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cuda: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for i, t in enumerate(leaves):
+            if layout.where[i] != ARENA:
+                continue
+            if t.device.type == "cuda":
+                cuda.setdefault(t.device, []).append((views[i], t))
+                continue
+            b = flat_bytes(t) if t.device.type == "cpu" else None
+            if b is None:
+                slow.append((views[i], t))
+            else:
+                offsets.append(layout.offset[i])
+                sources.append(b)
+        done = []
+        for d, pairs in cuda.items():  # queued first: the DMA runs while the CPU copies
+            s = self.streams[d]
+            with torch.cuda.device(d), torch.cuda.stream(s):
+                s.wait_event(events[d])
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+                    src.record_stream(s)
+                ev = torch.cuda.Event()
+                ev.record(s)
+                done.append(ev)
+        crcs: dict[int, tuple[int, np.ndarray]] = {}
+        if sources:
+            got = self._gather(buf, offsets, sources, threads, block)
+            if got is not None:
+                crcs = {off: (len(b), c) for off, b, c in zip(offsets, sources, got)}
+        for dst, src in slow:
+            dst.copy_(src)
+        for ev in done:
+            ev.synchronize()
+        del views
+        if spill is not None:
+            self._stream(buf, layout, leaves, events, spill)
+        return crcs
+
+    def _gather(self, buf: Any, offsets: list[int], sources: list[np.ndarray], threads: int,
+                block: int = 0) -> list[np.ndarray] | None:
+        """memcpy every source to its arena offset, the GIL released; split
+        over ``threads`` threads (eager staging: the training is waiting
+        anyway) in pieces of at most ``self.piece_bytes`` bytes.  With
+        ``block``, the copy also checksums every ``block`` bytes of each
+        source (fused: one pass over memory) and returns them per source."""
+        k = threads
+        piece_max = self.piece_bytes
+        if block and piece_max % block:
+            block = 0  # pieces must cut sources on the checksum grid
+        total = sum(len(b) for b in sources)
+        if k <= 1 or total < 2 * piece_max:
+            got = _native.copy_gather(buf, np.asarray(offsets, dtype=np.int64), sources, checksum_block=block)
+            if not block:
+                return None
+            crcs, first = got
+            return [crcs[a:b] for a, b in zip(first[:-1].tolist(), first[1:].tolist())]
+        groups: list[tuple[list[int], list[np.ndarray], list[tuple[int, int]]]] = [([], [], []) for _ in range(k)]
+        loads = [0] * k
+        for si, (off, b) in enumerate(zip(offsets, sources)):
+            for lo in range(0, len(b), piece_max):
+                g = loads.index(min(loads))
+                piece = b[lo : lo + piece_max]
+                groups[g][0].append(off + lo)
+                groups[g][1].append(piece)
+                groups[g][2].append((si, lo))
+                loads[g] += len(piece)
+        if self.copy_pool is None or self.copy_pool._max_workers < k - 1:
+            if self.copy_pool is not None:
+                self.copy_pool.shutdown(wait=True)
+            self.copy_pool = concurrent.futures.ThreadPoolExecutor(k - 1, thread_name_prefix="fp_dcp-copy")
+        futs = [
+            self.copy_pool.submit(_native.copy_gather, buf, np.asarray(o, dtype=np.int64), b, block)
+            for o, b, _ in groups[1:]
+        ]
+        results = []
+        try:
+            results.append(_native.copy_gather(buf, np.asarray(groups[0][0], dtype=np.int64), groups[0][1], block))
+        finally:
+            results += [f.result() for f in futs]
+        if not block:
+            return None
+        out = [np.zeros(max(1, -(-len(b) // block)), dtype=np.uint32) for b in sources]
+        for (_, _, where), (crcs, first) in zip(groups, results):
+            for (si, lo), a, b in zip(where, first[:-1].tolist(), first[1:].tolist()):
+                out[si][lo // block : lo // block + b - a] = crcs[a:b]
+        return out
+
+    def _stream(self, buf: Any, layout: Layout, leaves, events: dict, spill: Any) -> None:
+        """Tensors past the limit: copy a slot, write it while the next slot is
+        copied, wait for a slot's write before copying into it again."""
+        spill.resize(layout.spill_bytes)
+        items = []
+        for i, t in enumerate(leaves):
+            if layout.where[i] != SPILL:
+                continue
+            if t.device.type == "cuda":
+                st = self.streams[t.device]
+                with torch.cuda.device(t.device), torch.cuda.stream(st):
+                    st.wait_event(events[t.device])
+                    src: Any = t.contiguous().reshape(-1).view(torch.uint8)
+                    t.record_stream(st)
+            else:
+                src = flat_bytes(t)
+                if src is None:
+                    src = flat_bytes(t.resolve_conj().resolve_neg().contiguous().cpu())
+            items.append((layout.offset[i], layout.nbytes[i], src, t.device))
+        if self.ring_pool is None:
+            self.ring_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-spill")
+        slot = layout.slot_bytes
+        pending: list[concurrent.futures.Future | None] = [None, None]
+        try:
+            for k, start in enumerate(range(0, layout.spill_bytes, slot)):
+                s = k % 2
+                if pending[s] is not None:
+                    pending[s].result()  # back-pressure: the slot is free again
+                    pending[s] = None
+                stop = min(start + slot, layout.spill_bytes)
+                base = layout.ring_offset + s * slot
+                offs, srcs, evs = [], [], []
+                for off, n, src, dev in items:
+                    a, b = max(off, start), min(off + n, stop)
+                    if b <= a:
+                        continue
+                    if dev.type == "cuda":
+                        st = self.streams[dev]
+                        with torch.cuda.device(dev), torch.cuda.stream(st):
+                            host = torch.frombuffer(buf, dtype=torch.uint8, count=b - a, offset=base + a - start)
+                            host.copy_(src[a - off : b - off], non_blocking=True)
+                            ev = torch.cuda.Event()
+                            ev.record(st)
+                            evs.append(ev)
+                    else:
+                        offs.append(base + a - start)
+                        srcs.append(src[a - off : b - off])
+                if srcs:
+                    _native.copy_gather(buf, np.asarray(offs, dtype=np.int64), srcs)
+                for ev in evs:
+                    ev.synchronize()
+                view = memoryview(buf)[base : base + (stop - start)]
+                pending[s] = self.ring_pool.submit(spill.write, start, view)
+            for k in range(2):
+                if pending[k] is not None:
+                    pending[k].result()
+                    pending[k] = None
+        finally:
+            for p in pending:
+                if p is not None:
+                    p.exception()  # no write may outlive this call
+
+    def shutdown(self) -> None:
+        """Wait for the pools' threads to end; forget the streams."""
+        if self.ring_pool is not None:
+            self.ring_pool.shutdown(wait=True)
+        if self.copy_pool is not None:
+            self.copy_pool.shutdown(wait=True)
+        self.streams.clear()

@@ -1,0 +1,181 @@
+"""Where each staged tensor goes: the state-dict walk and the arena layout (pure).
+
+:func:`walk` takes a state dict apart into a *skeleton* (containers kept,
+comparable with ``==``), its tensors (the leaves to stage) and its other
+values (deep-copied by the stager); :func:`build` puts a staged state dict
+together again from the skeleton and views of the staged tensors.
+
+:func:`plan` places each leaf: in the arena (after its header page; a tensor
+of at least ``pack_threshold_bytes`` on a direct-I/O boundary, smaller ones
+packed at ``pack_alignment_bytes`` — the rule the writer uses in its files,
+so the engine writes the staged tensors straight from the arena), or, past
+``staging_memory_limit_bytes``, in the spill file, streamed through a ring of
+two slots at the end of the arena.  :func:`views` are the tensors that view
+a buffer laid out so.
+
+Nothing here allocates or copies the tensors' bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from fp_dcp import _dcp_hooks
+from fp_dcp.save.layout import align_up
+
+__all__ = ["ARENA", "SPILL", "EMPTY", "Layout", "walk", "build", "meta", "plan", "views"]
+
+try:  # torch built without distributed
+    from torch.distributed.tensor import DTensor
+except Exception:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+# Where a staged tensor lives.
+ARENA, SPILL, EMPTY = 0, 1, 2
+
+
+# ------------------------------------------------------------ state-dict walk
+
+
+def walk(obj: Any, leaves: list[torch.Tensor], values: list[Any]) -> tuple:
+    """The skeleton of ``obj``: containers kept, tensors replaced by their leaf
+    index, anything else by its index in ``values``.  Comparable with ``==``."""
+    if DTensor is not None and isinstance(obj, DTensor):
+        leaves.append(_dcp_hooks.dtensor_local(obj))
+        return ("D", len(leaves) - 1, _dcp_hooks.dtensor_spec(obj))
+    if (
+        isinstance(obj, torch.Tensor)
+        and (type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter)
+        and obj.layout == torch.strided
+    ):
+        leaves.append(obj.detach())
+        return ("T", len(leaves) - 1)
+    t = type(obj)
+    if t is dict or t is collections.OrderedDict:
+        return ("M", t, tuple((k, walk(v, leaves, values)) for k, v in obj.items()))
+    if t is list or t is tuple:
+        return ("L" if t is list else "U", tuple(walk(v, leaves, values) for v in obj))
+    values.append(obj)  # other tensor subclasses and layouts included: deep-copied
+    return ("V", len(values) - 1)
+
+
+def build(node: tuple, tensors: list[torch.Tensor], values: list[Any], root: type | None = None) -> Any:
+    """The state dict of skeleton ``node`` around ``tensors`` and ``values``;
+    a top-level mapping of type ``root`` when given (else the original's).
+    A ``DTensor`` is rebuilt around its staged local shard with the same
+    mesh, placements, shape and stride."""
+    kind = node[0]
+    if kind == "T":
+        return tensors[node[1]]
+    if kind == "D":
+        return _dcp_hooks.dtensor_from_spec(tensors[node[1]], node[2])
+    if kind == "M":
+        out = (root or node[1])()
+        for k, sub in node[2]:
+            out[k] = build(sub, tensors, values)
+        return out
+    if kind == "L":
+        return [build(sub, tensors, values) for sub in node[1]]
+    if kind == "U":
+        return tuple(build(sub, tensors, values) for sub in node[1])
+    return values[node[1]]
+
+
+def meta(t: torch.Tensor) -> tuple:
+    """What the layout of a leaf depends on: (dtype, shape, device)."""
+    return (t.dtype, tuple(t.shape), t.device)
+
+
+# ------------------------------------------------------------------- layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each leaf of a state dict is staged (one entry per leaf, in
+    :func:`walk` order), and the sizes of the arena and the spill file."""
+
+    metas: tuple
+    nbytes: tuple[int, ...]
+    where: tuple[int, ...]  # ARENA, SPILL or EMPTY
+    offset: tuple[int, ...]  # in the arena, or in the spill file
+    arena_bytes: int  # header + resident tensors (+ ring)
+    ring_offset: int
+    slot_bytes: int  # 0: everything fits
+    spill_bytes: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(self.nbytes)
+
+    @property
+    def spilled_bytes(self) -> int:
+        return sum(n for n, w in zip(self.nbytes, self.where) if w == SPILL)
+
+
+def plan(metas: tuple, options: Any, alignment: int) -> Layout:
+    """The layout of leaves ``metas`` (see :func:`meta`) under ``options``
+    (``pack_threshold_bytes``, ``pack_alignment_bytes``,
+    ``staging_memory_limit_bytes``, ``cuda_chunk_bytes``); page 0 is the
+    arena's header, ``alignment`` the direct-I/O boundary."""
+    nbytes = [int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for dtype, shape, _ in metas]
+    threshold, packed = options.pack_threshold_bytes, options.pack_alignment_bytes
+
+    def fill(budget: int | None) -> tuple[list[int], list[int], int, int]:
+        """Tensors in the arena (first fit, page 0 the header) while they end
+        within ``budget`` (None: all of them), the others in the spill file:
+        (where, offset, arena end, spill end)."""
+        where, offset = [], []
+        pos, spos = alignment, 0
+        for n in nbytes:
+            if n == 0:
+                where.append(EMPTY)
+                offset.append(0)
+                continue
+            off = align_up(pos, alignment if n >= threshold else packed)
+            if budget is None or off + n <= budget:
+                where.append(ARENA)
+                offset.append(off)
+                pos = off + n
+            else:
+                soff = align_up(spos, alignment)
+                where.append(SPILL)
+                offset.append(soff)
+                spos = soff + n
+        return where, offset, align_up(pos, alignment), align_up(spos, alignment)
+
+    where, offset, full, _ = fill(None)
+    cap = options.staging_memory_limit_bytes
+    if cap is None or full <= cap:
+        return Layout(metas, tuple(nbytes), tuple(where), tuple(offset), full, full, 0, 0)
+
+    # Past the limit: two ring slots, the rest of the budget for resident tensors.
+    slot = min(options.cuda_chunk_bytes, (cap - alignment) // 4) // alignment * alignment
+    budget = (cap - 2 * slot) // alignment * alignment
+    if slot < alignment or budget < alignment:
+        raise ValueError(
+            f"FastPersistOptions.staging_memory_limit_bytes={cap} is too small to stream "
+            f"through: allow at least {5 * alignment} bytes"
+        )
+    where, offset, ring, spill = fill(budget)
+    return Layout(metas, tuple(nbytes), tuple(where), tuple(offset), ring + 2 * slot, ring, slot, spill)
+
+
+def views(buf: Any, spill_map: Any, layout: Layout) -> list[torch.Tensor | None]:
+    """Tensors viewing ``buf`` (the arena) and ``spill_map`` (the spill
+    file's mapping; None for the spilled ones without one) as laid out."""
+    out: list[torch.Tensor | None] = []
+    for (dtype, shape, _), where, off, n in zip(layout.metas, layout.where, layout.offset, layout.nbytes):
+        if where == EMPTY:
+            out.append(torch.empty(shape, dtype=dtype))
+            continue
+        src = buf if where == ARENA else spill_map
+        if src is None:
+            out.append(None)
+            continue
+        out.append(torch.frombuffer(src, dtype=dtype, count=n // dtype.itemsize, offset=off).view(shape))
+    return out
