@@ -72,6 +72,7 @@ def write_cuda(
     fd = session.engine.open(path, "w", session.direct if session.direct else False)
     pending: list[tuple[concurrent.futures.Future, list[tuple[int, int, int]]] | None] = [None, None]
     try:
+        k = -1
         for k, start in enumerate(range(0, align_up(end, align), chunk)):
             slot = k % 2
             if pending[slot] is not None:
@@ -99,7 +100,7 @@ def write_cuda(
                     checksum_origin=np.asarray([o for _, o, _ in where], np.int64) if block else None,
                 )
                 pending[slot] = (fut, where)
-        for slot in (0, 1):
+        for slot in ((k + 1) % 2, k % 2):  # the older chunk first: an extent's parts merge in order
             if pending[slot] is not None:
                 done(slot)
                 pending[slot] = None
