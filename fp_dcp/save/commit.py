@@ -36,27 +36,36 @@ class SaveLock:
     """The coordinator's exclusive ``flock`` on the checkpoint directory's
     lock file, from ``prepare_global_plan`` to the end of ``finish`` (or the
     failure).  Taken without waiting: a second save into the directory fails
-    at once with a message, it does not queue behind the first."""
+    at once with a message, it does not queue behind the first.  Rotation
+    (:mod:`fp_dcp.tools.rotation`) takes the same lock before it removes a
+    checkpoint, and skips one whose save holds it."""
 
     def __init__(self) -> None:
         self.fd: int | None = None
 
     def acquire(self, directory: str) -> None:
+        if not self.try_acquire(directory):
+            raise BlockingIOError(
+                11, "another fp_dcp save into this checkpoint directory is in progress; wait for it "
+                "or save elsewhere", directory
+            )
+
+    def try_acquire(self, directory: str) -> bool:
+        """Take the lock unless another holder has it (then False).  The
+        lock file is never followed if it is a link (``O_NOFOLLOW``)."""
         if self.fd is not None:
-            return
+            return True
         path = os.path.join(directory, fmt.LOCK_NAME)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise BlockingIOError(
-                11, "another fp_dcp save into this checkpoint directory is in progress; wait for it "
-                "or save elsewhere", directory
-            ) from None
+            return False
         self.fd = fd
         # a writer dropped after a failed save (DCP never calls finish) must not keep the lock
         self._finalizer = weakref.finalize(self, os.close, fd)
+        return True
 
     def release(self) -> None:
         if self.fd is not None:
