@@ -52,11 +52,11 @@ from fp_dcp import format as fmt
 from fp_dcp.engine import IOSession
 from fp_dcp.options import FastPersistOptions
 from fp_dcp.save import commit, directories, execute
+from fp_dcp.save.gc_freeze import GcFreeze
 from fp_dcp.save.plan import (
-    Assignment, RankHoldings, assign, assignment_items, describe_rank, keep_global_record,
+    Assignment, GlobalRecord, RankHoldings, assign, assignment_items, describe_rank, keep_global_record,
 )
 from fp_dcp.save.results import check_layout_covers, layout_from_results
-from fp_dcp.save.gc_freeze import GcFreeze
 from fp_dcp.staging.stager import AsyncStagingMixin
 
 __all__ = ["FastPersistWriter"]
@@ -107,6 +107,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         self._session: IOSession | None = None
         self._lock = commit.SaveLock()
         self._gc = GcFreeze()
+        self._pending_record: GlobalRecord | None = None  # the coordinator's, kept by write_data if the planner caches
 
     @staticmethod
     def _new_save_id() -> str:
@@ -179,7 +180,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             self.save_id, [p.storage_data if p.usable else None for p in plans]
         )
         if record is not None:
-            self._pending_record = record  # kept by write_data if the planner caches
+            self._pending_record = record
         # A cached (empty) plan gets a usable stub: DCP's finish_plan then
         # hands write_data this save's assignment (this save's save_id)
         # instead of the final plan it cached from an earlier save.
@@ -201,7 +202,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         try:
             cache_key = _dcp_hooks.planner_cache_key(planner)
             assignment, items = assignment_items(assignment, self.rank, cache_key, self._save_token)
-            record = self.__dict__.pop("_pending_record", None)
+            record, self._pending_record = self._pending_record, None
             if cache_key is not None and record is not None:
                 keep_global_record(record)
             fut.set_result(self._write(assignment, items, planner))
