@@ -298,13 +298,13 @@ def child_sim(cfg: dict) -> dict:
     from torch.distributed.checkpoint.planner import SavePlan
 
     fp_dcp = C.import_fp_dcp()
-    from fp_dcp.save import writer as W
+    from fp_dcp.save import plan as P
 
     results = []
     for scenario in cfg["scenarios"]:
         holdings, build_s = sim_holdings(scenario, cfg["world"], cfg["tp"], cfg["per_node"], cfg["n_dirs"])
-        plans = [SavePlan([], storage_data=W._LocalInfo(h.rank, h.host, h)) for h in holdings]
-        W._PLAN_CACHE.clear()
+        plans = [SavePlan([], storage_data=P.RankHoldings(h.rank, h.host, h)) for h in holdings]
+        P.PLACEMENTS.clear()
         with tempfile.TemporaryDirectory() as d:
             writer = fp_dcp.FastPersistWriter(d)
             t0, c0 = time.perf_counter(), time.process_time()

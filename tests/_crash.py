@@ -7,7 +7,7 @@ Shared by ``tests/test_faults.py`` (a sample of points) and
 * ``("engine", k)``: the rank dies at its engine's k-th I/O completion
   (``_aio._set_fault("kill")``: requests in flight, data files half written);
 * ``("call", name, k)``: the coordinator dies just before the k-th call of
-  ``os.<name>`` made by ``fp_dcp.save.writer`` — the commit protocol: ``open``
+  ``os.<name>`` made by ``fp_dcp.save.commit`` — the commit protocol: ``open``
   (#0 the lock file, #1 the temporary metadata, #2 the directory before the
   rename, #3 after it), ``write`` / ``fsync`` (#0) of the temporary
   metadata, ``fsync`` (#1) of the directory, ``replace`` (the commit),
@@ -84,7 +84,7 @@ def same(a: Any, b: Any) -> bool:
 
 
 class _OsProxy:
-    """``fp_dcp.save.writer.os`` in a child: counts the watched calls and dies
+    """``fp_dcp.save.commit.os`` in a child: counts the watched calls and dies
     before the chosen one."""
 
     def __init__(self, real, kill_at: tuple[str, int] | None, pause_at: tuple | None = None) -> None:
@@ -119,7 +119,7 @@ def _child(path: str, seed: int, point: tuple | None, kill_rank: int, world: int
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    import fp_dcp.save.writer as writer_mod
+    import fp_dcp.save.commit as commit_mod
     from fp_dcp import FastPersistWriter, _aio
 
     torch.set_num_threads(1)
@@ -131,7 +131,7 @@ def _child(path: str, seed: int, point: tuple | None, kill_rank: int, world: int
         mine = point is not None and rank == kill_rank
         proxy = _OsProxy(os, tuple(point[1:]) if mine and point[0] == "call" else None,
                          tuple(point[1:]) if mine and point[0] == "pause" else None)
-        writer_mod.os = proxy
+        commit_mod.os = proxy
         if mine and point[0] == "engine":
             _aio._set_fault("kill", signal.SIGKILL, after=int(point[1]))
         w = FastPersistWriter(path, **options)

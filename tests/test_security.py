@@ -595,12 +595,12 @@ def test_every_rank_refuses_and_none_hangs(tmp_path, step_target):
 
 
 def test_commit_syncs_the_directory_before_and_after_the_rename(tmp_path, monkeypatch):
-    from fp_dcp.save import writer as writer_mod
+    from fp_dcp.save import commit
 
     events = []
-    real_fsync_dir, real_replace = writer_mod._fsync_dir, os.replace
-    monkeypatch.setattr(writer_mod, "_fsync_dir", lambda d: (events.append(("fsync_dir", os.path.basename(d))),
-                                                               real_fsync_dir(d)))
+    real_fsync_dir, real_replace = commit.sync_directory, os.replace
+    monkeypatch.setattr(commit, "sync_directory", lambda d: (events.append(("fsync_dir", os.path.basename(d))),
+                                                              real_fsync_dir(d)))
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.path.basename(b))),
                                                      real_replace(a, b)))
     save({"v": torch.ones(3)}, tmp_path / "c")

@@ -228,7 +228,7 @@ class AsyncStagingMixin:
         st = state.pop("_fp_staging", None)
         state.pop("_fp_report", None)
         for name, value in state.items():
-            if name == "_lock_fd" or _is_resource(value):
+            if _is_resource(value):
                 state[name] = None
             elif isinstance(value, dict) and any(_is_resource(v) for v in value.values()):
                 state[name] = {}

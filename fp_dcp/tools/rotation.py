@@ -20,13 +20,13 @@ followed.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import stat
 
 from fp_dcp import format as fmt
 from fp_dcp.files import lstat_data_file, read_metadata_bytes
+from fp_dcp.save.commit import SaveLock
 
 __all__ = ["keep_last", "committed_checkpoints"]
 
@@ -64,16 +64,13 @@ def keep_last(root: str | os.PathLike, n: int) -> list[str]:
 
 def _remove_checkpoint(path: str) -> bool:
     """Remove one checkpoint under its own lock (skipped while a save holds it)."""
-    lock = os.path.join(path, fmt.LOCK_NAME)
+    lock = SaveLock()
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        if not lock.try_acquire(path):
+            return False
     except OSError:
         return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
         meta = os.path.join(path, fmt.METADATA_NAME)
         external: list[str] = []
         try:
@@ -99,4 +96,4 @@ def _remove_checkpoint(path: str) -> bool:
         shutil.rmtree(path)
         return True
     finally:
-        os.close(fd)
+        lock.release()

@@ -1,0 +1,119 @@
+"""CUDA tensors to a data file: device-to-host copies through two page-locked
+buffers, overlapped with the writes.
+
+A save without staging writes CUDA tensors straight from the device: their
+bytes are copied, chunk by chunk, into one of two page-locked host buffers on
+a side stream (which first waits for the tensors' producers), and chunk k is
+written by the engine on a worker thread while chunk k+1 is copied.  Each
+extent starts aligned (so chunk windows never share a checksum block); the
+engine checksums each chunk's part of an extent on the extent's grid, and
+the parts are merged into the extent's ``crc32c``, the same value a CPU save
+of those bytes records.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from fp_dcp import format as fmt
+from fp_dcp.checksums import crc_hex, merge_block_crcs
+from fp_dcp.engine import IOSession, PinnedBuffer
+from fp_dcp.save.layout import align_up, place_extents
+from fp_dcp.save.results import add_stats
+
+__all__ = ["write_cuda"]
+
+
+def write_cuda(
+    session: IOSession,
+    path: str,
+    flat: list[torch.Tensor],
+    stats: dict[str, Any],
+    *,
+    chunk_bytes: int,
+    checksums: bool,
+    sync: bool,
+) -> tuple[list[int], list[int], int, list[str | None]]:
+    """Write CUDA byte ranges (``flat``: flat uint8 tensors of one device) to
+    a new file ``path``, one aligned extent each, through two page-locked
+    buffers of ``chunk_bytes`` (rounded up to the engine's alignment, at most
+    the whole file) on a side stream, chunk by chunk, writing chunk k while
+    chunk k+1 is copied.  ``checksums``: block checksums of each extent;
+    ``sync``: ``fdatasync`` the file.  Adds the engine's statistics to
+    ``stats``.  Returns the extents' file offsets, their lengths, the end of
+    the last one and their ``Extent.crc32c`` (None without ``checksums``)."""
+    align = session.alignment
+    block = fmt.CHECKSUM_BLOCK_BYTES if checksums else 0
+    lengths = [int(f.numel()) for f in flat]
+    parts: list[list[tuple[int, int, Any]]] = [[] for _ in flat]  # per extent: (origin, length, crcs)
+
+    def done(slot: int) -> None:
+        fut, where = pending[slot]
+        s = fut.result()
+        add_stats(stats, s)
+        if block:
+            first = s["crc32c_first"].tolist()
+            for j, (i, origin, n) in enumerate(where):
+                parts[i].append((origin, n, s["crc32c"][first[j] : first[j + 1]]))
+
+    # Every CUDA extent starts aligned, so chunk windows never share a block.
+    offsets, end = place_extents(lengths, align, 0, align)
+    chunk = align_up(min(chunk_bytes, max(end, align)), align)
+    buffers = [PinnedBuffer(chunk, align) for _ in range(2)]
+    device = flat[0].device
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # the tensors' producers first
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-cuda-write")
+    fd = session.engine.open(path, "w", session.direct if session.direct else False)
+    pending: list[tuple[concurrent.futures.Future, list[tuple[int, int, int]]] | None] = [None, None]
+    try:
+        k = -1
+        for k, start in enumerate(range(0, align_up(end, align), chunk)):
+            slot = k % 2
+            if pending[slot] is not None:
+                done(slot)  # buffer free again
+                pending[slot] = None
+            stop = start + chunk
+            host = buffers[slot].tensor
+            srcs, offs, where = [], [], []
+            with torch.cuda.stream(stream):
+                for i, (f, off, n) in enumerate(zip(flat, offsets, lengths)):
+                    a, b = max(off, start), min(off + n, stop)
+                    if b <= a:
+                        continue
+                    host[a - start : b - start].copy_(f[a - off : b - off], non_blocking=True)
+                    srcs.append(memoryview(buffers[slot].raw)[a - start : b - start])
+                    offs.append(a)
+                    where.append((i, a - off, b - a))
+            event = torch.cuda.Event()
+            event.record(stream)
+            event.synchronize()
+            if srcs:
+                fut = pool.submit(
+                    session.write_fds, [fd], [path], np.zeros(len(srcs), np.int64), np.asarray(offs, np.int64),
+                    srcs, sync=False, checksums=block or False,
+                    checksum_origin=np.asarray([o for _, o, _ in where], np.int64) if block else None,
+                )
+                pending[slot] = (fut, where)
+        for slot in ((k + 1) % 2, k % 2):  # the older chunk first: an extent's parts merge in order
+            if pending[slot] is not None:
+                done(slot)
+                pending[slot] = None
+        if sync:
+            os.fdatasync(fd)
+    finally:
+        for p in pending:
+            if p is not None:
+                p[0].exception()  # wait before the buffers go away
+        pool.shutdown(wait=True)
+        os.close(fd)
+        pending = srcs = host = None  # drop the views before freeing the buffers
+        for b in buffers:
+            b.close()
+    crcs = [crc_hex(merge_block_crcs(p, block)) if block else None for p in parts]
+    return offsets, lengths, end, crcs

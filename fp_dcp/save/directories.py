@@ -1,0 +1,97 @@
+"""Where a save's files go, and making those directories ready.
+
+The metadata always goes in the checkpoint directory.  The data files go
+there too by default; with ``options.data_dirs`` (one directory per storage
+device) each rank stripes its bytes over a sub-directory of each data
+directory named after the checkpoint (``fmt.data_subdir_name``), so one data
+directory can serve many checkpoints and cleaning up after a save touches
+only this checkpoint's files.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import Any
+
+from fp_dcp import format as fmt
+from fp_dcp.save.commit import sync_directory
+
+__all__ = ["parse_data_dirs", "data_directories", "make_checkpoint_directory", "make_data_directory"]
+
+
+def parse_data_dirs(value: Any) -> tuple[str, ...]:
+    """``options.data_dirs`` as absolute paths: a sequence of paths, or one
+    string of paths separated by ``os.pathsep`` (the environment's form)."""
+    if value is None or value == "" or value == ():
+        return ()
+    if isinstance(value, (str, os.PathLike)):
+        parts = [p for p in os.fspath(value).split(os.pathsep) if p.strip()]
+    else:
+        parts = [os.fspath(p) for p in value]
+    dirs = tuple(os.path.abspath(p) for p in parts)
+    seen: dict[str, str] = {}
+    for d in dirs:
+        real = os.path.realpath(d)
+        if real in seen:
+            raise ValueError(
+                f"FastPersistOptions.data_dirs names one directory twice ({seen[real]!r} and {d!r}): "
+                f"give one directory per storage device"
+            )
+        seen[real] = d
+    return dirs
+
+
+def data_directories(directory: str, data_dirs: tuple[str, ...]) -> list[tuple[str, bool]]:
+    """``(directory, named by absolute path)`` of each of a rank's devices:
+    the checkpoint ``directory`` without ``data_dirs``; else, for each data
+    directory, its sub-directory named after the checkpoint (or the
+    checkpoint directory itself, when it is one of them)."""
+    if not data_dirs:
+        return [(directory, False)]
+    out = []
+    real = os.path.realpath(directory)
+    for d in data_dirs:
+        if os.path.realpath(d) == real:
+            out.append((directory, False))
+        else:
+            out.append((os.path.join(d, fmt.data_subdir_name(directory)), True))
+    return out
+
+
+def make_checkpoint_directory(directory: str, overwrite: bool) -> None:
+    """Create the checkpoint directory if needed; refuse a path that is not
+    a directory, and (without ``overwrite``) one that holds a committed
+    checkpoint."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise type(e)(e.errno, f"cannot create the checkpoint directory: {e.strerror}", directory) from None
+    if not os.path.isdir(directory):
+        raise NotADirectoryError(20, "the checkpoint path exists and is not a directory", directory)
+    if not overwrite and os.path.exists(os.path.join(directory, fmt.METADATA_NAME)):
+        raise FileExistsError(
+            17,
+            "a committed fp_dcp checkpoint is already there and overwrite=False; "
+            "pass another path or FastPersistOptions(overwrite=True)",
+            directory,
+        )
+
+
+def make_data_directory(d: str, by_path: bool, sync: bool) -> None:
+    """Create this checkpoint's sub-directory ``d`` of a data directory
+    (``by_path``; the checkpoint directory itself needs nothing) and, with
+    ``sync``, sync its entry; refuse one that is a link or not a directory."""
+    try:
+        if by_path and not os.path.lexists(d):
+            os.makedirs(d, exist_ok=True)
+            if sync:
+                sync_directory(os.path.dirname(d))
+        if by_path and not stat.S_ISDIR(os.lstat(d).st_mode):
+            # fp_dcp creates this sub-directory: a link planted in its
+            # place would lead the writes and the clean-up elsewhere
+            raise OSError(errno.ENOTDIR, "this checkpoint's sub-directory of a data directory is a "
+                          "symbolic link or not a directory (fp_dcp creates a real one); remove it", d)
+    except OSError as e:
+        raise type(e)(e.errno, f"cannot use the data directory: {e.strerror}", d) from None

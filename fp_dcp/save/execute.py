@@ -1,0 +1,286 @@
+"""One rank's write: its assigned pieces, from the planner's data into one
+file per device, through the native engine.
+
+:func:`write_rank` resolves each item the assignment names (a tensor's
+bytes, zero-copy where it is on the CPU; a bytes item's buffer), groups the
+pieces by device (data directory), and writes each device's pieces in one
+file for host bytes and one for CUDA bytes, one thread per device (the
+engine releases the GIL).  Host bytes go to the engine as they are: large
+extents aligned so they are written in place, small ones packed
+(:func:`fp_dcp.save.layout.place_extents`); CUDA bytes go through page-locked
+buffers (:mod:`fp_dcp.save.device_copy`).  It returns DCP's write results
+(:class:`fp_dcp.save.results.Written` records) and the rank's statistics.
+
+Checksums: where a staging copy (an async save's arena) already
+checksummed most of a file's bytes on the checksum grid, those are used and
+only the rest is checksummed here; otherwise the engine checksums what it
+writes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import os
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from fp_dcp import _native
+from fp_dcp import format as fmt
+from fp_dcp.checksums import crc_hex, piece_checksums
+from fp_dcp.engine import IOSession, tensor_bytes
+from fp_dcp.options import FastPersistOptions
+from fp_dcp.save import balance
+from fp_dcp.save.commit import sync_directory
+from fp_dcp.save.device_copy import write_cuda
+from fp_dcp.save.layout import align_up, place_extents
+from fp_dcp.save.plan import Assignment, expected_nbytes, item_name
+from fp_dcp.save.results import Written, add_stats
+from fp_dcp.staging import forget_staged_checksums, staged_checksums
+
+__all__ = ["write_rank"]
+
+
+def write_rank(
+    assignment: Assignment,
+    items: list[WriteItem],
+    resolve_data: Callable[[WriteItem], Any],
+    *,
+    dirs: list[tuple[str, bool]],
+    session_for: Callable[[str], IOSession],
+    tag_devices: bool,
+    options: FastPersistOptions,
+) -> tuple[list[WriteResult], dict[str, Any]]:
+    """Write rank ``assignment.rank``'s pieces of ``items`` (resolved by
+    ``resolve_data``, DCP's ``SavePlanner.resolve_data``) into ``dirs``
+    (``(directory, named by absolute path)`` by device), each through
+    ``session_for(directory)``; ``tag_devices``: the data file names carry
+    the device number (``options.data_dirs``).  Returns one result per item
+    written and the statistics."""
+    t0 = time.perf_counter()
+    rank = assignment.rank
+    pieces = assignment.pieces
+    assert pieces is not None
+    if assignment.n_items != len(items):
+        raise RuntimeError(
+            f"rank {rank}: the global plan was made for {assignment.n_items} items of this rank, "
+            f"but its prepare_local_plan recorded {len(items)} (was the writer reused by another save?)"
+        )
+    sources = _Sources(items, resolve_data)
+
+    # device -> ([(item, item_offset, host bytes)], [(item, item_offset, CUDA bytes)])
+    by_device: dict[int, tuple[list, list]] = {}
+    for li, off, length, dev in zip(
+        pieces.local.tolist(), pieces.offset.tolist(), pieces.length.tolist(), pieces.device.tolist()
+    ):
+        kind, buf = sources.get(li)
+        n = len(buf) if kind == "cpu" else int(buf.numel())
+        if length == balance.UNSIZED:
+            off, length = 0, n
+        if off + length > n:
+            raise RuntimeError(
+                f"{item_name(items[li])}: the plan assigns bytes {off}..{off + length} of an item of {n} bytes"
+            )
+        by_device.setdefault(dev, ([], []))[0 if kind == "cpu" else 1].append((li, off, buf[off : off + length]))
+    resolve_s = time.perf_counter() - t0
+
+    devices = sorted(by_device)
+    if any(d >= len(dirs) for d in devices):
+        raise RuntimeError(f"rank {rank}: the plan uses device {max(devices)} but this rank has {len(dirs)}")
+
+    used: set[int] = set()  # arenas whose staging checksums this save used
+
+    def write_device(dev: int):
+        directory, by_path = dirs[dev]
+        return _write_device(
+            session_for(directory), directory, by_path, by_device[dev], sources,
+            assignment.save_id, rank, dev if tag_devices else None, options, used,
+        )
+
+    try:
+        if len(devices) > 1:  # one thread per device: the engine releases the GIL
+            with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="fp_dcp-device") as pool:
+                done = list(pool.map(write_device, devices))
+        else:
+            done = [write_device(d) for d in devices]
+    finally:
+        forget_staged_checksums(used)  # they belong to this save only
+
+    stats: dict[str, Any] = {"engine": None, "direct_io": None, "bytes": 0, "requests": 0,
+                             "staged_checksum_bytes": 0}
+    per_item: dict[int, list[tuple[str, int, int, int]]] = {}
+    size_of: dict[str, int] = {}
+    sizes_on: dict[int, list[tuple[str, int]]] = {}
+    for extents, file_sizes, s, kind, direct in done:
+        stats["engine"], stats["direct_io"] = kind, direct
+        add_stats(stats, s)
+        size_of.update(file_sizes)
+        for li, fname, fo, io_, n, crc in extents:
+            per_item.setdefault(li, []).append((fname, fo, io_, n, crc))
+    for fname in size_of:  # each file's size travels with one result
+        li = min(li for li, exts in per_item.items() if any(e[0] == fname for e in exts))
+        sizes_on.setdefault(li, []).append((fname, size_of[fname]))
+    results = [
+        WriteResult(
+            index=items[li].index,
+            size_in_bytes=sum(e[3] for e in exts),
+            storage_data=Written(extents=tuple(exts), file_sizes=tuple(sizes_on.get(li, ()))),
+        )
+        for li, exts in sorted(per_item.items())
+    ]
+    if stats["engine"] is None:  # nothing to write on this rank
+        session = session_for(dirs[0][0])
+        stats["engine"], stats["direct_io"] = session.kind, session.direct
+    seconds = time.perf_counter() - t0
+    stats.update(
+        seconds=seconds,
+        resolve_seconds=resolve_s,
+        gbps=stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
+        items=len(per_item),
+        pieces=len(pieces),
+        devices=len(devices),
+    )
+    return results, stats
+
+
+class _Sources:
+    """Each item's bytes, resolved once: ``("cpu", uint8 numpy array /
+    memoryview)`` or ``("cuda", flat uint8 tensor)``."""
+
+    def __init__(self, items: list[WriteItem], resolve_data: Callable[[WriteItem], Any]) -> None:
+        self._items = items
+        self._resolve_data = resolve_data
+        self._sources: dict[int, tuple[str, Any]] = {}
+
+    def get(self, li: int) -> tuple[str, Any]:
+        if li in self._sources:
+            return self._sources[li]
+        item = self._items[li]
+        data = self._resolve_data(item)
+        name = item_name(item)
+        if item.type == WriteItemType.BYTE_IO:
+            if not isinstance(data, io.BytesIO):
+                raise TypeError(f"{name}: the planner resolved a bytes item to {type(data).__name__}, not BytesIO")
+            out = ("cpu", data.getbuffer())
+        else:
+            if not isinstance(data, torch.Tensor):
+                raise TypeError(f"{name}: the planner resolved a tensor item to {type(data).__name__}")
+            expected = expected_nbytes(item)
+            actual = data.numel() * data.element_size()
+            if expected is not None and expected != actual:
+                raise ValueError(
+                    f"{name}: the planner planned {expected} bytes but resolved a tensor of "
+                    f"{actual} bytes ({tuple(data.shape)}, {data.dtype})"
+                )
+            if data.device.type == "cuda":
+                t = data.detach()
+                flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+                out = ("cuda", flat)
+            elif data.device.type == "cpu":
+                out = ("cpu", tensor_bytes(data, name))
+            else:
+                out = ("cpu", tensor_bytes(data.detach().cpu(), name))
+        self._sources[li] = out
+        return out
+
+
+def _write_device(
+    session: IOSession,
+    directory: str,
+    by_path: bool,
+    groups: tuple[list, list],
+    sources: _Sources,
+    save_id: str,
+    rank: int,
+    tag: int | None,
+    options: FastPersistOptions,
+    used: set[int],
+) -> tuple[list[tuple], list[tuple[str, int]], dict[str, Any], str, bool]:
+    """One device's pieces (``groups``: host pieces, CUDA pieces; each
+    ``(item, item_offset, bytes)``): a file for each kind in ``directory``.
+    Returns the extents ``(item, file, file_offset, item_offset, length,
+    crc32c)``, the files' sizes, the statistics and the engine's kind and
+    direct-I/O flag.  Records the staging arenas whose checksums it used in
+    ``used``."""
+    cpu, cuda = groups
+    extents: list[tuple] = []  # (item, file, file_offset, item_offset, length, crc32c)
+    file_sizes: list[tuple[str, int]] = []
+    stats: dict[str, Any] = {"bytes": 0, "requests": 0, "staged_checksum_bytes": 0}
+    for k, group in ((0, cpu), (1, cuda)):
+        if not group:
+            continue
+        name = fmt.data_file_name(save_id, rank, k, tag)
+        path = os.path.join(directory, name)
+        recorded = path if by_path else name
+        if k == 0:
+            lengths = [len(b) for _, _, b in group]
+            offsets, end = place_extents(
+                lengths, session.alignment, options.pack_threshold_bytes, options.pack_alignment_bytes
+            )
+            # The staging copy may have checksummed these bytes already
+            # (an async save's arena): then the engine need not read them twice.
+            staged = [
+                _staged_crc_hex(sources.get(li)[1], io_, len(b), used) if options.write_checksums else None
+                for li, io_, b in group
+            ]
+            # ... or most of them: the rest (pickled values, tensors
+            # the staging copy did not checksum) are checksummed here.
+            missing = [i for i, c in enumerate(staged) if c is None]
+            reuse = options.write_checksums and 2 * sum(lengths[i] for i in missing) <= sum(lengths)
+            if reuse:
+                for i in missing:
+                    staged[i] = crc_hex(_native.crc32c_blocks(group[i][2], fmt.CHECKSUM_BLOCK_BYTES))
+            s = session.write(
+                [path],
+                np.zeros(len(group), dtype=np.int64),
+                np.asarray(offsets, dtype=np.int64),
+                [b for _, _, b in group],
+                sync=options.sync_files,
+                checksums=fmt.CHECKSUM_BLOCK_BYTES if options.write_checksums and not reuse else False,
+            )
+            add_stats(stats, s)
+            if reuse:
+                crcs = staged
+                stats["staged_checksum_bytes"] += sum(lengths) - sum(lengths[i] for i in missing)
+            else:
+                crcs = piece_checksums(s, len(group)) if "crc32c" in s else [None] * len(group)
+        else:
+            offsets, lengths, end, crcs = write_cuda(
+                session, path, [b for _, _, b in group], stats,
+                chunk_bytes=options.cuda_chunk_bytes, checksums=options.write_checksums, sync=options.sync_files,
+            )
+        file_sizes.append((recorded, align_up(end, session.alignment)))
+        extents += [
+            (li, recorded, fo, io_, n, crc)
+            for (li, io_, _), fo, n, crc in zip(group, offsets, lengths, crcs)
+        ]
+    if by_path and options.sync_files:
+        sync_directory(directory)  # the new files' entries (the coordinator syncs the checkpoint directory)
+    return extents, file_sizes, stats, session.kind, session.direct
+
+
+def _staged_crc_hex(item: Any, offset: int, length: int, used: set[int]) -> str | None:
+    """``Extent.crc32c`` of bytes ``offset..offset+length`` of an item whose
+    bytes (``item``, the whole item) a staging copy checksummed, when the
+    piece starts on that checksum grid and ends on it or at the item's end;
+    else None.  Records the arena used in ``used``."""
+    if length == 0:
+        return crc_hex(np.zeros(1, dtype=np.uint32))  # as the engine reports an empty piece
+    if not isinstance(item, np.ndarray):
+        return None
+    block = fmt.CHECKSUM_BLOCK_BYTES
+    n = item.size
+    if offset % block or (offset + length != n and length % block):
+        return None
+    hit = staged_checksums(item.__array_interface__["data"][0], n)
+    if hit is None:
+        return None
+    base, crcs = hit
+    used.add(base)
+    first = offset // block
+    return crc_hex(crcs[first : first - (-length // block)])
