@@ -764,15 +764,15 @@ def _interleaved_reads(root, rank, ws):
     # a kernel that refuses rank 1's pulls (a fault injected into them): when
     # the probe is refused, rank 1 receives over gloo and the load is right;
     # when only later pulls are, every rank fails, naming the fallback
-    from fp_dcp import _aio
+    from fp_dcp import _native
 
-    real_pull = _aio.pull
+    real_pull = _native.pull
 
     def load_with(pull_on_rank_1):
         """A cooperative load with rank 1 pulling through ``pull_on_rank_1``:
         bit-exact, or raises; its stats."""
         if rank == 1:
-            _aio.pull = pull_on_rank_1
+            _native.pull = pull_on_rank_1
         try:
             target = _dtensor_sd(ws, s1, zero=True)
             reader = FastPersistReader(path, share_interleaved_reads=True, read_buffer_budget_bytes=budget)
@@ -781,7 +781,7 @@ def _interleaved_reads(root, rank, ws):
                 assert bits_equal(_local(target[k]), want), k
             return reader.last_stats
         finally:
-            _aio.pull = real_pull
+            _native.pull = real_pull
 
     for probe_too in (True, False):
 
