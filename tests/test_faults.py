@@ -115,6 +115,35 @@ def test_engine_fault_during_load_names_the_file(tmp_path, no_leaks):
     assert load_seed(path) == "seed1"
 
 
+def test_the_test_hooks_are_off_without_the_flag():
+    """A process started without FP_DCP_TEST_HOOKS=1 (every user's) cannot
+    inject a fault: each hook, and _native.testing(), raises RuntimeError
+    naming the flag; the engine works as ever."""
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "FP_DCP_TEST_HOOKS"}
+    code = (
+        "import numpy as np\n"
+        "from fp_dcp import _aio, _native\n"
+        "assert not _aio._test_hooks_enabled()\n"
+        "calls = (lambda: _aio._set_fault('io', 5), lambda: _aio._set_fault(''), lambda: _aio._crc32c_impl('sw'),\n"
+        "         _aio._crc_nt_bytes, _native.testing)\n"
+        "for call in calls:\n"
+        "    try:\n"
+        "        call()\n"
+        "    except RuntimeError as e:\n"
+        "        assert 'FP_DCP_TEST_HOOKS=1' in str(e), e\n"
+        "    else:\n"
+        "        raise SystemExit('a test hook ran without the flag')\n"
+        "with _native.Engine('threads') as e:\n"
+        f"    fd = e.open({str(os.devnull)!r}, 'w', direct=False)\n"
+        "    e.write([fd], ['null'], [0], [0], [np.ones(1 << 20, np.uint8)], sync=False)\n"
+        "print('off')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "off", (r.returncode, r.stdout, r.stderr)
+
+
 def test_permission_denied(tmp_path, no_leaks):
     """Root ignores file modes: EACCES is injected at the O_DIRECT open (as
     the probe and the engine see it); without root, a read-only directory."""
