@@ -574,14 +574,14 @@ def _raw_hugebuf(op: str, path: str, nbytes: int, block_size: int, iodepth: int)
     GB/s on the same file, cold)."""
     import numpy as np
 
-    from fp_dcp import _aio
+    from fp_dcp import _native
 
     span = 256 * MiB
-    buf = _aio.AlignedBuffer(min(span, nbytes))
+    buf = _native.AlignedBuffer(min(span, nbytes))
     if op == "write":
         memoryview(buf)[:] = os.urandom(1 << 20) * (len(buf) >> 20) + os.urandom(len(buf) & ((1 << 20) - 1))
     try:
-        with _aio.Engine("aio", queue_depth=iodepth, block_size=block_size,
+        with _native.Engine("aio", queue_depth=iodepth, block_size=block_size,
                          read_queue_depth=iodepth, read_block_size=block_size) as eng:
             fd = eng.open(str(path), "w" if op == "write" else "r", True)
             try:

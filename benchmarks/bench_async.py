@@ -151,10 +151,10 @@ def _warm_memcpy(nbytes: int, threads: int = 1, reps: int = 3) -> dict:
 
     import numpy as np
 
-    from fp_dcp import _aio
+    from fp_dcp import _native
 
-    src = _aio.AlignedBuffer(nbytes)
-    dst = _aio.AlignedBuffer(nbytes)
+    src = _native.AlignedBuffer(nbytes)
+    dst = _native.AlignedBuffer(nbytes)
     part = -(-nbytes // threads)
     s_view, d_view = memoryview(src), memoryview(dst)
     pool = concurrent.futures.ThreadPoolExecutor(threads)
@@ -162,7 +162,7 @@ def _warm_memcpy(nbytes: int, threads: int = 1, reps: int = 3) -> dict:
     try:
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            futs = [pool.submit(_aio.copy_gather, d_view[lo:lo + part], np.zeros(1, np.int64), [s_view[lo:lo + part]])
+            futs = [pool.submit(_native.copy_gather, d_view[lo:lo + part], np.zeros(1, np.int64), [s_view[lo:lo + part]])
                     for lo in range(0, nbytes, part)]
             for f in futs:
                 f.result()
@@ -190,7 +190,7 @@ def _memcpy_sources(tensors, dst, threads: int) -> dict:
     import numpy as np
     import torch
 
-    from fp_dcp import _aio
+    from fp_dcp import _native
 
     pieces, offs, pos = [], [], 0
     for t in tensors:
@@ -215,7 +215,7 @@ def _memcpy_sources(tensors, dst, threads: int) -> dict:
         loads[g] += len(piece)
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         t0 = time.perf_counter()
-        futs = [pool.submit(_aio.copy_gather, dst, np.asarray(o, np.int64), b) for o, b in groups if b]
+        futs = [pool.submit(_native.copy_gather, dst, np.asarray(o, np.int64), b) for o, b in groups if b]
         for f in futs:
             f.result()
         seconds = time.perf_counter() - t0
@@ -258,9 +258,9 @@ def _child_blocking(spec: dict) -> dict:
     k = max(1, min(torch.get_num_threads(), 4))  # eager staging's copy threads
     yard = None
     if kind == "fp_eager":
-        from fp_dcp import _aio
+        from fp_dcp import _native
 
-        yard = _aio.AlignedBuffer(min(payload, 1 << 30))
+        yard = _native.AlignedBuffer(min(payload, 1 << 30))
         _memcpy_sources(list(sd.values()), yard, k)  # warm
     try:
         for i in range(1 + spec["saves"]):

@@ -34,18 +34,18 @@ CONFIGS = [(256 << 10, 64), (1 << 20, 16), (1 << 20, 32), (4 << 20, 4), (4 << 20
 
 
 def read_once(path: str, nbytes: int, block: int, qd: int, mode: str, checksums: bool) -> float:
-    from fp_dcp import _aio
+    from fp_dcp import _native
 
-    with _aio.Engine("aio", queue_depth=qd, block_size=block) as eng:
+    with _native.Engine("aio", queue_depth=qd, block_size=block) as eng:
         if mode == "scatter":
             run, stride = 8 << 10, 32 << 10
             n = min(nbytes, 256 << 20) // stride
-            buf = _aio.AlignedBuffer(n * run + 4096, 4096, lock=False)
+            buf = _native.AlignedBuffer(n * run + 4096, 4096, lock=False)
             offs = np.arange(n, dtype=np.int64) * stride
             views = [memoryview(buf)[64 + i * run: 64 + (i + 1) * run] for i in range(n)]
             moved = n * run
         else:
-            buf = _aio.AlignedBuffer(nbytes + 4096, 4096, lock=False)
+            buf = _native.AlignedBuffer(nbytes + 4096, 4096, lock=False)
             np.frombuffer(buf, np.uint8)[::4096] = 1  # fault the destination in: a state dict is
             delta = 64 if mode == "torch" else 0
             pieces = max(1, nbytes // (64 << 20))  # 64 MiB tensors
@@ -86,14 +86,14 @@ def main() -> int:
     work = target / f"sweep-{os.getpid()}"
     work.mkdir()
     path = str(work / "data.bin")
-    from fp_dcp import _aio
+    from fp_dcp import _native
 
     rows, report = [], {"benchmark": "sweep_requests", "size_bytes": nbytes, "hardware": C.hardware_info(target),
                         "profiles": [], "results": []}
     try:
-        src = _aio.AlignedBuffer(64 << 20, 4096, lock=False)
+        src = _native.AlignedBuffer(64 << 20, 4096, lock=False)
         np.frombuffer(src, np.uint8)[:] = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
-        with _aio.Engine("aio") as eng:
+        with _native.Engine("aio") as eng:
             fd = eng.open(path, "w", True)
             try:
                 n = nbytes // (64 << 20)

@@ -58,6 +58,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the fault scenarios drive fp_dcp's test hooks (fp_dcp._native.testing()); read when fp_dcp is imported
+os.environ.setdefault("FP_DCP_TEST_HOOKS", "1")
 
 OPTS = {"block_size_bytes": 256 << 10}  # small requests: many kill points
 
@@ -193,7 +195,9 @@ def _no_leak(before: dict) -> None:
 def engine_faults(m: Matrix, base: str, quick: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from fp_dcp import FastPersistReader, _aio
+    from fp_dcp import FastPersistReader, _native
+
+    hooks = _native.testing()
     from tests import _crash
 
     path = os.path.join(base, "ef")
@@ -205,11 +209,11 @@ def engine_faults(m: Matrix, base: str, quick: bool) -> None:
     for err in (errno.ENOSPC, errno.EIO):
         for k in ks:
             with m.case("engine-fault-save", f"{errno.errorcode[err]} at completion {k}"):
-                _aio._set_fault("io", err, after=k)
+                hooks.set_fault("io", err, after=k)
                 try:
                     e = _failed_save(_crash.state_dict(2), path, **OPTS)
                 finally:
-                    _aio._set_fault("")
+                    hooks.set_fault("")
                 _expect(isinstance(e, OSError) and e.errno == err, f"got {e!r}")
                 _expect(bool(e.filename) and e.filename.startswith(path) and e.filename.endswith(".fpd"),
                         f"error does not name the data file: {e!r}")
@@ -219,7 +223,7 @@ def engine_faults(m: Matrix, base: str, quick: bool) -> None:
     for k in range(0, 12, 3 if quick else 1):
         with m.case("engine-fault-load", f"EIO at completion {k}"):
             r = FastPersistReader(path)
-            _aio._set_fault("io", errno.EIO, after=k)
+            hooks.set_fault("io", errno.EIO, after=k)
             try:
                 try:
                     dcp.load(_crash.zeros_like(_crash.state_dict(0)), storage_reader=r)
@@ -227,7 +231,7 @@ def engine_faults(m: Matrix, base: str, quick: bool) -> None:
                 except BaseException as exc:  # noqa: BLE001
                     e = _root_error(exc)
             finally:
-                _aio._set_fault("")
+                hooks.set_fault("")
                 r.close()
             _expect(isinstance(e, OSError) and e.errno == errno.EIO and path in str(e.filename), repr(e))
             _expect(_seed(path) == "seed1", "the checkpoint no longer loads")
@@ -235,16 +239,16 @@ def engine_faults(m: Matrix, base: str, quick: bool) -> None:
     for n_short in (1, 3, 7, 20):
         with m.case("short-transfers", f"{n_short} short completions, save and load"):
             p2 = os.path.join(base, f"short{n_short}")
-            _aio._set_fault("short", after=n_short)
+            hooks.set_fault("short", after=n_short)
             try:
                 _save(_crash.state_dict(4), p2, **OPTS)
             finally:
-                _aio._set_fault("")
-            _aio._set_fault("short", after=n_short)
+                hooks.set_fault("")
+            hooks.set_fault("short", after=n_short)
             try:
                 got = _seed(p2)
             finally:
-                _aio._set_fault("")
+                hooks.set_fault("")
             _expect(got == "seed4", f"loaded {got}")
             shutil.rmtree(p2)
             _no_leak(before)
@@ -269,8 +273,10 @@ class unittest_skip(Exception):
 def file_system_faults(m: Matrix, base: str, quick: bool) -> None:
     import torch
 
-    from fp_dcp import _aio
+    from fp_dcp import _native
     from tests import _crash
+
+    hooks = _native.testing()
 
     sizes = [8, 12, 20] if quick else [7, 8, 9, 10, 12, 16, 20, 24, 32]
     for mib in sizes:
@@ -313,11 +319,11 @@ def file_system_faults(m: Matrix, base: str, quick: bool) -> None:
     def eacces():
         path = os.path.join(base, "acc")
         _save(_crash.state_dict(1), path)
-        _aio._set_fault("open_direct", errno.EACCES)
+        hooks.set_fault("open_direct", errno.EACCES)
         try:
             e = _failed_save(_crash.state_dict(2), path)
         finally:
-            _aio._set_fault("")
+            hooks.set_fault("")
         _expect(isinstance(e, PermissionError) and path in str(e.filename), repr(e))
         _expect(_seed(path) == "seed1", "the previous checkpoint does not load")
     cases.append(("permission denied (injected EACCES)", eacces))
@@ -651,15 +657,15 @@ def _engine_bench(base: Path, op: str, mode: str, n: int, rounds: int) -> dict:
     import numpy as np
 
     import _common as C
-    from fp_dcp import _aio
+    from fp_dcp import _native
 
     path = str(base / "engine.bin")
-    buf = _aio.AlignedBuffer(n + 4096, 4096)
+    buf = _native.AlignedBuffer(n + 4096, 4096)
     np.frombuffer(buf, np.uint8)[:] = np.random.default_rng(0).integers(0, 256, n + 4096, dtype=np.uint8)
     view = memoryview(buf)[0:n] if mode == "zc" else memoryview(buf)[1:n + 1]
     out: dict[str, list[float]] = {"off": [], "on": []}
     try:
-        with _aio.Engine("auto") as eng:
+        with _native.Engine("auto") as eng:
             if op == "read":
                 fd = eng.open(path, "w")
                 eng.write([fd], [path], [0], [0], [view])

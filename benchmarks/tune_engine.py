@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from fp_dcp import _aio
+from fp_dcp import _native
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
@@ -57,7 +57,7 @@ def machine():
 def one(kind, bs, qd, mode, src, dst, path, cold):
     """(write GB/s, read GB/s) for one configuration and memory mode."""
     size = len(src)
-    with _aio.Engine(kind, queue_depth=qd, block_size=bs, read_queue_depth=qd,
+    with _native.Engine(kind, queue_depth=qd, block_size=bs, read_queue_depth=qd,
                      read_block_size=bs) as eng:
         fd = eng.open(path, "w", direct=True)
         try:
@@ -95,15 +95,15 @@ def main():
     size = parse_size(ARGS.size)
     blocks = [parse_size(b) for b in ARGS.blocks.split(",")]
     qds = [int(q) for q in ARGS.qds.split(",")]
-    engines = [e for e in ARGS.engines.split(",") if e in _aio.available_engines()]
+    engines = [e for e in ARGS.engines.split(",") if e in _native.available_engines()]
     modes = ARGS.modes.split(",")
     cold = drop_caches()
     if not cold:
         print("note: cannot drop caches (not root): reads may be warm", file=sys.stderr)
 
     # one source and one destination for every run: fresh memory costs page faults, not I/O
-    src_buf = _aio.AlignedBuffer(size + 4096)
-    dst_buf = _aio.AlignedBuffer(size + 4096)
+    src_buf = _native.AlignedBuffer(size + 4096)
+    dst_buf = _native.AlignedBuffer(size + 4096)
     src_all = np.frombuffer(src_buf, np.uint8)
     src_all[:] = np.random.default_rng(0).integers(0, 256, size + 4096, dtype=np.uint8)
     dst_all = np.frombuffer(dst_buf, np.uint8)

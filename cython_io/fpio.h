@@ -1,11 +1,19 @@
-/* fpio: the C core of fp_dcp._aio.
+/* fpio: the C core of fp_dcp._aio, as the Cython layer sees it.
  *
- * Three I/O engines behind one submit/reap interface (kernel AIO through raw
- * system calls, io_uring through raw system calls and mmap'd rings, and a
- * pthread pool doing pwrite/pread), and one write pipeline and one read
- * pipeline that drive any of them. Nothing here touches Python: the Cython
- * layer (_aio.pyx) holds the buffers, validates the pieces, releases the GIL
- * around fpio_write/fpio_read and turns an fpio_result error into OSError.
+ * Three I/O engines behind one table of function pointers (kernel AIO and
+ * io_uring through raw system calls, and a pthread pool doing pwrite/pread;
+ * fpio_engine.h), and one write pipeline and one read pipeline that drive
+ * any of them. Nothing here touches Python: the Cython layer (_aio.pyx)
+ * holds the buffers, validates the pieces, releases the GIL around
+ * fpio_write/fpio_read and turns an fpio_result error into OSError.
+ *
+ *     fpio_engine.h/.c   engines: the backend table, open/close
+ *     fpio_aio.c  fpio_uring.c  fpio_threads.c   the three backends
+ *     fpio_pipeline.c    fpio_write/fpio_read
+ *     fpio_crc.h/.c      CRC-32C (fused with a copy where one is made)
+ *     fpio_copy.c        memory-to-memory copies, process_vm_readv pulls
+ *     fpio_files.c       statx(STATX_DIOALIGN)
+ *     fpio_faults.c      fault/kill injection, inert unless enabled (tests)
  *
  * Links against libc (and pthread, part of libc since glibc 2.34) only.
  */
@@ -97,7 +105,7 @@ uint32_t fpio_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t len);
 /* The CRC of A || B from crc(A), crc(B) and |B|. */
 uint32_t fpio_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
 /* Whether a fused copy + CRC of len bytes from src to dst uses streaming stores
- * (see CRC_NT_MIN_DELTA in fpio.c); the bytes so copied since the start. */
+ * (see CRC_NT_MIN_DELTA in fpio_crc.c); the bytes so copied since the start. */
 int fpio_crc_copy_streams(uintptr_t dst, uintptr_t src, size_t len);
 int64_t fpio_crc_nt_bytes(void);
 /* Tests: want 0 = tables, 1 = hardware (if the CPU has it), -1 = ask.
@@ -107,8 +115,12 @@ int fpio_crc32c_impl(int want);
 /* Process-wide count of requests in flight (for leak tests). */
 long fpio_inflight(void);
 
-/* Fault injection for tests: after `after` more successful completions, the
- * next completion reports -err (the I/O itself happened). err == 0 clears. */
+/* Test hooks (fpio_faults.c). Until fpio_test_hooks_enable() is called the
+ * settings below are never read (the Cython layer calls it once, at import,
+ * only when FP_DCP_TEST_HOOKS=1; see _aio.pyx). Once enabled: after `after`
+ * more successful completions, the next completion reports -err (the I/O
+ * itself happened); err == 0 clears. */
+void fpio_test_hooks_enable(void);
 void fpio_fault_set(int err, long after);
 /* ... and the next `count` completions report only half their bytes (a short
  * write/read the pipeline must continue from). */

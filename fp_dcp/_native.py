@@ -3,13 +3,18 @@
 
 Every module of the package reaches the extension through this one, so that a
 missing or broken build fails once, with a message naming the fix, instead of
-as a circular-import trace from deep inside a save.
+as a circular-import trace from deep inside a save. The names below are the
+extension's release API (typed in fp_dcp/_aio.pyi); its test hooks (fault and
+kill injection, CRC switches) are not among them: tests get them from
+:func:`testing`, which works only in a process started with
+``FP_DCP_TEST_HOOKS=1`` (tests/conftest.py sets it; docs/NATIVE.md).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import types
 
 
 def _native_missing(error: ImportError) -> ImportError:
@@ -35,10 +40,29 @@ except ImportError as _e:
 AlignedBuffer = _ext.AlignedBuffer
 Engine = _ext.Engine
 ENGINES = _ext.ENGINES
+available_engines = _ext.available_engines
 copy_gather = _ext.copy_gather
+copy_scatter = _ext.copy_scatter
+crc32c = _ext.crc32c
 crc32c_blocks = _ext.crc32c_blocks
 crc32c_combine = _ext.crc32c_combine
 direct_io_supported = _ext.direct_io_supported
 page_size = _ext.page_size
 probe_alignment = _ext.probe_alignment
 pull = _ext.pull
+stats = _ext.stats
+
+
+def testing() -> types.SimpleNamespace:
+    """The extension's test hooks, for tests and torture benchmarks only:
+    ``set_fault(what, err=0, after=0)`` (fault and kill injection),
+    ``crc32c_impl(which=None)`` (force the "hw" or "sw" CRC-32C),
+    ``crc_copy_streams(dst, src, length)`` and ``crc_nt_bytes()`` (whether
+    and how much a fused copy + CRC streamed).  RuntimeError unless the
+    process started with FP_DCP_TEST_HOOKS=1 (read once, when the extension
+    was imported)."""
+    if not _ext._test_hooks_enabled():
+        raise RuntimeError("fp_dcp's test hooks are off in this process: start it with FP_DCP_TEST_HOOKS=1 "
+                           "in the environment (tests/conftest.py does)")
+    return types.SimpleNamespace(set_fault=_ext._set_fault, crc32c_impl=_ext._crc32c_impl,
+                                 crc_copy_streams=_ext._crc_copy_streams, crc_nt_bytes=_ext._crc_nt_bytes)

@@ -27,8 +27,8 @@ from typing import Any, Iterator
 __all__ = ["FastPersistOptions", "format_size", "override", "parse_size", "plural"]
 
 _ENV_PREFIX = "FP_DCP_"
-# FP_DCP_* variables that are not options (read by fp_dcp/_dcp_hooks.py)
-_NOT_OPTIONS = frozenset({"FP_DCP_DEFAULT_STORAGE", "FP_DCP_ALLOW_UNTESTED_TORCH"})
+# FP_DCP_* variables that are not options (read by fp_dcp/_dcp_hooks.py; FP_DCP_TEST_HOOKS by the extension, cython_io/_aio.pyx)
+_NOT_OPTIONS = frozenset({"FP_DCP_DEFAULT_STORAGE", "FP_DCP_ALLOW_UNTESTED_TORCH", "FP_DCP_TEST_HOOKS"})
 
 _SIZE_UNITS = {
     "": 1,

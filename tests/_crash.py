@@ -5,7 +5,7 @@ Shared by ``tests/test_faults.py`` (a sample of points) and
 ``benchmarks/torture.py`` (all of them).  A *point* is one of
 
 * ``("engine", k)``: the rank dies at its engine's k-th I/O completion
-  (``_aio._set_fault("kill")``: requests in flight, data files half written);
+  (``_native.testing().set_fault("kill")``: requests in flight, data files half written);
 * ``("call", name, k)``: the coordinator dies just before the k-th call of
   ``os.<name>`` made by ``fp_dcp.save.commit`` — the commit protocol: ``open``
   (#0 the lock file, #1 the temporary metadata, #2 the directory before the
@@ -120,7 +120,7 @@ def _child(path: str, seed: int, point: tuple | None, kill_rank: int, world: int
     import torch.distributed.checkpoint as dcp
 
     import fp_dcp.save.commit as commit_mod
-    from fp_dcp import FastPersistWriter, _aio
+    from fp_dcp import FastPersistWriter, _native
 
     torch.set_num_threads(1)
     try:
@@ -133,7 +133,7 @@ def _child(path: str, seed: int, point: tuple | None, kill_rank: int, world: int
                          tuple(point[1:]) if mine and point[0] == "pause" else None)
         commit_mod.os = proxy
         if mine and point[0] == "engine":
-            _aio._set_fault("kill", signal.SIGKILL, after=int(point[1]))
+            _native.testing().set_fault("kill", signal.SIGKILL, after=int(point[1]))  # FP_DCP_TEST_HOOKS=1 inherited
         w = FastPersistWriter(path, **options)
         dcp.save(sd, storage_writer=w)
         if mine and point[0] == "after":
@@ -295,7 +295,7 @@ def resources() -> dict:
     import gc
     import threading
 
-    from fp_dcp import _aio
+    from fp_dcp import _native
 
     gc.collect()
     with open("/proc/self/maps") as f:
@@ -305,7 +305,7 @@ def resources() -> dict:
         "threads": threading.active_count(),
         "tasks": len(os.listdir("/proc/self/task")),
         "aio_rings": aio,
-        **_aio.stats(),
+        **_native.stats(),
     }
 
 

@@ -21,10 +21,13 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from fp_dcp import FastPersistReader, FastPersistWriter, _aio
+from fp_dcp import FastPersistReader, FastPersistWriter, _native
 from fp_dcp.format import METADATA_NAME
 from tests._dist import run_ranks
 from tests._sd import FAILED, assert_sd_equal, mixed_state_dict, zeros_like_sd
+
+
+hooks = _native.testing()  # fault injection (FP_DCP_TEST_HOOKS=1: tests/conftest.py)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -320,7 +323,7 @@ def test_100_saves_bit_exact_flat_rss_no_leaks(tmp_path, aio_no_leaks):
             if i in (10, 99):
                 gc.collect()
                 rss.append(_rss())
-        assert _aio.stats()["buffers"] >= 1  # the arena (and engine buffers) live until close
+        assert _native.stats()["buffers"] >= 1  # the arena (and engine buffers) live until close
     assert rss[1] - rss[0] <= 64 * MiB, f"RSS grew by {(rss[1] - rss[0]) / MiB:.1f} MiB over 90 saves"
 
 
@@ -351,14 +354,14 @@ def test_injected_write_failure_reported_previous_intact(tmp_path, mode, aio_no_
     with FastPersistWriter(path, staging=mode) as w:
         _wait(dcp.async_save(sd, storage_writer=w))
         sd["large"]["a"].add_(1)
-        _aio._set_fault("io", errno.EIO, 2)
+        hooks.set_fault("io", errno.EIO, 2)
         try:
             resp = dcp.async_save(sd, storage_writer=w)
             with pytest.raises(FAILED) as ei:
                 _wait(resp)
             assert "Input/output error" in str(ei.value) or "EIO" in str(ei.value)
         finally:
-            _aio._set_fault("")
+            hooks.set_fault("")
         assert_sd_equal(good, _load(path, good))  # the old commit stands
         # the next save reports the failure once ...
         if mode == "eager":

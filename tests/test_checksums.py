@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fp_dcp import FastPersistReader, _aio
+from fp_dcp import FastPersistReader, _native
 from fp_dcp import format as fmt
 from fp_dcp.tools import verify as verify_mod
 from fp_dcp.checksums import ChecksumError, ReadVerifier, crc_array, crc_hex, merge_block_crcs
@@ -66,7 +66,7 @@ def test_every_extent_carries_block_checksums_of_its_bytes(big_ckpt):
             with open(os.path.join(path, layout.files[e.file][0]), "rb") as f:
                 f.seek(e.file_offset)
                 data = f.read(e.length)
-            assert e.crc32c == crc_hex(_aio.crc32c_blocks(data, layout.checksum_block_bytes)), index
+            assert e.crc32c == crc_hex(_native.crc32c_blocks(data, layout.checksum_block_bytes)), index
 
 
 def test_load_checks_every_byte_of_whole_extents(big_ckpt):
@@ -297,7 +297,7 @@ def test_verifier_flags_exactly_the_bad_whole_blocks(tmp_path, case, seed):
     data = rng.integers(0, 256, size, dtype=np.uint8)
     extents = {}
     for i, (off, length) in enumerate(exts):
-        crcs = _aio.crc32c_blocks(data[off:off + length].tobytes(), block)
+        crcs = _native.crc32c_blocks(data[off:off + length].tobytes(), block)
         extents[fmt.MetadataIndex(f"t{i}")] = [fmt.Extent(0, off, 0, length, crc_hex(crcs))]
     layout = fmt.StorageLayout("s", 4096, [("f", size)], extents, checksum_block_bytes=block)
     bad = data.copy()
@@ -310,7 +310,7 @@ def test_verifier_flags_exactly_the_bad_whole_blocks(tmp_path, case, seed):
     views = [memoryview(x) for x in bufs]
     files, offs, views, check = v.plan(np.zeros(len(reads), np.int64), np.array([a for a, _ in reads]), views)
     assert sum(x.nbytes for x in views) == sum(b - a for a, b in reads)
-    with _aio.Engine("threads", alignment=4096, block_size=4096, queue_depth=2) as eng:
+    with _native.Engine("threads", alignment=4096, block_size=4096, queue_depth=2) as eng:
         fd = eng.open(path, "r", direct=False)
         try:
             stats = eng.read([fd], [path], np.zeros(len(views), np.int64), offs, views, **check.engine_kwargs)
@@ -354,7 +354,7 @@ def _part_crcs(data: bytes, origin: int, length: int, block: int) -> list[int]:
     out, pos, end = [], origin, origin + length
     while pos < end:
         stop = min((pos // block + 1) * block, end)
-        out.append(_aio.crc32c(data[pos:stop]))
+        out.append(_native.crc32c(data[pos:stop]))
         pos = stop
     return out or [0]
 
@@ -370,7 +370,7 @@ def test_merge_block_crcs_joins_parts_on_the_grid(n, block, cuts, seed):
     data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
     bounds = [0] + sorted({c for c in cuts if 0 < c < n}) + [n]
     parts = [(a, b - a, _part_crcs(data, a, b - a, block)) for a, b in zip(bounds[:-1], bounds[1:])]
-    assert merge_block_crcs(parts, block).tolist() == _aio.crc32c_blocks(data, block).tolist()
+    assert merge_block_crcs(parts, block).tolist() == _native.crc32c_blocks(data, block).tolist()
 
 
 def test_merge_block_crcs_refuses_parts_that_do_not_fit():
@@ -390,7 +390,7 @@ def test_engine_parts_with_checksum_origin_merge_to_the_whole(tmp_path):
     data = np.random.default_rng(5).integers(0, 256, 3 * block + 12345, dtype=np.uint8)
     cuts = [0, 4096, block + 8192, 2 * block, 3 * block + 4096, data.size]
     parts = []
-    with _aio.Engine("auto") as eng:
+    with _native.Engine("auto") as eng:
         fd = eng.open(str(tmp_path / "f"), "w")
         try:
             for a, b in zip(cuts[:-1], cuts[1:]):
@@ -399,5 +399,5 @@ def test_engine_parts_with_checksum_origin_merge_to_the_whole(tmp_path):
                 parts.append((a, b - a, s["crc32c"]))
         finally:
             os.close(fd)
-    assert merge_block_crcs(parts, block).tolist() == _aio.crc32c_blocks(data, block).tolist()
+    assert merge_block_crcs(parts, block).tolist() == _native.crc32c_blocks(data, block).tolist()
     assert (tmp_path / "f").read_bytes()[: data.size] == data.tobytes()  # (padded to a block)

@@ -12,14 +12,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fp_dcp import _aio
+from fp_dcp import _native
+
+hooks = _native.testing()  # fault injection, CRC switches (FP_DCP_TEST_HOOKS=1: tests/conftest.py)
 
 pytestmark = pytest.mark.usefixtures("aio_no_leaks")
 
 A = 4096            # alignment used by the small engines
 B = 4 * A           # their block size: small, so that small data spans many windows
 QD = 4
-KINDS = _aio.available_engines()
+KINDS = _native.available_engines()
 HYP = settings(max_examples=25, deadline=None,
                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -31,7 +33,7 @@ def align_up(x, a=A):
 def small_engine(kind, **kw):
     kw.setdefault("queue_depth", QD)
     kw.setdefault("block_size", B)
-    return _aio.Engine(kind, alignment=A, **kw)
+    return _native.Engine(kind, alignment=A, **kw)
 
 
 @pytest.fixture(params=KINDS)
@@ -66,87 +68,87 @@ def read_files(eng, paths, layout, dests, direct=None, **kw):
 # ------------------------------------------------------------------ small functions
 
 def test_page_size_and_alignment_probe(tmp_path):
-    assert _aio.page_size() == os.sysconf("SC_PAGESIZE")
+    assert _native.page_size() == os.sysconf("SC_PAGESIZE")
     f = tmp_path / "f"
     f.write_bytes(b"x")
     for p in (str(tmp_path), str(f), "/dev/shm"):
-        mem, off = _aio.probe_alignment(p)
+        mem, off = _native.probe_alignment(p)
         for v in (mem, off):
             assert v >= 1 and v & (v - 1) == 0, (p, mem, off)
     with pytest.raises(FileNotFoundError) as ei:
-        _aio.probe_alignment(str(tmp_path / "missing"))
+        _native.probe_alignment(str(tmp_path / "missing"))
     assert ei.value.filename == str(tmp_path / "missing")
     assert [n for n in os.listdir(tmp_path) if n != "f"] == []  # the probe file is gone
 
 
 def test_direct_io_supported(tmp_path):
-    assert _aio.direct_io_supported(str(tmp_path)) is True
+    assert _native.direct_io_supported(str(tmp_path)) is True
     assert os.listdir(tmp_path) == []
-    _aio._set_fault("open_direct", errno.EINVAL)  # as tmpfs before 6.6, overlayfs, FUSE
-    assert _aio.direct_io_supported(str(tmp_path)) is False
-    _aio._set_fault("open_direct", errno.EACCES)
+    hooks.set_fault("open_direct", errno.EINVAL)  # as tmpfs before 6.6, overlayfs, FUSE
+    assert _native.direct_io_supported(str(tmp_path)) is False
+    hooks.set_fault("open_direct", errno.EACCES)
     with pytest.raises(PermissionError):
-        _aio.direct_io_supported(str(tmp_path))
-    _aio._set_fault("")
+        _native.direct_io_supported(str(tmp_path))
+    hooks.set_fault("")
     assert os.listdir(tmp_path) == []
     with pytest.raises(FileNotFoundError):
-        _aio.direct_io_supported(str(tmp_path / "missing"))
+        _native.direct_io_supported(str(tmp_path / "missing"))
 
 
 def test_engines_and_names():
-    assert _aio.ENGINES == ("aio", "uring", "threads")
+    assert _native.ENGINES == ("aio", "uring", "threads")
     assert "threads" in KINDS
-    assert set(KINDS) <= set(_aio.ENGINES)
+    assert set(KINDS) <= set(_native.ENGINES)
     with pytest.raises(ValueError) as ei:
-        _aio.Engine("libaio")
+        _native.Engine("libaio")
     for name in ("'auto'", "'aio'", "'uring'", "'threads'"):
         assert name in str(ei.value)
     with pytest.raises(ValueError, match="multiple of alignment"):
-        _aio.Engine("threads", block_size=A + 512, alignment=A)
+        _native.Engine("threads", block_size=A + 512, alignment=A)
     with pytest.raises(ValueError, match="queue_depth"):
-        _aio.Engine("threads", queue_depth=0)
-    with _aio.Engine("auto", queue_depth=2, block_size=A) as eng:
+        _native.Engine("threads", queue_depth=0)
+    with _native.Engine("auto", queue_depth=2, block_size=A) as eng:
         assert eng.kind in KINDS
         assert (eng.queue_depth, eng.block_size, eng.alignment) == (2, A, 4096)
 
 
 def test_engine_pool_and_close(tmp_path):
-    base = _aio.stats()
-    eng = _aio.Engine("threads", queue_depth=3, block_size=2 * A, alignment=A)
-    s = _aio.stats()
+    base = _native.stats()
+    eng = _native.Engine("threads", queue_depth=3, block_size=2 * A, alignment=A)
+    s = _native.stats()
     assert s["engines"] == base["engines"] + 1
     assert s["buffers"] == base["buffers"] + 1  # one pool of queue_depth + 1 bounce buffers
     assert s["locked_bytes"] == base["locked_bytes"]  # untouched until a call needs a slot
-    src = _aio.AlignedBuffer(4 * A)
-    locked = _aio.stats()["locked_bytes"]
+    src = _native.AlignedBuffer(4 * A)
+    locked = _native.stats()["locked_bytes"]
     path = str(tmp_path / "f")
     fd = eng.open(path, "w")
     try:
         # aligned pieces of at least a block go in place: the pool stays untouched
         eng.write([fd], [path], [0], [0], [memoryview(src)[: 2 * A]])
-        assert _aio.stats()["locked_bytes"] == locked
+        assert _native.stats()["locked_bytes"] == locked
         # a short piece goes through a bounce buffer: the pool is locked, once
         eng.write([fd], [path], [0, 0], [2 * A, 3 * A], [memoryview(src)[:A], memoryview(src)[:100]])
-        assert _aio.stats()["locked_bytes"] == locked + 4 * 2 * A
+        assert _native.stats()["locked_bytes"] == locked + 4 * 2 * A
     finally:
         os.close(fd)
     fd = eng.open(path, "r")
     try:
         eng.read([fd], [path], [0], [0], [memoryview(src)[:100]])
-        assert _aio.stats()["locked_bytes"] == locked + 4 * 2 * A
+        assert _native.stats()["locked_bytes"] == locked + 4 * 2 * A
     finally:
         os.close(fd)
     src.close()
-    locked = _aio.stats()["locked_bytes"]
-    other = _aio.Engine("threads", queue_depth=1, block_size=A, alignment=A)
+    locked = _native.stats()["locked_bytes"]
+    other = _native.Engine("threads", queue_depth=1, block_size=A, alignment=A)
     other.settle_pool()  # now, before any call: a thread can fault it in ahead of the I/O
-    assert _aio.stats()["locked_bytes"] == locked + 2 * A
+    assert _native.stats()["locked_bytes"] == locked + 2 * A
     other.close()
     with pytest.raises(ValueError, match="closed"):
         other.settle_pool()
     eng.close()
     eng.close()  # idempotent
-    assert _aio.stats() == base
+    assert _native.stats() == base
     with pytest.raises(ValueError, match="closed"):
         eng.write([], [], [], [], [])
 
@@ -156,20 +158,20 @@ def test_copy_gather_scatter():
     parts = [random_bytes(rng, n) for n in (0, 1, 100, 5000)]
     offs = np.array([0, 3, 10, 200], dtype=np.int64)
     big = bytearray(6000)
-    _aio.copy_gather(big, offs, tuple(parts))  # any sequence of buffers
+    _native.copy_gather(big, offs, tuple(parts))  # any sequence of buffers
     for p, o in zip(parts, offs):
         assert bytes(big[o:o + len(p)]) == p.tobytes()
     back = [bytearray(len(p)) for p in parts]
-    _aio.copy_scatter(big, list(offs), back)
+    _native.copy_scatter(big, list(offs), back)
     assert [bytes(b) for b in back] == [p.tobytes() for p in parts]
     with pytest.raises(ValueError, match="piece 3"):
-        _aio.copy_gather(big, [0, 0, 0, 1001], parts)
+        _native.copy_gather(big, [0, 0, 0, 1001], parts)
     with pytest.raises(ValueError, match="piece 0"):
-        _aio.copy_scatter(big, [-1], [bytearray(1)])
+        _native.copy_scatter(big, [-1], [bytearray(1)])
     with pytest.raises(ValueError):
-        _aio.copy_gather(big, [0], parts)  # lengths differ
+        _native.copy_gather(big, [0], parts)  # lengths differ
     with pytest.raises(BufferError):
-        _aio.copy_gather(b"read-only", [0], [b"x"])
+        _native.copy_gather(b"read-only", [0], [b"x"])
 
 
 _PULL_CHILD = """
@@ -194,21 +196,21 @@ def test_pull_from_another_process():
         want = (np.arange(1 << 20, dtype=np.uint32) * 2654435761).astype(np.uint32).view(np.uint8)
         starts = np.arange(0, want.nbytes - 64, 1500, dtype=np.int64)[::-1].copy()  # 2,796 runs, any order
         got = np.zeros(len(starts) * 37, dtype=np.uint8)
-        _aio.pull(child.pid, got, addr, starts, 37)
+        _native.pull(child.pid, got, addr, starts, 37)
         expect = np.concatenate([want[s : s + 37] for s in starts])
         assert np.array_equal(got, expect)
-        _aio.pull(child.pid, got, addr, np.zeros(0, np.int64), 37)  # nothing to do
+        _native.pull(child.pid, got, addr, np.zeros(0, np.int64), 37)  # nothing to do
         with pytest.raises(OSError) as e:  # the last run is past the mapping
-            _aio.pull(child.pid, got[:74], addr, [0, 1 << 40], 37)
+            _native.pull(child.pid, got[:74], addr, [0, 1 << 40], 37)
         assert e.value.errno == errno.EFAULT and str(child.pid) in str(e.value)
         with pytest.raises(ValueError, match="do not fit"):
-            _aio.pull(child.pid, got[:10], addr, [0], 37)
+            _native.pull(child.pid, got[:10], addr, [0], 37)
         with pytest.raises(BufferError):
-            _aio.pull(child.pid, b"read-only", addr, [0], 1)
+            _native.pull(child.pid, b"read-only", addr, [0], 1)
     finally:
         child.communicate("\n")
     with pytest.raises(OSError) as e:
-        _aio.pull(child.pid, got, addr, [0], 1)
+        _native.pull(child.pid, got, addr, [0], 1)
     assert e.value.errno == errno.ESRCH
 
 
@@ -216,7 +218,7 @@ def test_aio_engine_close_releases_its_context():
     """Closing a kernel-AIO engine does not wait for io_destroy (an RCU grace
     period), but the context is still destroyed: the system's count of AIO
     events comes back down."""
-    if "aio" not in _aio.available_engines():
+    if "aio" not in _native.available_engines():
         pytest.skip("kernel AIO is not available here")
 
     def aio_nr():
@@ -225,7 +227,7 @@ def test_aio_engine_close_releases_its_context():
 
     before = aio_nr()
     for _ in range(4):
-        _aio.Engine("aio", queue_depth=8, block_size=2 * A, alignment=A).close()
+        _native.Engine("aio", queue_depth=8, block_size=2 * A, alignment=A).close()
     deadline = time.monotonic() + 20
     while aio_nr() > before and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -236,14 +238,14 @@ def test_aio_engine_close_releases_its_context():
 
 @pytest.mark.parametrize("alignment", [4096, 65536])
 def test_aligned_buffer(alignment):
-    base = _aio.stats()
-    buf = _aio.AlignedBuffer(3 * alignment + 5, alignment)
+    base = _native.stats()
+    buf = _native.AlignedBuffer(3 * alignment + 5, alignment)
     assert buf.address % alignment == 0
     assert buf.size == len(buf) == 3 * alignment + 5
     assert buf.alignment == alignment
     assert buf.locked  # root may lock; CI runs as root
-    assert _aio.stats()["buffers"] == base["buffers"] + 1
-    assert _aio.stats()["locked_bytes"] == base["locked_bytes"] + buf.size
+    assert _native.stats()["buffers"] == base["buffers"] + 1
+    assert _native.stats()["locked_bytes"] == base["locked_bytes"] + buf.size
     arr = np.frombuffer(buf, dtype=np.uint8)
     assert arr.ctypes.data == buf.address  # zero copy
     assert not arr.any()  # prefaulted with zeros
@@ -262,17 +264,17 @@ def test_aligned_buffer(alignment):
         buf.address
     with pytest.raises(ValueError):
         memoryview(buf)
-    assert _aio.stats() == base
+    assert _native.stats() == base
 
 
 def test_aligned_buffer_arguments():
     with pytest.raises(ValueError):
-        _aio.AlignedBuffer(10, 3000)
+        _native.AlignedBuffer(10, 3000)
     with pytest.raises(ValueError):
-        _aio.AlignedBuffer(-1)
-    b = _aio.AlignedBuffer(0)
+        _native.AlignedBuffer(-1)
+    b = _native.AlignedBuffer(0)
     assert len(memoryview(b)) == 0
-    b = _aio.AlignedBuffer(A, lock=False, prefault=False)
+    b = _native.AlignedBuffer(A, lock=False, prefault=False)
     assert not b.locked
 
 
@@ -306,7 +308,7 @@ def build(rng, files):
             else:
                 if kind == 2:
                     off = align_up(off)
-                ab = _aio.AlignedBuffer(length, A)
+                ab = _native.AlignedBuffer(length, A)
                 np.frombuffer(ab, np.uint8)[:] = data
                 src = ab
             layout.append((f, off))
@@ -346,7 +348,7 @@ def test_write_read_round_trip(kind, tmp_path, files, seed):
         for d, s in zip(dests, sources):
             assert bytes(d) == bytes(memoryview(s).cast("B"))
         assert rs["bytes"] == sum(lengths)
-        assert _aio.stats()["inflight"] == 0
+        assert _native.stats()["inflight"] == 0
 
 
 @HYP
@@ -378,7 +380,7 @@ def test_read_overlapping_ranges(kind, tmp_path, sizes, ranges, gap, seed):
     dests, holders = [], []
     for f, start, length, aligned in wanted:
         if aligned:
-            ab = _aio.AlignedBuffer(length, A)
+            ab = _native.AlignedBuffer(length, A)
             holders.append(ab)
             dests.append(memoryview(ab))
         else:
@@ -405,7 +407,7 @@ def test_default_sizes_many_pieces(kind, tmp_path, direct):
         [(100, 12345, 0)],
     ])
     paths = [str(tmp_path / "a"), str(tmp_path / "b")]
-    with _aio.Engine(kind) as eng:
+    with _native.Engine(kind) as eng:
         ws = write_files(eng, paths, layout, sources, direct=direct)
         for p, exp in zip(paths, expected):
             assert open(p, "rb").read() == exp
@@ -422,11 +424,11 @@ def test_short_transfers_are_continued(kind, tmp_path):
     layout, sources, expected = build(rng, [[(0, 10 * B + 3, 2), (17, 5 * B, 0)]])
     path = str(tmp_path / "s")
     with small_engine(kind) as eng:
-        _aio._set_fault("short", after=7)
+        hooks.set_fault("short", after=7)
         ws = write_files(eng, [path], layout, sources)
         assert open(path, "rb").read() == expected[0]
         assert ws["requests"] > 10 + 6  # the halves were resubmitted
-        _aio._set_fault("short", after=7)
+        hooks.set_fault("short", after=7)
         dests = [bytearray(len(memoryview(s).cast("B"))) for s in sources]
         rs = read_files(eng, [path], layout, dests)
         assert [bytes(d) for d in dests] == [bytes(memoryview(s).cast("B")) for s in sources]
@@ -447,7 +449,7 @@ def test_truncated_file(kind, tmp_path):
             assert ei.value.filename == str(path)
             assert "unexpected end of file" in str(ei.value)
             assert f"needed up to {off + n}" in str(ei.value)
-            assert _aio.stats()["inflight"] == 0
+            assert _native.stats()["inflight"] == 0
         dest = bytearray(1000)
         read_files(eng, [str(path)], [(0, 9000)], [dest])  # the engine still works
         assert bytes(dest) == path.read_bytes()[9000:]
@@ -482,7 +484,7 @@ def test_io_errors_name_the_path(kind, tmp_path):
                 os.close(fd)
         assert ei.value.errno == errno.EBADF
         assert ei.value.filename == ro
-        assert _aio.stats()["inflight"] == 0
+        assert _native.stats()["inflight"] == 0
         # a closed fd
         fd = eng.open(good, "w")
         os.close(fd)
@@ -501,7 +503,7 @@ def test_io_errors_name_the_path(kind, tmp_path):
             os.close(fd)
         assert ei.value.errno in (errno.EISDIR, errno.EINVAL)
         assert ei.value.filename == str(tmp_path)
-        assert _aio.stats()["inflight"] == 0
+        assert _native.stats()["inflight"] == 0
 
 
 @pytest.mark.parametrize("op", ["write", "read"])
@@ -513,7 +515,7 @@ def test_injected_failure_mid_stream(kind, tmp_path, op):
     layout = [(0, 0), (1, 0)]
     with small_engine(kind) as eng:
         write_files(eng, paths, layout, [data, data])
-        _aio._set_fault("io", errno.ENOSPC if op == "write" else errno.EIO, after=25)
+        hooks.set_fault("io", errno.ENOSPC if op == "write" else errno.EIO, after=25)
         with pytest.raises(OSError) as ei:
             if op == "write":
                 write_files(eng, paths, layout, [data, data])
@@ -521,7 +523,7 @@ def test_injected_failure_mid_stream(kind, tmp_path, op):
                 read_files(eng, paths, layout, [bytearray(len(data))] * 2)
         assert ei.value.errno == (errno.ENOSPC if op == "write" else errno.EIO)
         assert ei.value.filename == paths[1]  # the 26th request is in the second file
-        assert _aio.stats()["inflight"] == 0
+        assert _native.stats()["inflight"] == 0
         out = bytearray(len(data))
         write_files(eng, paths, layout, [data, data])
         read_files(eng, paths, [(1, 0)], [out])
@@ -570,7 +572,7 @@ def test_tmpfs_and_buffered_fallback(kind):
     layout, sources, expected = build(rng, [[(0, 3 * B + 7, 2), (3, 100, 0), (B, 2 * B, 0)]])
     try:
         with small_engine(kind) as eng:
-            _aio._set_fault("open_direct", errno.EINVAL)
+            hooks.set_fault("open_direct", errno.EINVAL)
             fd = eng.open(path, "w")
             assert not eng.is_direct(fd)
             os.close(fd)
@@ -582,7 +584,7 @@ def test_tmpfs_and_buffered_fallback(kind):
             dests = [bytearray(len(memoryview(s).cast("B"))) for s in sources]
             read_files(eng, [path], layout, dests)
             assert [bytes(d) for d in dests] == [bytes(memoryview(s).cast("B")) for s in sources]
-            _aio._set_fault("")
+            hooks.set_fault("")
             fd = eng.open(path, "r", direct=False)
             assert not eng.is_direct(fd)
             os.close(fd)
@@ -610,7 +612,7 @@ def big_source():
 def test_gil_released(kind, tmp_path, big_source):
     """Two threads writing 256 MiB each on their own engines overlap in time,
     and a pure-Python thread keeps counting during a call."""
-    engines = [_aio.Engine(kind, queue_depth=8, block_size=1 << 20) for _ in range(2)]
+    engines = [_native.Engine(kind, queue_depth=8, block_size=1 << 20) for _ in range(2)]
     paths = [str(tmp_path / f"g{i}") for i in range(2)]
     windows = [None, None]
     barrier = threading.Barrier(2)
@@ -658,7 +660,7 @@ def test_gil_released(kind, tmp_path, big_source):
 def test_one_engine_one_thread(kind, tmp_path, big_source):
     """A second call on an engine that is busy in another thread is refused,
     and the running call is not disturbed by the refusal."""
-    eng = _aio.Engine(kind, queue_depth=8, block_size=1 << 20)
+    eng = _native.Engine(kind, queue_depth=8, block_size=1 << 20)
     path, small = str(tmp_path / "busy"), str(tmp_path / "small")
     started, result = threading.Event(), []
 
@@ -704,22 +706,22 @@ def crc32c_ref(data, crc=0):
 
 @pytest.fixture(params=["hw", "sw"])
 def crc_impl(request):
-    before = _aio._crc32c_impl()
-    got = _aio._crc32c_impl(request.param)
+    before = hooks.crc32c_impl()
+    got = hooks.crc32c_impl(request.param)
     if got != request.param:
-        _aio._crc32c_impl(before)
+        hooks.crc32c_impl(before)
         pytest.skip(f"no {request.param} CRC-32C on this CPU")
     yield got
-    _aio._crc32c_impl(before)
+    hooks.crc32c_impl(before)
 
 
 def test_crc32c_known_values(crc_impl):
     # RFC 3720 (iSCSI) B.4 and the usual check value
-    assert _aio.crc32c(b"123456789") == 0xE3069283
-    assert _aio.crc32c(bytes(32)) == 0x8A9136AA
-    assert _aio.crc32c(b"\xff" * 32) == 0x62A8AB43
-    assert _aio.crc32c(bytes(range(32))) == 0x46DD794E
-    assert _aio.crc32c(b"") == 0
+    assert _native.crc32c(b"123456789") == 0xE3069283
+    assert _native.crc32c(bytes(32)) == 0x8A9136AA
+    assert _native.crc32c(b"\xff" * 32) == 0x62A8AB43
+    assert _native.crc32c(bytes(range(32))) == 0x46DD794E
+    assert _native.crc32c(b"") == 0
 
 
 def test_crc32c_lengths_alignments_seeds_and_combine(crc_impl):
@@ -731,30 +733,30 @@ def test_crc32c_lengths_alignments_seeds_and_combine(crc_impl):
     for n in [0, 1, 7, 8, 9, 255, 256, 767, 768, 769, 800, 24575, 24576, 24577, 49200]:
         for off in range(8):
             chunk = data[off:off + n]
-            got = _aio.crc32c(memoryview(data)[off:off + n])
+            got = _native.crc32c(memoryview(data)[off:off + n])
             if n < 2000 or off == 0:  # the definition is slow
                 assert got == crc32c_ref(chunk), (n, off)
             a = n // 3
-            assert _aio.crc32c(chunk[a:], _aio.crc32c(chunk[:a])) == got
-            assert _aio.crc32c_combine(_aio.crc32c(chunk[:a]), _aio.crc32c(chunk[a:]), n - a) == got
-    assert _aio.crc32c(data) == crc32c_ref(data)
-    blocks = _aio.crc32c_blocks(data, 1000)
+            assert _native.crc32c(chunk[a:], _native.crc32c(chunk[:a])) == got
+            assert _native.crc32c_combine(_native.crc32c(chunk[:a]), _native.crc32c(chunk[a:]), n - a) == got
+    assert _native.crc32c(data) == crc32c_ref(data)
+    blocks = _native.crc32c_blocks(data, 1000)
     assert blocks.dtype == np.uint32 and len(blocks) == -(-len(data) // 1000)
-    assert [int(c) for c in blocks] == [_aio.crc32c(data[i:i + 1000]) for i in range(0, len(data), 1000)]
-    assert list(_aio.crc32c_blocks(b"", 10)) == [0]
+    assert [int(c) for c in blocks] == [_native.crc32c(data[i:i + 1000]) for i in range(0, len(data), 1000)]
+    assert list(_native.crc32c_blocks(b"", 10)) == [0]
     with pytest.raises(ValueError):
-        _aio.crc32c_blocks(data, 0)
+        _native.crc32c_blocks(data, 0)
 
 
 def test_crc32c_implementations_agree():
     rng = np.random.default_rng(10)
     data = np.empty((5 << 20) + 8, np.uint8)[3:]  # odd start, over 3 x 8 KiB many times
     data[:] = random_bytes(rng, len(data))
-    before = _aio._crc32c_impl()
+    before = hooks.crc32c_impl()
     try:
-        got = {impl: _aio.crc32c(data) for impl in ("sw", "hw") if _aio._crc32c_impl(impl) == impl}
+        got = {impl: _native.crc32c(data) for impl in ("sw", "hw") if hooks.crc32c_impl(impl) == impl}
     finally:
-        _aio._crc32c_impl(before)
+        hooks.crc32c_impl(before)
     assert len(set(got.values())) == 1, got
 
 
@@ -765,14 +767,14 @@ def expected_crcs(sources, block, origins=None):
         mv = memoryview(s).cast("B")
         n = len(mv)
         if block is True:
-            out.append(_aio.crc32c(mv))
+            out.append(_native.crc32c(mv))
             continue
         o = 0 if origins is None else origins[i]
         if n == 0:
             out.append(0)
             continue
         for g in range(o // block, (o + n - 1) // block + 1):
-            out.append(_aio.crc32c(mv[max(g * block - o, 0):min((g + 1) * block - o, n)]))
+            out.append(_native.crc32c(mv[max(g * block - o, 0):min((g + 1) * block - o, n)]))
     return np.array(out, dtype=np.uint32)
 
 
@@ -794,7 +796,7 @@ def test_pipeline_checksums(kind, tmp_path, files, seed, block, with_origin, sho
     want = expected_crcs(sources, block, origins)
     paths = [str(tmp_path / f"c{i}") for i in range(len(files))]
     with small_engine(kind) as eng:
-        _aio._set_fault("short", after=short)
+        hooks.set_fault("short", after=short)
         ws = write_files(eng, paths, layout, sources, checksums=block, checksum_origin=origins)
         assert np.array_equal(ws["crc32c"], want)
         if block is not True:
@@ -805,10 +807,10 @@ def test_pipeline_checksums(kind, tmp_path, files, seed, block, with_origin, sho
         dests = []
         for s in sources:
             n = len(memoryview(s).cast("B"))
-            dests.append(_aio.AlignedBuffer(n, A) if rng.integers(0, 2) else np.empty(n + 1, np.uint8)[1:])
-        _aio._set_fault("short", after=short)
+            dests.append(_native.AlignedBuffer(n, A) if rng.integers(0, 2) else np.empty(n + 1, np.uint8)[1:])
+        hooks.set_fault("short", after=short)
         rs = read_files(eng, paths, layout, dests, checksums=block, checksum_origin=origins)
-        _aio._set_fault("")
+        hooks.set_fault("")
         assert np.array_equal(rs["crc32c"], want)
         for d, s in zip(dests, sources):
             assert bytes(memoryview(d)) == bytes(memoryview(s).cast("B"))
@@ -824,7 +826,7 @@ def test_checksums_default_engine_many_pieces(kind, tmp_path):
         + [(5, (5 << 20) + 3, 2)],
     ])
     path = str(tmp_path / "m")
-    with _aio.Engine(kind) as eng:
+    with _native.Engine(kind) as eng:
         ws = write_files(eng, [path], layout, sources, checksums=1 << 20)
         assert np.array_equal(ws["crc32c"], expected_crcs(sources, 1 << 20))
         dests = [np.empty(len(memoryview(s).cast("B")), np.uint8) for s in sources]
@@ -847,7 +849,7 @@ def test_checksum_arguments(kind, tmp_path):
         with pytest.raises(ValueError, match="negative"):
             write_files(eng, [p], [(0, 0)], [b"abc"], checksums=8, checksum_origin=[-1])
         ws = write_files(eng, [p], [(0, 0), (0, 10)], [b"", b"abc"], checksums=2)
-        assert list(ws["crc32c"]) == [0, _aio.crc32c(b"ab"), _aio.crc32c(b"c")]
+        assert list(ws["crc32c"]) == [0, _native.crc32c(b"ab"), _native.crc32c(b"c")]
         assert list(ws["crc32c_first"]) == [0, 1, 3]
 
 
@@ -856,14 +858,14 @@ def test_failed_call_with_checksums_leaves_the_engine_usable(kind, tmp_path):
     path = str(tmp_path / "e")
     with small_engine(kind) as eng:
         write_files(eng, [path], [(0, 0)], [data])
-        _aio._set_fault("io", errno.EIO, after=5)
+        hooks.set_fault("io", errno.EIO, after=5)
         with pytest.raises(OSError) as ei:
-            read_files(eng, [path], [(0, 0)], [_aio.AlignedBuffer(len(data), A)], checksums=A)
+            read_files(eng, [path], [(0, 0)], [_native.AlignedBuffer(len(data), A)], checksums=A)
         assert ei.value.errno == errno.EIO and ei.value.filename == path
-        assert _aio.stats()["inflight"] == 0
+        assert _native.stats()["inflight"] == 0
         out = np.empty(len(data), np.uint8)
         rs = read_files(eng, [path], [(0, 0)], [out], checksums=True)
-        assert int(rs["crc32c"][0]) == _aio.crc32c(data)
+        assert int(rs["crc32c"][0]) == _native.crc32c(data)
 
 
 def test_kill_fault_kills_mid_pipeline(tmp_path):
@@ -876,10 +878,10 @@ def test_kill_fault_kills_mid_pipeline(tmp_path):
     path = str(tmp_path / "k")
     code = (
         "import numpy as np, os\n"
-        "from fp_dcp import _aio\n"
-        "e = _aio.Engine('auto', queue_depth=4, block_size=1 << 20)\n"
+        "from fp_dcp import _native\n"
+        "e = _native.Engine('auto', queue_depth=4, block_size=1 << 20)\n"
         f"fd = e.open({path!r}, 'w')\n"
-        "_aio._set_fault('kill', 9, after=3)\n"
+        "_native.testing().set_fault('kill', 9, after=3)\n"
         "e.write([fd], ['k'], [0], [0], [np.ones(32 << 20, np.uint8)])\n"
         "print('survived')\n"
     )
@@ -898,16 +900,16 @@ def test_copy_gather_checksums_in_the_same_pass(lens):
     srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in lens]
     offs = np.asarray([1 + sum(m + 13 for m in lens[:i]) for i in range(len(lens))], dtype=np.int64)
     dst = np.zeros(1 + sum(m + 13 for m in lens), dtype=np.uint8)
-    crcs, first = _aio.copy_gather(dst, offs, srcs, checksum_block=1 << 20)
+    crcs, first = _native.copy_gather(dst, offs, srcs, checksum_block=1 << 20)
     assert first.tolist() == [0] + np.cumsum([max(1, -(-n // (1 << 20))) for n in lens]).tolist()
     expect = np.zeros_like(dst)
     for i, (o, src) in enumerate(zip(offs, srcs)):
         expect[o : o + len(src)] = src
-        assert crcs[first[i] : first[i + 1]].tolist() == _aio.crc32c_blocks(src, 1 << 20).tolist()
+        assert crcs[first[i] : first[i + 1]].tolist() == _native.crc32c_blocks(src, 1 << 20).tolist()
     assert np.array_equal(dst, expect)  # nothing outside the pieces touched
-    assert _aio.copy_gather(dst, offs, srcs) is None
+    assert _native.copy_gather(dst, offs, srcs) is None
     with pytest.raises(ValueError, match="checksum_block"):
-        _aio.copy_gather(dst, offs, srcs, checksum_block=-1)
+        _native.copy_gather(dst, offs, srcs, checksum_block=-1)
 
 
 def test_fused_copy_crc_streams_only_where_the_destination_is_not_just_ahead():
@@ -916,27 +918,27 @@ def test_fused_copy_crc_streams_only_where_the_destination_is_not_just_ahead():
     past it modulo 4 KiB: a destination 64 bytes past a page (torch's large
     tensors) read from a page-aligned bounce buffer made every store flush a
     half-full write-combining buffer (0.13 GB/s, issue 15)."""
-    hw = _aio._crc32c_impl() == "hw"
+    hw = hooks.crc32c_impl() == "hw"
     base = 1 << 30
-    assert not _aio._crc_copy_streams(base + 64, base, 1 << 20)
-    assert not _aio._crc_copy_streams(base + 4096 + 8, base, 1 << 20)
-    assert not _aio._crc_copy_streams(base, base, 1 << 20)
-    assert not _aio._crc_copy_streams(base + 2051, base, 1 << 20)  # unaligned stores
-    assert not _aio._crc_copy_streams(base + 2048, base, 4096)      # small: plain stores
-    assert _aio._crc_copy_streams(base + 2048, base, 1 << 20) == hw
-    assert _aio._crc_copy_streams(base - 64, base, 1 << 20) == hw    # behind: 4032 mod 4096
+    assert not hooks.crc_copy_streams(base + 64, base, 1 << 20)
+    assert not hooks.crc_copy_streams(base + 4096 + 8, base, 1 << 20)
+    assert not hooks.crc_copy_streams(base, base, 1 << 20)
+    assert not hooks.crc_copy_streams(base + 2051, base, 1 << 20)  # unaligned stores
+    assert not hooks.crc_copy_streams(base + 2048, base, 4096)      # small: plain stores
+    assert hooks.crc_copy_streams(base + 2048, base, 1 << 20) == hw
+    assert hooks.crc_copy_streams(base - 64, base, 1 << 20) == hw    # behind: 4032 mod 4096
     # both store kinds copy and checksum the same bytes
     rng = np.random.default_rng(5)
-    src = _aio.AlignedBuffer(3 << 20, 4096, lock=False)
+    src = _native.AlignedBuffer(3 << 20, 4096, lock=False)
     s = np.frombuffer(src, np.uint8)
     s[:] = rng.integers(0, 256, len(s), dtype=np.uint8)
-    want = _aio.crc32c_blocks(src, 1 << 20).tolist()
+    want = _native.crc32c_blocks(src, 1 << 20).tolist()
     for delta in (64, 2048):
-        dst = _aio.AlignedBuffer((3 << 20) + 4096, 4096, lock=False)
+        dst = _native.AlignedBuffer((3 << 20) + 4096, 4096, lock=False)
         d = np.frombuffer(dst, np.uint8)
-        before = _aio._crc_nt_bytes()
-        crcs, _ = _aio.copy_gather(dst, [delta], [src], checksum_block=1 << 20)
-        streamed = _aio._crc_nt_bytes() - before
+        before = hooks.crc_nt_bytes()
+        crcs, _ = _native.copy_gather(dst, [delta], [src], checksum_block=1 << 20)
+        streamed = hooks.crc_nt_bytes() - before
         assert crcs.tolist() == want and np.array_equal(d[delta : delta + len(s)], s)
         assert streamed == (3 << 20 if hw and delta == 2048 else 0)
         del d
@@ -957,15 +959,15 @@ def test_verified_read_checksums_each_byte_once_without_streaming_hazard(kind, t
     rng = np.random.default_rng(delta)
     src = random_bytes(rng, n)
     path = str(tmp_path / "v")
-    with _aio.Engine(kind) as eng:
+    with _native.Engine(kind) as eng:
         write_files(eng, [path], [(0, 0)], [src])
-        buf = _aio.AlignedBuffer(n + 4096, 4096, lock=False)
+        buf = _native.AlignedBuffer(n + 4096, 4096, lock=False)
         dest = np.frombuffer(buf, np.uint8)[delta : delta + n]
-        before = _aio._crc_nt_bytes()
+        before = hooks.crc_nt_bytes()
         rs = read_files(eng, [path], [(0, 0)], [dest], checksums=1 << 20)
-        streamed = _aio._crc_nt_bytes() - before
+        streamed = hooks.crc_nt_bytes() - before
         assert np.array_equal(dest, src)
-        assert rs["crc32c"].tolist() == _aio.crc32c_blocks(src, 1 << 20).tolist()
+        assert rs["crc32c"].tolist() == _native.crc32c_blocks(src, 1 << 20).tolist()
         assert rs["checksum_bytes"] == rs["bytes"] == n <= rs["bytes_read"]
         assert streamed == 0
         if delta == 0:
@@ -988,7 +990,7 @@ def test_checksum_skip_feeds_only_wanted_pieces_to_the_crc(kind, tmp_path):
         off = align_up(off + n + 100, 4096)
     path = str(tmp_path / "s")
     skip = np.array([False, True, True, False])
-    with _aio.Engine(kind) as eng:
+    with _native.Engine(kind) as eng:
         write_files(eng, [path], layout, sources)
         dests = [np.zeros(n, np.uint8) for n in sizes]
         rs = read_files(eng, [path], layout, dests, checksums=1 << 20, checksum_skip=skip)
@@ -996,7 +998,7 @@ def test_checksum_skip_feeds_only_wanted_pieces_to_the_crc(kind, tmp_path):
         for i, (d, s) in enumerate(zip(dests, sources)):
             assert np.array_equal(d, s)
             got = rs["crc32c"][first[i] : first[i + 1]].tolist()
-            assert got == ([0] if skip[i] else _aio.crc32c_blocks(s, 1 << 20).tolist())
+            assert got == ([0] if skip[i] else _native.crc32c_blocks(s, 1 << 20).tolist())
         assert rs["checksum_bytes"] == sizes[0] + sizes[3]
         with pytest.raises(ValueError, match="checksum_skip"):
             read_files(eng, [path], layout, dests, checksums=1 << 20, checksum_skip=skip[:2])

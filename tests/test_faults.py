@@ -26,12 +26,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fp_dcp import FastPersistReader, FastPersistWriter, _aio
+from fp_dcp import FastPersistReader, FastPersistWriter, _native
 from fp_dcp.load.reader import read_checkpoint_metadata
 from fp_dcp.tools.rotation import keep_last
 from tests import _crash
 from tests._crash import COMMIT, committed, leftovers, outcome, resources, run_save, settle, state_dict
 from tests._sd import failed_load, failed_save, root_error, save
+
+
+hooks = _native.testing()  # fault injection (FP_DCP_TEST_HOOKS=1: tests/conftest.py)
 
 # ------------------------------------------------------------------ helpers
 
@@ -48,7 +51,7 @@ def no_leaks():
         shutil.rmtree(warm, ignore_errors=True)
     before = resources()
     yield
-    _aio._set_fault("")
+    hooks.set_fault("")
     after = settle(before)
     assert after == before, f"leaked: before {before}, after {after}"
 
@@ -82,9 +85,9 @@ def remount(path, mode: str) -> None:
 def test_engine_fault_during_save_commits_nothing(tmp_path, no_leaks, err, after):
     path = tmp_path / "c"
     save(state_dict(1), path, block_size_bytes=256 << 10)
-    _aio._set_fault("io", err, after=after)
+    hooks.set_fault("io", err, after=after)
     e = failed_save(state_dict(2), path, block_size_bytes=256 << 10)
-    _aio._set_fault("")
+    hooks.set_fault("")
     assert isinstance(e, OSError) and e.errno == err, e
     assert e.filename and str(path) in e.filename and e.filename.endswith(".fpd")
     assert os.strerror(err) in str(e)
@@ -99,17 +102,46 @@ def test_engine_fault_during_load_names_the_file(tmp_path, no_leaks):
     save(state_dict(1), path)
     # the second completion fails: this load is 2 large requests (its packed
     # tensors are one contiguous run, read 4 MiB at a time)
-    _aio._set_fault("io", errno.EIO, after=1)
+    hooks.set_fault("io", errno.EIO, after=1)
     r = FastPersistReader(path)
     try:
         with pytest.raises((Exception, CheckpointException)) as ei:
             dcp.load(_crash.zeros_like(state_dict(0)), storage_reader=r)
     finally:
         r.close()
-    _aio._set_fault("")
+    hooks.set_fault("")
     e = root_error(ei.value)
     assert isinstance(e, OSError) and e.errno == errno.EIO and str(path) in e.filename
     assert load_seed(path) == "seed1"
+
+
+def test_the_test_hooks_are_off_without_the_flag():
+    """A process started without FP_DCP_TEST_HOOKS=1 (every user's) cannot
+    inject a fault: each hook, and _native.testing(), raises RuntimeError
+    naming the flag; the engine works as ever."""
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "FP_DCP_TEST_HOOKS"}
+    code = (
+        "import numpy as np\n"
+        "from fp_dcp import _aio, _native\n"
+        "assert not _aio._test_hooks_enabled()\n"
+        "calls = (lambda: _aio._set_fault('io', 5), lambda: _aio._set_fault(''), lambda: _aio._crc32c_impl('sw'),\n"
+        "         _aio._crc_nt_bytes, _native.testing)\n"
+        "for call in calls:\n"
+        "    try:\n"
+        "        call()\n"
+        "    except RuntimeError as e:\n"
+        "        assert 'FP_DCP_TEST_HOOKS=1' in str(e), e\n"
+        "    else:\n"
+        "        raise SystemExit('a test hook ran without the flag')\n"
+        "with _native.Engine('threads') as e:\n"
+        f"    fd = e.open({str(os.devnull)!r}, 'w', direct=False)\n"
+        "    e.write([fd], ['null'], [0], [0], [np.ones(1 << 20, np.uint8)], sync=False)\n"
+        "print('off')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "off", (r.returncode, r.stdout, r.stderr)
 
 
 def test_permission_denied(tmp_path, no_leaks):
@@ -118,13 +150,13 @@ def test_permission_denied(tmp_path, no_leaks):
     path = tmp_path / "c"
     save(state_dict(1), path)
     if os.geteuid() == 0:
-        _aio._set_fault("open_direct", errno.EACCES)
+        hooks.set_fault("open_direct", errno.EACCES)
     else:
         os.chmod(path, 0o500)
     try:
         e = failed_save(state_dict(2), path)
     finally:
-        _aio._set_fault("")
+        hooks.set_fault("")
         os.chmod(path, 0o755)
     assert isinstance(e, PermissionError), e
     assert str(path) in str(e.filename) and "Permission denied" in str(e)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp_dcp import _aio
+from fp_dcp import _native
 from fp_dcp.engine import (
     LARGE_IN_FLIGHT_BYTES,
     LARGE_REQUEST_MAX_BYTES,
@@ -96,7 +96,7 @@ def test_a_flipped_byte_in_a_long_run_is_still_caught(tmp_path):
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(FAILED, match="checksum mismatch"):
         load(zeros_like_sd(sd), path)
-    assert _aio.stats()["inflight"] == 0
+    assert _native.stats()["inflight"] == 0
 
 
 def test_in_long_runs_groups_pieces_back_to_back():

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fp_dcp import FastPersistOptions, FastPersistReader, FastPersistWriter, _aio
+from fp_dcp import FastPersistOptions, FastPersistReader, FastPersistWriter, _native
 from fp_dcp import format as fmt
 from tests._sd import FAILED, root_error
 from fp_dcp.options import override
@@ -60,7 +60,7 @@ def test_fp_dcp_and_stock_give_the_same_tensors(tmp_path):
     assert_sd_equal(results[0], results[1])
 
 
-@pytest.mark.parametrize("engine", _aio.available_engines())
+@pytest.mark.parametrize("engine", _native.available_engines())
 def test_each_engine_round_trips(tmp_path, engine):
     sd = mixed_state_dict(3)
     writer = save(sd, tmp_path / "c", "fp_dcp", engine=engine)

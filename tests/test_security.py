@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemWriter
 
-from fp_dcp import FastPersistReader, FastPersistWriter, _aio
+from fp_dcp import FastPersistReader, FastPersistWriter, _native
 from fp_dcp import format as fmt
 from fp_dcp.tools import rotation
 from fp_dcp.checksums import ChecksumError
@@ -337,7 +337,7 @@ def test_rotation_lock_planted_as_a_link_creates_nothing_outside(tmp_path):
 
 @pytest.mark.parametrize("offset", [(1 << 63) - 4096, 1 << 62, (1 << 62) - 100])
 def test_native_layer_rejects_offsets_that_would_overflow(tmp_path, offset):
-    engine = _aio.Engine("threads")
+    engine = _native.Engine("threads")
     path = str(tmp_path / "f")
     fd = engine.open(path, "w")
     try:
@@ -351,17 +351,17 @@ def test_native_layer_rejects_offsets_that_would_overflow(tmp_path, offset):
         engine.close()
     assert os.path.getsize(path) == 0
     with pytest.raises(ValueError, match="outside"):
-        _aio.copy_gather(bytearray(16), np.array([(1 << 63) - 2], dtype=np.int64), [b"abcd"])
+        _native.copy_gather(bytearray(16), np.array([(1 << 63) - 2], dtype=np.int64), [b"abcd"])
     with pytest.raises(ValueError, match="do not fit"):
-        _aio.pull(os.getpid(), bytearray(16), 0, np.array([0, 1], dtype=np.int64), 1 << 62)
+        _native.pull(os.getpid(), bytearray(16), 0, np.array([0, 1], dtype=np.int64), 1 << 62)
     with pytest.raises(OSError):
-        _aio.pull(os.getpid(), bytearray(16), (1 << 64) - 4, np.array([0], dtype=np.int64), 8)
+        _native.pull(os.getpid(), bytearray(16), (1 << 64) - 4, np.array([0], dtype=np.int64), 8)
 
 
 def test_engine_does_not_follow_a_link(tmp_path):
     canary = _canary(tmp_path / "canary")
     os.symlink(canary[0], tmp_path / "link")
-    engine = _aio.Engine("threads")
+    engine = _native.Engine("threads")
     try:
         for mode in ("r", "w"):
             with pytest.raises(OSError) as info:

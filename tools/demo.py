@@ -91,20 +91,20 @@ def measure_raw(directory: str, nbytes: int) -> dict:
     PATH).  Returns {"write": (gbps, how), "read": (gbps, how), "runs": [...]}."""
     import numpy as np
 
-    from fp_dcp import _aio
+    from fp_dcp import _native
 
     path = os.path.join(directory, "raw-device-test.bin")  # in the demo's own scratch directory
     nbytes = -(-nbytes // max(RAW_REQUESTS)) * max(RAW_REQUESTS)
-    direct = _aio.direct_io_supported(directory)
+    direct = _native.direct_io_supported(directory)
     span = min(nbytes, 128 * MiB)
-    buf = _aio.AlignedBuffer(span, 4096)
+    buf = _native.AlignedBuffer(span, 4096)
     pattern = np.random.default_rng(0).integers(0, 256, MiB, dtype=np.uint8)
     np.frombuffer(buf, dtype=np.uint8).reshape(-1, MiB)[:] = pattern
     runs = []
     try:
         for bs in RAW_REQUESTS:
             qd = max(1, RAW_IN_FLIGHT // bs)
-            with _aio.Engine("auto", queue_depth=qd, block_size=bs) as eng:
+            with _native.Engine("auto", queue_depth=qd, block_size=bs) as eng:
                 for op in ("write", "read"):
                     say(f"raw device {op}: {format_size(nbytes)} in {bs // MiB} MiB requests x {qd} in flight"
                         f"{'' if direct else ' (buffered: the file system refuses O_DIRECT)'} ...")

@@ -1,4 +1,4 @@
-# Declarations only: the C core (fpio.h) and the few libc calls _aio.pyx makes itself.
+# Declarations only: the C core's API (cython_io/fpio.h), as _aio.pyx and its parts call it.
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 
 cdef extern from "fpio.h" nogil:
@@ -54,6 +54,7 @@ cdef extern from "fpio.h" nogil:
     int64_t fpio_crc_nt_bytes()
     int fpio_crc32c_impl(int want)
     long fpio_inflight()
+    void fpio_test_hooks_enable()
     void fpio_fault_set(int err, long after)
     void fpio_fault_short(long count)
     void fpio_fault_kill(int sig, long after)
@@ -66,24 +67,3 @@ cdef extern from "fpio.h" nogil:
 cdef extern from "fpio.h" nogil:
     int fpio_add_i64(int64_t a, int64_t b, int64_t *out)
     int fpio_mul_i64(int64_t a, int64_t b, int64_t *out)
-
-cdef extern from "<stdlib.h>" nogil:
-    int posix_memalign(void **memptr, size_t alignment, size_t size)
-
-cdef extern from "<sys/mman.h>" nogil:
-    int mlock(const void *addr, size_t len)
-    int munlock(const void *addr, size_t len)
-    int madvise(void *addr, size_t length, int advice)
-    int MADV_HUGEPAGE
-
-cdef extern from "<fcntl.h>" nogil:
-    int c_open "open"(const char *path, int flags, int mode)
-    int fcntl(int fd, int cmd)
-    int O_RDONLY, O_WRONLY, O_RDWR, O_CREAT, O_TRUNC, O_EXCL, O_CLOEXEC, O_DIRECT, O_NOFOLLOW
-    int F_GETFL
-
-cdef extern from "<unistd.h>" nogil:
-    int c_close "close"(int fd)
-    int c_unlink "unlink"(const char *path)
-    long sysconf(int name)
-    int _SC_PAGESIZE
