@@ -34,14 +34,37 @@ cdef void _release_all(Py_buffer *views, Py_ssize_t n):
 
 
 
-cdef void _warn_mlock(int err, Py_ssize_t size):
+cdef int _mlock_errno(void *address, size_t size) noexcept nogil:
+    """mlock, the one place memory is page-locked: 0 or the errno."""
+    if mlock(address, size) != 0:
+        return errno
+    return 0
+
+
+cdef void _warn_mlock(int err, Py_ssize_t size, str what):
+    """The first failed lock of the process warns; later ones fail the same way."""
     global _mlock_warned
     if _mlock_warned:
         return
     _mlock_warned = True
-    warnings.warn(f"fp_dcp: page-locking is off: mlock of {size} bytes failed: "
+    warnings.warn(f"fp_dcp: page-locking is off: mlock of {size} bytes ({what}) failed: "
                   f"{os.strerror(err)} (raise `ulimit -l` / RLIMIT_MEMLOCK or grant "
                   f"CAP_IPC_LOCK); buffers stay pageable", RuntimeWarning, stacklevel=3)
+
+
+def lock_pages(size_t address, Py_ssize_t size, str what):
+    """Page-lock `size` bytes at `address` (memory mapped by the caller, e.g. a
+    shared memfd arena; AlignedBuffer locks its own); whether it worked.  The
+    first failure of the process warns, naming `what`.  The lock ends when the
+    memory is unmapped."""
+    cdef int rc
+    if size <= 0:
+        return True
+    with nogil:
+        rc = _mlock_errno(<void *>address, <size_t>size)
+    if rc != 0:
+        _warn_mlock(rc, size, what)
+    return rc == 0
 
 
 cdef class AlignedBuffer:
@@ -98,14 +121,12 @@ cdef class AlignedBuffer:
                 memset(self._ptr, 0, self._alloc)
         if lock and self._size > 0 and not self._locked:
             with nogil:
-                rc = mlock(self._ptr, self._size)
-                if rc != 0:
-                    rc = errno
+                rc = _mlock_errno(self._ptr, self._size)
             if rc == 0:
                 self._locked = True
                 _locked_bytes += self._size
             else:
-                _warn_mlock(rc, self._size)
+                _warn_mlock(rc, self._size, "an aligned buffer")
 
     cdef void _free(self) noexcept:
         global _n_buffers, _locked_bytes

@@ -31,6 +31,9 @@ def probe_alignment(path: _Path) -> tuple[int, int]:
 def direct_io_supported(directory: _Path) -> bool:
     """Whether files in directory can be opened with O_DIRECT."""
 
+def lock_pages(address: int, size: int, what: str) -> bool:
+    """Page-lock size bytes at address (memory the caller mapped); whether it worked (the first failure warns)."""
+
 def crc32c(data: Buffer, seed: int = 0) -> int:
     """The CRC-32C of a contiguous buffer; seed is the CRC of what came before."""
 

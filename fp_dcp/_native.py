@@ -47,6 +47,7 @@ crc32c = _ext.crc32c
 crc32c_blocks = _ext.crc32c_blocks
 crc32c_combine = _ext.crc32c_combine
 direct_io_supported = _ext.direct_io_supported
+lock_pages = _ext.lock_pages
 page_size = _ext.page_size
 probe_alignment = _ext.probe_alignment
 pull = _ext.pull

@@ -7,23 +7,21 @@ tensors (:class:`fp_dcp.engine.PinnedBuffer`).  Both pin through this module.
 
 Pinning is an optimisation, never a requirement: a lock or a registration
 that fails warns and the save goes on (slower: page faults during a copy,
-device-to-host copies through pageable memory).  ``_native.AlignedBuffer``
-locks its own pages in C; :func:`lock_pages` is for memory mapped here
-(a shared ``memfd`` arena).
+device-to-host copies through pageable memory).  Page-locking itself is
+one C function of the extension, used by ``_native.AlignedBuffer`` for its
+own memory and by :func:`lock_pages` for memory mapped elsewhere (the shared
+``memfd`` arena).
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 import warnings
 
 import torch
 
-__all__ = ["lock_pages", "cuda_register", "cuda_unregister"]
+from fp_dcp import _native
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_lock_warned = False  # one warning per process: every later lock fails the same way
+__all__ = ["lock_pages", "cuda_register", "cuda_unregister"]
 
 # cudaHostRegister flags (cuda_runtime_api.h)
 _CUDA_HOST_REGISTER_DEFAULT = 0
@@ -32,20 +30,10 @@ _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the 
 
 def lock_pages(address: int, size: int, what: str) -> bool:
     """``mlock`` ``size`` bytes at ``address``; whether it worked.  The first
-    failure in this process warns (naming ``what``), later ones are silent."""
-    global _lock_warned
-    if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size)) == 0:
-        return True
-    if not _lock_warned:
-        _lock_warned = True
-        err = ctypes.get_errno()
-        warnings.warn(
-            f"fp_dcp: the {what} is not page-locked: mlock of {size} bytes "
-            f"failed: {os.strerror(err)} (raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return False
+    failure in this process warns (naming ``what``), later ones are silent.
+    The extension does the locking (the same call and warning as its
+    ``AlignedBuffer``)."""
+    return _native.lock_pages(address, size, what)
 
 
 def cuda_register(address: int, size: int, what: str, *, portable: bool = False) -> bool:
