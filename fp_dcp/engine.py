@@ -174,14 +174,14 @@ class IOSession:
             # Kernel AIO on a buffered fd blocks in io_submit; threads overlap.
             kind = "threads"
         kwargs = {"alignment": self.alignment}
-        # options that leave the engine's shape open take the device's tuning
-        # record (fp-dcp tune) where there is one, else the engine's defaults
+        # options that leave the engine's shape open take the write shape of
+        # the device's tuning record (fp-dcp tune) where there is one, else
+        # the engine's defaults; the read shape is long_run_shape's
         self.tuned = None
         if options.queue_depth is None and options.block_size_bytes is None:
             self.tuned = tuning.lookup(directory, self.alignment)
         if self.tuned is not None:
-            kwargs.update(queue_depth=self.tuned.write.queue_depth, block_size=self.tuned.write.block_size,
-                          read_queue_depth=self.tuned.read.queue_depth, read_block_size=self.tuned.read.block_size)
+            kwargs.update(queue_depth=self.tuned.write.queue_depth, block_size=self.tuned.write.block_size)
         if options.queue_depth is not None:
             kwargs["queue_depth"] = options.queue_depth
         if options.block_size_bytes is not None:
@@ -205,8 +205,7 @@ class IOSession:
         with another request size and queue depth (the reader's engine of
         large requests); close it when done."""
         other = copy.copy(self)
-        kwargs = dict(self._engine_kwargs, queue_depth=queue_depth, block_size=block_size,
-                      read_queue_depth=queue_depth, read_block_size=block_size)
+        kwargs = dict(self._engine_kwargs, queue_depth=queue_depth, block_size=block_size)
         other.engine = _native.Engine(self.kind, **kwargs)
         other._engine_kwargs = kwargs
         other._lock = threading.Lock()
