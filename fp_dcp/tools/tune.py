@@ -34,9 +34,10 @@ __all__ = ["TuneError", "engine_pass", "measure", "choose", "builtin_shapes", "f
 MiB = 1 << 20
 DEFAULT_SIZES = (256 << 10, 1 * MiB, 4 * MiB, 16 * MiB)
 DEFAULT_DEPTHS = (4, 8, 16, 32)
-DEFAULT_FILE_BYTES = 256 * MiB
-DEFAULT_REPEAT = 2
-DEFAULT_MAX_IN_FLIGHT = 128 * MiB
+DEFAULT_FILE_BYTES = 512 * MiB
+DEFAULT_REPEAT = 3
+# bytes in flight are bounce memory a load locks ((depth + 1) x request size)
+DEFAULT_MAX_IN_FLIGHT = 64 * MiB
 QUICK_SIZES = (1 * MiB, 4 * MiB)
 QUICK_DEPTHS = (8,)
 QUICK_FILE_BYTES = 64 * MiB
