@@ -276,12 +276,12 @@ def _tune(args: argparse.Namespace) -> int:
     try:
         file_bytes = parse_size(args.file_size) if args.file_size else (
             tune.QUICK_FILE_BYTES if args.quick else tune.DEFAULT_FILE_BYTES)
-        max_in_flight = parse_size(args.max_in_flight)
+        max_in_flight = parse_size(args.max_in_flight) if args.max_in_flight else tune.DEFAULT_MAX_IN_FLIGHT
     except ValueError as e:
         raise tune.TuneError(f"--file-size / --max-in-flight: {e}") from None
     repeat = args.repeat if args.repeat is not None else 1 if args.quick else tune.DEFAULT_REPEAT
     if file_bytes <= 0 or repeat < 1:
-        raise tune.TuneError("--file-size and --repeat must be positive, e.g. --file-size 256MiB --repeat 2")
+        raise tune.TuneError("--file-size and --repeat must be positive, e.g. --file-size 512MiB --repeat 3")
     target = None if args.dry_run else tuning.record_path()
     if not args.dry_run and target is None:
         raise tune.TuneError(f"{tuning.ENV}=none turns tuning records off: unset it (or set it to a file), "
@@ -364,10 +364,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("path", help="a directory on the file system to measure (the checkpoints' parent directory)")
     t.add_argument("--sizes", help="request sizes, comma-separated (default 256K,1M,4M,16M)")
     t.add_argument("--depths", help="queue depths, comma-separated (default 4,8,16,32)")
-    t.add_argument("--file-size", help="bytes written and read per cell and round (default 256MiB)")
-    t.add_argument("--repeat", type=int, default=None, help="rounds over the grid (default 2; --quick 1)")
-    t.add_argument("--max-in-flight", default="128MiB",
-                   help="leave out cells with more bytes in flight than this (default 128MiB)")
+    t.add_argument("--file-size", help="bytes written and read per cell and round (default 512MiB)")
+    t.add_argument("--repeat", type=int, default=None, help="rounds over the grid (default 3; --quick 1)")
+    t.add_argument("--max-in-flight",
+                   help="leave out cells with more bytes in flight than this (default 64MiB)")
     t.add_argument("--quick", action="store_true", help="a few seconds: 1M,4M requests x 8, 64 MiB, one round")
     t.add_argument("--dry-run", action="store_true", help="measure and print only; record nothing")
     t.add_argument("--json", action="store_true", help="print the measurements and the choice as JSON")
