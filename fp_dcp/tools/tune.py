@@ -13,9 +13,10 @@ the benchmarks.
 
 The choice (:func:`choose`): the built-in rule's shape stays unless cells of
 the grid beat it by more than a margin (10 %: this class of disk swings more
-than that from minute to minute) in every round; then the fastest of them.  The record
-(:mod:`fp_dcp.tuning`) is what the writer and the reader of that device use
-when the options leave ``queue_depth`` and ``block_size_bytes`` open.
+than that from minute to minute) in every round; then the fastest of them.
+The record (:mod:`fp_dcp.tuning`) is what the writer and the reader of that
+device use when the options leave ``queue_depth`` and ``block_size_bytes``
+open.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import numpy as np
 from fp_dcp import _native, tuning
 from fp_dcp.options import format_size, parse_size
 
-__all__ = ["TuneError", "engine_pass", "measure", "choose", "builtin_shapes", "format_tables", "parse_grid"]
+__all__ = ["TuneError", "engine_pass", "fill_random", "parse_grid", "builtin_shapes", "cells", "measure", "choose",
+           "format_tables", "run", "record"]
 
 MiB = 1 << 20
 DEFAULT_SIZES = (256 << 10, 1 * MiB, 4 * MiB, 16 * MiB)
