@@ -567,44 +567,16 @@ def raw_device_io(op: str, path: str | Path, nbytes: int, method: str = "auto",
 def _raw_hugebuf(op: str, path: str, nbytes: int, block_size: int, iodepth: int) -> dict:
     """Sequential O_DIRECT ``op`` of the file through fp_dcp's native engine
     (kernel AIO) into / from one page-locked buffer of 2 MiB transparent huge
-    pages: no checkpoint format, no planning, just the device.  On a VM with
-    virtio-blk it shows what fio's 4 KiB-page buffers hide: every 4 KiB page
-    is one more DMA segment, and this disk reads about twice as fast into
-    huge pages (fio 1.3-2.0 GB/s in every configuration tried, this 3.8-3.9
-    GB/s on the same file, cold)."""
-    import numpy as np
+    pages: no checkpoint format, no planning, just the device (the
+    measurement of ``fp-dcp tune``: fp_dcp.tools.tune.engine_pass).  On a VM
+    with virtio-blk it shows what fio's 4 KiB-page buffers hide: every 4 KiB
+    page is one more DMA segment, and this disk reads about twice as fast
+    into huge pages (fio 1.3-2.0 GB/s in every configuration tried, this
+    3.8-3.9 GB/s on the same file, cold)."""
+    from fp_dcp.tools.tune import engine_pass
 
-    from fp_dcp import _native
-
-    span = 256 * MiB
-    buf = _native.AlignedBuffer(min(span, nbytes))
-    if op == "write":
-        memoryview(buf)[:] = os.urandom(1 << 20) * (len(buf) >> 20) + os.urandom(len(buf) & ((1 << 20) - 1))
-    try:
-        with _native.Engine("aio", queue_depth=iodepth, block_size=block_size,
-                         read_queue_depth=iodepth, read_block_size=block_size) as eng:
-            fd = eng.open(str(path), "w" if op == "write" else "r", True)
-            try:
-                t0 = time.perf_counter()
-                for off in range(0, nbytes, len(buf)):
-                    n = min(len(buf), nbytes - off)
-                    view = memoryview(buf)[:n]
-                    args = ([fd], [str(path)], np.zeros(1, np.int64), np.asarray([off], np.int64), [view])
-                    if op == "write":
-                        eng.write(*args, sync=False)
-                    elif op == "read":
-                        eng.read(*args)
-                    else:
-                        raise ValueError(f"op must be write or read, not {op!r}")
-                    view.release()
-                if op == "write":
-                    os.fsync(fd)
-                seconds = time.perf_counter() - t0
-            finally:
-                os.close(fd)
-    finally:
-        buf.close()
-    return {"method": "hugebuf", "bytes": nbytes, "seconds": seconds,
+    r = engine_pass(op, str(path), nbytes, block_size, iodepth, kind="aio")
+    return {"method": "hugebuf", "bytes": nbytes, "seconds": r["seconds"],
             "note": f"fp_dcp._aio engine O_DIRECT {op} into one huge-page buffer, bs={fmt_size(block_size)} "
                     f"qd={iodepth} (no checkpoint format)" + (" + fsync" if op == "write" else "")}
 

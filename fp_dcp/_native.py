@@ -38,6 +38,8 @@ except ImportError as _e:
     raise _native_missing(_e) from None
 
 AlignedBuffer = _ext.AlignedBuffer
+DEFAULT_BLOCK_SIZE = _ext.DEFAULT_BLOCK_SIZE  # an Engine's request size and depth when not given
+DEFAULT_QUEUE_DEPTH = _ext.DEFAULT_QUEUE_DEPTH
 Engine = _ext.Engine
 ENGINES = _ext.ENGINES
 available_engines = _ext.available_engines

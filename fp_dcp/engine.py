@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from fp_dcp import _native, pinned
+from fp_dcp import _native, pinned, tuning
 from fp_dcp.options import FastPersistOptions
 
 __all__ = ["IOSession", "tensor_bytes", "PinnedBuffer", "device_max_request_bytes", "large_read_shape"]
@@ -170,6 +170,14 @@ class IOSession:
             # Kernel AIO on a buffered fd blocks in io_submit; threads overlap.
             kind = "threads"
         kwargs = {"alignment": self.alignment}
+        # options that leave the engine's shape open take the write shape of
+        # the device's tuning record (fp-dcp tune) where there is one, else
+        # the engine's defaults; the read shape is long_run_shape's
+        self.tuned = None
+        if options.queue_depth is None and options.block_size_bytes is None:
+            self.tuned = tuning.lookup(directory, self.alignment)
+        if self.tuned is not None:
+            kwargs.update(queue_depth=self.tuned.write.queue_depth, block_size=self.tuned.write.block_size)
         if options.queue_depth is not None:
             kwargs["queue_depth"] = options.queue_depth
         if options.block_size_bytes is not None:
@@ -198,6 +206,17 @@ class IOSession:
         other._engine_kwargs = kwargs
         other._lock = threading.Lock()
         return other
+
+    def long_run_shape(self) -> tuple[int, int]:
+        """(block size, queue depth) for reading long runs from this
+        directory: the read shape of its device's tuning record (fp-dcp
+        tune), else the built-in rule (:func:`large_read_shape` of the
+        device's largest request).  For callers whose options leave the
+        shape open."""
+        tuned = self.tuned or tuning.lookup(self.directory, self.alignment)
+        if tuned is not None:
+            return tuned.read
+        return large_read_shape(device_max_request_bytes(self.directory), self.alignment)
 
     def matches(self, options: FastPersistOptions, directory: str) -> bool:
         """Whether this session serves ``directory`` too: same options, same

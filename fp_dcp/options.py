@@ -27,8 +27,12 @@ from typing import Any, Iterator
 __all__ = ["FastPersistOptions", "format_size", "override", "parse_size", "plural"]
 
 _ENV_PREFIX = "FP_DCP_"
-# FP_DCP_* variables that are not options (read by fp_dcp/_dcp_hooks.py; FP_DCP_TEST_HOOKS by the extension, cython_io/_aio.pyx)
-_NOT_OPTIONS = frozenset({"FP_DCP_DEFAULT_STORAGE", "FP_DCP_ALLOW_UNTESTED_TORCH", "FP_DCP_TEST_HOOKS"})
+# FP_DCP_* variables that are not options: FP_DCP_DEFAULT_STORAGE and
+# FP_DCP_ALLOW_UNTESTED_TORCH (read by fp_dcp/_dcp_hooks.py), FP_DCP_TUNING_FILE
+# (the per-user record of `fp-dcp tune`, "none" for no record: fp_dcp/tuning.py),
+# FP_DCP_TEST_HOOKS (read by the extension, cython_io/_aio.pyx)
+_NOT_OPTIONS = frozenset({"FP_DCP_DEFAULT_STORAGE", "FP_DCP_ALLOW_UNTESTED_TORCH", "FP_DCP_TUNING_FILE",
+                          "FP_DCP_TEST_HOOKS"})
 
 _SIZE_UNITS = {
     "": 1,
@@ -98,7 +102,11 @@ class FastPersistOptions:
             writer sends 4 MiB x 8; the reader sends runs of 1 MiB and more
             as requests of the device's largest whole request
             (``max_sectors_kb``, bounded to 1-4 MiB, 32 MiB in flight) and
-            shorter runs as 256 KiB x 64 (docs/NATIVE.md, "Request sizes").
+            shorter runs as 256 KiB x 64 (docs/NATIVE.md, "Request sizes"),
+            unless ``fp-dcp tune`` recorded shapes for the device (its write
+            shape for saves, its read shape for long runs; the record file is
+            ``$FP_DCP_TUNING_FILE``, else ``~/.cache/fp_dcp/tuning.json``;
+            ``FP_DCP_TUNING_FILE=none`` ignores records).
             Setting either one gives every request that one shape.
         alignment_bytes: alignment of offsets, lengths and memory for direct
             I/O; ``None`` asks the file system (``statx`` ``STATX_DIOALIGN``,

@@ -8,6 +8,10 @@ import pytest
 # the extension, and inherited by every process a test starts.
 os.environ["FP_DCP_TEST_HOOKS"] = "1"
 
+# The machine's own tuning record (fp-dcp tune) must not change the request
+# shapes the tests expect; tests/test_tune.py sets its own record files.
+os.environ["FP_DCP_TUNING_FILE"] = "none"
+
 
 @pytest.fixture
 def aio_no_leaks():

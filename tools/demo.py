@@ -87,46 +87,26 @@ def make_model(total_bytes: int):
 
 def measure_raw(directory: str, nbytes: int) -> dict:
     """Best sequential O_DIRECT write and read of ``nbytes`` (GB/s) over
-    RAW_REQUESTS, with fp_dcp's engine into one aligned buffer (and fio if on
-    PATH).  Returns {"write": (gbps, how), "read": (gbps, how), "runs": [...]}."""
-    import numpy as np
-
+    RAW_REQUESTS, with fp_dcp's engine into one aligned buffer (the
+    measurement of ``fp-dcp tune``: fp_dcp.tools.tune.engine_pass), and fio if
+    on PATH.  Returns {"write": (gbps, how), "read": (gbps, how), "runs": [...]}."""
     from fp_dcp import _native
+    from fp_dcp.tools.tune import engine_pass, fill_random
 
     path = os.path.join(directory, "raw-device-test.bin")  # in the demo's own scratch directory
     nbytes = -(-nbytes // max(RAW_REQUESTS)) * max(RAW_REQUESTS)
     direct = _native.direct_io_supported(directory)
-    span = min(nbytes, 128 * MiB)
-    buf = _native.AlignedBuffer(span, 4096)
-    pattern = np.random.default_rng(0).integers(0, 256, MiB, dtype=np.uint8)
-    np.frombuffer(buf, dtype=np.uint8).reshape(-1, MiB)[:] = pattern
+    buf = _native.AlignedBuffer(min(nbytes, 128 * MiB), 4096)
+    fill_random(buf)
     runs = []
     try:
         for bs in RAW_REQUESTS:
             qd = max(1, RAW_IN_FLIGHT // bs)
-            with _native.Engine("auto", queue_depth=qd, block_size=bs) as eng:
-                for op in ("write", "read"):
-                    say(f"raw device {op}: {format_size(nbytes)} in {bs // MiB} MiB requests x {qd} in flight"
-                        f"{'' if direct else ' (buffered: the file system refuses O_DIRECT)'} ...")
-                    if op == "write" and os.path.exists(path):
-                        os.unlink(path)  # a new file each time, like a checkpoint
-                    fd = eng.open(path, "w" if op == "write" else "r", direct)
-                    try:
-                        t0 = time.perf_counter()
-                        for off in range(0, nbytes, span):
-                            view = memoryview(buf)[: min(span, nbytes - off)]
-                            args = ([fd], [path], np.zeros(1, np.int64), np.asarray([off], np.int64), [view])
-                            if op == "write":
-                                eng.write(*args, sync=False)
-                            else:
-                                eng.read(*args)
-                            view.release()
-                        if op == "write":
-                            os.fsync(fd)
-                        sec = time.perf_counter() - t0
-                    finally:
-                        os.close(fd)
-                    runs.append((op, f"{eng.kind} {bs // MiB} MiB x {qd}", nbytes / sec / 1e9))
+            for op in ("write", "read"):
+                say(f"raw device {op}: {format_size(nbytes)} in {bs // MiB} MiB requests x {qd} in flight"
+                    f"{'' if direct else ' (buffered: the file system refuses O_DIRECT)'} ...")
+                r = engine_pass(op, path, nbytes, bs, qd, buffer=buf, direct=direct)
+                runs.append((op, f"{r['kind']} {bs // MiB} MiB x {qd}", nbytes / r["seconds"] / 1e9))
         runs += _fio(path, nbytes)
     finally:
         buf.close()

@@ -62,7 +62,7 @@ from fp_dcp import _native
 from fp_dcp import format as fmt
 from fp_dcp.load import objects
 from fp_dcp.checksums import ReadVerifier
-from fp_dcp.engine import IOSession, device_max_request_bytes, large_read_shape
+from fp_dcp.engine import IOSession
 from fp_dcp.files import read_checkpoint_metadata
 from fp_dcp.save.layout import box_runs, check_extents_cover
 from fp_dcp.options import FastPersistOptions
@@ -402,7 +402,7 @@ class FastPersistReader(StorageReader):
             return None
         session = self._engine()
         if self._large is None:
-            block, qd = large_read_shape(device_max_request_bytes(self._directory()), session.alignment)
+            block, qd = session.long_run_shape()
             if block <= _READ_BLOCK_BYTES:
                 return None
             self._large = session.reshaped(qd, block)

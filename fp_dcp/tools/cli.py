@@ -7,6 +7,7 @@ commands:
   fp-dcp convert CKPT model.safetensors   one safetensors file (tensors only)
   fp-dcp convert --to-dcp CKPT OUT_DIR    a stock torch.distributed.checkpoint
   fp-dcp convert --from-dcp DCP_DIR OUT   a stock DCP checkpoint into fp_dcp
+  fp-dcp tune DIR [--dry-run] [--json]    measure the disk under DIR, record request sizes for it
   fp-dcp COMMAND --help                   the options of one command
 
 CKPT is the directory a save wrote into (it holds .fp_dcp.meta).
@@ -262,6 +263,53 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ tune
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from fp_dcp import tuning
+    from fp_dcp.options import parse_size
+    from fp_dcp.tools import tune
+    from fp_dcp.tools.convert import Progress
+
+    sizes, depths = tune.parse_grid(args.sizes, args.depths, args.quick)
+    try:
+        file_bytes = parse_size(args.file_size) if args.file_size else (
+            tune.QUICK_FILE_BYTES if args.quick else tune.DEFAULT_FILE_BYTES)
+        max_in_flight = parse_size(args.max_in_flight) if args.max_in_flight else tune.DEFAULT_MAX_IN_FLIGHT
+    except ValueError as e:
+        raise tune.TuneError(f"--file-size / --max-in-flight: {e}") from None
+    repeat = args.repeat if args.repeat is not None else 1 if args.quick else tune.DEFAULT_REPEAT
+    if file_bytes <= 0 or repeat < 1:
+        raise tune.TuneError("--file-size and --repeat must be positive, e.g. --file-size 512MiB --repeat 3")
+    target = None if args.dry_run else tuning.record_path()
+    if not args.dry_run and target is None:
+        raise tune.TuneError(f"{tuning.ENV}=none turns tuning records off: unset it (or set it to a file), "
+                             f"or pass --dry-run to measure only")
+    progress = Progress("measuring", 0, enabled=not args.quiet)
+    try:
+        result = tune.run(args.path, sizes=sizes, depths=depths, file_bytes=file_bytes, max_in_flight=max_in_flight,
+                          repeat=repeat,
+                          progress=progress.update)
+    finally:
+        progress.close()
+    result["recorded"] = None if target is None else tune.record(args.path, result, target)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    dev = result["device"]
+    disk = ", ".join(f"{k} {dev[k]}" for k in ("disk", "model", "serial") if k in dev)
+    print(f"{result['path']}: device {dev['dev']}" + (f" ({disk})" if disk else "")
+          + f", {result['machine']['cpu']}, measured in {result['seconds']:.0f} s\n")
+    print(tune.format_tables(result))
+    if target is None:
+        print("\n  --dry-run: nothing recorded")
+    else:
+        print(f"\n  recorded in {target}: saves and loads on this device use it unless queue_depth or "
+              f"block_size_bytes are set ({tuning.ENV}=none turns records off)")
+    return 0
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -304,6 +352,26 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--skip-unsupported", action="store_true",
                    help="safetensors: leave out tensors of dtypes it cannot hold (listed on stderr)")
     c.set_defaults(func=_convert)
+
+    t = sub.add_parser("tune", parents=[common], help="measure the disk under a directory, record request sizes for it",
+                       description="Measure the file system under PATH with fp_dcp's engine (O_DIRECT write and "
+                                   "cold read of a scratch file, a grid of request sizes x queue depths; about a "
+                                   "minute by default), print the grid and the request size and depth chosen for "
+                                   "writes and for reads, and record them for PATH's device in the per-user "
+                                   "tuning file ($FP_DCP_TUNING_FILE, else ~/.cache/fp_dcp/tuning.json), where "
+                                   "fp_dcp's writer and reader pick them up unless queue_depth or "
+                                   "block_size_bytes are set.")
+    t.add_argument("path", help="a directory on the file system to measure (the checkpoints' parent directory)")
+    t.add_argument("--sizes", help="request sizes, comma-separated (default 256K,1M,4M,16M)")
+    t.add_argument("--depths", help="queue depths, comma-separated (default 4,8,16,32)")
+    t.add_argument("--file-size", help="bytes written and read per cell and round (default 512MiB)")
+    t.add_argument("--repeat", type=int, default=None, help="rounds over the grid (default 3; --quick 1)")
+    t.add_argument("--max-in-flight",
+                   help="leave out cells with more bytes in flight than this (default 64MiB)")
+    t.add_argument("--quick", action="store_true", help="a few seconds: 1M,4M requests x 8, 64 MiB, one round")
+    t.add_argument("--dry-run", action="store_true", help="measure and print only; record nothing")
+    t.add_argument("--json", action="store_true", help="print the measurements and the choice as JSON")
+    t.set_defaults(func=_tune)
     return p
 
 
@@ -311,7 +379,8 @@ def _is_known(e: BaseException) -> bool:
     """An error whose message is written for people (printed alone)."""
     if isinstance(e, PathProblem):
         return True
-    for module, name in (("fp_dcp.tools.convert", "ConvertError"), ("fp_dcp.format", "CheckpointFormatError")):
+    for module, name in (("fp_dcp.tools.convert", "ConvertError"), ("fp_dcp.format", "CheckpointFormatError"),
+                         ("fp_dcp.tools.tune", "TuneError")):
         m = sys.modules.get(module)
         if m is not None and isinstance(e, getattr(m, name)):
             return True
