@@ -16,7 +16,6 @@ import random
 import shutil
 import subprocess
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -27,6 +26,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fp_dcp import FastPersistReader, FastPersistWriter, _aio
+from fp_dcp.format import METADATA_NAME
 from fp_dcp.load.reader import read_checkpoint_metadata
 from fp_dcp.tools.rotation import keep_last
 from tests import _crash
@@ -603,7 +603,8 @@ def test_keep_last_skips_saves_in_progress_and_uncommitted_directories(tmp_path)
     data.mkdir()
     for i in range(4):
         save({"w": torch.full((1000,), float(i))}, root / f"s{i}", data_dirs=(str(data),))
-        time.sleep(0.01)  # distinct commit times
+        # distinct commit times, a second apart (not a sleep: the clock's resolution is the file system's)
+        os.utime(root / f"s{i}" / METADATA_NAME, ns=(i * 10**9, i * 10**9))
     (root / "crashed").mkdir()
     (root / "crashed" / "x.fpd").write_bytes(b"partial")
     fd = os.open(root / "s0" / ".fp_dcp.lock", os.O_RDWR)
