@@ -11,7 +11,8 @@ when nothing is committed there.
   ``tests/_crash.py``), over a checkpoint or into a fresh directory;
 * ``kill_two_ranks``: one rank of a two-rank save killed at a point;
 * ``engine_fault_save`` / ``engine_fault_load``: an injected ENOSPC or EIO
-  at an engine completion of a save or a load;
+  at an engine completion of a save or a load (``load_requests``: how many
+  a load has);
 * ``permission_denied``, ``path_is_a_file``; on a size-limited ``tmpfs``
   (root only): ``full_disk``, ``metadata_does_not_fit``,
   ``read_only_file_system``;
@@ -115,6 +116,21 @@ def engine_fault_save(path: str, err: int, after: int, options: dict | None = No
     _check(os.strerror(err) in str(e), f"the error does not say {os.strerror(err)!r}: {e}")
     _check(load_seed(path) == "seed1", "the previous checkpoint does not load")
     _check(_crash.leftovers(str(path)) == [], f"stray files: {_crash.leftovers(str(path))}")
+
+
+def load_requests(path: str) -> int:
+    """The engine requests (so completions) of a load of ``state_dict`` at
+    ``path``: the points ``engine_fault_load`` can fail at."""
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistReader
+
+    r = FastPersistReader(path)
+    try:
+        dcp.load(_crash.zeros_like(_crash.state_dict(0)), storage_reader=r)
+        return r.last_stats["requests"]
+    finally:
+        r.close()
 
 
 def engine_fault_load(path: str, after: int) -> None:
