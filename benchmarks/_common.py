@@ -2,7 +2,10 @@
 
 Everything a benchmark needs besides the thing it measures:
 
-- sizes: ``parse_size("4GiB")``, ``fmt_size``;
+- sizes: ``fmt_size``; sizes are read with the library's
+  ``fp_dcp.options.parse_size`` (every unit binary: ``1MB`` = ``1MiB``, as in
+  ``FP_DCP_*_BYTES``), which importing this module makes importable (the
+  installed package, else this checkout);
 - state dicts: a seeded *spec* (``make_spec``) that any process can turn into
   the same state dict (``build_state_dict``) or a zeroed copy to load into
   (``build_state_dict(..., zero=True)``), and ``verify_state_dict`` that checks
@@ -20,9 +23,11 @@ Everything a benchmark needs besides the thing it measures:
   context manager that puts this process (and so its children) into a cgroup
   v1 blkio group limiting the disk under ``dir`` to ``iops`` operations per
   second, torn down on exit;
-- set-up: ``import_fp_dcp`` (installed package, else this checkout),
-  ``prepare_target`` (the work directory under ``DEFAULT_DIR``, SIGTERM
-  unwinding like Ctrl-C), ``timestamp``;
+- the parent side every benchmark shares: ``parser`` (the common flags),
+  ``main`` (``--child`` or the parent), ``Bench`` (target and work
+  directories, hardware, the JSON report, clean-up), ``entered`` (each device
+  profile in turn); ``import_fp_dcp`` (installed package, else this
+  checkout), ``timestamp``;
 - output: ``summarize``, ``format_table``, ``write_json``.
 
 Only the standard library is imported at module level; torch is imported by the
@@ -31,6 +36,7 @@ functions that need it, so a parent process that only orchestrates stays small.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import mmap
@@ -45,7 +51,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -68,61 +74,166 @@ def import_fp_dcp():
     return fp_dcp
 
 
+import_fp_dcp()  # the benchmarks import fp_dcp.options.parse_size (no torch) at their top
+
+
 def timestamp() -> str:
     import datetime
 
     return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def prepare_target(directory: Path | None) -> tuple[Path, bool]:
-    """A benchmark's parent side: SIGTERM unwinds like Ctrl-C (children are
-    killed and work directories removed in ``finally``), and the target
-    directory (``DEFAULT_DIR`` unless given) exists.  Returns it and whether
-    this call created it (so the benchmark removes it at the end)."""
-    import signal
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    target = directory or DEFAULT_DIR
-    created = not target.exists()
-    target.mkdir(parents=True, exist_ok=True)
-    return target, created
-
 RESULT_MARKER = "@@BENCH_RESULT "
 
 # --------------------------------------------------------------------------
-# sizes
+# the parent side every benchmark shares
 
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": KiB,
-    "m": 1000**2, "mb": 1000**2, "mib": MiB,
-    "g": 1000**3, "gb": 1000**3, "gib": GiB,
-    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
-}
+def parser(description: str, name: str, *, size: str, size_help: str, quick: str | None = None,
+           seed: str | None = None, child_timeout: float | None = None, keep: str | None = None,
+           profiles: str | None = None, throttle_iops: int = 1000, dir_help: str | None = None,
+           json_help: str | None = None, child: bool = True, **kwargs: Any) -> argparse.ArgumentParser:
+    """The argument parser of benchmark ``name`` with the flags they share,
+    each with the same name, type and meaning everywhere: ``--size`` (read by
+    ``fp_dcp.options.parse_size``), ``--dir``, ``--json`` and the hidden
+    ``--child``; and, where the benchmark has them (the keyword is their
+    help or default), ``--quick``, ``--seed``, ``--child-timeout``,
+    ``--keep`` and ``--profiles`` / ``--throttle-iops`` (device profiles,
+    see ``DeviceProfile``).  The benchmark adds its own flags to it."""
+    kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, **kwargs)
+    p.add_argument("--size", default=size, help=size_help)
+    if quick is not None:
+        p.add_argument("--quick", action="store_true", help=quick)
+    p.add_argument("--dir", type=Path, default=None,
+                   help=dir_help or f"target directory (default {DEFAULT_DIR})")
+    p.add_argument("--json", type=Path, default=None,
+                   help=json_help or f"JSON output (default bench_out/{name}-<timestamp>.json in the repo)")
+    if seed is not None:
+        p.add_argument("--seed", type=int, default=0, help=seed)
+    if child_timeout is not None:
+        p.add_argument("--child-timeout", type=float, default=child_timeout, help="seconds per subprocess")
+    if keep is not None:
+        p.add_argument("--keep", action="store_true", help=keep)
+    if profiles is not None:
+        p.add_argument("--profiles", default=profiles, help=PROFILES_HELP)
+        p.add_argument("--throttle-iops", type=int, default=throttle_iops,
+                       help="read and write IOPS limit of the throttled profile")
+    if child:
+        p.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
+    return p
 
 
-def parse_size(text: str | int) -> int:
-    """``"4GiB"`` -> 4294967296, ``"1M"`` -> 1000000, ``"512"`` -> 512.
+PROFILES_HELP = ("device profiles, each a full run: bare (the disk as it is), throttled (the same disk limited "
+                 "per operation by a cgroup v1 blkio group; needs root, skipped with a message otherwise)")
 
-    Binary units (KiB, MiB, GiB) are powers of 1024; K/KB, M/MB, G/GB are
-    powers of 1000, except in ``parse_block_size`` where fio's habit (1M means
-    1 MiB) is followed.
+
+def check_profiles(p: argparse.ArgumentParser, names: str) -> list[str]:
+    """The comma list of ``--profiles``, or a usage error naming the unknown ones."""
+    got = [n for n in names.split(",") if n]
+    bad = set(got) - set(PROFILES)
+    if bad:
+        p.error(f"unknown profiles {sorted(bad)}: choose from {', '.join(PROFILES)}")
+    return got
+
+
+def main(child_main: Callable[[str], Any], parent_main: Callable[[Any], int], argv: list[str] | None = None) -> int:
+    """A benchmark script's entry point: ``script --child <json>`` (a
+    subprocess started by ``run_child``) runs ``child_main(json)``, anything
+    else ``parent_main(argv)``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) >= 2 and args[0] == "--child":
+        child_main(args[1])
+        return 0
+    return parent_main(argv)
+
+
+class Bench:
+    """One benchmark run's parent side, as a context manager::
+
+        with C.Bench("save_load", args) as bench:   # args.dir, args.json, args.keep
+            ... write under bench.workdir ...
+            bench.write(report)
+
+    On creation: SIGTERM unwinds like Ctrl-C (children are killed and work
+    directories removed in ``finally``), the target directory (``--dir``,
+    else ``DEFAULT_DIR``) exists, ``ts`` is the run's timestamp and
+    ``workdir`` (``<target>/<name>-<ts>-<pid>``, or the target itself when
+    the benchmark names one: all of it is the run's) is created when the
+    benchmark asks (``need_bytes``: it first checks that much is free).  On
+    exit, unless ``--keep``: the work directory is removed, and the target
+    too when this run created it.  ``hardware()`` measures and prints the
+    machine; ``report(**fields)`` starts the JSON report with the fields
+    every benchmark writes; ``write(report)`` writes it to ``--json`` (else
+    ``bench_out/<name>-<ts>.json``) and prints where.
     """
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot parse size {text!r} (examples: 4GiB, 256MiB, 1.5GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+    def __init__(self, name: str, args: argparse.Namespace, workdir: Path | None = None) -> None:
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        self.name, self.args = name, args
+        self.ts = timestamp()
+        self.target = Path(workdir or args.dir or DEFAULT_DIR)
+        self._created_target = not self.target.exists()
+        self.target.mkdir(parents=True, exist_ok=True)
+        self.workdir = self.target if workdir else self.target / f"{name}-{self.ts}-{os.getpid()}"
+
+    def make_workdir(self, need_bytes: int | None = None) -> Path:
+        if need_bytes is not None:
+            check_free_space(self.target, need_bytes)
+        self.workdir.mkdir(exist_ok=True)
+        return self.workdir
+
+    def hardware(self) -> dict:
+        hw = hardware_info(self.target)
+        for line in hardware_lines(hw):
+            print(line)
+        return hw
+
+    def report(self, **fields: Any) -> dict:
+        return {"benchmark": self.name, "timestamp": self.ts, "argv": sys.argv[1:], **fields}
+
+    def json_path(self) -> Path:
+        return Path(self.args.json) if self.args.json else REPO / "bench_out" / f"{self.name}-{self.ts}.json"
+
+    def write(self, report: dict) -> Path:
+        out = write_json(self.json_path(), report)
+        print(f"\nJSON: {out}")
+        return out
+
+    def __enter__(self) -> "Bench":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if getattr(self.args, "keep", False):
+            return
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._created_target:
+            try:
+                self.target.rmdir()
+            except OSError:
+                pass
 
 
-def parse_block_size(text: str) -> int:
-    """fio-style block sizes: ``1M``, ``1MiB`` and ``1MB`` all mean 1 MiB."""
-    m = re.fullmatch(r"\s*([0-9]+)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
-    if not m:
-        raise ValueError(f"cannot parse block size {text!r} (examples: 1M, 4M, 512K)")
-    return int(m.group(1)) * {"": 1, "k": KiB, "m": MiB, "g": GiB}[m.group(2).lower()]
+def entered(profiles: Sequence["DeviceProfile"], skipped: list[str] | None = None):
+    """Each device profile in turn, entered (this process and its children
+    inside its cgroup while the caller's loop body runs).  One that cannot be
+    set up is announced as SKIPPING and, with ``skipped``, its line is
+    appended there."""
+    for prof in profiles:
+        if prof.available:
+            with prof:
+                if prof.available:  # entering can fail too
+                    yield prof
+                    continue
+        print(f"\nSKIPPING device profile {prof.name}: {prof.why}")
+        if skipped is not None:
+            skipped.append(f"device profile {prof.name}: SKIPPED ({prof.why})")
+
+
+# --------------------------------------------------------------------------
+# sizes
 
 
 def fmt_size(n: float) -> str:

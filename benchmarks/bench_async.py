@@ -48,7 +48,6 @@ the machine description goes to ``--json``.  The disk is shared: run it as
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -59,6 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from fp_dcp.options import parse_size  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 REPO = SCRIPT.parents[1]
@@ -660,13 +660,15 @@ def format_verdicts(vs: list[dict]) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="Blocking time of dcp.async_save and the cost of checkpointing a training loop: "
-                    "fp_dcp eager/lazy staging vs stock async_save (FileSystemWriter, default stager "
-                    "and DefaultStager). Each contender runs in a fresh subprocess.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = C.parser(
+        "Blocking time of dcp.async_save and the cost of checkpointing a training loop: "
+        "fp_dcp eager/lazy staging vs stock async_save (FileSystemWriter, default stager "
+        "and DefaultStager). Each contender runs in a fresh subprocess.", "async",
+        size="4GiB", size_help="state dict of the blocking part",
+        quick="smoke test: 512MiB, 2 steady saves, 4 MLP layers, 6 iterations",
+        seed="seed of the generated state dict", child_timeout=1800,
+        dir_help="where checkpoints go (default ../bench_tmp)")
     p.add_argument("--parts", default="blocking,train", help="comma list: blocking, train")
-    p.add_argument("--size", default="4GiB", help="state dict of the blocking part")
     p.add_argument("--saves", type=int, default=5, help="steady-state saves after the first (blocking part)")
     p.add_argument("--blocking", default=",".join(BLOCKING), help="contenders of the blocking part")
     p.add_argument("--training", default=",".join(TRAINING), help="contenders of the training part")
@@ -679,16 +681,10 @@ def parse_args(argv=None):
                    help="rounds of the training part (a block of each loop, each between no-checkpoint blocks)")
     p.add_argument("--train-rss-iters", type=int, default=4,
                    help="iterations of each loop run alone in a fresh process for its peak RSS")
-    p.add_argument("--quick", action="store_true", help="smoke test: 512MiB, 2 steady saves, 4 MLP layers, 6 iterations")
-    p.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default ../bench_tmp)")
-    p.add_argument("--json", type=Path, default=None, help="JSON output (default bench_out/async-<timestamp>.json)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--child-timeout", type=float, default=1800)
-    p.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.saves, args.layers, args.train_iters, args.every, args.train_rounds = "512MiB", 2, 4, 6, 3, 2
-    args.size_bytes = C.parse_size(args.size)
+    args.size_bytes = parse_size(args.size)
     args.parts = [x for x in args.parts.split(",") if x]
     args.blocking = [x for x in args.blocking.split(",") if x]
     args.training = [x for x in args.training.split(",") if x]
@@ -700,28 +696,17 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--child":
-        child_main(sys.argv[2])
-        return 0
+def run(argv=None) -> int:
     args = parse_args(argv)
-    ts = C.timestamp()
-    target, created = C.prepare_target(args.dir)
-    if "blocking" in args.parts:
-        C.check_free_space(target, 3 * args.size_bytes)
-    workdir = target / f"async-{ts}-{os.getpid()}"
-    workdir.mkdir()
-    probe = C.run_child(SCRIPT, {"part": "probe"}, timeout_s=300)
-    if not probe.get("ok"):
-        sys.exit(f"error: cannot import fp_dcp: {probe.get('error')}")
-    hw = C.hardware_info(target)
-    print(f"using fp_dcp {probe['version']} from {probe['file']}")
-    for line in C.hardware_lines(hw):
-        print(line)
-    report = {"benchmark": "async", "timestamp": ts, "argv": sys.argv[1:], "hardware": hw,
-              "size_bytes": args.size_bytes, "saves": args.saves}
-    texts, verdicts = ["\n".join(C.hardware_lines(hw))], []
-    try:
+    with C.Bench("async", args) as bench:
+        workdir = bench.make_workdir(3 * args.size_bytes if "blocking" in args.parts else None)
+        probe = C.run_child(SCRIPT, {"part": "probe"}, timeout_s=300)
+        if not probe.get("ok"):
+            sys.exit(f"error: cannot import fp_dcp: {probe.get('error')}")
+        print(f"using fp_dcp {probe['version']} from {probe['file']}")
+        hw = bench.hardware()
+        report = bench.report(hardware=hw, size_bytes=args.size_bytes, saves=args.saves)
+        texts, verdicts = ["\n".join(C.hardware_lines(hw))], []
         if "blocking" in args.parts:
             res = run_blocking(args, workdir)
             report["blocking"] = res
@@ -734,25 +719,20 @@ def main(argv=None) -> int:
             t, v = report_train(res, args.every)
             texts.append(t)
             verdicts += v
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-        if created:
-            try:
-                target.rmdir()
-            except OSError:
-                pass
-    texts.append(format_verdicts(verdicts))
-    report["verdicts"] = verdicts
-    report["table"] = "\n\n".join(texts)
-    print("\n" + report["table"])
-    out = args.json or REPO / "bench_out" / f"async-{ts}.json"
-    C.write_json(out, report)
-    print(f"\nJSON: {out}")
+        texts.append(format_verdicts(verdicts))
+        report["verdicts"] = verdicts
+        report["table"] = "\n\n".join(texts)
+        print("\n" + report["table"])
+        bench.write(report)
     failed = any(not r.get("ok") for r in report.get("blocking", {}).values())
     if "train" in report:
         t = report["train"]
         failed = failed or not t["interleaved"].get("ok") or any(not r.get("ok") for r in t["rss"].values())
     return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    return C.main(child_main, run, argv)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ sum of the devices' bandwidth.  This benchmark measures it end to end:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -50,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from fp_dcp.options import parse_size  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 REPO = SCRIPT.parents[1]
@@ -449,7 +449,7 @@ def run_raw(args, path: Path) -> list[dict]:
     out = []
     for bs in args.raw_bs.split(","):
         r = C.run_child(SCRIPT, {"kind": "raw", "path": str(path), "bytes": args.size_bytes, "method": method,
-                                 "block_size": C.parse_block_size(bs), "iodepth": args.raw_iodepth},
+                                 "block_size": parse_size(bs), "iodepth": args.raw_iodepth},
                         timeout_s=args.child_timeout)
         if r.get("ok"):
             r["gbps"] = r["bytes"] / r["seconds"] / 1e9
@@ -560,19 +560,19 @@ def sim_targets(sim: list[dict]) -> list[dict]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="Parallel dcp.save with 1, 2 and 4 rank processes (gloo, CPU): fp_dcp vs stock "
-                    "FileSystemWriter, replicated and sharded state dicts; per-rank bytes written from "
-                    "/proc/<pid>/io, aggregate throughput against the raw O_DIRECT write of the same run; "
-                    "and a planner-only simulation at 1,024 ranks. Run under "
-                    "`flock /tmp/fp_dcp_bench.lock` (the disk is shared).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--size", default="2GiB", help="tensor payload of the state dict (the whole, not per rank)")
+    p = C.parser(
+        "Parallel dcp.save with 1, 2 and 4 rank processes (gloo, CPU): fp_dcp vs stock "
+        "FileSystemWriter, replicated and sharded state dicts; per-rank bytes written from "
+        "/proc/<pid>/io, aggregate throughput against the raw O_DIRECT write of the same run; "
+        "and a planner-only simulation at 1,024 ranks. Run under "
+        "`flock /tmp/fp_dcp_bench.lock` (the disk is shared).", "parallel",
+        size="2GiB", size_help="tensor payload of the state dict (the whole, not per rank)",
+        quick="smoke test: --size 256MiB --repeat 1", seed="seed of the generated state dict",
+        child_timeout=1200, keep="keep the work directory")
     p.add_argument("--ranks", default="1,2,4", help="comma list of world sizes")
     p.add_argument("--modes", default="replicated,sharded", help="comma list from: replicated, sharded")
     p.add_argument("--contenders", default="fp_dcp,stock", help="comma list from: fp_dcp, stock")
     p.add_argument("--repeat", type=int, default=1, help="rounds (contenders alternate within a round)")
-    p.add_argument("--quick", action="store_true", help="smoke test: --size 256MiB --repeat 1")
     p.add_argument("--stock-threads", type=int, default=1, help="FileSystemWriter thread_count")
     p.add_argument("--raw-bs", default="1M,4M",
                    help="raw write block sizes (fio style); each is run before and after the ranked runs "
@@ -587,17 +587,10 @@ def parse_args(argv=None):
     g = p.add_mutually_exclusive_group()
     g.add_argument("--no-sim", action="store_true", help="skip the planner simulation")
     g.add_argument("--sim-only", action="store_true", help="only the planner simulation")
-    p.add_argument("--dir", type=Path, default=None, help=f"target directory (default {C.DEFAULT_DIR})")
-    p.add_argument("--json", type=Path, default=None,
-                   help="JSON output (default bench_out/parallel-<timestamp>.json in the repo)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--child-timeout", type=float, default=1200, help="seconds per subprocess")
-    p.add_argument("--keep", action="store_true", help="keep the work directory")
-    p.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.repeat = "256MiB", 1
-    args.size_bytes = C.parse_size(args.size)
+    args.size_bytes = parse_size(args.size)
     args.ranks = [int(x) for x in args.ranks.split(",") if x]
     args.modes = [m for m in args.modes.split(",") if m]
     args.contenders = [c for c in args.contenders.split(",") if c]
@@ -613,87 +606,75 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--child":
-        child_main(sys.argv[2])
-        return 0
+def run(argv=None) -> int:
     args = parse_args(argv)
-    ts = C.timestamp()
-    target, created_target = C.prepare_target(args.dir)
-    hw = C.hardware_info(target)
-    report: dict = {"benchmark": "parallel", "timestamp": ts, "argv": sys.argv[1:], "size_bytes": args.size_bytes,
-                    "repeat": args.repeat, "seed": args.seed, "hardware": hw}
+    with C.Bench("parallel", args) as bench:
+        return _run(args, bench)
+
+
+def _run(args, bench: C.Bench) -> int:
+    hw = bench.hardware()
+    report = bench.report(size_bytes=args.size_bytes, repeat=args.repeat, seed=args.seed, hardware=hw)
     lines = C.hardware_lines(hw)
-    for line in lines:
-        print(line)
     targets: list[dict] = []
-    workdir = target / f"parallel-{ts}-{os.getpid()}"
-    try:
-        if not args.sim_only:
-            # replicated: each rank holds the whole dict in memory; the disk gets it once
-            C.check_free_space(target, 3 * args.size_bytes)
-            workdir.mkdir()
-            print(f"state dict {C.fmt_size(args.size_bytes)} (embedding {EMBED_SHARE:.0%}), modes {args.modes}, "
-                  f"ranks {args.ranks}, contenders {args.contenders}, {args.repeat} round(s)", flush=True)
-            res = run_parallel(args, workdir)
-            rows, t = summarize(args, res)
-            targets += t
-            table = C.format_table(["mode", "ranks", "contender", "GB/s", "vs raw", "max MiB/rank",
-                                    "mean MiB/rank", "max/mean"], rows)
-            raw_txt = ", ".join(f"{r['gbps']:.2f}" for r in res["raw"] if r.get("ok"))
-            lines += ["", f"raw O_DIRECT sequential write, bs {args.raw_bs} before and after the ranked runs: "
-                          f"{raw_txt} GB/s (the ratios use the fastest; {res['raw'][0].get('note', '')})",
-                      "bytes written per rank: /proc/<pid>/io write_bytes around dcp.save", "", table]
-            report["parallel"] = res
-            report["rows"] = rows
-        if not args.no_sim:
-            print(f"planner simulation: {args.sim_ranks} ranks, TP {args.sim_tp}, {args.sim_ranks_per_node} "
-                  f"ranks and {args.sim_devices} devices per node, Llama-70B + Adam ...", flush=True)
-            sim = {"ok": True, "sim": []}
-            for scenario in args.sim_scenarios:  # each in a fresh process: a cold planner
-                one = C.run_child(SCRIPT, {"kind": "sim", "world": args.sim_ranks, "tp": args.sim_tp,
-                                           "per_node": args.sim_ranks_per_node, "n_dirs": args.sim_devices,
-                                           "scenarios": [scenario]}, timeout_s=args.child_timeout)
-                if not one.get("ok"):
-                    sim = one
-                    break
-                sim["sim"] += one["sim"]
-            if not sim.get("ok"):
-                print(f"simulation FAILED: {sim.get('error')}\n{sim.get('trace', '')}")
-                targets.append({"target": "planner simulation", "value": "-", "beside": sim.get("error"),
-                                "verdict": "FAIL"})
-            else:
-                srows = [[s["scenario"], s["ranks"], s["items"], s["holdings"], s["pieces"],
-                          C.fmt_size(s["mean_rank_bytes"]), C.fmt_num(s["balance"], 4),
-                          C.fmt_num(s["device_balance"], 4), C.fmt_num(s["stock_balance"], 3),
-                          C.fmt_num(s["plan_seconds"], 3), C.fmt_num(s["plan_cpu_seconds"], 3),
-                          f"{s['cached_plan_seconds'] * 1e3:.2f}"]
-                         for s in sim["sim"]]
-                lines += ["", "planner simulation (prepare_global_plan on synthetic SavePlans; DCP's own "
-                              "dedup not included):",
-                          C.format_table(["scenario", "ranks", "items", "holdings", "pieces", "mean/rank",
-                                          "max/mean", "dev max/mean", "stock max/mean", "plan s",
-                                          "plan cpu s", "cached ms"], srows)]
-                targets += sim_targets(sim["sim"])
-                report["simulation"] = sim["sim"]
-        lines += ["", C.format_table(["target", "value", "beside", "verdict"],
-                                     [[t["target"], t["value"], t["beside"], t["verdict"]] for t in targets])]
-    finally:
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-            if created_target:
-                try:
-                    target.rmdir()
-                except OSError:
-                    pass
+    if not args.sim_only:
+        # replicated: each rank holds the whole dict in memory; the disk gets it once
+        workdir = bench.make_workdir(3 * args.size_bytes)
+        print(f"state dict {C.fmt_size(args.size_bytes)} (embedding {EMBED_SHARE:.0%}), modes {args.modes}, "
+              f"ranks {args.ranks}, contenders {args.contenders}, {args.repeat} round(s)", flush=True)
+        res = run_parallel(args, workdir)
+        rows, t = summarize(args, res)
+        targets += t
+        table = C.format_table(["mode", "ranks", "contender", "GB/s", "vs raw", "max MiB/rank",
+                                "mean MiB/rank", "max/mean"], rows)
+        raw_txt = ", ".join(f"{r['gbps']:.2f}" for r in res["raw"] if r.get("ok"))
+        lines += ["", f"raw O_DIRECT sequential write, bs {args.raw_bs} before and after the ranked runs: "
+                      f"{raw_txt} GB/s (the ratios use the fastest; {res['raw'][0].get('note', '')})",
+                  "bytes written per rank: /proc/<pid>/io write_bytes around dcp.save", "", table]
+        report["parallel"] = res
+        report["rows"] = rows
+    if not args.no_sim:
+        print(f"planner simulation: {args.sim_ranks} ranks, TP {args.sim_tp}, {args.sim_ranks_per_node} "
+              f"ranks and {args.sim_devices} devices per node, Llama-70B + Adam ...", flush=True)
+        sim = {"ok": True, "sim": []}
+        for scenario in args.sim_scenarios:  # each in a fresh process: a cold planner
+            one = C.run_child(SCRIPT, {"kind": "sim", "world": args.sim_ranks, "tp": args.sim_tp,
+                                       "per_node": args.sim_ranks_per_node, "n_dirs": args.sim_devices,
+                                       "scenarios": [scenario]}, timeout_s=args.child_timeout)
+            if not one.get("ok"):
+                sim = one
+                break
+            sim["sim"] += one["sim"]
+        if not sim.get("ok"):
+            print(f"simulation FAILED: {sim.get('error')}\n{sim.get('trace', '')}")
+            targets.append({"target": "planner simulation", "value": "-", "beside": sim.get("error"),
+                            "verdict": "FAIL"})
+        else:
+            srows = [[s["scenario"], s["ranks"], s["items"], s["holdings"], s["pieces"],
+                      C.fmt_size(s["mean_rank_bytes"]), C.fmt_num(s["balance"], 4),
+                      C.fmt_num(s["device_balance"], 4), C.fmt_num(s["stock_balance"], 3),
+                      C.fmt_num(s["plan_seconds"], 3), C.fmt_num(s["plan_cpu_seconds"], 3),
+                      f"{s['cached_plan_seconds'] * 1e3:.2f}"]
+                     for s in sim["sim"]]
+            lines += ["", "planner simulation (prepare_global_plan on synthetic SavePlans; DCP's own "
+                          "dedup not included):",
+                      C.format_table(["scenario", "ranks", "items", "holdings", "pieces", "mean/rank",
+                                      "max/mean", "dev max/mean", "stock max/mean", "plan s",
+                                      "plan cpu s", "cached ms"], srows)]
+            targets += sim_targets(sim["sim"])
+            report["simulation"] = sim["sim"]
+    lines += ["", C.format_table(["target", "value", "beside", "verdict"],
+                                 [[t["target"], t["value"], t["beside"], t["verdict"]] for t in targets])]
     text = "\n".join(lines)
     print("\n" + text)
     report["targets"] = targets
     report["table"] = text
-    out = args.json or REPO / "bench_out" / f"parallel-{ts}.json"
-    C.write_json(out, report)
-    print(f"\nJSON: {out}")
+    bench.write(report)
     return 1 if any(t["verdict"] == "FAIL" for t in targets) else 0
+
+
+def main(argv=None) -> int:
+    return C.main(child_main, run, argv)
 
 
 if __name__ == "__main__":

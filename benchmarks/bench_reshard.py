@@ -69,6 +69,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from fp_dcp.options import parse_size  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 REPO = SCRIPT.parents[1]
@@ -320,12 +321,12 @@ RAW_CONFIGS = (("auto", C.MiB, 16), ("auto", 4 * C.MiB, 16), ("auto", 16 * C.MiB
                ("hugebuf", 256 * C.KiB, 64), ("hugebuf", 4 * C.MiB, 8))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a fresh dir under ./bench_out)")
-    ap.add_argument("--size", default="2GiB", help="checkpoint payload (default 2GiB)")
+def run(argv=None) -> int:
+    ap = C.parser(__doc__.split("\n\n")[0], "reshard", size="2GiB", size_help="checkpoint payload (default 2GiB)",
+                  quick="256 MiB, one round", keep="keep the checkpoints",
+                  dir_help="where the checkpoints go (default: a fresh dir under ./bench_out)",
+                  json_help="write results here (default bench_out/reshard-<time>.json)",
+                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--tensors", type=int, default=8, help="number of 2-d tensors (default 8)")
     ap.add_argument("--save-ranks", type=int, default=4, help="world size of the save (default 4)")
     ap.add_argument("--cases", default="4to4,4to3,4to2,s0tos1,rep", help="comma list of " + ", ".join(CASES))
@@ -333,46 +334,36 @@ def main() -> None:
                     help="comma list of " + ", ".join(READERS) + " (fp_dcp brings its variants of each case)")
     ap.add_argument("--rep-tensors", type=int, default=2, help="tensors every rank loads whole in the rep case")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every case (median reported)")
-    ap.add_argument("--quick", action="store_true", help="256 MiB, one round")
-    ap.add_argument("--json", default=None, help="write results here (default bench_out/reshard-<time>.json)")
-    ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per world")
     ap.add_argument("--profile", choices=C.PROFILES, default="bare",
                     help="device profile: bare, or throttled (the disk limited to --throttle-iops operations "
                          "per second by a cgroup v1 blkio group the whole run joins; root only)")
     ap.add_argument("--throttle-iops", type=int, default=1000, help="IOPS limit of the throttled profile")
-    args = ap.parse_args()
-    if args.child:
-        C.emit_result(_child(json.loads(args.child)))
-        return
-
+    args = ap.parse_args(argv)
     unknown = [c for c in args.cases.split(",") if c and c not in CASES]
     unknown += [r for r in args.readers.split(",") if r and r not in READERS]
     if unknown:
         ap.error(f"unknown case or reader {', '.join(unknown)}; cases: {', '.join(CASES)}; readers: {', '.join(READERS)}")
-    size = C.parse_size("256MiB" if args.quick else args.size)
-    stamp = C.timestamp()
-    out_dir = Path(args.dir or (REPO / "bench_out" / f"reshard-{stamp}"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    prof = C.DeviceProfile(args.profile, out_dir, args.throttle_iops)
-    if not prof.available:
-        shutil.rmtree(out_dir, ignore_errors=True)
-        raise SystemExit(f"SKIPPING device profile {args.profile}: {prof.why}")
-    try:
-        with prof:
-            if not prof.available:
-                raise SystemExit(f"SKIPPING device profile {args.profile}: {prof.why}")
+    size = parse_size("256MiB" if args.quick else args.size)
+    # the checkpoints go straight into --dir, all of it the run's (removed afterwards unless --keep, also
+    # after a failure: they are 2-3x --size); by default a fresh directory in the repository
+    out_dir = args.dir or REPO / "bench_out" / f"reshard-{C.timestamp()}"
+    with C.Bench("reshard", args, workdir=out_dir) as bench:
+        ran = False
+        for prof in C.entered([C.DeviceProfile(args.profile, bench.target, args.throttle_iops)]):
             print(f"device profile: {prof.label()}", flush=True)
-            _run(args, size, stamp, out_dir, prof)
-    finally:
-        if not args.keep:  # also after a failure: the checkpoints are 2-3x --size
-            shutil.rmtree(out_dir, ignore_errors=True)
+            _run(args, size, bench, prof)
+            ran = True
+    return 0 if ran else 1  # not run: the profile's SKIPPING line says why
 
 
-def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path, prof: "C.DeviceProfile") -> None:
-    C.check_free_space(out_dir, 3 * size)
-    hw = C.hardware_info(out_dir)
-    print("\n".join(C.hardware_lines(hw)))
+def main(argv=None) -> int:
+    return C.main(lambda spec: C.emit_result(_child(json.loads(spec))), run, argv)
+
+
+def _run(args: argparse.Namespace, size: int, bench: C.Bench, prof: "C.DeviceProfile") -> None:
+    out_dir = bench.make_workdir(3 * size)
+    hw = bench.hardware()
     spec = {"size": size, "tensors": args.tensors}
     names = _tensor_names(spec)
     payload = sum(r * COLS * 4 for _, r in names)
@@ -488,14 +479,12 @@ def _run(args: argparse.Namespace, size: int, stamp: str, out_dir: Path, prof: "
           f"after it, median (all rounds); speed target: resharded fp_dcp >= {RESHARD_VS_RAW} x paired raw; "
           f"vs best raw: the median load against the best raw read of the whole run")
     print(C.format_table(headers, rows))
-    out = Path(args.json) if args.json else (REPO / "bench_out" / f"reshard-{stamp}.json")
     print(f"device profile: {prof.label()}; paired raw read: {paired_cfg}")
-    C.write_json(out, {"hardware": hw, "args": vars(args), "payload": payload, "raw_gbps": raw_gbps,
-                       "profile": prof.describe(), "paired_raw": list(paired_cfg),
-                       "raw_all_gbps": [r / 1e9 for r in raws], "raw_best_per_measurement_gbps": [r / 1e9 for r in raw_bests],
-                       "results": results, "table": {"headers": headers, "rows": rows}})
-    print(f"JSON: {out}")
+    bench.write({"hardware": hw, "args": vars(args), "payload": payload, "raw_gbps": raw_gbps,
+                 "profile": prof.describe(), "paired_raw": list(paired_cfg),
+                 "raw_all_gbps": [r / 1e9 for r in raws], "raw_best_per_measurement_gbps": [r / 1e9 for r in raw_bests],
+                 "results": results, "table": {"headers": headers, "rows": rows}})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

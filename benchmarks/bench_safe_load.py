@@ -21,8 +21,6 @@ not hidden by the disk.
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import statistics
 import sys
 import time
@@ -30,16 +28,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from fp_dcp.options import parse_size  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="4GiB", help="bytes of tensors (64 tensors)")
+    p = C.parser(__doc__.split("\n\n")[0], "safe_load", size="4GiB", size_help="bytes of tensors (64 tensors)",
+                 dir_help=f"where the checkpoint goes (default {C.DEFAULT_DIR})",
+                 json_help="write the results here", child=False)
     p.add_argument("--objects", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--dir", type=Path, default=None, help="where the checkpoint goes (default: a temporary one)")
-    p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    with C.Bench("safe_load", args) as bench:
+        return _run(args, bench.make_workdir(), bench)
+
+
+def _run(args, path: Path, bench: C.Bench) -> int:
 
     C.import_fp_dcp()
     import torch
@@ -48,9 +51,7 @@ def main() -> int:
     from fp_dcp import FastPersistReader, FastPersistWriter
 
     torch.set_num_threads(1)
-    nbytes = C.parse_size(args.size)
-    target_dir, temporary = C.prepare_target(args.dir)
-    path = target_dir / "safe_load"
+    nbytes = parse_size(args.size)
     n = 64
     numel = max(1, nbytes // 4 // n)
     sd = {f"t{i}": torch.full((numel,), float(i)) for i in range(n)}
@@ -102,9 +103,8 @@ def main() -> int:
     print(f"\nsafe / allow_pickle, {C.fmt_size(nbytes)} + {args.objects} objects: {ratio:.3f} "
           f"(objects alone: {extra * 1e3:+.1f} ms, {extra / med['allow_pickle'] * 100:+.2f} % of the whole load)")
     if args.json:
-        C.write_json(args.json, {"times": times, "median": med, "ratio": ratio, "size": nbytes,
-                                 "objects": args.objects, "cold": dropped, "hardware": C.hardware_info(target_dir)})
-    shutil.rmtree(target_dir if temporary else path, ignore_errors=True)
+        bench.write({"times": times, "median": med, "ratio": ratio, "size": nbytes,
+                     "objects": args.objects, "cold": dropped, "hardware": C.hardware_info(bench.target)})
     return 0
 
 

@@ -25,7 +25,6 @@ reference).  Each runs in every device profile: ``bare`` and ``throttled``
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -36,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from fp_dcp.options import parse_size  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 REPO = SCRIPT.parents[1]
@@ -253,7 +253,7 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
         cs.append({"name": "torch.save", "kind": "torch_save", "role": "torch_save"})
     if "raw" in want:
         for bs in args.raw_bs.split(","):
-            b = C.parse_block_size(bs)
+            b = parse_size(bs)
             cs.append({"name": f"raw[{raw_method},{bs.strip()}]", "kind": "raw",
                        "method": raw_method, "block_size": b,
                        "iodepth": args.raw_iodepth if raw_method == "fio" else 1, "role": "raw"})
@@ -423,31 +423,25 @@ def print_report(mix_result: dict, summ: dict, ratios: list[dict], contenders: l
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="Save and cold-load throughput of fp_dcp vs stock DCP FileSystemWriter/Reader, "
-                    "torch.save/torch.load and the raw device. Each run is a fresh subprocess; "
-                    "loads are verified bit-exact; contenders alternate across rounds.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--size", default="4GiB",
-                   help="tensor payload of the generated state dict (e.g. 4GiB, 512MiB)")
+    p = C.parser(
+        "Save and cold-load throughput of fp_dcp vs stock DCP FileSystemWriter/Reader, "
+        "torch.save/torch.load and the raw device. Each run is a fresh subprocess; "
+        "loads are verified bit-exact; contenders alternate across rounds.", "save_load",
+        size="4GiB", size_help="tensor payload of the generated state dict (e.g. 4GiB, 512MiB)",
+        quick="smoke test: --size 256MiB --repeat 1 (overrides both)",
+        seed="seed of the generated state dict", child_timeout=1800,
+        keep="keep the checkpoints (in --dir) afterwards", profiles="bare,throttled",
+        dir_help=f"target directory (default {C.DEFAULT_DIR}); needs 3x --size free")
     p.add_argument("--mix", choices=("large", "small", "both"), default="both",
                    help="large: 32-64 big float32/bfloat16 tensors; small: thousands of 1 KiB-4 MiB "
                         "tensors of mixed dtypes/shapes (incl. 0-d) plus non-tensor items; both: each")
     p.add_argument("--repeat", type=int, default=3, help="rounds; contenders alternate within a round")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: --size 256MiB --repeat 1 (overrides both)")
     p.add_argument("--contenders", default="fp_dcp,stock,torch_checkpointing,torch.save,raw",
                    help="comma list from: fp_dcp, stock, torch_checkpointing, torch.save, raw "
                         "(torch_checkpointing: pip install -e '.[bench]'; skipped with a message if missing)")
     p.add_argument("--no-verify-row", action="store_true",
                    help="leave out fp_dcp[noverify] (the default reader with verify_checksums=False, "
                         "run in the same rounds to show the verifier's cost)")
-    p.add_argument("--profiles", default="bare,throttled",
-                   help="device profiles, each a full run of every contender: bare (the disk as it is), "
-                        "throttled (the same disk limited per operation by a cgroup v1 blkio group; "
-                        "needs root, skipped with a message otherwise)")
-    p.add_argument("--throttle-iops", type=int, default=1000,
-                   help="read and write IOPS limit of the throttled profile")
     p.add_argument("--engines", default="",
                    help="also run fp_dcp with FastPersistOptions(engine=E) for each E (e.g. aio,uring,threads)")
     p.add_argument("--stock-threads", type=int, default=4,
@@ -459,43 +453,30 @@ def parse_args(argv=None):
                    help="raw block sizes (one fio contender each, plus raw[hugebuf]; the raw reference "
                         "of every ratio is the fastest of them in the same run)")
     p.add_argument("--raw-iodepth", type=int, default=16, help="fio iodepth")
-    p.add_argument("--dir", type=Path, default=None,
-                   help=f"target directory (default {C.DEFAULT_DIR}); needs 3x --size free")
-    p.add_argument("--json", type=Path, default=None,
-                   help="JSON output (default bench_out/save_load-<timestamp>.json in the repo)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated state dict")
-    p.add_argument("--child-timeout", type=float, default=1800, help="seconds per subprocess")
     p.add_argument("--no-drop-caches", action="store_true",
                    help="do not drop the page cache before each run (loads are then WARM)")
-    p.add_argument("--keep", action="store_true", help="keep the checkpoints (in --dir) afterwards")
-    p.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.repeat = "256MiB", 1
-    args.size_bytes = C.parse_size(args.size)
+    args.size_bytes = parse_size(args.size)
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     bad = set(args.contenders.split(",")) - {"fp_dcp", "stock", "torch_checkpointing", "torch.save", "raw"}
     if bad:
         p.error(f"unknown contenders {sorted(bad)}: choose from fp_dcp, stock, torch_checkpointing, "
                 f"torch.save, raw")
-    bad = set(args.profiles.split(",")) - set(C.PROFILES)
-    if bad:
-        p.error(f"unknown profiles {sorted(bad)}: choose from {', '.join(C.PROFILES)}")
+    C.check_profiles(p, args.profiles)
     return args
 
 
-def main(argv=None) -> int:
-    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--child":
-        child_main(sys.argv[2])
-        return 0
+def run(argv=None) -> int:
     args = parse_args(argv)
-    ts = C.timestamp()
-    target, created_target = C.prepare_target(args.dir)
-    C.check_free_space(target, 3 * args.size_bytes)
-    workdir = target / f"save_load-{ts}-{os.getpid()}"
-    workdir.mkdir()
+    with C.Bench("save_load", args) as bench:
+        workdir = bench.make_workdir(3 * args.size_bytes)
+        return _run(args, bench, workdir)
 
+
+def _run(args, bench: C.Bench, workdir: Path) -> int:
     can_drop = False
     if args.no_drop_caches:
         print("warning: --no-drop-caches: loads are WARM (page cache not dropped)")
@@ -528,9 +509,7 @@ def main(argv=None) -> int:
     if not contenders:
         sys.exit("error: no contender left to run")
 
-    hw = C.hardware_info(target)
-    for line in C.hardware_lines(hw):
-        print(line)
+    hw = bench.hardware()
     print(f"raw device method: {raw_method}"
           + ("" if raw_method == "fio" else
              (" (fio not on PATH)" if not C.fio_path() else "")
@@ -539,51 +518,33 @@ def main(argv=None) -> int:
           f"{'cold (page cache dropped before each run)' if can_drop else 'WARM'}")
 
     mixes = ["large", "small"] if args.mix == "both" else [args.mix]
-    profiles = [C.DeviceProfile(name, target, args.throttle_iops) for name in args.profiles.split(",")]
-    report = {"benchmark": "save_load", "timestamp": ts, "argv": sys.argv[1:],
-              "size_bytes": args.size_bytes, "repeat": args.repeat, "seed": args.seed,
-              "hardware": hw, "raw_method": raw_method, "cold_loads": can_drop,
-              "fp_dcp": {"available": fp_ok, "info": fp_info},
-              "contenders": contenders, "mixes": [],
-              "profiles": [p.describe() for p in profiles]}
-    texts = []
-    try:
-        for prof in profiles:
-            if not prof.available:
-                print(f"\nSKIPPING device profile {prof.name}: {prof.why}")
-                texts.append(f"device profile {prof.name}: SKIPPED ({prof.why})")
-                continue
-            with prof:
-                if not prof.available:
-                    print(f"\nSKIPPING device profile {prof.name}: {prof.why}")
-                    texts.append(f"device profile {prof.name}: SKIPPED ({prof.why})")
-                    continue
-                print(f"\n==== device profile: {prof.label()} ====", flush=True)
-                for mix in mixes:
-                    res = run_mix(args, mix, contenders, workdir, can_drop)
-                    summ = _summaries(res, contenders)
-                    ratios = _ratios(mix, summ, contenders)
-                    texts.append(f"device profile: {prof.label()}\n"
-                                 + print_report(res, summ, ratios, contenders))
-                    report["mixes"].append({**res, "profile": prof.name, "summary": summ, "ratios": ratios})
-    finally:
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-            if created_target:
-                try:
-                    target.rmdir()
-                except OSError:
-                    pass
+    profiles = [C.DeviceProfile(name, bench.target, args.throttle_iops) for name in args.profiles.split(",")]
+    report = bench.report(size_bytes=args.size_bytes, repeat=args.repeat, seed=args.seed,
+                          hardware=hw, raw_method=raw_method, cold_loads=can_drop,
+                          fp_dcp={"available": fp_ok, "info": fp_info},
+                          contenders=contenders, mixes=[],
+                          profiles=[p.describe() for p in profiles])
+    texts: list[str] = []
+    for prof in C.entered(profiles, texts):
+        print(f"\n==== device profile: {prof.label()} ====", flush=True)
+        for mix in mixes:
+            res = run_mix(args, mix, contenders, workdir, can_drop)
+            summ = _summaries(res, contenders)
+            ratios = _ratios(mix, summ, contenders)
+            texts.append(f"device profile: {prof.label()}\n"
+                         + print_report(res, summ, ratios, contenders))
+            report["mixes"].append({**res, "profile": prof.name, "summary": summ, "ratios": ratios})
     if not fp_ok and "fp_dcp" in args.contenders.split(","):
         print(f"\nfp_dcp was SKIPPED ({fp_info}): no ratios or targets evaluated.")
-    report["table"] = "\n\n".join(hardware_text for hardware_text in
-                                  ["\n".join(C.hardware_lines(hw))] + texts)
-    out = args.json or REPO / "bench_out" / f"save_load-{ts}.json"
-    C.write_json(out, report)
-    print(f"\nJSON: {out}")
+    report["table"] = "\n\n".join(["\n".join(C.hardware_lines(hw))] + texts)
+    bench.write(report)
     failed = any(s[op]["failed"] for m in report["mixes"] for s in m["summary"].values()
                  for op in ("save", "load"))
     return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    return C.main(child_main, run, argv)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from fp_dcp.options import parse_size  # noqa: E402
 
 CONFIGS = [(256 << 10, 64), (1 << 20, 16), (1 << 20, 32), (4 << 20, 4), (4 << 20, 8), (4 << 20, 16)]
 
@@ -69,72 +70,63 @@ def read_once(path: str, nbytes: int, block: int, qd: int, mode: str, checksums:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", type=Path, default=None)
-    ap.add_argument("--size", default="1GiB")
+    ap = C.parser(__doc__, "sweep_requests", size="1GiB", size_help="the file read in every configuration",
+                  profiles="bare,throttled", json_help="write the results here", child=False,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--profiles", default="bare,throttled")
-    ap.add_argument("--throttle-iops", type=int, default=1000)
-    ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--configs", default=",".join(f"{b >> 10}Kx{q}" for b, q in CONFIGS),
                     help="engine shapes, e.g. 256Kx64,4096Kx8")
     ap.add_argument("--modes", default="torch,zc,scatter")
     ap.add_argument("--no-fio", action="store_true")
     args = ap.parse_args()
-    nbytes = C.parse_size(args.size)
-    target, created = C.prepare_target(args.dir)
-    work = target / f"sweep-{os.getpid()}"
-    work.mkdir()
-    path = str(work / "data.bin")
+    names = C.check_profiles(ap, args.profiles)
+    with C.Bench("sweep_requests", args) as bench:
+        return _run(args, bench, [C.DeviceProfile(name, bench.target, args.throttle_iops) for name in names])
+
+
+def _run(args, bench: C.Bench, profiles: list[C.DeviceProfile]) -> int:
+    nbytes = parse_size(args.size)
+    path = str(bench.make_workdir() / "data.bin")
     from fp_dcp import _native
 
-    rows, report = [], {"benchmark": "sweep_requests", "size_bytes": nbytes, "hardware": C.hardware_info(target),
-                        "profiles": [], "results": []}
-    try:
-        src = _native.AlignedBuffer(64 << 20, 4096, lock=False)
-        np.frombuffer(src, np.uint8)[:] = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
-        with _native.Engine("aio") as eng:
-            fd = eng.open(path, "w", True)
-            try:
-                n = nbytes // (64 << 20)
-                eng.write([fd], [path], np.zeros(n, np.int64), np.arange(n, dtype=np.int64) * (64 << 20), [src] * n)
-            finally:
-                os.close(fd)
-        src.close()
-        for name in args.profiles.split(","):
-            prof = C.DeviceProfile(name, target, args.throttle_iops)
-            report["profiles"].append(prof.describe())
-            if not prof.available:
-                print(f"SKIPPING profile {name}: {prof.why}")
-                continue
-            with prof:
-                print(f"== {prof.label()}", flush=True)
-                for bs in () if args.no_fio else ("1M", "4M", "16M"):
-                    best = 0.0
-                    for _ in range(args.reps):
-                        C.drop_caches()
-                        r = C.raw_device_io("read", path, nbytes, "fio", C.parse_block_size(bs), 16)
-                        best = max(best, r["bytes"] / r["seconds"] / 1e9)
-                    rows.append([name, f"fio {bs} qd16", "seq", f"{best:.2f}"])
-                    report["results"].append({"profile": name, "what": f"fio {bs} qd16", "gbps": best})
-                    print("  ", rows[-1], flush=True)
-                configs = [(C.parse_block_size(c.split("x")[0]), int(c.split("x")[1])) for c in args.configs.split(",")]
-                for block, qd in configs:
-                    for mode, ck in ((m, True) for m in args.modes.split(",")):
-                        g = max(read_once(path, nbytes, block, qd, mode, ck) for _ in range(args.reps))
-                        label = f"engine {block >> 10}K x {qd}"
-                        rows.append([name, label, mode + (" +crc" if ck else ""), f"{g:.2f}"])
-                        report["results"].append({"profile": name, "block": block, "qd": qd, "mode": mode,
-                                                  "checksums": ck, "gbps": g})
-                        print("  ", rows[-1], flush=True)
-    finally:
-        import shutil
-        shutil.rmtree(work, ignore_errors=True)
+    rows, report = [], {"benchmark": "sweep_requests", "size_bytes": nbytes, "hardware": C.hardware_info(bench.target),
+                        "profiles": [p.describe() for p in profiles], "results": []}
+    src = _native.AlignedBuffer(64 << 20, 4096, lock=False)
+    np.frombuffer(src, np.uint8)[:] = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
+    with _native.Engine("aio") as eng:
+        fd = eng.open(path, "w", True)
+        try:
+            n = nbytes // (64 << 20)
+            eng.write([fd], [path], np.zeros(n, np.int64), np.arange(n, dtype=np.int64) * (64 << 20), [src] * n)
+        finally:
+            os.close(fd)
+    src.close()
+    for prof in C.entered(profiles):
+        name = prof.name
+        print(f"== {prof.label()}", flush=True)
+        for bs in () if args.no_fio else ("1M", "4M", "16M"):
+            best = 0.0
+            for _ in range(args.reps):
+                C.drop_caches()
+                r = C.raw_device_io("read", path, nbytes, "fio", parse_size(bs), 16)
+                best = max(best, r["bytes"] / r["seconds"] / 1e9)
+            rows.append([name, f"fio {bs} qd16", "seq", f"{best:.2f}"])
+            report["results"].append({"profile": name, "what": f"fio {bs} qd16", "gbps": best})
+            print("  ", rows[-1], flush=True)
+        configs = [(parse_size(c.split("x")[0]), int(c.split("x")[1])) for c in args.configs.split(",")]
+        for block, qd in configs:
+            for mode, ck in ((m, True) for m in args.modes.split(",")):
+                g = max(read_once(path, nbytes, block, qd, mode, ck) for _ in range(args.reps))
+                label = f"engine {block >> 10}K x {qd}"
+                rows.append([name, label, mode + (" +crc" if ck else ""), f"{g:.2f}"])
+                report["results"].append({"profile": name, "block": block, "qd": qd, "mode": mode,
+                                          "checksums": ck, "gbps": g})
+                print("  ", rows[-1], flush=True)
     text = C.format_table(["profile", "config", "read", "GB/s"], rows)
     print(text)
     report["table"] = text
     if args.json:
-        C.write_json(args.json, report)
+        bench.write(report)
     return 0
 
 

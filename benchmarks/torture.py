@@ -6,6 +6,12 @@
 The first form runs every case below and prints how many were tried and how
 many survived with nothing lost; exit status 1 if any did not.
 
+The kills, the engine and file-system faults and the concurrency cases run
+the scenarios of ``tests/_scenarios.py``: the same functions
+``tests/test_faults.py`` runs at a sample of points, here at every point.
+Short transfers, the corruptions, rotation and the attacks (the tests of
+``tests/test_security.py``) are this matrix's own.
+
 * kill-1-rank / kill-2-ranks: a saving process (or one rank of two) is
   SIGKILLed at every I/O completion of its engine, before every call of the
   commit protocol (lock, temporary metadata open/write/fsync, the rename,
@@ -47,10 +53,8 @@ import logging
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -87,8 +91,9 @@ class Matrix:
             row[1] += 1
 
 
-# The test suite's helpers (tests/_sd.py), imported when used, as this script
-# imports torch (which tests/_sd.py needs) only where it is used.
+# The test suite's helpers and scenarios (tests/_sd.py, tests/_scenarios.py),
+# imported when used, as this script imports torch (which they need) only
+# where it is used.
 def _root_error(exc: BaseException) -> BaseException:
     from tests._sd import root_error
 
@@ -101,16 +106,10 @@ def _save(sd, path, **kw):
     save(sd, path, **kw)
 
 
-def _failed_save(sd, path, **kw) -> BaseException:
-    from tests._sd import failed_save
-
-    return failed_save(sd, path, **kw)
-
-
 def _seed(path) -> str:
-    from tests._crash import outcome
+    from tests._scenarios import load_seed
 
-    return outcome(str(path), {f"seed{s}": s for s in range(10)})
+    return load_seed(path)
 
 
 def _expect(cond: bool, what: str) -> None:
@@ -122,7 +121,7 @@ def _expect(cond: bool, what: str) -> None:
 
 
 def kills_one_rank(m: Matrix, base: str, quick: bool) -> None:
-    from tests import _crash
+    from tests import _crash, _scenarios
 
     counts = _crash.count_points(os.path.join(base, "count1"), 1, options=OPTS)
     pts = _crash.points(counts, engine_points=6 if quick else None)
@@ -136,27 +135,12 @@ def kills_one_rank(m: Matrix, base: str, quick: bool) -> None:
                 continue  # a first save supersedes nothing
             with m.case("kill-1-rank", f"{scenario} {point}"):
                 path = os.path.join(base, f"k1-{i}-{scenario}")
-                if scenario == "overwrite":
-                    _save(_crash.state_dict(1), path)
-                r = _crash.run_save(path, 2, point, options=OPTS)
-                _expect(r["killed"] or point[0] == "delay", f"not killed: {r}")
-                after = _crash.committed(point) if r["killed"] else True
-                got = _seed(path)
-                if after is None:
-                    ok = ("seed1", "seed2") if scenario == "overwrite" else ("absent", "seed2")
-                elif after:
-                    ok = ("seed2",)
-                else:
-                    ok = ("seed1",) if scenario == "overwrite" else ("absent",)
-                _expect(got in ok, f"found {got}, expected one of {ok}")
-                _save(_crash.state_dict(3), path)
-                _expect(_seed(path) == "seed3", "the save after the crash did not load back")
-                _expect(_crash.leftovers(path) == [], f"stray files: {_crash.leftovers(path)}")
+                _scenarios.kill_one_rank(path, point, fresh=scenario == "fresh", options=OPTS)
                 shutil.rmtree(path)
 
 
 def kills_two_ranks(m: Matrix, base: str, quick: bool) -> None:
-    from tests import _crash
+    from tests import _crash, _scenarios
 
     counts = _crash.count_points(os.path.join(base, "count2"), 1, world=2, options=OPTS)
     cases = [(p, 0) for p in _crash.points(counts, kill_rank=0, engine_points=3 if quick else None)]
@@ -169,17 +153,7 @@ def kills_two_ranks(m: Matrix, base: str, quick: bool) -> None:
     _expect(r["codes"] == [0, 0], f"first save failed: {r}")
     for point, rank in cases:
         with m.case("kill-2-ranks", f"rank {rank} {point}"):
-            before = _seed(path)
-            r = _crash.run_save(path, 2, point, world=2, kill_rank=rank, options=OPTS)
-            _expect(r["killed"] or point[0] == "delay", f"not killed: {r}")
-            after = _crash.committed(point) if r["killed"] else True
-            got = _seed(path)
-            ok = (before, "seed2") if after is None else ("seed2",) if after else (before,)
-            _expect(got in ok, f"found {got}, expected one of {ok}")
-            r = _crash.run_save(path, 3, None, world=2, options=OPTS)
-            _expect(r["codes"] == [0, 0], f"the save after the crash failed: {r}")
-            _expect(_seed(path) == "seed3", "the save after the crash did not load back")
-            _expect(_crash.leftovers(path) == [], f"stray files: {_crash.leftovers(path)}")
+            _scenarios.kill_two_ranks(path, point, rank, OPTS)
 
 
 # ------------------------------------------------------------------ injected and real faults
@@ -193,12 +167,10 @@ def _no_leak(before: dict) -> None:
 
 
 def engine_faults(m: Matrix, base: str, quick: bool) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    from fp_dcp import FastPersistReader, _native
+    from fp_dcp import _native
+    from tests import _crash, _scenarios
 
     hooks = _native.testing()
-    from tests import _crash
 
     path = os.path.join(base, "ef")
     n = _crash.count_points(os.path.join(base, "count-ef"), 1, options=OPTS)["requests"][0]
@@ -209,32 +181,12 @@ def engine_faults(m: Matrix, base: str, quick: bool) -> None:
     for err in (errno.ENOSPC, errno.EIO):
         for k in ks:
             with m.case("engine-fault-save", f"{errno.errorcode[err]} at completion {k}"):
-                hooks.set_fault("io", err, after=k)
-                try:
-                    e = _failed_save(_crash.state_dict(2), path, **OPTS)
-                finally:
-                    hooks.set_fault("")
-                _expect(isinstance(e, OSError) and e.errno == err, f"got {e!r}")
-                _expect(bool(e.filename) and e.filename.startswith(path) and e.filename.endswith(".fpd"),
-                        f"error does not name the data file: {e!r}")
-                _expect(_seed(path) == "seed1", "the previous checkpoint does not load")
-                _expect(_crash.leftovers(path) == [], f"stray files: {_crash.leftovers(path)}")
+                _scenarios.engine_fault_save(path, err, k, OPTS)
                 _no_leak(before)
-    for k in range(0, 12, 3 if quick else 1):
+    # every completion of the load (it has few: drawing beyond them tried loads that cannot fail)
+    for k in range(_scenarios.load_requests(path)):
         with m.case("engine-fault-load", f"EIO at completion {k}"):
-            r = FastPersistReader(path)
-            hooks.set_fault("io", errno.EIO, after=k)
-            try:
-                try:
-                    dcp.load(_crash.zeros_like(_crash.state_dict(0)), storage_reader=r)
-                    raise AssertionError("the load succeeded")
-                except BaseException as exc:  # noqa: BLE001
-                    e = _root_error(exc)
-            finally:
-                hooks.set_fault("")
-                r.close()
-            _expect(isinstance(e, OSError) and e.errno == errno.EIO and path in str(e.filename), repr(e))
-            _expect(_seed(path) == "seed1", "the checkpoint no longer loads")
+            _scenarios.engine_fault_load(path, k)
             _no_leak(before)
     for n_short in (1, 3, 7, 20):
         with m.case("short-transfers", f"{n_short} short completions, save and load"):
@@ -254,90 +206,37 @@ def engine_faults(m: Matrix, base: str, quick: bool) -> None:
             _no_leak(before)
 
 
-@contextlib.contextmanager
-def _tmpfs(path: str, size: str):
-    os.makedirs(path, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True)
-    if r.returncode != 0:
-        raise unittest_skip(f"cannot mount a tmpfs: {r.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", path], capture_output=True)
-
-
 class unittest_skip(Exception):
     pass
 
 
+def _skip(why: str) -> None:
+    raise unittest_skip(why)
+
+
 def file_system_faults(m: Matrix, base: str, quick: bool) -> None:
-    import torch
-
-    from fp_dcp import _native
-    from tests import _crash
-
-    hooks = _native.testing()
+    from tests import _scenarios
 
     sizes = [8, 12, 20] if quick else [7, 8, 9, 10, 12, 16, 20, 24, 32]
     for mib in sizes:
         try:
-            with m.case("file-system", f"full disk: {mib} MiB into 6 MiB"), _tmpfs(os.path.join(base, f"m{mib}"), "6m") as mnt:
-                path = os.path.join(mnt, "c")
-                small = {"w": torch.arange(1 << 18, dtype=torch.float32)}
-                _save(small, path)
-                e = _failed_save({"w": torch.arange(mib << 18, dtype=torch.float32)}, path)
-                _expect(isinstance(e, OSError) and e.errno == errno.ENOSPC and str(e.filename).startswith(path), repr(e))
-                _expect(_crash.leftovers(path) == [], "stray files")
-                _expect(shutil.disk_usage(mnt).used < 3 << 20, "the failed save kept its space")
-                _save({"w": -small["w"]}, path)
+            with m.case("file-system", f"full disk: {mib} MiB into 6 MiB"), \
+                    _scenarios.tmpfs(os.path.join(base, f"m{mib}"), "6m", _skip) as mnt:
+                _scenarios.full_disk(mnt, mib)
         except unittest_skip as s:
             print(f"  skipped: {s}")
             break
-    cases = []
 
-    def metadata_full():
-        with _tmpfs(os.path.join(base, "mm"), "1m") as mnt:
-            path = os.path.join(mnt, "c")
-            e = _failed_save({f"t{i}": torch.zeros(1) for i in range(6000)}, path)
-            _expect(isinstance(e, OSError) and e.errno == errno.ENOSPC and ".fp_dcp.meta" in str(e.filename), repr(e))
-            _expect([x for x in os.listdir(path) if x != ".fp_dcp.lock"] == [], "stray files")
-    cases.append(("metadata does not fit", metadata_full))
+    def on_tmpfs(name: str, size: str, scenario):
+        def case():
+            with _scenarios.tmpfs(os.path.join(base, name), size, _skip) as mnt:
+                scenario(mnt)
+        return case
 
-    def read_only():
-        with _tmpfs(os.path.join(base, "ro"), "16m") as mnt:
-            path = os.path.join(mnt, "c")
-            _save(_crash.state_dict(1), path)
-            subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
-            try:
-                e = _failed_save(_crash.state_dict(2), path)
-                _expect(isinstance(e, OSError) and e.errno == errno.EROFS and str(e.filename).startswith(path), repr(e))
-                _expect(_seed(path) == "seed1", "the checkpoint does not load from the read-only mount")
-            finally:
-                subprocess.run(["mount", "-o", "remount,rw", mnt], check=True)
-    cases.append(("read-only file system", read_only))
-
-    def eacces():
-        path = os.path.join(base, "acc")
-        _save(_crash.state_dict(1), path)
-        hooks.set_fault("open_direct", errno.EACCES)
-        try:
-            e = _failed_save(_crash.state_dict(2), path)
-        finally:
-            hooks.set_fault("")
-        _expect(isinstance(e, PermissionError) and path in str(e.filename), repr(e))
-        _expect(_seed(path) == "seed1", "the previous checkpoint does not load")
-    cases.append(("permission denied (injected EACCES)", eacces))
-
-    def path_is_file():
-        f = os.path.join(base, "afile")
-        with open(f, "wb") as fh:
-            fh.write(b"precious")
-        for target in (f, os.path.join(f, "sub")):
-            e = _failed_save(_crash.state_dict(1), target)
-            _expect(isinstance(e, OSError) and f in str(e.filename), repr(e))
-        _expect(open(f, "rb").read() == b"precious", "the file was touched")
-    cases.append(("path is a file / parent is a file", path_is_file))
-
+    cases = [("metadata does not fit", on_tmpfs("mm", "1m", _scenarios.metadata_does_not_fit)),
+             ("read-only file system", on_tmpfs("ro", "16m", _scenarios.read_only_file_system)),
+             ("permission denied (injected EACCES)", lambda: _scenarios.permission_denied(os.path.join(base, "acc"))),
+             ("path is a file / parent is a file", lambda: _scenarios.path_is_a_file(os.path.join(base, "afile")))]
     for name, fn in cases:
         try:
             with m.case("file-system", name):
@@ -486,59 +385,15 @@ def attacks(m: Matrix, base: str, quick: bool) -> None:
 
 
 def concurrency(m: Matrix, base: str, quick: bool) -> None:
-    from tests import _crash
+    from tests import _scenarios
 
     for i in range(3 if quick else 10):
         with m.case("concurrency", f"two writers #{i}"):
-            path = os.path.join(base, f"tw{i}")
-            _save(_crash.state_dict(1), path)
-            results = [None, None]
-
-            def go(j):
-                results[j] = _crash.run_save(path, 2 + j, ("pause", "open", 1, random.Random(490 + j).uniform(0, 0.4)))
-
-            ts = [threading.Thread(target=go, args=(j,)) for j in range(2)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
-            won = []
-            for j, r in enumerate(results):
-                v = r["results"].get(0)
-                _expect(v is not None, f"no result: {r}")
-                if isinstance(v, dict):
-                    won.append(f"seed{2 + j}")
-                else:
-                    _expect("another fp_dcp save into this checkpoint directory is in progress" in v[1], v[1])
-            _expect(bool(won) and _seed(path) in won, f"won {won}, found {_seed(path)}")
-            _expect(_crash.leftovers(path) == [], "stray files")
+            _scenarios.two_writers(os.path.join(base, f"tw{i}"),
+                                   tuple(random.Random(490 + j).uniform(0, 0.4) for j in range(2)))
     for i in range(2 if quick else 5):
         with m.case("concurrency", f"reader during saves #{i}"):
-            path = os.path.join(base, f"rd{i}")
-            _save(_crash.state_dict(1), path)
-            stop = threading.Event()
-            seen = []
-
-            def saves():
-                try:
-                    for seed in (2, 3, 4):
-                        _crash.run_save(path, seed, None, options={"block_size_bytes": 128 << 10})
-                finally:
-                    stop.set()
-
-            t = threading.Thread(target=saves)
-            t.start()
-            try:
-                while not stop.is_set():
-                    try:
-                        seen.append(_seed(path))
-                    except AssertionError as e:
-                        _expect("data file of the checkpoint is missing" in str(e) or "No such file" in str(e), str(e))
-                        seen.append("error")
-            finally:
-                t.join()
-            _expect(set(seen) <= {"seed1", "seed2", "seed3", "seed4", "error"}, f"saw {set(seen)}")
-            _expect(_seed(path) == "seed4", "the last save did not load")
+            _scenarios.reader_during_saves(os.path.join(base, f"rd{i}"))
 
 
 def rotation(m: Matrix, base: str, quick: bool) -> None:
@@ -576,18 +431,17 @@ def rotation(m: Matrix, base: str, quick: bool) -> None:
 
 
 def bench_checksums(args) -> int:
-    import fcntl
-
+    # run under `flock /tmp/fp_dcp_bench.lock` (see the docstring): taking the lock here too, on a
+    # second open of the file, waited forever for the flock that started this process
     import torch
     import torch.distributed.checkpoint as dcp
 
     import _common as C
     from fp_dcp import FastPersistReader, FastPersistWriter
+    from fp_dcp.options import parse_size
 
-    lock = open("/tmp/fp_dcp_bench.lock", "w")
-    fcntl.flock(lock, fcntl.LOCK_EX)  # one benchmark at a time on the shared disk
     torch.set_num_threads(1)
-    size = C.parse_size(args.size)
+    size = parse_size(args.size)
     base = Path(args.dir or tempfile.mkdtemp(prefix="fp_dcp_crc_", dir=str(ROOT.parent / "bench_tmp")
                                              if (ROOT.parent / "bench_tmp").is_dir() else None))
     base.mkdir(parents=True, exist_ok=True)

@@ -24,14 +24,9 @@ import time
 import numpy as np
 
 from fp_dcp import _native
+from fp_dcp.options import parse_size
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
-
-
-def parse_size(s):
-    s = s.strip().upper()
-    mult = {"K": KIB, "M": MIB, "G": GIB}.get(s[-1:], 1)
-    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
 
 
 def drop_caches():

@@ -53,7 +53,25 @@ _SIZE_UNITS = {
 
 
 def parse_size(text: str | int) -> int:
-    """``"64MiB"`` -> 67108864.  Units are binary (k = 1024)."""
+    """A byte count from ``"64MiB"``-style text (-> 67108864); an int is returned as is.
+
+    The text is a number (digits, optionally followed by a decimal
+    fraction: ``"1.5GiB"``, not ``".5GiB"``), then an optional unit, with
+    spaces allowed around both.  Units are case-insensitive and always
+    binary, whatever their spelling:
+
+    - none or ``B``: bytes;
+    - ``K``, ``KB``, ``KiB``: 2**10;
+    - ``M``, ``MB``, ``MiB``: 2**20 (so ``"1MB"`` is 1048576, not 10**6);
+    - ``G``, ``GB``, ``GiB``: 2**30;
+    - ``T``, ``TB``, ``TiB``: 2**40.
+
+    A fractional result is truncated to whole bytes (``"1.5K"`` -> 1536,
+    ``"0.3K"`` -> 307).  Anything else (a negative number, an unknown unit)
+    is a ``ValueError``.  ``FP_DCP_*_BYTES`` environment variables, the
+    ``--size`` of tools/demo.py and every size flag of benchmarks/ are read
+    with it.
+    """
     if isinstance(text, int):
         return text
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))

@@ -309,13 +309,14 @@ def resources() -> dict:
     }
 
 
-def settle(before: dict, tries: int = 20) -> dict:
+def settle(before: dict, timeout: float = 60.0) -> dict:
     """resources() once they are back to ``before`` (threads of a finished
-    pool may take a moment to exit), or as they are after ``tries``."""
+    pool exit when the scheduler gets to them), or as they are after
+    ``timeout`` seconds: a bound on a leak that never goes away, not a window
+    a correct run must fit in (it returns as soon as they are back)."""
+    deadline = time.monotonic() + timeout
     after = resources()
-    for _ in range(tries):
-        if after == before:
-            break
+    while after != before and time.monotonic() < deadline:
         time.sleep(0.05)
         after = resources()
     return after

@@ -23,6 +23,7 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    torch.manual_seed(rank)  # a draw without its own generator is the same every run (see conftest.py)
     try:
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size

@@ -8,15 +8,12 @@ a reader during a save, and 200 saves with rotation."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import faulthandler
 import os
 import random
 import shutil
 import subprocess
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -27,11 +24,13 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fp_dcp import FastPersistReader, FastPersistWriter, _native
+from fp_dcp.format import METADATA_NAME
 from fp_dcp.load.reader import read_checkpoint_metadata
 from fp_dcp.tools.rotation import keep_last
-from tests import _crash
-from tests._crash import COMMIT, committed, leftovers, outcome, resources, run_save, settle, state_dict
-from tests._sd import failed_load, failed_save, root_error, save
+from tests import _crash, _scenarios
+from tests._crash import COMMIT, leftovers, resources, run_save, settle, state_dict
+from tests._scenarios import load_seed
+from tests._sd import failed_load, root_error, save
 
 
 hooks = _native.testing()  # fault injection (FP_DCP_TEST_HOOKS=1: tests/conftest.py)
@@ -56,25 +55,9 @@ def no_leaks():
     assert after == before, f"leaked: before {before}, after {after}"
 
 
-def load_seed(path) -> str:
-    return outcome(str(path), {f"seed{s}": s for s in range(10)})
-
-
-@contextlib.contextmanager
-def tmpfs(path, size: str, ro: bool = False):
+def tmpfs(path, size: str):
     """A size-limited tmpfs at ``path`` (root only; skips elsewhere)."""
-    os.makedirs(path, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        yield str(path)
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
-def remount(path, mode: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True, capture_output=True)
+    return _scenarios.tmpfs(str(path), size, pytest.skip)
 
 
 # ------------------------------------------------------------------ injected faults in the engine
@@ -85,14 +68,7 @@ def remount(path, mode: str) -> None:
 def test_engine_fault_during_save_commits_nothing(tmp_path, no_leaks, err, after):
     path = tmp_path / "c"
     save(state_dict(1), path, block_size_bytes=256 << 10)
-    hooks.set_fault("io", err, after=after)
-    e = failed_save(state_dict(2), path, block_size_bytes=256 << 10)
-    hooks.set_fault("")
-    assert isinstance(e, OSError) and e.errno == err, e
-    assert e.filename and str(path) in e.filename and e.filename.endswith(".fpd")
-    assert os.strerror(err) in str(e)
-    assert load_seed(path) == "seed1"  # the previous checkpoint, bit for bit
-    assert leftovers(str(path)) == []  # the failed save removed its own files
+    _scenarios.engine_fault_save(str(path), err, after, {"block_size_bytes": 256 << 10})
     save(state_dict(3), path)
     assert load_seed(path) == "seed3" and leftovers(str(path)) == []
 
@@ -102,17 +78,7 @@ def test_engine_fault_during_load_names_the_file(tmp_path, no_leaks):
     save(state_dict(1), path)
     # the second completion fails: this load is 2 large requests (its packed
     # tensors are one contiguous run, read 4 MiB at a time)
-    hooks.set_fault("io", errno.EIO, after=1)
-    r = FastPersistReader(path)
-    try:
-        with pytest.raises((Exception, CheckpointException)) as ei:
-            dcp.load(_crash.zeros_like(state_dict(0)), storage_reader=r)
-    finally:
-        r.close()
-    hooks.set_fault("")
-    e = root_error(ei.value)
-    assert isinstance(e, OSError) and e.errno == errno.EIO and str(path) in e.filename
-    assert load_seed(path) == "seed1"
+    _scenarios.engine_fault_load(str(path), after=1)
 
 
 def test_the_test_hooks_are_off_without_the_flag():
@@ -145,39 +111,11 @@ def test_the_test_hooks_are_off_without_the_flag():
 
 
 def test_permission_denied(tmp_path, no_leaks):
-    """Root ignores file modes: EACCES is injected at the O_DIRECT open (as
-    the probe and the engine see it); without root, a read-only directory."""
-    path = tmp_path / "c"
-    save(state_dict(1), path)
-    if os.geteuid() == 0:
-        hooks.set_fault("open_direct", errno.EACCES)
-    else:
-        os.chmod(path, 0o500)
-    try:
-        e = failed_save(state_dict(2), path)
-    finally:
-        hooks.set_fault("")
-        os.chmod(path, 0o755)
-    assert isinstance(e, PermissionError), e
-    assert str(path) in str(e.filename) and "Permission denied" in str(e)
-    assert load_seed(path) == "seed1"
-    save(state_dict(3), path)
-    assert load_seed(path) == "seed3" and leftovers(str(path)) == []
+    _scenarios.permission_denied(str(tmp_path / "c"))
 
 
 def test_path_is_a_file(tmp_path, no_leaks):
-    f = tmp_path / "f"
-    f.write_bytes(b"precious")
-    e = failed_save(state_dict(1), f)
-    assert isinstance(e, (NotADirectoryError, FileExistsError)) and e.filename == str(f)
-    assert "not a directory" in str(e) or "cannot create the checkpoint directory: File exists" in str(e)
-    assert f.read_bytes() == b"precious"
-    e = failed_save(state_dict(1), f / "sub")
-    assert isinstance(e, OSError) and e.errno == errno.ENOTDIR and str(f) in e.filename
-    assert "cannot create the checkpoint directory" in str(e)
-    with pytest.raises((Exception, CheckpointException)) as ei:
-        dcp.load(_crash.zeros_like(state_dict(0)), storage_reader=FastPersistReader(f))
-    assert str(f) in str(ei.value)
+    _scenarios.path_is_a_file(str(tmp_path / "f"))
 
 
 def test_missing_parent_directories(tmp_path, no_leaks):
@@ -195,54 +133,18 @@ def test_missing_parent_directories(tmp_path, no_leaks):
 
 
 def test_full_disk(tmp_path, no_leaks):
-    """A 6 MiB tmpfs: a small checkpoint fits, a 12 MiB one does not. The
-    error is ENOSPC naming the file, the small one still loads, the failed
-    save gave its space back, and saving a small one again works."""
     with tmpfs(tmp_path / "m", "6m") as mnt:
-        path = os.path.join(mnt, "c")
-        small = {"w": torch.arange(1 << 18, dtype=torch.float32)}  # 1 MiB
-        save(small, path)
-        big = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB
-        e = failed_save(big, path)
-        assert isinstance(e, OSError) and e.errno == errno.ENOSPC, e
-        assert e.filename and e.filename.startswith(path)
-        assert "No space left on device" in str(e)
-        assert leftovers(path) == []
-        assert shutil.disk_usage(mnt).used < 3 << 20  # the partial data files are gone
-        target = {"w": torch.zeros(1 << 18)}
-        dcp.load(target, storage_reader=FastPersistReader(path))
-        assert torch.equal(target["w"], small["w"])
-        small2 = {"w": -small["w"]}
-        save(small2, path)
-        dcp.load(target, storage_reader=FastPersistReader(path))
-        assert torch.equal(target["w"], small2["w"])
+        _scenarios.full_disk(mnt, 12)
 
 
 def test_metadata_does_not_fit(tmp_path, no_leaks):
-    """The data fits but the metadata write hits ENOSPC: nothing is
-    committed and the new save's files are removed."""
     with tmpfs(tmp_path / "m", "1m") as mnt:
-        path = os.path.join(mnt, "c")
-        sd = {f"t{i}": torch.zeros(1) for i in range(6000)}  # 384 KiB of data, 1 MiB of metadata
-        e = failed_save(sd, path)
-        assert isinstance(e, OSError) and e.errno == errno.ENOSPC, e
-        assert ".fp_dcp.meta" in e.filename and "cannot write the checkpoint metadata" in str(e)
-        assert [x for x in os.listdir(path) if x != ".fp_dcp.lock"] == []
+        _scenarios.metadata_does_not_fit(mnt)
 
 
 def test_read_only_file_system(tmp_path, no_leaks):
     with tmpfs(tmp_path / "m", "16m") as mnt:
-        path = os.path.join(mnt, "c")
-        save(state_dict(1), path)
-        remount(mnt, "ro")
-        try:
-            e = failed_save(state_dict(2), path)
-            assert isinstance(e, OSError) and e.errno == errno.EROFS and e.filename.startswith(path)
-            assert load_seed(path) == "seed1"  # loads from a read-only mount
-        finally:
-            remount(mnt, "rw")
-        save(state_dict(3), path)
-        assert load_seed(path) == "seed3"
+        _scenarios.read_only_file_system(mnt)
 
 
 # ------------------------------------------------------------------ processes killed mid-save
@@ -275,30 +177,9 @@ def test_kill_one_rank_at_every_step(tmp_path, timeline):
     opts = {"block_size_bytes": 256 << 10}
     pts = _killed_points(timeline) + [("delay", random.Random(241).uniform(0.05, 0.6))]
     for i, point in enumerate(pts):
-        path = str(tmp_path / f"p{i}")
-        save(state_dict(1), path)
-        r = run_save(path, 2, point, options=opts)
-        assert r["killed"] or point[0] == "delay", (point, r)  # a delay may outlast the save
-        got = load_seed(path)
-        after = committed(point) if r["killed"] else True
-        if after is None:
-            assert got in ("seed1", "seed2"), (point, got)
-        else:
-            assert got == ("seed2" if after else "seed1"), (point, got)
-        save(state_dict(3), path)
-        assert load_seed(path) == "seed3" and leftovers(path) == [], (point, os.listdir(path))
-        if point[:2] == ("call", "unlink"):
-            continue  # a first save supersedes nothing: no such point
-        fresh = str(tmp_path / f"f{i}")
-        r = run_save(fresh, 2, point, options=opts)
-        after = committed(point) if r["killed"] else True
-        got = load_seed(fresh)
-        assert got in (("seed2",) if after else ("absent",) if after is False else ("absent", "seed2")), (point, got)
-        if got == "absent" and os.path.isdir(fresh) and any(n.endswith(".fpd") for n in os.listdir(fresh)):
-            with pytest.raises(FileNotFoundError, match="interrupted before its commit"):
-                read_checkpoint_metadata(fresh)
-        save(state_dict(3), fresh)
-        assert load_seed(fresh) == "seed3" and leftovers(fresh) == [], (point, os.listdir(fresh))
+        _scenarios.kill_one_rank(str(tmp_path / f"p{i}"), point, fresh=False, options=opts)
+        if point[:2] != ("call", "unlink"):  # a first save supersedes nothing: no such point
+            _scenarios.kill_one_rank(str(tmp_path / f"f{i}"), point, fresh=True, options=opts)
 
 
 @pytest.mark.parametrize("point, kill_rank", [
@@ -314,23 +195,14 @@ def test_kill_two_ranks(tmp_path, point, kill_rank):
     path = str(tmp_path / "c")
     r = run_save(path, 1, None, world=2, options=opts)
     assert r["codes"] == [0, 0], r
-    r = run_save(path, 2, point, world=2, kill_rank=kill_rank, options=opts)
-    assert r["killed"], r
-    after = committed(point)
-    assert load_seed(path) == ("seed2" if after else "seed1"), point
-    r = run_save(path, 3, None, world=2, options=opts)
-    assert r["codes"] == [0, 0], r
-    assert load_seed(path) == "seed3" and leftovers(path) == []
+    _scenarios.kill_two_ranks(path, point, kill_rank, opts)
 
 
 def test_kill_two_ranks_at_a_random_moment(tmp_path):
     path = str(tmp_path / "c")
     opts = {"block_size_bytes": 256 << 10}
     assert run_save(path, 1, None, world=2, options=opts)["codes"] == [0, 0]
-    r = run_save(path, 2, ("delay", random.Random(294).uniform(0.3, 1.5)), world=2, options=opts)
-    assert load_seed(path) in ("seed1", "seed2"), r
-    assert run_save(path, 3, None, world=2, options=opts)["codes"] == [0, 0]
-    assert load_seed(path) == "seed3" and leftovers(path) == []
+    _scenarios.kill_two_ranks(path, ("delay", random.Random(294).uniform(0.3, 1.5)), 0, opts)
 
 
 # ------------------------------------------------------------------ concurrency
@@ -341,60 +213,12 @@ def test_two_writers_on_one_path(tmp_path):
     the directory locked, before its commit): one wins, the other is refused
     with a clear error (or both win, one after the other); the result is
     one of the two state dicts, bit for bit, never a mixture."""
-    path = str(tmp_path / "c")
-    save(state_dict(1), path)
-    results = [None, None]
-
-    def go(i):
-        results[i] = run_save(path, 2 + i, ("pause", "open", 1, 0.4))
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    won = []
-    for i, r in enumerate(results):
-        v = r["results"].get(0)
-        assert r["codes"] == [0] and v is not None, r
-        if isinstance(v, dict):
-            won.append(f"seed{2 + i}")
-        else:
-            assert "another fp_dcp save into this checkpoint directory is in progress" in v[1], v
-    assert won and load_seed(path) in won
-    assert leftovers(path) == []
+    _scenarios.two_writers(str(tmp_path / "c"), (0.4, 0.4))
 
 
 @pytest.mark.slow
 def test_reader_during_a_save_sees_old_or_new_or_a_clear_error(tmp_path):
-    path = str(tmp_path / "c")
-    save(state_dict(1), path)
-    seen: list[str] = []
-    stop = threading.Event()
-
-    def saves():
-        try:
-            for seed in (2, 3, 4):
-                r = run_save(path, seed, None, options={"block_size_bytes": 128 << 10})
-                assert r["codes"] == [0], r
-        finally:
-            stop.set()
-
-    t = threading.Thread(target=saves)
-    t.start()
-    try:
-        while not stop.is_set():
-            try:
-                seen.append(load_seed(path))
-            except AssertionError as e:
-                msg = str(e)
-                # the files of the checkpoint it started to read were replaced by a commit
-                assert "data file of the checkpoint is missing" in msg or "No such file" in msg, msg
-                seen.append("error")
-    finally:
-        t.join()
-    assert set(seen) <= {"seed1", "seed2", "seed3", "seed4", "error"}
-    assert load_seed(path) == "seed4"
+    _scenarios.reader_during_saves(str(tmp_path / "c"))
 
 
 @pytest.mark.slow
@@ -635,7 +459,8 @@ def test_keep_last_skips_saves_in_progress_and_uncommitted_directories(tmp_path)
     data.mkdir()
     for i in range(4):
         save({"w": torch.full((1000,), float(i))}, root / f"s{i}", data_dirs=(str(data),))
-        time.sleep(0.01)  # distinct commit times
+        # distinct commit times, a second apart (not a sleep: the clock's resolution is the file system's)
+        os.utime(root / f"s{i}" / METADATA_NAME, ns=(i * 10**9, i * 10**9))
     (root / "crashed").mkdir()
     (root / "crashed" / "x.fpd").write_bytes(b"partial")
     fd = os.open(root / "s0" / ".fp_dcp.lock", os.O_RDWR)
