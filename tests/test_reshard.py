@@ -30,8 +30,9 @@ from hypothesis import strategies as st
 
 from fp_dcp.load import plan as readplan
 from fp_dcp.format import Extent
-from fp_dcp.save.layout import box_runs, map_runs_to_extents
+from fp_dcp.load.plan import box_runs
 from tests._dist import run_ranks
+from tests._oracles import count_runs, item_file_ranges, map_runs_to_extents
 from tests._sd import FAILED, bits_equal
 
 # --------------------------------------------------------------------------
@@ -40,8 +41,7 @@ from tests._sd import FAILED, bits_equal
 
 def needed_blocks(path: str, items, alignment: int) -> tuple[int, int]:
     """(bytes the read items need, bytes of the aligned blocks those bytes
-    touch), computed with fp_dcp.save.layout's reference functions."""
-    from fp_dcp.save.layout import item_file_ranges
+    touch), computed with the reference functions of tests/_oracles.py."""
     from fp_dcp.load.reader import read_checkpoint_metadata
 
     md, layout, _ = read_checkpoint_metadata(path)
@@ -55,7 +55,6 @@ def needed_blocks(path: str, items, alignment: int) -> tuple[int, int]:
 def needed_runs(path: str, items) -> int:
     """Maximal contiguous byte runs of the files that the read items need
     (runs of different items that touch are one)."""
-    from fp_dcp.save.layout import count_runs, item_file_ranges
     from fp_dcp.load.reader import read_checkpoint_metadata
 
     md, layout, _ = read_checkpoint_metadata(path)

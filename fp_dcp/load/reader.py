@@ -64,9 +64,10 @@ from fp_dcp.load import objects
 from fp_dcp.checksums import ReadVerifier
 from fp_dcp.engine import IOSession, device_max_request_bytes, large_read_shape
 from fp_dcp.files import read_checkpoint_metadata
-from fp_dcp.save.layout import box_runs, check_extents_cover
+from fp_dcp.save.layout import check_extents_cover
 from fp_dcp.options import FastPersistOptions
 from fp_dcp.load.plan import (
+    box_runs,
     Grid,
     assign_owners,
     box_grid,
