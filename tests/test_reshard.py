@@ -763,15 +763,15 @@ def _interleaved_reads(root, rank, ws):
     # a kernel that refuses rank 1's pulls (a fault injected into them): when
     # the probe is refused, rank 1 receives over gloo and the load is right;
     # when only later pulls are, every rank fails, naming the fallback
-    from fp_dcp import _aio
+    from fp_dcp import _native
 
-    real_pull = _aio.pull
+    real_pull = _native.pull
 
     def load_with(pull_on_rank_1):
         """A cooperative load with rank 1 pulling through ``pull_on_rank_1``:
         bit-exact, or raises; its stats."""
         if rank == 1:
-            _aio.pull = pull_on_rank_1
+            _native.pull = pull_on_rank_1
         try:
             target = _dtensor_sd(ws, s1, zero=True)
             reader = FastPersistReader(path, share_interleaved_reads=True, read_buffer_budget_bytes=budget)
@@ -780,7 +780,7 @@ def _interleaved_reads(root, rank, ws):
                 assert bits_equal(_local(target[k]), want), k
             return reader.last_stats
         finally:
-            _aio.pull = real_pull
+            _native.pull = real_pull
 
     for probe_too in (True, False):
 
@@ -812,11 +812,11 @@ def _interleaved_reads(root, rank, ws):
     # auto shares rows only among ranks of one machine: with rank 1 saying it
     # runs elsewhere, every rank reads its own runs; True still shares, and
     # rank 1's parts go over gloo
-    import fp_dcp.load.reader as reader_mod
+    from fp_dcp.load.sharing import transport
 
-    real_key = reader_mod._machine_key
+    real_key = transport.machine_key
     if rank == 1:
-        reader_mod._machine_key = lambda: ("another machine",)
+        transport.machine_key = lambda: ("another machine",)
     try:
         for wanted in (None, True):
             _, st, _ = _load_both(root, "dt", lambda: _dtensor_sd(ws, s1, zero=True),
@@ -827,7 +827,7 @@ def _interleaved_reads(root, rank, ws):
                 assert st["shared_rounds"] > 0 and st["shared_bytes_received"] > 0, st
                 assert rank != 1 or st["shared_bytes_pulled"] == 0, st
     finally:
-        reader_mod._machine_key = real_key
+        transport.machine_key = real_key
     return {"needed": needed, "plain": plain, "coop": out[None, "auto"][1]}
 
 
