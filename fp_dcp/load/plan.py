@@ -3,8 +3,8 @@ into which memory, and where the planner (not the engine) allows over-read.
 
 Nothing here touches a disk, a tensor or a process group: every function
 takes and returns plain numbers and numpy arrays, so it can be tested with
-hypothesis.  The reader (:mod:`fp_dcp.load.reader`) turns the result into engine
-calls and copies.
+hypothesis.  :mod:`fp_dcp.load.jobs` turns the result into jobs, which
+:mod:`fp_dcp.load.execute` runs through the engine.
 
 The model.  A ``ReadItem`` needs a box of a stored row-major chunk and lands it
 in a box of a target tensor.  :func:`box_grid` describes that as a *grid* of
@@ -33,7 +33,7 @@ stored rows (a load that moves the sharded dimension: each rank needs a
 column band of every row), :func:`interleaved_slabs` cuts the rows into
 *slabs* (dim-0 ranges of the bounding box of what the ranks need: contiguous
 bytes), each read whole by one owner (:func:`assign_owners`) and split into
-each rank's *part*; the reader sends the parts over the process group.
+each rank's *part*; :mod:`fp_dcp.load.sharing` moves the parts between ranks.
 """
 
 from __future__ import annotations

@@ -333,10 +333,6 @@ class FastPersistReader(StorageReader):
         directory = self._directory()
         opts = self.options
         if opts.queue_depth is None and opts.block_size_bytes is None:
-            # The reader's engine only reads: small runs (a column shard is one
-            # run per row) need many requests in flight, and long runs go in
-            # place or through the window anyway.  Same bounce memory as the
-            # engine's defaults (qd+1 slots of one block).
             opts = opts.replace(queue_depth=_READ_QUEUE_DEPTH, block_size_bytes=_READ_BLOCK_BYTES)
         if self._session is None or not self._session.matches(opts, directory):
             self._close_sessions()
@@ -360,13 +356,13 @@ class FastPersistReader(StorageReader):
         run: Run | None = None
         setup_error: BaseException | None = None
         try:
+            assert self._items is not None, "set_up_storage_reader comes first"
             objects.check_bytes_targets(items, planner, str(self.path))  # before any byte is read
             run = self._new_run()
         except BaseException as e:  # noqa: BLE001
             if share is None:
                 raise
             setup_error = e  # the other ranks learn it in the first round's collective
-        assert self._items is not None
         try:
             if share is not None:
                 t1 = time.perf_counter()
