@@ -53,10 +53,10 @@ __all__ = ["Job", "Limits", "ItemPlanner", "storage_bytes", "MERGE_RUN_MAX_BYTES
 MERGE_RUN_MAX_BYTES = 64 << 10
 # A sub-grid is read through the arena only if that saves this many runs:
 # below it the strided copy's set-up costs about what the runs would.
-MERGE_MIN_RUNS = 16
+_MERGE_MIN_RUNS = 16
 # Runs longer than this are cut, so one engine call (and one progress step)
 # stays bounded.
-MAX_PIECE_BYTES = 64 << 20
+_MAX_PIECE_BYTES = 64 << 20
 # The most pieces one engine call takes (the executor batches by it too):
 # bounds the per-call arrays and memoryview lists.
 MAX_BATCH_PIECES = 1 << 20
@@ -249,7 +249,7 @@ def _merge_level(grid: Grid, limits: Limits) -> tuple[int | None, int]:
     if g == 0 or grid.run >= MERGE_RUN_MAX_BYTES:
         return None, 0
     level, paid = merge_level(grid, limits.alignment, limits.max_overread)
-    if level == g or math.prod(grid.counts[level:]) < MERGE_MIN_RUNS:
+    if level == g or math.prod(grid.counts[level:]) < _MERGE_MIN_RUNS:
         return None, 0
     return level, paid
 
@@ -264,9 +264,9 @@ def storage_bytes(t: torch.Tensor) -> np.ndarray:
 
 def direct_jobs(grid: Grid, arrays, buf: np.ndarray, needed: int) -> list[Job]:
     """Every run straight into the target's bytes (cut at extents and at
-    ``MAX_PIECE_BYTES``), one job per ``MAX_BATCH_PIECES // 2`` runs."""
+    ``_MAX_PIECE_BYTES``), one job per ``MAX_BATCH_PIECES // 2`` runs."""
     src, dst, _ = unit_starts(grid, len(grid.counts))
-    src, dst, lens = split_runs(src, dst, grid.run, MAX_PIECE_BYTES)
+    src, dst, lens = split_runs(src, dst, grid.run, _MAX_PIECE_BYTES)
     jobs = []
     step = MAX_BATCH_PIECES // 2
     for a in range(0, len(src), step):
