@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp_dcp.format import CheckpointFormatError, Extent
-from fp_dcp.save.layout import align_up, box_runs, check_extents_cover, map_runs_to_extents, place_extents
+from fp_dcp.load.plan import box_runs
+from fp_dcp.save.layout import align_up, check_extents_cover, place_extents
+from tests._oracles import map_runs_to_extents
 
 
 @given(

@@ -100,19 +100,19 @@ def test_a_flipped_byte_in_a_long_run_is_still_caught(tmp_path):
 
 
 def test_in_long_runs_groups_pieces_back_to_back():
-    from fp_dcp.load.reader import _LONG_RUN_BYTES, _in_long_runs
+    from fp_dcp.load.execute import LONG_RUN_BYTES, in_long_runs
 
-    L = _LONG_RUN_BYTES
+    L = LONG_RUN_BYTES
     files = np.array([0, 0, 0, 0, 1, 1, 1], np.int64)
     offs = np.array([0, L // 2, L // 2 + 100, 5 * L, 0, L // 4, 3 * L], np.int64)
     lens = np.array([L // 2, 100, L // 2, L, L // 4, L // 2, 10], np.int64)
     # file 0: [0, L/2) + [L/2, L/2+100) + [L/2+100, L+100): one run of L+100 bytes; then a lone L piece
     # file 1: [0, L/4) + [L/4, 3L/4): 3L/4, short; a lone 10-byte piece
-    assert _in_long_runs(files, offs, lens).tolist() == [True, True, True, True, False, False, False]
+    assert in_long_runs(files, offs, lens).tolist() == [True, True, True, True, False, False, False]
     # an overlap continues the run; another file never does
-    assert _in_long_runs(np.array([0, 1]), np.array([0, 0]), np.array([L - 1, L - 1])).tolist() == [False, False]
-    assert _in_long_runs(np.array([0, 0]), np.array([0, 10]), np.array([L - 1, L - 1])).tolist() == [True, True]
-    assert _in_long_runs(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)).tolist() == []
+    assert in_long_runs(np.array([0, 1]), np.array([0, 0]), np.array([L - 1, L - 1])).tolist() == [False, False]
+    assert in_long_runs(np.array([0, 0]), np.array([0, 10]), np.array([L - 1, L - 1])).tolist() == [True, True]
+    assert in_long_runs(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)).tolist() == []
 
 
 def test_packed_small_tensors_go_out_as_large_requests(tmp_path):

@@ -30,8 +30,9 @@ from hypothesis import strategies as st
 
 from fp_dcp.load import plan as readplan
 from fp_dcp.format import Extent
-from fp_dcp.save.layout import box_runs, map_runs_to_extents
+from fp_dcp.load.plan import box_runs
 from tests._dist import run_ranks
+from tests._oracles import count_runs, item_file_ranges, map_runs_to_extents
 from tests._sd import FAILED, bits_equal
 
 # --------------------------------------------------------------------------
@@ -40,8 +41,7 @@ from tests._sd import FAILED, bits_equal
 
 def needed_blocks(path: str, items, alignment: int) -> tuple[int, int]:
     """(bytes the read items need, bytes of the aligned blocks those bytes
-    touch), computed with fp_dcp.save.layout's reference functions."""
-    from fp_dcp.save.layout import item_file_ranges
+    touch), computed with the reference functions of tests/_oracles.py."""
     from fp_dcp.load.reader import read_checkpoint_metadata
 
     md, layout, _ = read_checkpoint_metadata(path)
@@ -55,7 +55,6 @@ def needed_blocks(path: str, items, alignment: int) -> tuple[int, int]:
 def needed_runs(path: str, items) -> int:
     """Maximal contiguous byte runs of the files that the read items need
     (runs of different items that touch are one)."""
-    from fp_dcp.save.layout import count_runs, item_file_ranges
     from fp_dcp.load.reader import read_checkpoint_metadata
 
     md, layout, _ = read_checkpoint_metadata(path)
@@ -813,11 +812,11 @@ def _interleaved_reads(root, rank, ws):
     # auto shares rows only among ranks of one machine: with rank 1 saying it
     # runs elsewhere, every rank reads its own runs; True still shares, and
     # rank 1's parts go over gloo
-    import fp_dcp.load.reader as reader_mod
+    from fp_dcp.load.sharing import transport
 
-    real_key = reader_mod._machine_key
+    real_key = transport.machine_key
     if rank == 1:
-        reader_mod._machine_key = lambda: ("another machine",)
+        transport.machine_key = lambda: ("another machine",)
     try:
         for wanted in (None, True):
             _, st, _ = _load_both(root, "dt", lambda: _dtensor_sd(ws, s1, zero=True),
@@ -828,7 +827,7 @@ def _interleaved_reads(root, rank, ws):
                 assert st["shared_rounds"] > 0 and st["shared_bytes_received"] > 0, st
                 assert rank != 1 or st["shared_bytes_pulled"] == 0, st
     finally:
-        reader_mod._machine_key = real_key
+        transport.machine_key = real_key
     return {"needed": needed, "plain": plain, "coop": out[None, "auto"][1]}
 
 

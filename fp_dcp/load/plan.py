@@ -3,8 +3,8 @@ into which memory, and where the planner (not the engine) allows over-read.
 
 Nothing here touches a disk, a tensor or a process group: every function
 takes and returns plain numbers and numpy arrays, so it can be tested with
-hypothesis.  The reader (:mod:`fp_dcp.load.reader`) turns the result into engine
-calls and copies.
+hypothesis.  :mod:`fp_dcp.load.jobs` turns the result into jobs, which
+:mod:`fp_dcp.load.execute` runs through the engine.
 
 The model.  A ``ReadItem`` needs a box of a stored row-major chunk and lands it
 in a box of a target tensor.  :func:`box_grid` describes that as a *grid* of
@@ -33,7 +33,7 @@ stored rows (a load that moves the sharded dimension: each rank needs a
 column band of every row), :func:`interleaved_slabs` cuts the rows into
 *slabs* (dim-0 ranges of the bounding box of what the ranks need: contiguous
 bytes), each read whole by one owner (:func:`assign_owners`) and split into
-each rank's *part*; the reader sends the parts over the process group.
+each rank's *part*; :mod:`fp_dcp.load.sharing` moves the parts between ranks.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from typing import Sequence
 
 import numpy as np
 
-from fp_dcp.save.layout import check_box
-
 __all__ = [
+    "check_box",
+    "box_runs",
     "Grid",
     "box_grid",
     "free_merge_level",
@@ -64,6 +64,52 @@ __all__ = [
 ]
 
 _I64 = np.int64
+
+
+def check_box(chunk_sizes: Sequence[int], box_offsets: Sequence[int], box_lengths: Sequence[int]) -> int:
+    """Raise ValueError unless the box lies inside the chunk; its rank."""
+    ndim = len(chunk_sizes)
+    if len(box_offsets) != ndim or len(box_lengths) != ndim:
+        raise ValueError("box and chunk ranks differ")
+    for o, n, s in zip(box_offsets, box_lengths, chunk_sizes):
+        if o < 0 or n < 0 or o + n > s:
+            raise ValueError(f"box {list(box_offsets)}+{list(box_lengths)} outside chunk {list(chunk_sizes)}")
+    return ndim
+
+
+def box_runs(
+    chunk_sizes: Sequence[int],
+    box_offsets: Sequence[int],
+    box_lengths: Sequence[int],
+    element_size: int,
+) -> tuple[np.ndarray, int]:
+    """Byte runs of a sub-box of a row-major chunk.
+
+    The chunk has shape ``chunk_sizes``; the box starts at ``box_offsets`` and
+    spans ``box_lengths``.  Returns ``(starts, run_length)``: the box's bytes
+    are the runs ``[starts[i], starts[i] + run_length)`` of the chunk's byte
+    image, in row-major order of the box (so run ``i`` lands at byte
+    ``i * run_length`` of a contiguous tensor of the box's shape).  A dim-0
+    slice is one run; a slice of the last dim is one run per row.
+    """
+    ndim = check_box(chunk_sizes, box_offsets, box_lengths)
+    if any(n == 0 for n in box_lengths):
+        return np.zeros(0, dtype=np.int64), 0
+    strides = [element_size] * ndim
+    for d in range(ndim - 2, -1, -1):
+        strides[d] = strides[d + 1] * chunk_sizes[d + 1]
+    # k: the outermost dim from which the box is a contiguous block of the chunk.
+    k = ndim
+    while k > 0 and box_lengths[k - 1] == chunk_sizes[k - 1]:
+        k -= 1
+    if k == 0:  # the whole chunk (or a 0-d tensor)
+        return np.zeros(1, dtype=np.int64), math.prod(chunk_sizes) * element_size
+    run_length = box_lengths[k - 1] * strides[k - 1]
+    base = sum(o * s for o, s in zip(box_offsets, strides))
+    starts = np.full(1, base, dtype=np.int64)
+    for d in range(k - 1):
+        starts = (starts[:, None] + np.arange(box_lengths[d], dtype=np.int64)[None, :] * strides[d]).reshape(-1)
+    return starts, run_length
 
 
 @dataclasses.dataclass(frozen=True)

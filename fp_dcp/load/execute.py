@@ -1,0 +1,291 @@
+"""Running a load's jobs (:mod:`fp_dcp.load.jobs`) through the engine.
+
+:class:`Run` is the state of one load on one rank: the open files, the arena
+(one aligned buffer for the jobs' temporaries, reused for the whole load),
+the over-read budget and the stats.  :meth:`Run.execute` batches jobs into
+engine calls within the buffer budget, lets the planner's
+:func:`~fp_dcp.load.plan.plan_fillers` read through the gaps it may, checks
+checksums through the verifier it was given, sends long runs to the engine
+of large requests, then runs each job's copies and callbacks and reports
+progress.  It is given everything it needs (sessions, verifier, progress
+callback); it knows nothing of DCP or of the reader.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from fp_dcp import _native
+from fp_dcp.checksums import ReadVerifier
+from fp_dcp.engine import IOSession
+from fp_dcp.load.jobs import MAX_BATCH_PIECES, Job, Limits
+from fp_dcp.load.plan import plan_fillers
+
+__all__ = ["Run", "in_long_runs", "LONG_RUN_BYTES"]
+
+# Bytes of one engine call.  Bounds the memoryviews and arrays of a call; with
+# a progress callback, calls are smaller so progress moves in visible steps.
+_MAX_BATCH_BYTES = 1 << 30
+_PROGRESS_BATCH_BYTES = 256 << 20
+# Requests sized by what they move (issue 15): with the engine's shape left
+# to fp_dcp, pieces in a run of at least this many bytes back to back (after
+# the verifier's cuts) go to a second engine of large requests
+# (engine.large_read_shape: the device's largest whole request, 4 MiB here,
+# 8 in flight); shorter ones, scattered runs above all, stay on the engine of
+# many small requests in flight.  A 256 KiB request costs a device that
+# charges per operation 16x the operations of a 4 MiB one: measured in
+# docs/NATIVE.md, "Request sizes".
+LONG_RUN_BYTES = 1 << 20
+
+
+class Arena:
+    """The load's temporary memory: one aligned buffer, grown when a batch
+    needs more (never past the budget, which the caller holds it to) and
+    reused, seen as bytes (``np``) and as any dtype (:meth:`typed`)."""
+
+    def __init__(self, alignment: int) -> None:
+        self.alignment = alignment
+        self.buffer: Any = None
+        self.np: np.ndarray | None = None
+        self._t: torch.Tensor | None = None
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def size(self) -> int:
+        return 0 if self.buffer is None else self.buffer.size
+
+    def ensure(self, size: int) -> bool:
+        """Make it at least ``size`` bytes; whether it was (re)allocated."""
+        if self.buffer is not None and self.buffer.size >= size:
+            return False
+        self.close()
+        size = -(-size // (1 << 20)) * (1 << 20)  # whole MiB: every dtype views it
+        self.buffer = _native.AlignedBuffer(size, max(self.alignment, 4096), lock=False)
+        self.np = np.frombuffer(self.buffer, dtype=np.uint8)
+        self._t = torch.frombuffer(self.buffer, dtype=torch.uint8)
+        return True
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        t = self._typed.get(dtype)
+        if t is None:
+            assert self._t is not None
+            t = self._typed[dtype] = self._t.view(dtype)
+        return t
+
+    def view(self) -> memoryview | None:
+        return None if self.buffer is None else memoryview(self.buffer)
+
+    def close(self) -> None:
+        self._typed = {}
+        self._t = None
+        self.np = None
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+
+
+class Run:
+    """The state of one load on one rank: open files, the arena, the stats.
+
+    ``session``: the engine; ``large``: the engine of large requests for
+    long runs, or None; ``paths``: the data files; ``limits``: what the plan
+    was made for (the same alignment and budget); ``budget``: the most
+    arena memory; ``coalesce_gap``: the largest gap read through;
+    ``max_overread_percent``: the over-read budget; ``verifier``: the stored
+    checksums, or None; ``progress(done, total)``: called after each batch.
+    """
+
+    def __init__(self, session: IOSession, paths: list[str], limits: Limits, *, large: IOSession | None,
+                 budget: int, coalesce_gap: int, max_overread_percent: int, verifier: ReadVerifier | None,
+                 progress: Callable[[int, int], None] | None) -> None:
+        self.session = session
+        self.paths = paths
+        self.limits = limits
+        self.alignment = session.alignment
+        self.large = large
+        self.budget = budget
+        self.coalesce_gap = coalesce_gap
+        self.max_overread_percent = max_overread_percent
+        self.verifier = verifier
+        self.progress = progress
+        self.fds: dict[int, int] = {}
+        self.arena = Arena(self.alignment)
+        self.scratch = np.empty(max(2 * self.alignment, coalesce_gap), dtype=np.uint8)
+        self.stats: dict[str, Any] = {
+            "engine": session.kind,
+            "bytes": 0,
+            "bytes_read": 0,
+            "requests": 0,
+            "pieces": 0,
+            "fillers": 0,
+            "filler_bytes_paid": 0,
+            "engine_calls": 0,
+            "temp_bytes": 0,
+            "temp_units": 0,
+            "checksum_verified_bytes": 0,
+            "checksum_bytes": 0,  # bytes the engine fed to the CRC (each read byte at most once)
+            "large_request_bytes": 0,  # bytes moved by the engine of large requests (long runs)
+            "read_seconds": 0.0,
+            "copy_seconds": 0.0,
+        }
+        self.total = 0
+        self.done_bytes = 0
+        self.paid_left = 0
+
+    def with_session(self, session: IOSession) -> "Run":
+        """Another run of the same load, through ``session`` (shared reads
+        read two rounds at once, each with its own engine)."""
+        return Run(session, self.paths, self.limits, large=self.large, budget=self.budget,
+                   coalesce_gap=self.coalesce_gap, max_overread_percent=self.max_overread_percent,
+                   verifier=self.verifier, progress=self.progress)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+        self.arena.close()
+
+    def _engine_read(self, session: IOSession, files, offs, views, check) -> None:
+        kwargs = check.engine_kwargs if check is not None else {}
+        used, local = np.unique(files, return_inverse=True)
+        fds = [self._fd(int(f)) for f in used.tolist()]
+        s = session.engine.read(
+            fds, [self.paths[int(f)] for f in used.tolist()], local.astype(np.int64), offs, views,
+            coalesce_gap=0, **kwargs
+        )
+        if check is not None:
+            self.stats["checksum_verified_bytes"] += check.verify(s)
+            self.stats["checksum_bytes"] += s.get("checksum_bytes", 0)
+        self.stats["bytes_read"] += s.get("bytes_read", 0)
+        self.stats["requests"] += s.get("requests", 0)
+        if session is self.large:
+            self.stats["large_request_bytes"] += s.get("bytes", 0)
+        self.stats["engine_calls"] += 1
+
+    def _fd(self, file: int) -> int:
+        fd = self.fds.get(file)
+        if fd is None:
+            fd = self.fds[file] = self.session.engine.open(self.paths[file], "r", self.session.direct or False)
+        return fd
+
+    def execute(self, jobs: list[Job]) -> None:
+        needed = sum(j.needed for j in jobs)
+        planned_paid = sum(j.paid for j in jobs)
+        self.total += needed
+        self.stats["bytes"] += needed
+        self.paid_left += needed * self.max_overread_percent // 100 - planned_paid
+        self.stats["merged_bytes_paid"] = self.stats.get("merged_bytes_paid", 0) + planned_paid
+        temp_total = sum(j.temp for j in jobs)
+        if temp_total and self.arena.ensure(min(self.budget, temp_total)):
+            self.stats["temp_bytes"] = self.arena.size
+        max_bytes = _PROGRESS_BATCH_BYTES if self.progress else _MAX_BATCH_BYTES
+        batch: list[Job] = []
+        used = pieces = nbytes = 0
+        for job in jobs:
+            if batch and (used + job.temp > self.budget or pieces + len(job.offs) > MAX_BATCH_PIECES
+                          or nbytes + job.needed > max_bytes):
+                self._flush(batch)
+                batch, used, pieces, nbytes = [], 0, 0, 0
+            job.temp_off = used
+            used += job.temp
+            pieces += len(job.offs)
+            nbytes += job.needed
+            batch.append(job)
+        self._flush(batch)
+
+    def _flush(self, batch: list[Job]) -> None:
+        if not batch:
+            return
+        files = np.concatenate([j.files for j in batch])
+        offs = np.concatenate([j.offs for j in batch])
+        lens = np.concatenate([j.lens for j in batch])
+        if len(offs):
+            keep = lens > 0
+            views: list[memoryview] = []
+            arena_mv = self.arena.view()
+            for j in batch:
+                if j.temp:
+                    base = arena_mv[j.temp_off : j.temp_off + j.temp]
+                else:
+                    base = memoryview(j.buf)
+                views.extend(base[p : p + n] for p, n in zip(j.pos.tolist(), j.lens.tolist()))
+            if not keep.all():
+                idx = np.flatnonzero(keep)
+                files, offs, lens = files[idx], offs[idx], lens[idx]
+                views = [views[i] for i in idx.tolist()]
+            order = np.lexsort((offs, files))
+            files, offs, lens = files[order], offs[order], lens[order]
+            views = [views[i] for i in order.tolist()]
+            ffiles, foffs, flens, paid = plan_fillers(
+                files, offs, lens, self.alignment, self.paid_left, self.coalesce_gap
+            )
+            self.paid_left -= paid
+            self.stats["filler_bytes_paid"] += paid
+            self.stats["fillers"] += len(foffs)
+            self.stats["pieces"] += len(offs)
+            if len(foffs):
+                scratch = memoryview(self.scratch)
+                views.extend(scratch[:n] for n in flens.tolist())
+                files = np.concatenate([files, ffiles])
+                offs = np.concatenate([offs, foffs])
+                lens = np.concatenate([lens, flens])
+                order = np.lexsort((offs, files))
+                files, offs = files[order], offs[order]
+                views = [views[i] for i in order.tolist()]
+            check = None
+            if self.verifier is not None:
+                # pieces cut at extent boundaries; every checksum block a piece
+                # covers whole is compared with the CRC stored at save time
+                files, offs, views, check = self.verifier.plan(files, offs, views, skip=self.scratch)
+            t0 = time.perf_counter()
+            large = self.large
+            if large is None:
+                self._engine_read(self.session, files, offs, views, check)
+            else:
+                # long runs as large requests, the rest (scattered small runs) as
+                # small ones; a run is a stretch of pieces back to back in one
+                # file (packed small tensors, pieces joined by fillers)
+                long = in_long_runs(files, offs, np.fromiter((v.nbytes for v in views), dtype=np.int64,
+                                                             count=len(views)))
+                for session, mask in ((large, long), (self.session, ~long)):
+                    if mask.all():
+                        self._engine_read(session, files, offs, views, check)
+                    elif mask.any():
+                        idx = np.flatnonzero(mask)
+                        self._engine_read(session, files[idx], offs[idx], [views[i] for i in idx.tolist()],
+                                          None if check is None else check.subset(idx))
+            self.stats["read_seconds"] += time.perf_counter() - t0
+            del views
+        t0 = time.perf_counter()
+        for j in batch:
+            self.stats["temp_units"] += j.units
+            if j.post is not None:
+                j.post(self.arena, j.temp_off)
+            for fn in j.done:
+                fn()
+            self.done_bytes += j.needed
+        self.stats["copy_seconds"] += time.perf_counter() - t0
+        if self.progress is not None:
+            self.progress(self.done_bytes, self.total)
+
+
+def in_long_runs(files: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """For pieces sorted by (file, offset): whether each lies in a run of at
+    least ``LONG_RUN_BYTES`` of pieces back to back (or overlapping) in one
+    file, the requests of which the engine of large requests makes."""
+    n = len(lens)
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    shift = int(max(int((offs + lens).max()), 1)).bit_length() + 1
+    keys = (files.astype(np.int64) << shift) + offs  # files far apart: a run never crosses one
+    ends = np.maximum.accumulate(keys + lens)
+    new = np.ones(n, dtype=bool)
+    new[1:] = keys[1:] > ends[:-1]
+    first = np.flatnonzero(new)
+    span = np.maximum.reduceat(keys + lens, first) - keys[first]
+    return span[np.cumsum(new) - 1] >= LONG_RUN_BYTES

@@ -1,0 +1,459 @@
+"""Shared reads on one rank: the rounds of a :class:`~.plan.SharePlan`.
+
+:class:`SharedReads` reads the shared units this rank owns, exchanges their
+parts with the ranks that need them, and tells the reader which of its items
+are left to read from disk.
+
+Every rank runs the same collectives in the same order: per round one
+all-gather of a status (and, when a rank failed, of the errors), so a failed
+read raises on every rank in the same round instead of leaving the others
+waiting; then the point-to-point sends and receives of that round's parts.
+Round ``i``'s transfers are in flight while rounds ``i + 1`` and ``i + 2``
+are read from disk (``READ_AHEAD``); a target is committed once all its
+parts have arrived.
+
+With the ``"auto"`` transport, a part whose owner is on the same machine
+(:class:`~.transport.PeerMemory`) is pulled: the status all-gather also
+carries the address of every box the owners read this round, and the rank
+that needs the part copies it from there with one ``process_vm_readv`` into
+its target.  The owner keeps that box untouched until the ranks that pull
+from it have: each keeps a counter of the rounds it has pulled, which the
+owner reads (8 bytes, the same way) before it reads another round into that
+box; one status more ends the load, so no rank frees a box before every rank
+has pulled from it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from fp_dcp.engine import IOSession
+from fp_dcp.load.execute import Run
+from fp_dcp.load.jobs import ItemPlanner, Job, storage_bytes
+from fp_dcp.load.plan import box_runs
+from fp_dcp.load.sharing.plan import READ_AHEAD, Part, SharedUnit, SharePlan, read_key
+from fp_dcp.load.sharing.transport import PeerMemory, Scratch, post_transfers, takes_transfer, transfer_device
+
+__all__ = ["SharedReads"]
+
+_CPU = torch.device("cpu")
+
+
+class _Round:
+    """One round on this rank: what it reads, sends, receives, finishes."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.error: BaseException | None = None
+        self.jobs: list[Job] = []
+        self.reads: list[tuple[int, SharedUnit, torch.Tensor, torch.dtype]] = []
+        self.sends: list[tuple[torch.Tensor, int, int]] = []
+        self.receives: list[tuple[torch.Tensor, int, int]] = []
+        self.finishes: list[Callable[[], None]] = []
+        self.pulls: list[tuple[int, SharedUnit, Part, torch.Tensor, Callable[[], None]]] = []
+        self.addresses: dict[int, int] = {}  # unit -> address of the box this rank read
+        self.works: list[Any] = []
+        self.read_needed = 0
+        self.my_bytes = 0
+
+
+class SharedReads:
+    """One rank's part in a load's shared reads.
+
+    ``run``: this rank's executor (None when setting it up failed:
+    ``setup_error``, which the other ranks learn in the first round);
+    ``twin_session(i)``: the ``i``-th other engine session, for the rounds
+    read at once (one engine each); ``items``: the planner of this rank's
+    jobs; ``planner``: DCP's, which resolves and commits targets.
+    Call :meth:`run`."""
+
+    def __init__(self, group: Any, share: SharePlan, run: Run | None, twin_session: Callable[[int], IOSession],
+                 items: ItemPlanner, planner: LoadPlanner, read_items: list[ReadItem],
+                 setup_error: BaseException | None = None) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.share = share
+        self.items = items
+        self.planner = planner
+        self.read_items = read_items
+        self.setup_error = setup_error
+        self.rank = rank = dist.get_rank(group)
+        self.world = world = dist.get_world_size(group)
+        self.device = transfer_device(group)
+        self.peers = PeerMemory(group, rank, world, self.device, share.transport == "auto")
+        # Per round: per owner, its units with a pulled part (their addresses go
+        # out with the round's status, in this order); the bytes of the boxes
+        # this rank reads, and of its parts it packs to send.
+        self.pull_units: list[list[list[int]]] = []
+        self.owned: list[tuple[list[int], list[int]]] = []
+        self.pullers: list[set[int]] = []  # per round, the ranks that pull from this rank's boxes
+        for r0, r1 in share.rounds:
+            per: list[list[int]] = [[] for _ in range(world)]
+            boxes, packed = [], []
+            self.pullers.append(set())
+            for ui in range(r0, r1):
+                u = share.units[ui]
+                if any(self._pulled(u, p) for p in u.parts):
+                    per[u.owner].append(ui)
+                if u.owner == rank:
+                    self.pullers[-1].update(p.rank for p in u.parts if self._pulled(u, p))
+                    esize = u.nbytes // max(1, math.prod(u.lengths))
+                    boxes.append(u.nbytes)
+                    packed += [math.prod(p.lengths) * esize for p in u.parts
+                               if p.rank != rank and not self._pulled(u, p)]
+            self.pull_units.append(per)
+            self.owned.append((boxes, packed))
+        self.pulling = any(any(per) for per in self.pull_units)
+        self.by_key: dict[tuple, list[ReadItem]] = {}
+        for req in read_items:
+            if req.type == LoadItemType.TENSOR:
+                self.by_key.setdefault(read_key(req), []).append(req)
+        # the parts each of this rank's items waits for, and one tag per part
+        self.left: dict[tuple, int] = {}
+        self.tag_base: list[int] = []
+        ntags = 0
+        for u in share.units:
+            self.tag_base.append(ntags)
+            ntags += len(u.parts)
+            for p in u.parts:
+                if p.rank == rank:
+                    key = u.item_key(p)
+                    self.left[key] = self.left.get(key, 0) + 1
+        self.dests: dict[int, torch.Tensor] = {}
+        alignment = run.alignment if run is not None else 4096
+        # The READ_AHEAD rounds read ahead are read at once, each by its own
+        # engine (round i by runs[i % len(runs)]), so the disk is not idle while
+        # one engine call drains its last requests (rounds are a few MiB a rank).
+        # A second engine is only faster: when it cannot be had (locked memory,
+        # the kernel's AIO limit) one engine reads every round.
+        self.runs: list[Run] = [] if run is None else [run]
+        if run is not None and setup_error is None:
+            while len(self.runs) < min(READ_AHEAD, len(share.rounds)):
+                try:
+                    self.runs.append(run.with_session(twin_session(len(self.runs) - 1)))
+                except (OSError, MemoryError, RuntimeError):
+                    break
+        # Round i's buffers are reused by round i + len(...): see run().
+        # A box others pull from is reused once they have pulled it: when this
+        # rank can read their progress counters, as soon as they show it; else
+        # once every rank has passed the next round's status (one box more).
+        self.counted = all(self.peers.can_pull(rank, r) for ranks in self.pullers for r in ranks)
+        self.temps = [Scratch(_CPU, alignment) for _ in range(READ_AHEAD + (1 if self.counted else 2))]
+        self.packs = [Scratch(self.device, alignment) for _ in range(READ_AHEAD + 1)]
+        # used only for targets that cannot take a receive / a pull as they are
+        self.recvs = [Scratch(self.device, alignment, prefault=False) for _ in range(READ_AHEAD + 1)]
+        self.landings = [Scratch(_CPU, alignment, prefault=False) for _ in range(READ_AHEAD + 1)]
+        # each temporary and pack is allocated (and faulted in) once, for the
+        # largest round, not again whenever a round is larger than the last
+        self.peak_temp = max((self.temps[0].need(b) for b, _ in self.owned), default=0)
+        self.peak_pack = max((self.packs[0].need(k) for _, k in self.owned), default=0)
+        self.faulting: dict[int, Any] = {}  # scratch -> its allocation ahead, by the prefault thread
+        self.stats = {"shared_bytes_sent": 0, "shared_bytes_received": 0, "shared_bytes_read": 0,
+                      "shared_bytes_pulled": 0, "shared_rounds": len(share.rounds), "shared_wait_seconds": 0.0,
+                      "shared_pull_seconds": 0.0}
+        self.pull_error: list[BaseException] = []  # a failed pull, raised on every rank at the next status
+
+    # ----------------------------------------------------------- targets
+
+    def _pulled(self, u: SharedUnit, p: Part) -> bool:
+        return p.rank != u.owner and self.peers.can_pull(p.rank, u.owner)
+
+    def _dest_of(self, req: ReadItem, dtype: torch.dtype) -> torch.Tensor:
+        d = self.dests.get(id(req))
+        if d is None:
+            d = self.dests[id(req)] = self.items.target(req, self.planner, dtype)
+        return d
+
+    def _views(self, u: SharedUnit, p: Part, dtype: torch.dtype) -> list[tuple[ReadItem, torch.Tensor]]:
+        """This rank's targets of part ``p``: (read item, view of its target)."""
+        reqs = self.by_key.get(u.item_key(p))
+        if not reqs:
+            raise RuntimeError(f"{u.fqn}: the shared-read plan names a read this rank does not have "
+                               f"(box {list(p.item_offsets)}+{list(p.item_lengths)})")
+        rel = tuple(slice(o - io, o - io + n) for o, io, n in zip(p.offsets, p.item_offsets, p.lengths))
+        return [(req, self._dest_of(req, dtype)[rel]) for req in reqs]
+
+    def _arrived(self, key: tuple) -> None:
+        self.left[key] -= 1
+        if self.left[key] == 0:
+            for req in self.by_key[key]:
+                self.planner.commit_tensor(req, self.dests[id(req)])
+
+    # ----------------------------------------------------------- one round
+
+    def _prepare(self, ri: int) -> _Round:
+        """Resolve the round's targets, choose its buffers, plan its reads
+        (main thread; errors are kept for the round's agreement)."""
+        rd = _Round(ri)
+        rank, share = self.rank, self.share
+        try:
+            if self.setup_error is not None:
+                raise self.setup_error
+            run = self.runs[ri % len(self.runs)]
+            r0, r1 = share.rounds[ri]
+            k = ri % len(self.packs)  # as recvs and landings
+            temp, pack = self.temps[ri % len(self.temps)], self.packs[k]
+            recv, landing = self.recvs[k], self.landings[k]
+            if self.counted and ri >= len(self.temps):
+                self.peers.wait_pulled(self.pullers[ri - len(self.temps)], ri - len(self.temps))  # ``temp``'s box
+            for sc in (temp, pack):
+                fut = self.faulting.pop(id(sc), None)
+                if fut is not None:  # allocated ahead by the prefault thread
+                    fut.result()
+            for sc in (temp, pack, recv, landing):
+                sc.reset()
+            if self.owned[ri][0]:
+                temp.reserve(self.peak_temp)
+            if self.owned[ri][1]:
+                pack.reserve(self.peak_pack)
+            # this rank's parts of others' boxes: (unit index, unit, part index,
+            # part, dtype, its target views, the view that takes it as it is)
+            incoming = []
+            for ui in range(r0, r1):
+                u = share.units[ui]
+                chunk = None if u.chunk is None else list(u.chunk)
+                sizes, dtype = self.items.chunk_sizes(u.fqn, chunk)
+                if u.owner == rank:
+                    src = None
+                    for p in u.parts:  # a target that is the whole box takes the read itself
+                        if p.rank == rank and p.offsets == u.offsets and p.lengths == u.lengths:
+                            src = next((v for _, v in self._views(u, p, dtype) if takes_transfer(v, dtype, _CPU)),
+                                       None)
+                            if src is not None:
+                                break
+                    if src is None:
+                        src = temp.take(u.lengths, dtype)
+                    rd.jobs.extend(self.items.plan_box(u.fqn, chunk, sizes, dtype, list(u.offsets),
+                                                       list(u.lengths), src, run.limits, lambda: None))
+                    rd.reads.append((ui, u, src, dtype))
+                    rd.addresses[ui] = src.data_ptr()  # contiguous, the box's shape
+                    continue
+                for pi, p in enumerate(u.parts):
+                    if p.rank == rank:
+                        vs = self._views(u, p, dtype)
+                        on = _CPU if self._pulled(u, p) else self.device
+                        incoming.append((ui, u, pi, p, dtype, vs,
+                                         next((v for _, v in vs if takes_transfer(v, dtype, on)), None)))
+            for sc, by_pull in ((recv, False), (landing, True)):
+                sc.reserve(sc.need([math.prod(p.lengths) * dtype.itemsize
+                                    for _, u, _, p, dtype, _, buf in incoming
+                                    if buf is None and self._pulled(u, p) == by_pull]))
+            for ui, u, pi, p, dtype, vs, buf in incoming:
+                if buf is None:
+                    buf = (landing if self._pulled(u, p) else recv).take(p.lengths, dtype)
+                rd.my_bytes += buf.numel() * buf.element_size()
+
+                def finish(vs=vs, buf=buf, key=u.item_key(p)) -> None:
+                    for _, v in vs:
+                        if v is not buf:
+                            v.copy_(buf)
+                    self._arrived(key)
+
+                if self._pulled(u, p):
+                    rd.pulls.append((ui, u, p, buf, finish))
+                else:
+                    rd.receives.append((buf, u.owner, self.tag_base[ui] + pi))
+                    rd.finishes.append(finish)
+        except BaseException as e:  # noqa: BLE001 - agreed on below
+            rd.error = e
+        return rd
+
+    def _read(self, rd: _Round) -> None:
+        """The round's disk reads (a background thread: it sees only the
+        round's jobs and its ``Run``, which nothing else touches meanwhile)."""
+        if rd.error is not None or not rd.jobs:
+            return
+        run = self.runs[rd.index % len(self.runs)]
+        before = run.stats["bytes"]
+        run.execute(rd.jobs)
+        rd.read_needed = run.stats["bytes"] - before
+
+    def _split(self, rd: _Round) -> None:
+        """Owner: copy its own parts into its targets, pack the others'."""
+        if rd.error is not None:
+            return
+        pack = self.packs[rd.index % len(self.packs)]
+        stats = self.stats
+        try:
+            for ui, u, src, dtype in rd.reads:
+                stats["shared_bytes_read"] += u.nbytes
+                for pi, p in enumerate(u.parts):
+                    rel = tuple(slice(o - uo, o - uo + n) for o, uo, n in zip(p.offsets, u.offsets, p.lengths))
+                    part = src[rel]
+                    if p.rank == self.rank:
+                        for _, v in self._views(u, p, dtype):
+                            if v.data_ptr() != part.data_ptr() or v.stride() != part.stride():
+                                v.copy_(part)
+                        rd.finishes.append(lambda key=u.item_key(p): self._arrived(key))
+                        rd.my_bytes += part.numel() * part.element_size()
+                    elif self._pulled(u, p):  # the rank copies it from ``src`` itself
+                        stats["shared_bytes_sent"] += part.numel() * part.element_size()
+                    elif takes_transfer(part, dtype, self.device):
+                        # a target, or this round's temporary: neither is
+                        # written again before the send has completed
+                        rd.sends.append((part, p.rank, self.tag_base[ui] + pi))
+                    else:
+                        buf = pack.take(p.lengths, dtype)
+                        buf.copy_(part)
+                        rd.sends.append((buf, p.rank, self.tag_base[ui] + pi))
+        except BaseException as e:  # noqa: BLE001
+            rd.error = e
+
+    def _agree(self, rd: _Round) -> dict[int, int]:
+        """Every rank learns whether any rank failed this round; all raise.
+        Returns the addresses of the boxes read this round that have pulled
+        parts (unit -> address in its owner)."""
+        import torch.distributed as dist
+
+        world, rank = self.world, self.rank
+        if self.pull_error and rd.error is None:
+            rd.error = self.pull_error[0]
+        error = None if rd.error is None else f"{type(rd.error).__name__}: {rd.error}"
+        per = self.pull_units[rd.index] if rd.index < len(self.pull_units) else [[] for _ in range(world)]
+        width = 1 + max(len(x) for x in per)
+        status = torch.zeros(width, dtype=torch.int64)
+        status[0] = 0 if error is None else 1
+        if error is None:
+            for j, ui in enumerate(per[rank]):
+                status[1 + j] = rd.addresses[ui]
+        status = status.to(self.device)
+        statuses = [torch.empty_like(status) for _ in range(world)]
+        dist.all_gather(statuses, status, group=self.group)
+        gathered = torch.stack(statuses).cpu()
+        if gathered[:, 0].any():
+            errors: list[Any] = [None] * world
+            dist.all_gather_object(errors, error, group=self.group)
+            failed = {r: e for r, e in enumerate(errors) if e is not None}
+            first = min(failed)
+            raise RuntimeError(
+                f"shared read failed on rank {first}: {failed[first]}"
+                + ("" if first == rank else " (this rank stopped because of it)")
+            )
+        return {ui: int(gathered[r, 1 + j]) for r in range(world) for j, ui in enumerate(per[r])}
+
+    def _pull(self, rd: _Round, addresses: dict[int, int]) -> None:
+        """Copy this rank's pulled parts of the round out of their owners'
+        memory and finish them; a failure is raised at the next status."""
+        if self.pull_error or not rd.pulls:
+            return
+        t = time.perf_counter()
+        try:
+            for ui, u, p, buf, finish in rd.pulls:
+                esize = buf.element_size()
+                rel = [o - uo for o, uo in zip(p.offsets, u.offsets)]
+                starts, run_length = box_runs(u.lengths, rel, p.lengths, esize)
+                self.peers.pull(u.owner, storage_bytes(buf), addresses[ui], starts, run_length)
+                self.stats["shared_bytes_pulled"] += buf.numel() * esize
+                self.stats["shared_bytes_received"] += buf.numel() * esize
+                finish()
+        except BaseException as e:  # noqa: BLE001 - agreed on at the next status
+            self.pull_error.append(self.peers.failed(f"{u.fqn}: copying a shared part", u.owner, e))
+        self.stats["shared_pull_seconds"] += time.perf_counter() - t
+
+    def _post(self, rd: _Round) -> None:
+        for buf, _, _ in rd.sends:
+            self.stats["shared_bytes_sent"] += buf.numel() * buf.element_size()
+        for buf, _, _ in rd.receives:
+            self.stats["shared_bytes_received"] += buf.numel() * buf.element_size()
+        rd.works.extend(post_transfers(rd.sends, rd.receives, self.group, self.device))
+
+    def _complete(self, rd: _Round) -> None:
+        t = time.perf_counter()
+        for w in rd.works:
+            w.wait()
+        self.stats["shared_wait_seconds"] += time.perf_counter() - t
+        for fn in rd.finishes:
+            fn()
+
+    # ----------------------------------------------------------- the rounds
+
+    def run(self) -> list[ReadItem]:
+        """Run every round; the read items still to read from disk."""
+        # Rounds i + 1 .. i + READ_AHEAD are read from disk by helper threads
+        # (the engines release the GIL; one engine each, see ``runs``) while this
+        # thread splits round i, posts its transfers and pulls its parts, and
+        # gloo's threads move round i - 1.
+        # Round i + READ_AHEAD is prepared once round i - 1 has completed, so
+        # sends, receives, packs and temporaries cycle through READ_AHEAD + 1
+        # buffers; a box others pull from is reused once they have pulled it
+        # (``PeerMemory.wait_pulled``; one temporary more where the counters
+        # cannot be read).
+        n = len(self.share.rounds)
+        runs, temps, packs, owned = self.runs, self.temps, self.packs, self.owned
+        progress = self.peers.progress
+        pending: _Round | None = None  # posted, not completed
+        reading: deque = deque()  # (round, future), in order
+        read_needed = my_bytes = 0
+        # Memory a process touches for the first time is slow to fault in (on
+        # some VMs, whose host hands out a page only when the guest first writes
+        # it, about 0.4 GB/s for huge pages: 40 ms for one 16 MiB temporary).
+        # The temporaries and packs are faulted in by a thread of their own, in
+        # the order the rounds take them, while the first rounds are read, not
+        # by this thread when a round needs one (which stalled the rounds here).
+        prefault = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp_dcp-prefault")
+        if self.setup_error is None:
+            for ri in range(n):
+                for sc, nbytes in ((temps[ri % len(temps)], self.peak_temp if owned[ri][0] else 0),
+                                   (packs[ri % len(packs)], self.peak_pack if owned[ri][1] else 0)):
+                    if nbytes and id(sc) not in self.faulting:
+                        self.faulting[id(sc)] = prefault.submit(sc.reserve, nbytes)
+        with prefault, ThreadPoolExecutor(max_workers=max(1, len(runs)),
+                                          thread_name_prefix="fp_dcp-shared-read") as pool:
+            try:
+                for ri in range(min(n, READ_AHEAD)):
+                    rd = self._prepare(ri)
+                    reading.append((rd, pool.submit(self._read, rd)))
+                for ri in range(n):
+                    rd, fut = reading.popleft()
+                    try:
+                        fut.result()
+                    except BaseException as e:  # noqa: BLE001
+                        rd.error = rd.error or e
+                    if pending is not None:  # frees the buffers round ri + READ_AHEAD takes
+                        done, pending = pending, None
+                        self._complete(done)
+                    if ri + READ_AHEAD < n:
+                        nxt = self._prepare(ri + READ_AHEAD)
+                        reading.append((nxt, pool.submit(self._read, nxt)))
+                    self._split(rd)
+                    addresses = self._agree(rd)
+                    read_needed += rd.read_needed
+                    my_bytes += rd.my_bytes
+                    self._post(rd)
+                    self._pull(rd, addresses)
+                    progress[0] = rd.index + 1  # its owners may reuse the round's boxes
+                    pending = rd
+                if self.pulling:  # no rank frees a box before every rank has pulled from it
+                    self._agree(_Round(n))
+            finally:
+                progress[0] = n + 1  # pulls no more (also when it leaves early): no owner waits for it
+                for fut in self.faulting.values():  # not started: not needed any more
+                    fut.cancel()
+                for _, fut in reading:  # a failed round: let the next reads end before their buffers go
+                    try:
+                        fut.result()
+                    except BaseException:  # noqa: BLE001
+                        pass
+                if pending is not None:  # matched on every rank: completes also when a later round failed
+                    self._complete(pending)
+                for extra in runs[1:]:
+                    extra.close()  # its session stays with the reader, as the first
+        run = runs[0]
+        for extra in runs[1:]:
+            for k, v in extra.stats.items():
+                if isinstance(v, (int, float)):  # some keys appear only once a run has read
+                    run.stats[k] = run.stats.get(k, 0) + v
+        self.stats["shared_buffer_bytes"] = sum(sc.size for sc in temps + packs + self.recvs + self.landings)
+        run.stats.update(self.stats)
+        # "bytes" counts what this rank's targets need, not the boxes it read for others
+        run.stats["bytes"] += my_bytes - read_needed
+        covered = set(self.left)
+        return [r for r in self.read_items if read_key(r) not in covered]
