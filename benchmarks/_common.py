@@ -842,15 +842,9 @@ class DeviceProfile:
 
 
 def hardware_info(target_dir: str | Path) -> dict:
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    from fp_dcp.tuning import machine
+
+    cpu = machine()["cpu"]
     mem = None
     try:
         with open("/proc/meminfo") as f:
