@@ -52,11 +52,24 @@ _AUTO_ORDER = ("aio", "uring", "threads")
 # and every sum the pipeline forms from it (rounding up to an alignment, a
 # window's end, a checksum origin plus a length) still fits an int64.
 cdef int64_t _MAX_FILE_OFFSET = 1 << 62
+# The built-in request shape when the caller (fp_dcp.engine.IOSession: the
+# options, else an `fp-dcp tune` record) names none: 8 requests of 4 MiB,
+# 32 MiB in flight. 4 MiB is the largest request most block devices take
+# whole (max_sectors_kb); on this VM's disk `fp-dcp tune` found no shape of
+# its grid faster by more than 10 % in every round (docs/NATIVE.md, "Per
+# device"), and a faster device is tuned with that command.
 DEFAULT_QUEUE_DEPTH = 8
 DEFAULT_BLOCK_SIZE = 4 << 20
+# Reads of one file closer than this are merged into one request: below
+# 64 KiB the extra bytes cost less than one more request on any disk measured
+# (FastPersistOptions.coalesce_gap_bytes, the same default, overrides it).
 DEFAULT_COALESCE_GAP = 64 * 1024
+# Bounds that reject nonsense (a typo'd option), not tuning: 4096 requests in
+# flight and 1 GiB requests are far past any device's useful range.
 _MAX_QUEUE_DEPTH = 4096
 _MAX_BLOCK_SIZE = 1 << 30
+# Transparent huge page size on x86-64 and arm64 (4 KiB base pages): buffers
+# this large are aligned to it so the kernel can back them with huge pages.
 _HUGE_PAGE = 2 << 20
 
 # process-wide counters for leak tests (touched with the GIL held)
