@@ -309,14 +309,22 @@ def resources() -> dict:
     }
 
 
+def leaks(before: dict, after: dict) -> dict:
+    """The resources of ``after`` above their count in ``before``: a leak.
+    Fewer than before is not one (a pool or ring left by an earlier test may
+    end while this one runs)."""
+    return {k: (before.get(k, 0), v) for k, v in after.items() if v > before.get(k, 0)}
+
+
 def settle(before: dict, timeout: float = 60.0) -> dict:
-    """resources() once they are back to ``before`` (threads of a finished
+    """The leaks (:func:`leaks`) once there are none (threads of a finished
     pool exit when the scheduler gets to them), or as they are after
     ``timeout`` seconds: a bound on a leak that never goes away, not a window
-    a correct run must fit in (it returns as soon as they are back)."""
+    a correct run must fit in (it returns as soon as nothing is above
+    ``before``).  Empty: nothing leaked."""
     deadline = time.monotonic() + timeout
-    after = resources()
-    while after != before and time.monotonic() < deadline:
+    left = leaks(before, resources())
+    while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        after = resources()
-    return after
+        left = leaks(before, resources())
+    return left
