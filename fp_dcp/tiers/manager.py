@@ -67,8 +67,8 @@ class TierManager:
     A ``{node}`` in it is replaced by the node number, so that ranks on one
     machine can act as several nodes (tests, ``FP_DCP_RANKS_PER_NODE``).
     ``persistent_root``: the shared file system path (``None``: no drains).
-    ``replicas``: copies of each node's files kept on other nodes (at most
-    the node count minus one).  ``persist_every``: drain every step
+    ``replicas``: copies of each node's files kept on other nodes (fewer,
+    with a warning, when the job has fewer nodes than ``replicas + 1``).  ``persist_every``: drain every step
     divisible by it.  ``keep_local`` / ``keep_persistent``: retention per
     tier, in committed steps.  Nodes: ``topology`` (a
     :class:`~fp_dcp.tiers.topology.Topology`), else ``ranks_per_node``
@@ -118,8 +118,13 @@ class TierManager:
         if topology.world_size != self.world_size:
             raise ValueError(f"the topology places {topology.world_size} ranks; the job has {self.world_size}")
         self.topology = topology
-        self.replicas = replicas
-        topology.holders(0, replicas)  # enough nodes?
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
+        # a job restarted on fewer nodes keeps as many replicas as it can
+        self.replicas = min(replicas, len(topology.nodes) - 1)
+        if self.replicas < replicas and self.rank == 0:
+            warnings.warn(f"fp_dcp tiers: {replicas} replica(s) asked, but {len(topology.nodes)} node(s): "
+                          f"keeping {self.replicas}", RuntimeWarning, stacklevel=2)
         self.node = topology.node_of(self.rank)
         self.local_root = store.node_root(os.fspath(local_root), self.node)
         self.persistent_root = None if persistent_root is None else os.fspath(persistent_root)
@@ -142,6 +147,7 @@ class TierManager:
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-tiers")
         self._drainer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-drain")
         self._staged: concurrent.futures.Future | None = None
+        self._upload: concurrent.futures.Future | None = None
         self._jobs: list[concurrent.futures.Future] = []
         self._drains: list[concurrent.futures.Future] = []
         self._pinned: set[int] = set()  # local steps a queued drain still reads
@@ -164,6 +170,9 @@ class TierManager:
         if self._closed:
             raise RuntimeError("TierManager is closed")
         self._reap(keep=1)  # at most one step's background work behind the training
+        if self._upload is not None:
+            # two DCP saves on one group from two threads would interleave their collectives
+            self._upload.exception()
         directory = store.step_dir(self.local_root, step)
         os.makedirs(directory, exist_ok=True)
         resp = dcp.async_save(state_dict, storage_writer=self.writer, checkpoint_id=directory,
@@ -172,6 +181,7 @@ class TierManager:
             self._staged, upload = resp.staging_completion, resp.upload_completion
         else:
             self._staged, upload = None, resp
+        self._upload = upload
         job = self._worker.submit(self._after_save, step, upload)
         self._jobs.append(job)
         return job
