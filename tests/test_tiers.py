@@ -311,7 +311,10 @@ _CHILD = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("kill_at", ["copied", "before-commit", "committed", "never"])
+@pytest.mark.parametrize("kill_at", [
+    pytest.param("copied", marks=pytest.mark.slow), "before-commit",
+    pytest.param("committed", marks=pytest.mark.slow), pytest.param("never", marks=pytest.mark.slow),
+])
 def test_drain_killed_leaves_previous_or_new_step(tmp_path, kill_at):
     import torch
     import torch.distributed.checkpoint as dcp
@@ -368,6 +371,7 @@ def _failing_drain(rank, world_size, root):
     return result.ok, errors
 
 
+@pytest.mark.slow
 def test_failed_drain_is_reported_retried_and_harmless(tmp_path):
     from fp_dcp.tiers import store
     from fp_dcp.tools.rotation import committed_checkpoints

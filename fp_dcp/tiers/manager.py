@@ -11,10 +11,11 @@
         mgr.save(step, state_dict)             # returns at once
     mgr.close()                                # waits for replication and drains
 
-Each ``save`` writes the state dict to the node-local tier through
-``dcp.async_save`` and a ``FastPersistWriter`` (lazy staging by default:
-the copy to host memory overlaps the next forward/backward), then, in the
-background, gives every node the metadata, sends each node's files to
+Each ``save`` stages the state dict through a ``FastPersistWriter`` (lazy
+staging by default: the copy to host memory overlaps the next
+forward/backward) and, on the manager's low-priority worker thread,
+writes it to the node-local tier with ``dcp.save`` (what
+``dcp.async_save`` does on its own thread), gives every node the metadata, sends each node's files to
 ``replicas`` other nodes (:mod:`fp_dcp.tiers.replicate`), applies the local
 retention and, every ``persist_every`` steps, queues a drain to the
 persistent root (:mod:`fp_dcp.tiers.drain`).  ``restore`` loads the newest
@@ -22,10 +23,10 @@ step that is complete somewhere, from the fastest tier that holds each byte
 (:mod:`fp_dcp.tiers.restore`), on any world size and sharding.
 
 Process groups: the constructor (a collective: every rank, same order)
-creates three gloo groups of all ranks, one per kind of background work —
-the DCP save (DCP's own thread), replication (the manager's worker
-thread), drains (the drain thread) — so no background collective ever
-shares a group with the training or with another thread.  With
+creates three gloo groups of all ranks: the DCP saves' and replication's
+(both on the manager's worker thread, one after the other) and the
+drains' (the drain thread) — so no background collective ever shares a
+group with the training or with another thread.  With
 ``transport="nccl"`` replication and restore move bytes over an NCCL group
 instead (GPU clusters; written, untested without GPUs).
 """
@@ -33,6 +34,7 @@ instead (GPU clusters; written, untested without GPUs).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import socket
@@ -44,7 +46,6 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from fp_dcp import FastPersistOptions, FastPersistWriter
 from fp_dcp import format as fmt
@@ -80,6 +81,9 @@ class TierManager:
     after the first (``drain_retry_seconds`` apart); a drain that still
     fails is reported in :attr:`errors` and with a warning, and the next
     drain is tried as usual.  ``timeout``: of the manager's process groups.
+    ``background_nice``: the nice value (Linux, per thread) of the
+    manager's save/replication and drain threads and of the threads they
+    start, so that the training's threads win the CPU (0: unchanged).
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class TierManager:
         drain_retries: int = 2,
         drain_retry_seconds: float = 1.0,
         timeout: timedelta = timedelta(minutes=30),
+        background_nice: int = 10,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("TierManager needs torch.distributed initialized (init_process_group) first")
@@ -144,10 +149,10 @@ class TierManager:
         self._drain_group = dist.new_group(backend="gloo", timeout=timeout)
         self._bytes_group = self._repl_group if transport == "gloo" else dist.new_group(backend="nccl", timeout=timeout)
         self.writer = FastPersistWriter(options=self.options)
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-tiers")
-        self._drainer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-drain")
+        nice = functools.partial(_lower_priority, background_nice)
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-tiers", initializer=nice)
+        self._drainer = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-drain", initializer=nice)
         self._staged: concurrent.futures.Future | None = None
-        self._upload: concurrent.futures.Future | None = None
         self._jobs: list[concurrent.futures.Future] = []
         self._drains: list[concurrent.futures.Future] = []
         self._pinned: set[int] = set()  # local steps a queued drain still reads
@@ -170,19 +175,14 @@ class TierManager:
         if self._closed:
             raise RuntimeError("TierManager is closed")
         self._reap(keep=1)  # at most one step's background work behind the training
-        if self._upload is not None:
-            # two DCP saves on one group from two threads would interleave their collectives
-            self._upload.exception()
         directory = store.step_dir(self.local_root, step)
         os.makedirs(directory, exist_ok=True)
-        resp = dcp.async_save(state_dict, storage_writer=self.writer, checkpoint_id=directory,
-                              process_group=self._save_group)
-        if isinstance(resp, AsyncSaveResponse):
-            self._staged, upload = resp.staging_completion, resp.upload_completion
-        else:
-            self._staged, upload = None, resp
-        self._upload = upload
-        job = self._worker.submit(self._after_save, step, upload)
+        # What dcp.async_save does, with the save on the manager's own
+        # (low-priority) thread: the writer stages (lazy: a future), then
+        # dcp.save writes the staged copy.
+        staged = self.writer.stage(state_dict)
+        self._staged = staged if isinstance(staged, concurrent.futures.Future) else None
+        job = self._worker.submit(self._after_save, step, staged)
         self._jobs.append(job)
         return job
 
@@ -243,13 +243,16 @@ class TierManager:
         while len(self._jobs) > keep:
             self._jobs.pop(0).result()
 
-    def _after_save(self, step: int, upload: concurrent.futures.Future) -> dict[str, Any]:
-        """The worker thread, after the local save of ``step``: metadata to
-        every node, replicas, retention, drain."""
+    def _after_save(self, step: int, staged: Any) -> dict[str, Any]:
+        """The worker thread: the local save of ``step``, then the metadata
+        to every node, replicas, retention, drain."""
         t0 = time.perf_counter()
-        upload.result()
-        saved = time.perf_counter()
         directory = store.step_dir(self.local_root, step)
+        if isinstance(staged, concurrent.futures.Future):
+            staged = staged.result()
+        dcp.save(staged, storage_writer=self.writer, checkpoint_id=directory, process_group=self._save_group)
+        del staged
+        saved = time.perf_counter()
         box = [read_metadata_bytes(directory) if self.rank == 0 else None]
         dist.broadcast_object_list(box, group_src=0, group=self._repl_group)
         blob = box[0]
@@ -310,3 +313,13 @@ class TierManager:
         log.warning("fp_dcp tiers: %s", message)
         if self.rank == 0:
             warnings.warn(f"fp_dcp tiers: {message}", RuntimeWarning, stacklevel=3)
+
+
+def _lower_priority(nice: int) -> None:
+    """Give the calling thread (Linux: a thread id is a process id for
+    setpriority) the nice value ``nice``, if the system allows it."""
+    if nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (OSError, AttributeError):
+            pass
