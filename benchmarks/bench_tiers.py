@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_DIR, drop_caches, format_table, timestamp, write_json  # noqa: E402
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
+MODES = ("none", "tiers", "stock")
 WORLD = 4
 
 
@@ -152,7 +153,8 @@ def _restore_tiers(rank, cfg):
     seconds = time.perf_counter() - t0
     res = mgr.last_restore
     mgr.close()
-    return {"seconds": seconds, "step": step, "bytes_from": res.node_bytes_from, "skipped": res.skipped}
+    return {"seconds": seconds, "step": step, "bytes_from": res.node_bytes_from, "skipped": res.skipped,
+            "phases": res.phases}
 
 
 def _restore_persistent(rank, cfg):
@@ -300,6 +302,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--throttle-mbps", type=int, default=200)
     ap.add_argument("--tier-size", default=4 << 30, type=int, help="bytes of the loop-mounted file system")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds of the three runs, interleaved; restores as many")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     if a.iters % a.persist_every:
@@ -319,31 +322,45 @@ def main(argv=None) -> int:
         if tier.why:
             print(f"note: {tier.why}", file=sys.stderr)
         report["persistent_tier"].update(measure_tier(tier.path))
-        runs = {}
-        for mode in ("none", "tiers", "stock"):
-            persist = tier.path / mode
-            persist.mkdir(exist_ok=True)
-            cfg = {**base, "job": "train", "mode": mode, "local": str(a.dir / mode / "node{node}"),
-                   "persist": str(persist)}
-            res = run_job(cfg)
-            per_iter = [max(r["times"][i] for r in res) for i in range(a.iters)]
-            runs[mode] = {"iter_median_s": statistics.median(per_iter[2:]), "iter_mean_s": statistics.mean(per_iter[2:]),
-                          "tail_s": max(r["tail_seconds"] for r in res), "errors": res[0]["errors"]}
-            print(f"{mode}: median iteration {runs[mode]['iter_median_s'] * 1e3:.1f} ms "
-                  f"(mean {runs[mode]['iter_mean_s'] * 1e3:.1f}), tail {runs[mode]['tail_s']:.2f} s", flush=True)
+        per_iter: dict[str, list] = {m: [] for m in MODES}
+        tails: dict[str, list] = {m: [] for m in MODES}
+        errors: list = []
+        for rnd in range(a.repeat):  # interleaved: the machine's load drifts
+            for mode in MODES:
+                persist = tier.path / f"{mode}{rnd}"
+                persist.mkdir(exist_ok=True)
+                cfg = {**base, "job": "train", "mode": mode, "local": str(a.dir / f"{mode}{rnd}" / "node{node}"),
+                       "persist": str(persist)}
+                res = run_job(cfg)
+                its = [max(r["times"][i] for r in res) for i in range(2, a.iters)]  # the slowest rank, warm
+                per_iter[mode] += its
+                tails[mode].append(max(r["tail_seconds"] for r in res))
+                errors += res[0]["errors"]
+                print(f"round {rnd} {mode}: median iteration {statistics.median(its) * 1e3:.1f} ms", flush=True)
+        runs = {m: {"iter_median_s": statistics.median(per_iter[m]), "iter_mean_s": statistics.mean(per_iter[m]),
+                    "tail_s": max(tails[m])} for m in MODES}
         report["runs"] = runs
-        # node 1 lost: its local directory goes
-        shutil.rmtree(a.dir / "tiers" / "node1")
-        cfg = {**base, "local": str(a.dir / "tiers" / "node{node}"), "persist": str(tier.path / "tiers")}
-        dropped = drop_caches()[0]
-        rt = run_job({**cfg, "job": "restore_tiers"})
-        drop_caches()
-        step_path = tier.path / "tiers" / f"step_{a.iters:09d}"
-        rp = run_job({**cfg, "job": "restore_persistent", "path": str(step_path)})
+        report["errors"] = errors
+        # node 1 lost: its local directory goes; the last round's checkpoints are restored
+        last = a.repeat - 1
+        shutil.rmtree(a.dir / f"tiers{last}" / "node1")
+        cfg = {**base, "local": str(a.dir / f"tiers{last}" / "node{node}"), "persist": str(tier.path / f"tiers{last}")}
+        step_path = tier.path / f"tiers{last}" / f"step_{a.iters:09d}"
+        rts, rps = [], []
+        dropped = True
+        for _ in range(a.repeat):
+            dropped &= drop_caches()[0]
+            rts.append(run_job({**cfg, "job": "restore_tiers"}))
+            dropped &= drop_caches()[0]
+            rps.append(run_job({**cfg, "job": "restore_persistent", "path": str(step_path)}))
+        tiers_s = [max(r["seconds"] for r in rt) for rt in rts]
+        pers_s = [max(r["seconds"] for r in rp) for rp in rps]
+        rt = rts[-1]
         report["recovery"] = {
-            "cold_cache": dropped,
-            "tiers_s": max(r["seconds"] for r in rt), "bytes_from": rt[0]["bytes_from"], "step": rt[0]["step"],
-            "skipped": rt[0]["skipped"], "persistent_s": max(r["seconds"] for r in rp),
+            "cold_cache": dropped, "tiers_runs_s": tiers_s, "persistent_runs_s": pers_s,
+            "tiers_s": statistics.median(tiers_s), "bytes_from": rt[0]["bytes_from"], "step": rt[0]["step"],
+            "skipped": rt[0]["skipped"], "tiers_phases_rank0": rt[0]["phases"],
+            "persistent_s": statistics.median(pers_s),
         }
     none, tiers, stock = (runs[m]["iter_median_s"] for m in ("none", "tiers", "stock"))
     rec = report["recovery"]
@@ -359,8 +376,9 @@ def main(argv=None) -> int:
              f"{report['ratios']['stock_overhead_vs_none'] * 100:+.1f}%"]]
     print(format_table(["run", "median iteration ms", "vs none"], rows))
     print(f"state {state_bytes / 1e6:.0f} MB; persistent tier: {report['persistent_tier']}")
-    print(f"recovery of step {rec['step']} after losing node 1: tiers {rec['tiers_s']:.2f} s "
-          f"(bytes {rec['bytes_from']}), persistent tier {rec['persistent_s']:.2f} s: "
+    print(f"recovery of step {rec['step']} after losing node 1 (median of {a.repeat}): tiers {rec['tiers_s']:.2f} s "
+          f"(bytes {rec['bytes_from']}, rank 0 phases {rec['tiers_phases_rank0']}), "
+          f"persistent tier {rec['persistent_s']:.2f} s: "
           f"{report['ratios']['recovery_speedup_vs_persistent']:.1f}x faster"
           + ("" if rec["cold_cache"] else " (page cache NOT dropped: not root)"))
     if a.json:

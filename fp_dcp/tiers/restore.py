@@ -66,6 +66,7 @@ class RestoreResult:
     skipped: list[str]  # every rank's: file, source and why it was passed over
     seconds: float
     node_bytes_from: dict[str, int] = dataclasses.field(default_factory=dict)  # the whole job's
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds: agree, assemble, load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +151,7 @@ def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str,
         return None
     s, save_id, files = chosen
     sizes = dict(files)
+    phases = {"agree": time.perf_counter() - t0}
 
     def holds(r: int, name: str) -> bool:
         h = invs[r].get(s)
@@ -238,6 +240,7 @@ def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str,
         failed = {(receiver, name) for name, _, _, receiver in flat}
         pending = [need for need, _, _ in plan if (need.receiver, need.name) in failed]
 
+    phases["assemble"] = time.perf_counter() - t0 - phases["agree"]
     # 5. the node's metadata, then the load
     if leader:
         mine_names = {need.name for need in needs if need.node == node}
@@ -245,17 +248,21 @@ def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str,
         store.write_atomic(os.path.join(restore_dir, fmt.METADATA_NAME),
                            fmt.encode_metadata(metadata, sub, extra), sync=False)
     dist.barrier(group=group)
+    # every rank reads only its node's files (no shared reads), and through
+    # the page cache: the assembly just read (and checked) or wrote every one
     opts = (options or FastPersistOptions.from_env()).replace(
-        share_replicated_reads=False, share_interleaved_reads=False)  # every rank reads only its node's files
+        share_replicated_reads=False, share_interleaved_reads=False, direct_io=False)
+    t_load = time.perf_counter()
     dcp.load(state_dict, storage_reader=FastPersistReader(restore_dir, options=opts), planner=planner,
              process_group=group)
     dist.barrier(group=group)
+    phases["load"] = time.perf_counter() - t_load
     if leader:
         shutil.rmtree(restore_dir, ignore_errors=True)
     totals: list = [None] * world
     dist.all_gather_object(totals, taken, group=group)
     job = {t: sum(x[t] for x in totals) for t in TIERS}
-    return RestoreResult(s, save_id, taken, skipped, time.perf_counter() - t0, job)
+    return RestoreResult(s, save_id, taken, skipped, time.perf_counter() - t0, job, phases)
 
 
 def _source_key(tier: str, src: int, topology: Topology) -> str:
