@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -286,29 +285,6 @@ def test_corrupt_replica_falls_back_to_persistent(tmp_path_factory):
 
 # ---------------------------------------------------- drains under fire
 
-_CHILD = textwrap.dedent('''
-    import os, sys, json
-    import torch, torch.distributed as dist
-    root, kill_at = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(root, "rdv"), rank=0, world_size=1)
-    from fp_dcp import TierManager
-    from fp_dcp.tiers import drain
-    def hook(point):
-        if point.startswith(kill_at) and current[0] == 4:
-            os._exit(9)
-    current = [0]
-    drain.fault_hook = hook
-    mgr = TierManager(os.path.join(root, "node{node}"), os.path.join(root, "persist"), replicas=0,
-                      persist_every=2, ranks_per_node=1, keep_persistent=5)
-    for step in range(1, 5):
-        current[0] = step
-        sd = {"w": torch.full((1000, 300), float(step)), "v": torch.arange(step * 100.0), "step": step}
-        mgr.save(step, sd)
-        mgr.wait()
-    mgr.close()
-    print(json.dumps({s: h["drain"].ok for s, h in mgr.history.items() if "drain" in h}))
-    dist.destroy_process_group()
-''')
 
 
 @pytest.mark.parametrize("kill_at", [
@@ -316,17 +292,14 @@ _CHILD = textwrap.dedent('''
     pytest.param("committed", marks=pytest.mark.slow), pytest.param("never", marks=pytest.mark.slow),
 ])
 def test_drain_killed_leaves_previous_or_new_step(tmp_path, kill_at):
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    from fp_dcp import FastPersistReader
     from fp_dcp.tiers import store
     from fp_dcp.tools.rotation import committed_checkpoints
     from fp_dcp.tools.verify import verify_checkpoint
+    from tests._tiers_child import check_loads
 
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    p = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), kill_at], env=env,
-                       capture_output=True, text=True, timeout=120)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "tests._tiers_child", str(tmp_path), kill_at], cwd=repo,
+                       env={**os.environ, "PYTHONPATH": repo}, capture_output=True, text=True, timeout=120)
     if kill_at == "never":
         assert p.returncode == 0, p.stderr
         assert json.loads(p.stdout.strip().splitlines()[-1]) == {"2": True, "4": True}
@@ -338,9 +311,7 @@ def test_drain_killed_leaves_previous_or_new_step(tmp_path, kill_at):
     assert newest == (4 if kill_at in ("committed", "never") else 2)
     path = store.step_dir(persist, newest)
     assert verify_checkpoint(path).ok
-    sd = {"w": torch.zeros(1000, 300), "v": torch.zeros(newest * 100), "step": 0}
-    dcp.load(sd, storage_reader=FastPersistReader(path), no_dist=True)
-    assert sd["step"] == newest and bool((sd["w"] == newest).all()) and torch.equal(sd["v"], torch.arange(newest * 100.0))
+    check_loads(path, newest)
 
 
 def _failing_drain(rank, world_size, root):
@@ -386,3 +357,44 @@ def test_failed_drain_is_reported_retried_and_harmless(tmp_path):
     assert committed_checkpoints(persist) == [store.step_dir(persist, 2)]
     assert verify_checkpoint(store.step_dir(persist, 2)).ok
     assert [n for n in os.listdir(store.step_dir(persist, 4)) if n.endswith(".fpd")] == []
+
+
+# --------------------------------------------------------- NCCL transport
+
+
+def _nccl_replicas(rank, world_size, root):
+    import torch
+
+    from fp_dcp import TierManager
+    from fp_dcp.tiers import store
+    from fp_dcp.tools.verify import verify_checkpoint
+
+    torch.cuda.set_device(rank)
+
+    def manager():
+        return TierManager(os.path.join(root, "node{node}"), None, replicas=1, ranks_per_node=1, transport="nccl")
+
+    mgr = manager()
+    mgr.save(1, {f"w{rank}": torch.full((1000, 300), 1.0 + rank), "step": 1})  # one key per rank: no dedup
+    mgr.close()
+    assert verify_checkpoint(store.step_dir(mgr.local_root, 1)).ok  # own files and the other node's
+    torch.distributed.barrier()
+    if rank == 1:
+        shutil.rmtree(mgr.local_root)
+    torch.distributed.barrier()
+    mgr = manager()
+    sd = {f"w{rank}": torch.zeros(1000, 300), "step": 0}
+    assert mgr.restore(sd) == 1
+    by_tier = mgr.last_restore.node_bytes_from
+    mgr.close()
+    return bool((sd[f"w{rank}"] == 1.0 + rank).all()), by_tier
+
+
+@pytest.mark.slow
+def test_nccl_transport_moves_replicas(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("the NCCL transport needs CUDA and one GPU per rank (2 here)")
+    for same, by_tier in run_ranks(2, _nccl_replicas, str(tmp_path), timeout=300):
+        assert same and by_tier["replica"] > 0 and by_tier["persistent"] == 0
