@@ -30,7 +30,6 @@ the throttled persistent tier, page cache dropped before each.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import shutil

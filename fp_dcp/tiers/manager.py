@@ -285,10 +285,10 @@ class TierManager:
             pinned = set(self._pinned)
         if leader:
             store.retain(self.local_root, self.keep_local, pinned)
+        info = {"save_seconds": saved - t0, "replicate_seconds": time.perf_counter() - saved, **stats}
+        self.history[step] = info  # before the drain adds its outcome to it
         if drain_now:
             self._drains.append(self._drainer.submit(self._drain, step))
-        info = {"save_seconds": saved - t0, "replicate_seconds": time.perf_counter() - saved, **stats}
-        self.history[step] = info
         return info
 
     def _drain(self, step: int) -> drain.DrainResult:

@@ -26,7 +26,6 @@ arrived damaged is never taken for a replica.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable
 
 import numpy as np
