@@ -33,6 +33,12 @@ Short transfers, the corruptions, rotation and the attacks (the tests of
   padding), truncated and deleted data files, flipped and truncated metadata.
 * concurrency: two writers into one directory; a reader during saves.
 * rotation: 200 saves with ``keep_last(3)``, no leak.
+* kill-drain: a ``TierManager`` job killed during its drain to the
+  persistent tier, at every point of the drain protocol and at random
+  moments (``tests/_tiers_child.py``).  Survived: the persistent tier's
+  newest committed step is the previous drained step or the new one, whole
+  (every checksum verified, loads bit for bit), never a mix; a rerun of the
+  job drains again and leaves nothing uncommitted behind.
 * attacks: every attack of ``tests/test_security.py`` (pickled payloads,
   metadata naming files outside the checkpoint, planted symbolic links,
   native-layer overflows, the metadata fuzzer): no code runs, nothing outside
@@ -430,6 +436,48 @@ def rotation(m: Matrix, base: str, quick: bool) -> None:
 # ------------------------------------------------------------------ checksum cost
 
 
+def kills_during_drain(m: Matrix, base: str, quick: bool) -> None:
+    """Multi-tier checkpointing: a job killed while it drains step 4 to the
+    persistent tier (the points of ``fp_dcp.tiers.drain``, then random
+    moments)."""
+    from fp_dcp.tiers import store
+    from fp_dcp.tools.rotation import committed_checkpoints
+    from fp_dcp.tools.verify import verify_checkpoint
+    from tests._tiers_child import check_loads
+
+    rng = random.Random(17)
+    points = ["start", "copied", "before-commit", "committed"]
+    points += [f"delay:{rng.uniform(0.0, 0.05):.4f}" for _ in range(2 if quick else 8)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def job(root: str, point: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tests._tiers_child", root, point], cwd=str(ROOT), env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    print(f"kill-drain: {len(points)} points", flush=True)
+    for i, point in enumerate(points):
+        with m.case("kill-drain", point):
+            root = os.path.join(base, f"drain-{i}")
+            os.makedirs(root)
+            r = job(root, point)
+            _expect(r.returncode in (0, 9), f"exit {r.returncode}: {r.stderr[-800:]}")
+            persist = os.path.join(root, "persist")
+            committed = committed_checkpoints(persist)
+            newest = max(s for s, p in store.steps(persist) if p in committed)
+            _expect(newest in (2, 4), f"newest committed step {newest}")
+            _expect(newest == 4 or r.returncode == 9, "not killed, yet step 4 was not committed")
+            path = store.step_dir(persist, newest)
+            _expect(verify_checkpoint(path).ok, f"{path} does not verify")
+            check_loads(path, newest)
+            r = job(root, "never")  # the job again: it drains, and tidies what the kill left
+            _expect(r.returncode == 0, f"the rerun failed: {r.stderr[-800:]}")
+            for s, p in store.steps(persist):
+                _expect(p in committed_checkpoints(persist), f"uncommitted {p} left behind")
+                _expect(verify_checkpoint(p).ok, f"{p} does not verify")
+                check_loads(p, s)
+            shutil.rmtree(root)
+
+
 def bench_checksums(args) -> int:
     # run under `flock /tmp/fp_dcp_bench.lock` (see the docstring): taking the lock here too, on a
     # second open of the file, waited forever for the flock that started this process
@@ -584,6 +632,7 @@ def main() -> int:
         ("concurrency", concurrency),
         ("rotation", rotation),
         ("attacks", attacks),
+        ("kill-drain", kills_during_drain),
     ]
     only = set(args.only.split(",")) if args.only else None
     m = Matrix()

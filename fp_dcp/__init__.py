@@ -23,6 +23,7 @@ _EXPORTS = {
     "use_as_default": "fp_dcp._dcp_hooks",
     "restore_default": "fp_dcp._dcp_hooks",
     "default_storage": "fp_dcp._dcp_hooks",
+    "TierManager": "fp_dcp.tiers.manager",
 }
 
 __all__ = ["FastPersistWriter", "FastPersistReader", "FastPersistOptions", "__version__",

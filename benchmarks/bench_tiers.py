@@ -1,0 +1,390 @@
+"""Multi-tier checkpointing (issue 17): the cost per training iteration and
+the recovery time of ``fp_dcp.TierManager``, against no checkpointing and
+stock ``dcp.async_save`` to the persistent path.
+
+4 gloo ranks on this machine act as 2 nodes (``ranks_per_node=2``), an
+FSDP2 model (``--layers`` Linear layers of ``--width``) with AdamW.  The
+persistent tier is an ext4 file system on a loop device, throttled like a
+shared file system (cgroup v1 blkio ``throttle.{read,write}_bps_device`` on
+the loop device, ``--throttle-mbps``), set up and torn down here as root;
+the local tier is the bare disk (``--dir``).  Where the loop device or the
+cgroup cannot be set up the run says so and uses an unthrottled directory.
+
+Runs, each ``--iters`` iterations (``--persist-every`` divides it):
+
+* ``none``: no checkpointing;
+* ``tiers``: every step to the local tier + ``--replicas`` replica,
+  drained every ``--persist-every`` steps (lazy staging);
+* ``stock``: ``dcp.async_save`` with the stock ``FileSystemWriter`` to the
+  persistent tier every ``--persist-every`` steps (own gloo group, the
+  previous save awaited before the next: torchtitan's pattern);
+
+then node 1 is lost (its local directory deleted) and 4 fresh ranks
+restore the last step twice: through ``TierManager.restore`` (local tier
+and replicas) and with ``dcp.load`` + ``FastPersistReader`` straight from
+the throttled persistent tier, page cache dropped before each.
+
+    flock /tmp/fp_dcp_bench.lock python benchmarks/bench_tiers.py --json bench_out/tiers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DEFAULT_DIR, drop_caches, format_table, timestamp, write_json  # noqa: E402
+
+BLKIO = Path("/sys/fs/cgroup/blkio")
+MODES = ("none", "tiers", "stock")
+WORLD = 4
+
+
+# ----------------------------------------------------------------- ranks
+
+def _rank_main(rank, cfg, queue):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, cfg["repo"])
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{cfg['rdv']}", rank=rank, world_size=WORLD)
+        out = {"train": _train, "restore_tiers": _restore_tiers, "restore_persistent": _restore_persistent}[
+            cfg["job"]](rank, cfg)
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put((rank, True, out))
+    except BaseException:  # noqa: BLE001
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def _model(cfg, seed):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(cfg["layers"]):
+        layers += [torch.nn.Linear(cfg["width"], cfg["width"]), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _state(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def _train(rank, cfg):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _model(cfg, 0)
+    g = torch.Generator().manual_seed(rank)
+    batch = [torch.randn(cfg["batch"], cfg["width"], generator=g) for _ in range(4)]
+    mode = cfg["mode"]
+    mgr = group = pending = None
+    if mode == "tiers":
+        from fp_dcp import TierManager
+
+        mgr = TierManager(cfg["local"], cfg["persist"], replicas=cfg["replicas"],
+                          persist_every=cfg["persist_every"], ranks_per_node=2, keep_local=2, keep_persistent=2)
+    elif mode == "stock":
+        group = dist.new_group(backend="gloo")
+    times = []
+    for step in range(1, cfg["iters"] + 1):
+        t0 = time.perf_counter()
+        model(batch[step % 4]).pow(2).mean().backward()
+        if mgr is not None:
+            mgr.wait_staged()
+        opt.step()
+        opt.zero_grad()
+        if mgr is not None:
+            mgr.save(step, _state(model, opt))
+        elif mode == "stock" and step % cfg["persist_every"] == 0:
+            if pending is not None:
+                pending.result()
+            pending = dcp.async_save(_state(model, opt), checkpoint_id=os.path.join(cfg["persist"], f"step_{step}"),
+                                     storage_writer=dcp.FileSystemWriter(os.path.join(cfg["persist"], f"step_{step}")),
+                                     process_group=group)
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    if mgr is not None:
+        mgr.close()
+        errors = mgr.errors
+    else:
+        errors = []
+        if pending is not None:
+            pending.result()
+    tail = time.perf_counter() - t0
+    return {"times": times, "tail_seconds": tail, "errors": errors}
+
+
+def _restore_tiers(rank, cfg):
+    from fp_dcp import TierManager
+
+    model, opt = _model(cfg, 1)
+    _warm(model, opt, cfg)
+    sd = _state(model, opt)
+    t0 = time.perf_counter()
+    mgr = TierManager(cfg["local"], cfg["persist"], replicas=cfg["replicas"], persist_every=cfg["persist_every"],
+                      ranks_per_node=2)
+    step = mgr.restore(sd)
+    seconds = time.perf_counter() - t0
+    res = mgr.last_restore
+    mgr.close()
+    return {"seconds": seconds, "step": step, "bytes_from": res.node_bytes_from, "skipped": res.skipped,
+            "phases": res.phases}
+
+
+def _restore_persistent(rank, cfg):
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistReader
+
+    model, opt = _model(cfg, 1)
+    _warm(model, opt, cfg)
+    sd = _state(model, opt)
+    t0 = time.perf_counter()
+    dcp.load(sd, storage_reader=FastPersistReader(cfg["path"]))
+    return {"seconds": time.perf_counter() - t0}
+
+
+def _warm(model, opt, cfg):
+    """One step, so that the optimizer has state to load into."""
+    import torch
+
+    model(torch.randn(2, cfg["width"])).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def run_job(cfg: dict, timeout: float = 1800) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        cfg = {**cfg, "rdv": os.path.join(d, "rdv")}
+        procs = [ctx.Process(target=_rank_main, args=(r, cfg, queue), daemon=True) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        results = {}
+        try:
+            for _ in range(WORLD):
+                rank, ok, value = queue.get(timeout=timeout)
+                if not ok:
+                    raise RuntimeError(f"rank {rank} failed ({cfg['job']}):\n{value}")
+                results[rank] = value
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    return [results[r] for r in range(WORLD)]
+
+
+# ----------------------------------------------------- the persistent tier
+
+class ThrottledTier:
+    """An ext4 file system on a loop device under ``base``, mounted at
+    ``base/mnt``, and a cgroup v1 blkio group limiting that device to
+    ``mbps`` MB/s read and write, which this process (so its children)
+    joins.  ``why`` says what could not be set up (then ``path`` is a plain
+    directory)."""
+
+    def __init__(self, base: Path, size: int, mbps: int) -> None:
+        self.base, self.size, self.mbps = base, size, mbps
+        self.image, self.mnt = base / "persist.img", base / "mnt"
+        self.loop = self.group = None
+        self.why = ""
+
+    def __enter__(self) -> "ThrottledTier":
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        try:
+            if os.geteuid() != 0:
+                raise PermissionError("not root")
+            with open(self.image, "wb") as f:
+                f.truncate(self.size)
+            self.loop = subprocess.run(["losetup", "-f", "--show", str(self.image)], check=True,
+                                       capture_output=True, text=True).stdout.strip()
+            subprocess.run(["mkfs.ext4", "-q", "-F", self.loop], check=True, capture_output=True)
+            subprocess.run(["mount", self.loop, str(self.mnt)], check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            self.why = f"no loop-mounted tier ({getattr(e, 'stderr', '') or e}); persistent tier unthrottled on the bare disk"
+            self._umount()
+            return self
+        try:
+            st = os.stat(self.loop)
+            dev = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+            if not (BLKIO / "blkio.throttle.read_bps_device").exists():
+                raise OSError("no cgroup v1 blkio throttling")
+            self.group = BLKIO / f"fp_dcp_tiers_{os.getpid()}"
+            self.group.mkdir(exist_ok=True)
+            rate = self.mbps * 1_000_000
+            (self.group / "blkio.throttle.read_bps_device").write_text(f"{dev} {rate}\n")
+            (self.group / "blkio.throttle.write_bps_device").write_text(f"{dev} {rate}\n")
+            (self.group / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        except OSError as e:
+            self.why = f"loop device not throttled ({e})"
+        return self
+
+    @property
+    def path(self) -> Path:
+        return self.mnt
+
+    def __exit__(self, *exc) -> None:
+        if self.group is not None:
+            try:
+                (BLKIO / "cgroup.procs").write_text(f"{os.getpid()}\n")
+            except OSError:
+                pass
+            for _ in range(50):
+                try:
+                    self.group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+        self._umount()
+
+    def _umount(self) -> None:
+        if self.loop:
+            subprocess.run(["umount", str(self.mnt)], capture_output=True)
+            subprocess.run(["losetup", "-d", self.loop], capture_output=True)
+            self.loop = None
+        try:
+            self.image.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def measure_tier(path: Path, nbytes: int = 256 << 20) -> dict:
+    """MB/s of an O_DIRECT write and read of ``nbytes`` under ``path`` (dd)."""
+    f = path / "probe.bin"
+    out = {}
+    for name, args in (("write", ["if=/dev/zero", f"of={f}", "oflag=direct"]),
+                       ("read", [f"if={f}", "of=/dev/null", "iflag=direct"])):
+        t0 = time.perf_counter()
+        subprocess.run(["dd", *args, "bs=4M", f"count={nbytes >> 22}", "status=none"], check=True)
+        out[f"{name}_mbps"] = nbytes / (time.perf_counter() - t0) / 1e6
+    f.unlink()
+    return out
+
+
+# ------------------------------------------------------------------ main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", type=Path, default=DEFAULT_DIR / "tiers", help="work directory (the local tier)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--persist-every", type=int, default=10)
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--throttle-mbps", type=int, default=200)
+    ap.add_argument("--tier-size", default=4 << 30, type=int, help="bytes of the loop-mounted file system")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds of the three runs, interleaved; restores as many")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    if a.iters % a.persist_every:
+        ap.error("--persist-every must divide --iters (the last step is then in every tier)")
+    if a.dir.exists():
+        shutil.rmtree(a.dir)
+    a.dir.mkdir(parents=True)
+    repo = str(Path(__file__).resolve().parents[1])
+    base = {"repo": repo, "layers": a.layers, "width": a.width, "batch": a.batch, "iters": a.iters,
+            "persist_every": a.persist_every, "replicas": a.replicas}
+    state_bytes = a.layers * (a.width * a.width + a.width) * 4 * 3
+    report: dict = {"when": timestamp(), "args": {k: str(v) for k, v in vars(a).items()},
+                    "state_bytes": state_bytes}
+    with ThrottledTier(a.dir, a.tier_size, a.throttle_mbps) as tier:
+        report["persistent_tier"] = {"throttle_mbps": a.throttle_mbps if not tier.why else None,
+                                     "note": tier.why or None}
+        if tier.why:
+            print(f"note: {tier.why}", file=sys.stderr)
+        report["persistent_tier"].update(measure_tier(tier.path))
+        per_iter: dict[str, list] = {m: [] for m in MODES}
+        tails: dict[str, list] = {m: [] for m in MODES}
+        errors: list = []
+        for rnd in range(a.repeat):  # interleaved: the machine's load drifts
+            for mode in MODES:
+                persist = tier.path / f"{mode}{rnd}"
+                persist.mkdir(exist_ok=True)
+                cfg = {**base, "job": "train", "mode": mode, "local": str(a.dir / f"{mode}{rnd}" / "node{node}"),
+                       "persist": str(persist)}
+                res = run_job(cfg)
+                its = [max(r["times"][i] for r in res) for i in range(2, a.iters)]  # the slowest rank, warm
+                per_iter[mode] += its
+                tails[mode].append(max(r["tail_seconds"] for r in res))
+                errors += res[0]["errors"]
+                print(f"round {rnd} {mode}: median iteration {statistics.median(its) * 1e3:.1f} ms", flush=True)
+        runs = {m: {"iter_median_s": statistics.median(per_iter[m]), "iter_mean_s": statistics.mean(per_iter[m]),
+                    "tail_s": max(tails[m])} for m in MODES}
+        report["runs"] = runs
+        report["errors"] = errors
+        # node 1 lost: its local directory goes; the last round's checkpoints are restored
+        last = a.repeat - 1
+        shutil.rmtree(a.dir / f"tiers{last}" / "node1")
+        cfg = {**base, "local": str(a.dir / f"tiers{last}" / "node{node}"), "persist": str(tier.path / f"tiers{last}")}
+        step_path = tier.path / f"tiers{last}" / f"step_{a.iters:09d}"
+        rts, rps = [], []
+        dropped = True
+        for _ in range(a.repeat):
+            dropped &= drop_caches()[0]
+            rts.append(run_job({**cfg, "job": "restore_tiers"}))
+            dropped &= drop_caches()[0]
+            rps.append(run_job({**cfg, "job": "restore_persistent", "path": str(step_path)}))
+        tiers_s = [max(r["seconds"] for r in rt) for rt in rts]
+        pers_s = [max(r["seconds"] for r in rp) for rp in rps]
+        rt = rts[-1]
+        report["recovery"] = {
+            "cold_cache": dropped, "tiers_runs_s": tiers_s, "persistent_runs_s": pers_s,
+            "tiers_s": statistics.median(tiers_s), "bytes_from": rt[0]["bytes_from"], "step": rt[0]["step"],
+            "skipped": rt[0]["skipped"], "tiers_phases_rank0": rt[0]["phases"],
+            "persistent_s": statistics.median(pers_s),
+        }
+    none, tiers, stock = (runs[m]["iter_median_s"] for m in ("none", "tiers", "stock"))
+    rec = report["recovery"]
+    report["ratios"] = {
+        "tiers_overhead_vs_none": tiers / none - 1,
+        "stock_overhead_vs_none": stock / none - 1,
+        "tiers_vs_stock_iteration": tiers / stock,
+        "recovery_speedup_vs_persistent": rec["persistent_s"] / rec["tiers_s"],
+    }
+    rows = [["none", f"{none * 1e3:.1f}", "-"], [f"tiers (every step, {a.replicas} replica, drain /{a.persist_every})", f"{tiers * 1e3:.1f}",
+            f"{report['ratios']['tiers_overhead_vs_none'] * 100:+.1f}%"],
+            [f"stock async_save /{a.persist_every}", f"{stock * 1e3:.1f}",
+             f"{report['ratios']['stock_overhead_vs_none'] * 100:+.1f}%"]]
+    print(format_table(["run", "median iteration ms", "vs none"], rows))
+    print(f"state {state_bytes / 1e6:.0f} MB; persistent tier: {report['persistent_tier']}")
+    print(f"recovery of step {rec['step']} after losing node 1 (median of {a.repeat}): tiers {rec['tiers_s']:.2f} s "
+          f"(bytes {rec['bytes_from']}, rank 0 phases {rec['tiers_phases_rank0']}), "
+          f"persistent tier {rec['persistent_s']:.2f} s: "
+          f"{report['ratios']['recovery_speedup_vs_persistent']:.1f}x faster"
+          + ("" if rec["cold_cache"] else " (page cache NOT dropped: not root)"))
+    if a.json:
+        write_json(a.json, report)
+    shutil.rmtree(a.dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""Multi-tier checkpointing (``docs/TIERS.md``): every step to node-local
+storage, replicated to other nodes over a process group, drained to a
+persistent root every N steps; restore from the fastest complete tier on
+any world size.
+
+The public entry point is :class:`fp_dcp.tiers.manager.TierManager` (also
+``fp_dcp.TierManager``).  Modules, one concern each: ``topology`` (nodes,
+replica placement), ``store`` (directories, retention), ``integrity``
+(checksummed copies), ``replicate`` (bytes between ranks), ``drain``
+(local -> persistent commit), ``restore`` (agreement, assembly, load),
+``manager`` (the loop's API).
+"""

@@ -1,0 +1,153 @@
+"""Draining a committed local checkpoint to the persistent tier.
+
+Runs on every rank, on the manager's drain thread, over the manager's own
+gloo group (never the training's).  Each rank copies its own data files of
+the step from its node's local tier to ``<persistent root>/step_<step>/``,
+checking every checksum block on the way (:mod:`fp_dcp.tiers.integrity`)
+and ``fsync``-ing each file; the ranks then compare outcomes, and only when
+every rank succeeded does rank 0 commit: the metadata written beside the
+data files, synced, renamed over ``.fp_dcp.meta``, the directory synced —
+the writer's commit protocol (``docs/FORMAT.md``).  Then, and only then,
+data files no longer named by the metadata go, and older uncommitted step
+directories (drains that died) are removed.
+
+What a crash leaves: before the rename, the new step's directory without
+metadata (not a checkpoint: nothing loads it, the next drain or retention
+removes it) and every earlier step untouched; after it, the new step.  A
+step is drained into its own directory, so the previous persistent
+checkpoint is never written to.  A failed drain removes what it copied and
+is retried by the manager (``drain_retries``), the failure reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from fp_dcp import format as fmt
+from fp_dcp.files import read_metadata_bytes
+from fp_dcp.tiers import integrity, store
+from fp_dcp.tools.rotation import keep_last
+
+__all__ = ["DrainResult", "drain_step", "files_of_rank"]
+
+# Test hook: called with the name of each point of the protocol a drain
+# passes ("start <step>", "copied <file>", "before-commit", "committed"); tests that kill a
+# drain there set it in the child process.
+fault_hook: Callable[[str], None] | None = None
+
+_RANK = re.compile(r"\.r(\d{1,9})\.")
+
+
+def files_of_rank(layout: fmt.StorageLayout, rank: int) -> list[int]:
+    """The ids of the data files that ``rank`` wrote (the writer's names say it)."""
+    out = []
+    for fid, (name, _) in enumerate(layout.files):
+        m = _RANK.search(name)
+        if m is not None and int(m.group(1)) == rank:
+            out.append(fid)
+    return out
+
+
+@dataclasses.dataclass
+class DrainResult:
+    step: int
+    ok: bool
+    bytes: int = 0  # this rank's
+    seconds: float = 0.0
+    error: str | None = None  # the first failure of any rank
+    skipped: bool = False  # already committed there
+
+
+def _point(name: str) -> None:
+    if fault_hook is not None:
+        fault_hook(name)
+
+
+def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group,
+               keep: int | None = None, sync: bool = True) -> DrainResult:
+    """Drain ``local_dir`` (a committed step of this node's local tier) to
+    the persistent root; every rank of ``group`` calls it for the same step."""
+    t0 = time.perf_counter()
+    dest = store.step_dir(persistent_root, step)
+    done = False
+    copied = 0
+    error = blob = layout = None
+    try:  # any failure here is this rank's outcome: the others must still meet it below
+        _point(f"start {step}")
+        blob = read_metadata_bytes(local_dir)
+        _, layout, _ = fmt.decode_metadata(blob, os.path.join(local_dir, fmt.METADATA_NAME))
+        if any("/" in name for name, _ in layout.files):
+            raise ValueError(f"{local_dir}: tiers do not drain checkpoints saved with data_dirs")
+        done = _committed_save_id(dest) == layout.save_id
+        if not done:
+            os.makedirs(dest, exist_ok=True)
+            for fid in files_of_rank(layout, rank):
+                name = layout.files[fid][0]
+                copied += integrity.copy_checked(os.path.join(local_dir, name), os.path.join(dest, name),
+                                                 layout, fid, sync=sync)
+                _point(f"copied {name}")
+            if sync:
+                store.fsync_dir(dest)
+    except Exception as e:  # noqa: BLE001 - every rank learns it below
+        error = f"rank {rank}: {e}"
+    outcomes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, (error, done), group=group)
+    first = next((e for e, _ in outcomes if e is not None), None)
+    done = first is None and all(d for _, d in outcomes)
+    if not done:
+        if first is None and rank == 0:
+            try:
+                _point("before-commit")
+                store.write_atomic(os.path.join(dest, fmt.METADATA_NAME), blob, sync=sync)  # the commit
+                _point("committed")
+                _tidy(persistent_root, dest, step, layout, keep)
+            except Exception as e:  # noqa: BLE001
+                first = f"rank 0: committing {dest}: {e}"
+        elif first is not None and layout is not None:
+            _remove_uncommitted(dest, layout, rank)
+        verdict = [first]
+        dist.broadcast_object_list(verdict, group_src=0, group=group)
+        first = verdict[0]
+    return DrainResult(step, first is None, copied, time.perf_counter() - t0, first, skipped=done)
+
+
+def _committed_save_id(directory: str) -> str | None:
+    try:
+        blob = read_metadata_bytes(directory)
+        return fmt.decode_metadata(blob, directory)[1].save_id
+    except (OSError, fmt.CheckpointFormatError):
+        return None
+
+
+def _remove_uncommitted(dest: str, layout: fmt.StorageLayout, rank: int) -> None:
+    """A failed drain: each rank removes the files it copied, unless a
+    committed metadata there names them."""
+    if _committed_save_id(dest) == layout.save_id:
+        return
+    for name in (layout.files[fid][0] for fid in files_of_rank(layout, rank)):
+        for path in (os.path.join(dest, name), os.path.join(dest, name) + ".tier-tmp"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def _tidy(root: str, dest: str, step: int, layout: fmt.StorageLayout, keep: int | None) -> None:
+    """After a commit: stale files of ``dest`` (an earlier save of the same
+    step), older step directories that never committed (drains that died),
+    and committed ones beyond ``keep``."""
+    names = {name for name, _ in layout.files}
+    for e in os.scandir(dest):
+        if (e.name.endswith(fmt.DATA_SUFFIX) and e.name not in names) or e.name.endswith(".tier-tmp"):
+            os.unlink(e.path)
+    for s, path in store.steps(root):
+        if s < step and not os.path.lexists(os.path.join(path, fmt.METADATA_NAME)):
+            store.remove_step(path)
+    if keep is not None:
+        keep_last(root, keep)

@@ -1,0 +1,325 @@
+"""``TierManager``: multi-tier checkpointing of a series of training steps.
+
+::
+
+    mgr = TierManager("/local_nvme/ckpt", "/shared/ckpt", replicas=1, persist_every=10)
+    step = mgr.restore(state_dict)            # newest step complete in any tier, or None
+    for step in range(start, steps):
+        loss = model(batch).sum(); loss.backward()
+        mgr.wait_staged()                      # the last save's copy of the state is done
+        optimizer.step()
+        mgr.save(step, state_dict)             # returns at once
+    mgr.close()                                # waits for replication and drains
+
+Each ``save`` stages the state dict through a ``FastPersistWriter`` (lazy
+staging by default: the copy to host memory overlaps the next
+forward/backward) and, on the manager's low-priority worker thread,
+writes it to the node-local tier with ``dcp.save`` (what
+``dcp.async_save`` does on its own thread), gives every node the metadata, sends each node's files to
+``replicas`` other nodes (:mod:`fp_dcp.tiers.replicate`), applies the local
+retention and, every ``persist_every`` steps, queues a drain to the
+persistent root (:mod:`fp_dcp.tiers.drain`).  ``restore`` loads the newest
+step that is complete somewhere, from the fastest tier that holds each byte
+(:mod:`fp_dcp.tiers.restore`), on any world size and sharding.
+
+Process groups: the constructor (a collective: every rank, same order)
+creates three gloo groups of all ranks: the DCP saves' and replication's
+(both on the manager's worker thread, one after the other) and the
+drains' (the drain thread) — so no background collective ever shares a
+group with the training or with another thread.  With
+``transport="nccl"`` replication and restore move bytes over an NCCL group
+instead (GPU clusters; written, untested without GPUs).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import os
+import socket
+import threading
+import time
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from fp_dcp import FastPersistOptions, FastPersistWriter
+from fp_dcp import format as fmt
+from fp_dcp.files import read_metadata_bytes
+from fp_dcp.tiers import drain, integrity, restore as _restore, store
+from fp_dcp.tiers.replicate import Transfer, run_transfers
+from fp_dcp.tiers.topology import Topology, ranks_per_node_from_env
+
+__all__ = ["TierManager"]
+
+log = logging.getLogger("fp_dcp.tiers")
+
+
+class TierManager:
+    """Checkpoint a training job into tiers: node-local every save,
+    replicated to other nodes, drained to a persistent root every
+    ``persist_every`` steps.
+
+    ``local_root``: each node's local directory (fast storage on the node).
+    A ``{node}`` in it is replaced by the node number, so that ranks on one
+    machine can act as several nodes (tests, ``FP_DCP_RANKS_PER_NODE``).
+    ``persistent_root``: the shared file system path (``None``: no drains).
+    ``replicas``: copies of each node's files kept on other nodes (fewer,
+    with a warning, when the job has fewer nodes than ``replicas + 1``).  ``persist_every``: drain every step
+    divisible by it.  ``keep_local`` / ``keep_persistent``: retention per
+    tier, in committed steps.  Nodes: ``topology`` (a
+    :class:`~fp_dcp.tiers.topology.Topology`), else ``ranks_per_node``
+    (consecutive ranks), else ``FP_DCP_RANKS_PER_NODE`` or torchrun's
+    ``LOCAL_WORLD_SIZE``, else one node per host name.  ``options``: the
+    ``FastPersistOptions`` of the local saves and of restores (default:
+    from the environment, with lazy staging; eager staging needs no
+    :meth:`wait_staged`).  ``drain_retries``: attempts of a failed drain
+    after the first (``drain_retry_seconds`` apart); a drain that still
+    fails is reported in :attr:`errors` and with a warning, and the next
+    drain is tried as usual.  ``timeout``: of the manager's process groups.
+    ``background_nice``: the nice value (Linux, per thread) of the
+    manager's save/replication and drain threads and of the threads they
+    start, so that the training's threads win the CPU (0: unchanged).
+    """
+
+    def __init__(
+        self,
+        local_root: str | os.PathLike,
+        persistent_root: str | os.PathLike | None = None,
+        *,
+        replicas: int = 1,
+        persist_every: int = 10,
+        keep_local: int = 2,
+        keep_persistent: int = 2,
+        ranks_per_node: int | None = None,
+        topology: Topology | None = None,
+        options: FastPersistOptions | None = None,
+        transport: str = "gloo",
+        drain_retries: int = 2,
+        drain_retry_seconds: float = 1.0,
+        timeout: timedelta = timedelta(minutes=30),
+        background_nice: int = 10,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("TierManager needs torch.distributed initialized (init_process_group) first")
+        if transport not in ("gloo", "nccl"):
+            raise ValueError(f"transport must be 'gloo' or 'nccl', got {transport!r}")
+        if persist_every < 1 or keep_local < 1 or keep_persistent < 1:
+            raise ValueError("persist_every, keep_local and keep_persistent must be at least 1")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        if topology is None:
+            k = ranks_per_node or ranks_per_node_from_env()
+            if k is not None:
+                topology = Topology.by_ranks_per_node(self.world_size, k)
+            else:
+                hosts: list = [None] * self.world_size
+                dist.all_gather_object(hosts, socket.gethostname())
+                topology = Topology.by_host(hosts)
+        if topology.world_size != self.world_size:
+            raise ValueError(f"the topology places {topology.world_size} ranks; the job has {self.world_size}")
+        self.topology = topology
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
+        # a job restarted on fewer nodes keeps as many replicas as it can
+        self.replicas = min(replicas, len(topology.nodes) - 1)
+        if self.replicas < replicas and self.rank == 0:
+            warnings.warn(f"fp_dcp tiers: {replicas} replica(s) asked, but {len(topology.nodes)} node(s): "
+                          f"keeping {self.replicas}", RuntimeWarning, stacklevel=2)
+        self.node = topology.node_of(self.rank)
+        self.local_root = store.node_root(os.fspath(local_root), self.node)
+        self.persistent_root = None if persistent_root is None else os.fspath(persistent_root)
+        self.persist_every = persist_every
+        self.keep_local = keep_local
+        self.keep_persistent = keep_persistent
+        self.drain_retries = drain_retries
+        self.drain_retry_seconds = drain_retry_seconds
+        base = options if options is not None else FastPersistOptions.from_env(staging="lazy")
+        if base.data_dirs:
+            raise ValueError("TierManager: each node's local root is its data directory; leave data_dirs empty")
+        self.options = base
+        os.makedirs(self.local_root, exist_ok=True)
+        # one group per background thread (and one for the NCCL transport)
+        self._save_group = dist.new_group(backend="gloo", timeout=timeout)
+        self._repl_group = dist.new_group(backend="gloo", timeout=timeout)
+        self._drain_group = dist.new_group(backend="gloo", timeout=timeout)
+        self._bytes_group = self._repl_group if transport == "gloo" else dist.new_group(backend="nccl", timeout=timeout)
+        self.writer = FastPersistWriter(options=self.options)
+        nice = functools.partial(_lower_priority, background_nice)
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-tiers", initializer=nice)
+        self._drainer = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-drain", initializer=nice)
+        self._staged: concurrent.futures.Future | None = None
+        self._jobs: list[concurrent.futures.Future] = []
+        self._drains: list[concurrent.futures.Future] = []
+        self._pinned: set[int] = set()  # local steps a queued drain still reads
+        self._lock = threading.Lock()
+        #: what went wrong in the background (replication, drains), oldest first
+        self.errors: list[str] = []
+        #: per step: what the background work did on this rank
+        self.history: dict[int, dict[str, Any]] = {}
+        self.last_restore: _restore.RestoreResult | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ the loop
+
+    def save(self, step: int, state_dict: dict[str, Any]) -> concurrent.futures.Future:
+        """Checkpoint ``state_dict`` as ``step`` (every rank, same steps).
+        Returns at once with a future of the step's local save and
+        replication; with lazy staging call :meth:`wait_staged` before the
+        state changes (before ``optimizer.step()``).  A failure of an
+        earlier step's local save or replication is raised here."""
+        if self._closed:
+            raise RuntimeError("TierManager is closed")
+        self._reap(keep=1)  # at most one step's background work behind the training
+        directory = store.step_dir(self.local_root, step)
+        os.makedirs(directory, exist_ok=True)
+        # What dcp.async_save does, with the save on the manager's own
+        # (low-priority) thread: the writer stages (lazy: a future), then
+        # dcp.save writes the staged copy.
+        staged = self.writer.stage(state_dict)
+        self._staged = staged if isinstance(staged, concurrent.futures.Future) else None
+        job = self._worker.submit(self._after_save, step, staged)
+        self._jobs.append(job)
+        return job
+
+    def wait_staged(self) -> None:
+        """Wait until the last :meth:`save` has its copy of the state (lazy
+        staging); then the state may change."""
+        if self._staged is not None:
+            self._staged.result()
+            self._staged = None
+
+    def wait(self) -> None:
+        """Wait for every save, replication and drain queued so far; raises
+        the first failure of a save or replication."""
+        self.wait_staged()
+        self._reap(keep=0)
+        for d in list(self._drains):
+            d.result()
+        self._drains = [d for d in self._drains if not d.done()]
+
+    def restore(self, state_dict: dict[str, Any], *, step: int | None = None, planner: Any = None) -> int | None:
+        """Load the newest step complete in any tier (or ``step``) into
+        ``state_dict`` in place; returns the step, or ``None`` when no tier
+        holds one.  Every rank calls it, with no save in flight.  Details
+        of what came from where: :attr:`last_restore`."""
+        self.wait()
+        result = _restore.restore(
+            state_dict, rank=self.rank, topology=self.topology, local_root=self.local_root,
+            persistent_root=self.persistent_root, group=self._repl_group, bytes_group=self._bytes_group,
+            planner=planner, step=step, options=self.options,
+        )
+        self.last_restore = result
+        if result is not None and result.skipped and self.rank == 0:
+            warnings.warn(f"fp_dcp tiers: restore of step {result.step} skipped bad copies: "
+                          + "; ".join(result.skipped), RuntimeWarning, stacklevel=2)
+        return None if result is None else result.step
+
+    def close(self) -> None:
+        """Wait for all background work, then release the writer and the threads."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._worker.shutdown(wait=True)
+            self._drainer.shutdown(wait=True)
+            self.writer.close()
+
+    def __enter__(self) -> "TierManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---------------------------------------------------------- background
+
+    def _reap(self, keep: int) -> None:
+        while len(self._jobs) > keep:
+            self._jobs.pop(0).result()
+
+    def _after_save(self, step: int, staged: Any) -> dict[str, Any]:
+        """The worker thread: the local save of ``step``, then the metadata
+        to every node, replicas, retention, drain."""
+        t0 = time.perf_counter()
+        directory = store.step_dir(self.local_root, step)
+        if isinstance(staged, concurrent.futures.Future):
+            staged = staged.result()
+        dcp.save(staged, storage_writer=self.writer, checkpoint_id=directory, process_group=self._save_group)
+        del staged
+        saved = time.perf_counter()
+        box = [read_metadata_bytes(directory) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, group_src=0, group=self._repl_group)
+        blob = box[0]
+        _, layout, _ = fmt.decode_metadata(blob, os.path.join(directory, fmt.METADATA_NAME))
+        fid_of = {n: i for i, (n, _) in enumerate(layout.files)}
+        transfers = [
+            Transfer(src, dst, layout.files[fid][0], layout.files[fid][1])
+            for src, dst in self.topology.replication_pairs(self.replicas)
+            for fid in drain.files_of_rank(layout, src)
+        ]
+
+        def read(t: Transfer):
+            return integrity.read_file(os.path.join(directory, t.name), t.size)
+
+        def receive(t: Transfer, data) -> None:
+            integrity.check_buffer(data, layout, fid_of[t.name], f"{t.name} from rank {t.src}")
+            store.write_atomic(os.path.join(directory, t.name), data, sync=self.options.sync_files)
+
+        stats, failed = run_transfers(transfers, self.rank, self._bytes_group, read, receive)
+        for t, why in failed.items():
+            self._report(f"step {step}: replica of {t.name} (rank {t.src} -> rank {t.dst}) failed: {why}")
+        leader = self.topology.leader(self.node) == self.rank
+        if leader and self.node != self.topology.node_of(0):
+            store.write_atomic(os.path.join(directory, fmt.METADATA_NAME), blob, sync=self.options.sync_files)
+        dist.barrier(group=self._repl_group)
+        drain_now = self.persistent_root is not None and step % self.persist_every == 0
+        with self._lock:
+            if drain_now:
+                self._pinned.add(step)
+            pinned = set(self._pinned)
+        if leader:
+            store.retain(self.local_root, self.keep_local, pinned)
+        info = {"save_seconds": saved - t0, "replicate_seconds": time.perf_counter() - saved, **stats}
+        self.history[step] = info  # before the drain adds its outcome to it
+        if drain_now:
+            self._drains.append(self._drainer.submit(self._drain, step))
+        return info
+
+    def _drain(self, step: int) -> drain.DrainResult:
+        try:
+            for attempt in range(self.drain_retries + 1):
+                result = drain.drain_step(step, store.step_dir(self.local_root, step), self.persistent_root,
+                                          self.rank, self._drain_group, keep=self.keep_persistent,
+                                          sync=self.options.sync_files)
+                if result.ok:
+                    break
+                self._report(f"step {step}: drain attempt {attempt + 1} failed: {result.error}")
+                if attempt < self.drain_retries:
+                    time.sleep(self.drain_retry_seconds)
+            self.history.setdefault(step, {})["drain"] = result
+            return result
+        finally:
+            with self._lock:
+                self._pinned.discard(step)
+
+    def _report(self, message: str) -> None:
+        self.errors.append(message)
+        log.warning("fp_dcp tiers: %s", message)
+        if self.rank == 0:
+            warnings.warn(f"fp_dcp tiers: {message}", RuntimeWarning, stacklevel=3)
+
+
+def _lower_priority(nice: int) -> None:
+    """Give the calling thread (Linux: a thread id is a process id for
+    setpriority) the nice value ``nice``, if the system allows it."""
+    if nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (OSError, AttributeError):
+            pass

@@ -1,0 +1,400 @@
+"""Multi-tier checkpointing (fp_dcp.tiers): node-local saves replicated to
+another node and drained to a persistent root; restores from the fastest
+complete tier on 4, 2 and 3 ranks after a node is lost; corrupt replicas
+skipped by checksum; drains killed at each point of their protocol;
+retention per tier.  4 gloo ranks on this machine act as 2 nodes
+(``ranks_per_node=2``, ``local_root=".../node{node}"``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests._dist import run_ranks
+
+# ------------------------------------------------------------ pure parts
+
+
+def test_topology_places_replicas_on_other_nodes():
+    from fp_dcp.tiers.topology import Topology
+
+    t = Topology.by_ranks_per_node(4, 2)
+    assert t.nodes == ((0, 1), (2, 3))
+    assert t.replication_pairs(1) == [(0, 2), (1, 3), (2, 0), (3, 1)]
+    t3 = Topology.by_ranks_per_node(3, 2)  # a restart on 3 ranks: nodes of unequal size
+    assert t3.nodes == ((0, 1), (2,)) and t3.replication_pairs(1) == [(0, 2), (1, 2), (2, 0)]
+    t6 = Topology.by_ranks_per_node(6, 2)
+    for node in range(3):
+        assert node not in t6.holders(node, 2) and len(set(t6.holders(node, 2))) == 2
+    for src, dst in t6.replication_pairs(2):
+        assert t6.node_of(src) != t6.node_of(dst)
+    assert Topology.by_host(["a", "b", "a", "b"]).nodes == ((0, 2), (1, 3))
+    with pytest.raises(ValueError, match="at least 2 nodes"):
+        Topology.by_ranks_per_node(2, 2).holders(0, 1)
+    with pytest.raises(ValueError):
+        Topology(((0,), (0, 1)))
+
+
+def _one_rank_checkpoint(path, seed=0):
+    """A 1-rank fp_dcp checkpoint in ``path`` (no process group)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistWriter
+
+    g = torch.Generator().manual_seed(seed)
+    sd = {"a": torch.randn(300_000, generator=g), "b": torch.randn(7, 5, generator=g), "n": 3}
+    dcp.save(sd, storage_writer=FastPersistWriter(path), no_dist=True)
+    return sd
+
+
+def test_checked_copy_refuses_corruption(tmp_path):
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import integrity
+
+    src = str(tmp_path / "src")
+    _one_rank_checkpoint(src)
+    _, layout, _ = read_checkpoint_metadata(src)
+    name = layout.files[0][0]
+    dst = str(tmp_path / "dst")
+    os.makedirs(dst)
+    integrity.copy_checked(os.path.join(src, name), os.path.join(dst, name), layout, 0)
+    with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "rb") as g:
+        assert f.read() == g.read()
+    integrity.check_buffer(integrity.read_file(os.path.join(dst, name), layout.files[0][1]), layout, 0, "x")
+    with open(os.path.join(src, name), "r+b") as f:  # one flipped byte inside tensor "a"
+        f.seek(123_457)
+        b = f.read(1)
+        f.seek(123_457)
+        f.write(bytes([b[0] ^ 0x40]))
+    os.unlink(os.path.join(dst, name))
+    with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
+        integrity.copy_checked(os.path.join(src, name), os.path.join(dst, name), layout, 0)
+    assert os.listdir(dst) == []  # nothing half-copied left behind
+    with pytest.raises(integrity.IntegrityError, match="checksum mismatch"):
+        integrity.check_buffer(integrity.read_file(os.path.join(src, name), layout.files[0][1]), layout, 0, "x")
+    with pytest.raises(integrity.IntegrityError, match="short"):
+        integrity.check_buffer(np.zeros(10, np.uint8), layout, 0, "x")
+
+
+def test_subset_metadata_loads_what_it_names(tmp_path):
+    """The metadata a restore writes for a node names only the files
+    assembled there and the items they hold whole; it is a valid fp_dcp
+    metadata (the reader's confinement rules unchanged)."""
+    import dataclasses
+
+    from fp_dcp import format as fmt
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers.restore import subset_layout
+
+    src = str(tmp_path / "src")
+    _one_rank_checkpoint(src)
+    md, layout, extra = read_checkpoint_metadata(src)
+    # pretend a second file holds "b": a layout of two files, keep only the first
+    two = dataclasses.replace(layout, files=layout.files + [(fmt.data_file_name(layout.save_id, 1, 0), 4096)])
+    moved = {i: [dataclasses.replace(e, file=1, file_offset=0)] for i, es in layout.extents.items()
+             if i.fqn == "b" for e in es}
+    two.extents = {**layout.extents, **moved}
+    sub = subset_layout(two, {layout.files[0][0]})
+    assert sub.files == layout.files and {i.fqn for i in sub.extents} == {"a", "n"}
+    md.storage_data = sub
+    fmt.decode_metadata(fmt.encode_metadata(md, sub, extra), "x")
+
+
+def test_retention_keeps_newest_committed_and_pinned(tmp_path):
+    from fp_dcp import format as fmt
+    from fp_dcp.tiers import store
+
+    root = str(tmp_path)
+    for s in (1, 2, 3, 4, 5):
+        d = store.step_dir(root, s)
+        os.makedirs(d)
+        if s != 5:  # step 5: a save in progress
+            open(os.path.join(d, fmt.METADATA_NAME), "wb").close()
+    os.makedirs(store.step_dir(root, 0))  # an old save that never committed
+    removed = store.retain(root, 2, pinned={2})
+    assert sorted(s for s, _ in store.steps(root)) == [2, 3, 4, 5]
+    assert len(removed) == 2
+
+
+# ------------------------------------------------------- multi-rank runs
+
+STEPS = 6
+PERSIST_EVERY = 3
+
+
+def _build(seed, mesh):
+    import torch
+
+    from tests.test_frameworks import _Net
+
+    model = _Net.fsdp2(seed, mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _state(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def _probe_loss(model):
+    import torch
+
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1234))
+    with torch.no_grad():
+        return float(model(x).pow(2).mean())
+
+
+def _manager(root, **kw):
+    from fp_dcp import TierManager
+
+    return TierManager(os.path.join(root, "node{node}"), os.path.join(root, "persist"),
+                       replicas=1, persist_every=PERSIST_EVERY, ranks_per_node=2, **kw)
+
+
+def _train_and_save(rank, world_size, root):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.test_frameworks import _full_sd
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model, opt = _build(0, mesh)
+    mgr = _manager(root, keep_local=2, keep_persistent=2)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(1, STEPS + 1):
+        model(torch.randn(8, 32, generator=g)).pow(2).mean().backward()
+        mgr.wait_staged()
+        opt.step()
+        opt.zero_grad()
+        mgr.save(step, _state(model, opt))
+    mgr.wait()
+    want = _full_sd(_state(model, opt))
+    loss = _probe_loss(model)
+    if rank == 0:
+        torch.save({"state": want, "loss": loss}, os.path.join(root, "want.pt"))
+    drains = {s: h["drain"].ok for s, h in mgr.history.items() if "drain" in h}
+    errors = list(mgr.errors)
+    mgr.close()
+    return drains, errors
+
+
+def _restore_and_check(rank, world_size, root):
+    import torch
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.test_frameworks import _assert_same, _full_sd
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model, opt = _build(7, mesh)  # other weights, and no optimizer state yet: one step makes it
+    model(torch.randn(8, 32)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    mgr = _manager(root)
+    sd = _state(model, opt)
+    step = mgr.restore(sd)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    want = torch.load(os.path.join(root, "want.pt"), weights_only=False)
+    _assert_same(want["state"], _full_sd(_state(model, opt)))
+    loss = _probe_loss(model)
+    assert loss == want["loss"], (loss, want["loss"])  # the loss curve continues where it was
+    res = mgr.last_restore
+    # and training goes on: the next save works on the new world
+    model(torch.randn(8, 32)).pow(2).mean().backward()
+    opt.step()
+    mgr.save(step + 1, _state(model, opt))
+    mgr.close()
+    return step, res.node_bytes_from, res.skipped
+
+
+def _lose_node(root, node):
+    shutil.rmtree(os.path.join(root, f"node{node}"))
+
+
+def _saved(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("tiers"))
+    drains, errors = run_ranks(4, _train_and_save, root, timeout=300)[0]
+    assert errors == []
+    assert drains == {3: True, 6: True}
+    return root
+
+
+@pytest.mark.slow
+def test_lost_node_restores_from_replicas_on_4_2_3_ranks(tmp_path_factory):
+    from fp_dcp.tools.verify import verify_checkpoint
+    from fp_dcp.tiers import store
+
+    root = _saved(tmp_path_factory)
+    # retention: 2 steps per node, 2 in the persistent tier, every one verified whole
+    for node in (0, 1):
+        assert sorted(s for s, _ in store.steps(os.path.join(root, f"node{node}"))) == [STEPS - 1, STEPS]
+    persisted = sorted(store.steps(os.path.join(root, "persist")))
+    assert [s for s, _ in persisted] == [3, 6]
+    assert all(verify_checkpoint(p).ok for _, p in persisted)
+    # each node holds its own files and the other node's: the step loads from either alone
+    for node in (0, 1):
+        assert verify_checkpoint(store.step_dir(os.path.join(root, f"node{node}"), STEPS)).ok
+    _lose_node(root, 1)
+    snapshot = str(tmp_path_factory.mktemp("snapshot"))
+    shutil.copytree(root, snapshot, dirs_exist_ok=True)
+    for world in (4, 2, 3):
+        r = os.path.join(str(tmp_path_factory.mktemp(f"w{world}")), "run")
+        shutil.copytree(snapshot, r)
+        results = run_ranks(world, _restore_and_check, r, timeout=300)
+        step, by_tier, skipped = results[0]
+        assert step == STEPS and skipped == []
+        assert by_tier["persistent"] == 0, by_tier  # 0 bytes from the persistent tier: a replica exists
+        assert by_tier["local"] > 0
+        if world != 2:  # 4 and 3 ranks: a replacement node with an empty disk fetched its part
+            assert by_tier["replica"] > 0, by_tier
+
+
+@pytest.mark.slow
+def test_corrupt_replica_falls_back_to_persistent(tmp_path_factory):
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import store
+
+    root = _saved(tmp_path_factory)
+    _lose_node(root, 1)
+    d = store.step_dir(os.path.join(root, "node0"), STEPS)
+    _, layout, _ = read_checkpoint_metadata(d)
+    victim = next(n for n, _ in layout.files if ".r2." in n)  # node 1's file, node 0's replica of it
+    with open(os.path.join(d, victim), "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    step, by_tier, skipped = run_ranks(4, _restore_and_check, root, timeout=300)[0]
+    assert step == STEPS
+    # each node that needed the file (both: replicated items are split over every rank) skipped node 0's copy
+    assert 1 <= len(skipped) <= 2, skipped
+    for why in skipped:
+        assert why.startswith(f"{victim} from node 0's local tier") and "checksum mismatch" in why, skipped
+    size = dict(layout.files)[victim]
+    assert by_tier["persistent"] == size * len(skipped)  # that file only, from the next tier
+
+
+# ---------------------------------------------------- drains under fire
+
+
+
+@pytest.mark.parametrize("kill_at", [
+    pytest.param("copied", marks=pytest.mark.slow), "before-commit",
+    pytest.param("committed", marks=pytest.mark.slow), pytest.param("never", marks=pytest.mark.slow),
+])
+def test_drain_killed_leaves_previous_or_new_step(tmp_path, kill_at):
+    from fp_dcp.tiers import store
+    from fp_dcp.tools.rotation import committed_checkpoints
+    from fp_dcp.tools.verify import verify_checkpoint
+    from tests._tiers_child import check_loads
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "tests._tiers_child", str(tmp_path), kill_at], cwd=repo,
+                       env={**os.environ, "PYTHONPATH": repo}, capture_output=True, text=True, timeout=120)
+    if kill_at == "never":
+        assert p.returncode == 0, p.stderr
+        assert json.loads(p.stdout.strip().splitlines()[-1]) == {"2": True, "4": True}
+    else:
+        assert p.returncode == 9, p.stderr
+    persist = str(tmp_path / "persist")
+    committed = committed_checkpoints(persist)
+    newest = max(s for s, p in store.steps(persist) if p in committed)
+    assert newest == (4 if kill_at in ("committed", "never") else 2)
+    path = store.step_dir(persist, newest)
+    assert verify_checkpoint(path).ok
+    check_loads(path, newest)
+
+
+def _failing_drain(rank, world_size, root):
+    import torch
+
+    from fp_dcp import TierManager
+    from fp_dcp.tiers import drain, store
+
+    mgr = TierManager(os.path.join(root, "node{node}"), os.path.join(root, "persist"), replicas=1,
+                      persist_every=2, ranks_per_node=1, drain_retries=1, drain_retry_seconds=0.01)
+    sd = {"w": torch.full((1000, 300), float(rank)), "step": 2}
+    mgr.save(2, sd)
+    mgr.wait()
+
+    def damage(point):  # step 4: rank 1's local file damaged before its drain reads it
+        if point == "start 4" and rank == 1:
+            d = store.step_dir(mgr.local_root, 4)
+            name = next(n for n in os.listdir(d) if n.endswith(".r1.0.fpd"))
+            with open(os.path.join(d, name), "r+b") as f:
+                f.write(b"\xff" * 64)
+
+    drain.fault_hook = damage
+    mgr.save(4, {"w": torch.full((1000, 300), 4.0 + rank), "step": 4})
+    mgr.wait()
+    result = mgr.history[4]["drain"]
+    errors = list(mgr.errors)
+    mgr.close()
+    return result.ok, errors
+
+
+@pytest.mark.slow
+def test_failed_drain_is_reported_retried_and_harmless(tmp_path):
+    from fp_dcp.tiers import store
+    from fp_dcp.tools.rotation import committed_checkpoints
+    from fp_dcp.tools.verify import verify_checkpoint
+
+    root = str(tmp_path)
+    results = run_ranks(2, _failing_drain, root, timeout=120)
+    for ok, errors in results:
+        assert not ok
+        assert len(errors) == 2 and all("drain attempt" in e and "checksum mismatch" in e for e in errors), errors
+    persist = os.path.join(root, "persist")
+    assert committed_checkpoints(persist) == [store.step_dir(persist, 2)]
+    assert verify_checkpoint(store.step_dir(persist, 2)).ok
+    assert [n for n in os.listdir(store.step_dir(persist, 4)) if n.endswith(".fpd")] == []
+
+
+# --------------------------------------------------------- NCCL transport
+
+
+def _nccl_replicas(rank, world_size, root):
+    import torch
+
+    from fp_dcp import TierManager
+    from fp_dcp.tiers import store
+    from fp_dcp.tools.verify import verify_checkpoint
+
+    torch.cuda.set_device(rank)
+
+    def manager():
+        return TierManager(os.path.join(root, "node{node}"), None, replicas=1, ranks_per_node=1, transport="nccl")
+
+    mgr = manager()
+    mgr.save(1, {f"w{rank}": torch.full((1000, 300), 1.0 + rank), "step": 1})  # one key per rank: no dedup
+    mgr.close()
+    assert verify_checkpoint(store.step_dir(mgr.local_root, 1)).ok  # own files and the other node's
+    torch.distributed.barrier()
+    if rank == 1:
+        shutil.rmtree(mgr.local_root)
+    torch.distributed.barrier()
+    mgr = manager()
+    sd = {f"w{rank}": torch.zeros(1000, 300), "step": 0}
+    assert mgr.restore(sd) == 1
+    by_tier = mgr.last_restore.node_bytes_from
+    mgr.close()
+    return bool((sd[f"w{rank}"] == 1.0 + rank).all()), by_tier
+
+
+@pytest.mark.slow
+def test_nccl_transport_moves_replicas(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("the NCCL transport needs CUDA and one GPU per rank (2 here)")
+    for same, by_tier in run_ranks(2, _nccl_replicas, str(tmp_path), timeout=300):
+        assert same and by_tier["replica"] > 0 and by_tier["persistent"] == 0
