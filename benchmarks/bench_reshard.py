@@ -261,15 +261,15 @@ def _world(spec: dict, ws: int, timeout: float) -> list[dict]:
         io0 = io1 = None
         cold = None
         if spec["op"] == "load":
-            for p in procs:
-                line = _expect(p, "READY", timeout, logs)
+            for p, log in zip(procs, logs):
+                _expect(p, "READY", log)
             io0 = [_read_bytes(p.pid) for p in procs]
             cold, why = C.drop_caches()
             for p in procs:
                 p.stdin.write("GO\n")
                 p.stdin.flush()
-            for p in procs:
-                line = _expect(p, "DONE", timeout, logs)
+            for p, log in zip(procs, logs):
+                _expect(p, "DONE", log)
             io1 = [_read_bytes(p.pid) for p in procs]
             for p in procs:
                 p.stdin.write("EXIT\n")
@@ -301,12 +301,15 @@ def _world(spec: dict, ws: int, timeout: float) -> list[dict]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _expect(p, word: str, timeout: float, logs) -> str:
+def _expect(p, word: str, log) -> None:
+    """The rank's next line is ``word``, or the error carries the end of its stderr."""
     line = p.stdout.readline()
     if line.strip() != word:
         p.kill()
-        raise RuntimeError(f"a rank said {line.strip()!r} instead of {word}; see its stderr")
-    return line
+        p.wait()
+        log.seek(0)
+        tail = "\n".join(log.read().strip().splitlines()[-12:])
+        raise RuntimeError(f"a rank said {line.strip()!r} instead of {word} (exit {p.returncode}); its stderr ends:\n{tail}")
 
 
 READERS = ("fp_dcp", "stock", "fp_dcp+share", "fp_dcp+overread", "fp_dcp+nocoop", "fp_dcp+coop-pg")
