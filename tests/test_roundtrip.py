@@ -281,15 +281,20 @@ def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatc
     reader.prepare_local_plan(LoadPlan([]))
     assert reader._setting_up is not None
     reader._engines_set_up()
-    first, (twin,) = reader._session, reader._twins
+    first, large, ((twin, twin_large),) = reader._session, reader._large, reader._twins
     assert first is not None and twin is not None and twin.engine is not first.engine
+    # the second reading thread has its own engine of large requests too: an
+    # engine serves one thread at a time
+    assert large is not None and twin_large is not None and twin_large.engine is not large.engine
+    assert (twin_large.engine.queue_depth, twin_large.engine.block_size) == (
+        large.engine.queue_depth, large.engine.block_size)
     for _ in range(2):
         target = zeros_like_sd(sd)
         dcp.load(target, storage_reader=reader, no_dist=True)
         assert_sd_equal(sd, target)
-        assert reader._session is first and reader._twins == [twin]
+        assert reader._session is first and reader._twins == [(twin, twin_large)]
     reader.close()
-    assert first.engine is None and twin.engine is None and reader._session is None
+    assert all(s.engine is None for s in (first, twin, large, twin_large)) and reader._session is None
 
     calls = []
 

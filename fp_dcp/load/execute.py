@@ -137,10 +137,11 @@ class Run:
         self.done_bytes = 0
         self.paid_left = 0
 
-    def with_session(self, session: IOSession) -> "Run":
-        """Another run of the same load, through ``session`` (shared reads
-        read two rounds at once, each with its own engine)."""
-        return Run(session, self.paths, self.limits, large=self.large, budget=self.budget,
+    def with_session(self, session: IOSession, large: IOSession | None) -> "Run":
+        """Another run of the same load, through ``session`` and, for long
+        runs, ``large`` (shared reads read two rounds at once, each thread
+        with engines of its own: an engine serves one thread at a time)."""
+        return Run(session, self.paths, self.limits, large=large, budget=self.budget,
                    coalesce_gap=self.coalesce_gap, max_overread_percent=self.max_overread_percent,
                    verifier=self.verifier, progress=self.progress)
 

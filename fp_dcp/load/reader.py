@@ -299,17 +299,21 @@ class FastPersistReader(StorageReader):
             self._setting_up.join()
             self._setting_up = None
 
-    def _twin(self, i: int) -> IOSession:
-        """The ``i``-th other session for the current one (kept with the
-        reader, as the first), for shared reads' reading threads: each
-        thread its own engine."""
+    def _twin(self, i: int) -> tuple[IOSession, IOSession | None]:
+        """The ``i``-th other pair of sessions (scattered runs, long runs)
+        for the current pair (kept with the reader, as the first), for
+        shared reads' reading threads: each thread its own engines, since an
+        engine serves one thread at a time (two threads sharing the engine of
+        long runs failed 1 GiB cooperative loads with "Engine is in use by
+        another thread")."""
         session = self._engine()
+        large = self._large_engine()
         while len(self._twins) <= i:
-            self._twins.append(session.twin())
+            self._twins.append((session.twin(), large.twin() if large is not None else None))
         return self._twins[i]
 
     def _close_sessions(self) -> None:
-        for session in [*self._twins, self._large, self._session]:
+        for session in [*(s for pair in self._twins for s in pair), self._large, self._session]:
             if session is not None:
                 session.close()
         self._session, self._twins, self._large = None, [], None

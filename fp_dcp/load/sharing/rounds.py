@@ -69,12 +69,14 @@ class SharedReads:
 
     ``run``: this rank's executor (None when setting it up failed:
     ``setup_error``, which the other ranks learn in the first round);
-    ``twin_session(i)``: the ``i``-th other engine session, for the rounds
-    read at once (one engine each); ``items``: the planner of this rank's
+    ``twin_session(i)``: the ``i``-th other pair of engine sessions
+    (scattered runs, long runs: None without one), for the rounds read at
+    once (engines of their own each); ``items``: the planner of this rank's
     jobs; ``planner``: DCP's, which resolves and commits targets.
     Call :meth:`run`."""
 
-    def __init__(self, group: Any, share: SharePlan, run: Run | None, twin_session: Callable[[int], IOSession],
+    def __init__(self, group: Any, share: SharePlan, run: Run | None,
+                 twin_session: Callable[[int], tuple[IOSession, IOSession | None]],
                  items: ItemPlanner, planner: LoadPlanner, read_items: list[ReadItem],
                  setup_error: BaseException | None = None) -> None:
         import torch.distributed as dist
@@ -138,7 +140,7 @@ class SharedReads:
         if run is not None and setup_error is None:
             while len(self.runs) < min(READ_AHEAD, len(share.rounds)):
                 try:
-                    self.runs.append(run.with_session(twin_session(len(self.runs) - 1)))
+                    self.runs.append(run.with_session(*twin_session(len(self.runs) - 1)))
                 except (OSError, MemoryError, RuntimeError):
                     break
         # Round i's buffers are reused by round i + len(...): see run().
