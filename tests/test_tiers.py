@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
 
 import numpy as np
+
 import pytest
 
 from tests._dist import run_ranks
@@ -105,6 +107,36 @@ def test_subset_metadata_loads_what_it_names(tmp_path):
     assert sub.files == layout.files and {i.fqn for i in sub.extents} == {"a", "n"}
     md.storage_data = sub
     fmt.decode_metadata(fmt.encode_metadata(md, sub, extra), "x")
+
+
+@pytest.mark.parametrize("name", ["../../victim.fpd", "/etc/passwd", "", "{sid}.r0.0.fpd/../x",
+                                  "/data/{subdir}/{sid}.r0.d0.0.fpd", "other0000000000.r0.0.fpd"])
+def test_a_crafted_metadata_names_nothing_outside_a_step(tmp_path, name):
+    """Every metadata the tiers read (a local or persistent step, one a peer
+    sends) goes through store.decode: a data file that is not a plain name
+    of this save is refused, naming it, so no drain, replica, restore or
+    retention ever copies, links, writes or deletes a path it names; a scan
+    counts such a step as having no metadata."""
+    from fp_dcp import format as fmt
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import store
+
+    src = str(tmp_path / "src")
+    _one_rank_checkpoint(src)
+    md, layout, extra = read_checkpoint_metadata(src)
+    store.decode(fmt.encode_metadata(md, layout, extra), "genuine")  # the writer's names pass
+    root = tmp_path / "local"
+    step = pathlib.Path(store.step_dir(str(root), 7))
+    # a data-directory name the format accepts for this very step directory
+    bad = name.format(sid=layout.save_id, subdir=fmt.data_subdir_name(str(step)))
+    layout.files = [(bad, layout.files[0][1])]
+    md.storage_data = layout
+    blob = fmt.encode_metadata(md, layout, extra)
+    with pytest.raises(fmt.CheckpointFormatError, match="^crafted: .*(bad data file name|not a plain file name)"):
+        store.decode(blob, "crafted")
+    step.mkdir(parents=True)
+    (step / fmt.METADATA_NAME).write_bytes(blob)
+    assert store.scan(str(root))[7].save_id is None  # counted as absent: never restored or drained
 
 
 def test_retention_keeps_newest_committed_and_pinned(tmp_path):

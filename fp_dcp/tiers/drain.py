@@ -81,9 +81,7 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
     try:  # any failure here is this rank's outcome: the others must still meet it below
         _point(f"start {step}")
         blob = read_metadata_bytes(local_dir)
-        _, layout, _ = fmt.decode_metadata(blob, os.path.join(local_dir, fmt.METADATA_NAME))
-        if any("/" in name for name, _ in layout.files):
-            raise ValueError(f"{local_dir}: tiers do not drain checkpoints saved with data_dirs")
+        _, layout, _ = store.decode(blob, os.path.join(local_dir, fmt.METADATA_NAME))
         done = _committed_save_id(dest) == layout.save_id
         if not done:
             os.makedirs(dest, exist_ok=True)
@@ -120,7 +118,7 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
 def _committed_save_id(directory: str) -> str | None:
     try:
         blob = read_metadata_bytes(directory)
-        return fmt.decode_metadata(blob, directory)[1].save_id
+        return store.decode(blob, directory)[1].save_id
     except (OSError, fmt.CheckpointFormatError):
         return None
 

@@ -256,7 +256,7 @@ class TierManager:
         box = [read_metadata_bytes(directory) if self.rank == 0 else None]
         dist.broadcast_object_list(box, group_src=0, group=self._repl_group)
         blob = box[0]
-        _, layout, _ = fmt.decode_metadata(blob, os.path.join(directory, fmt.METADATA_NAME))
+        _, layout, _ = store.decode(blob, os.path.join(directory, fmt.METADATA_NAME))
         fid_of = {n: i for i, (n, _) in enumerate(layout.files)}
         transfers = [
             Transfer(src, dst, layout.files[fid][0], layout.files[fid][1])

@@ -165,7 +165,7 @@ def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str,
         box = [read_metadata_bytes(store.step_dir(local_root if ours else persistent_root, s))]
     dist.broadcast_object_list(box, group_src=meta_src, group=group)
     blob = box[0]
-    metadata, layout, extra = fmt.decode_metadata(blob, f"step {s} metadata")
+    metadata, layout, extra = store.decode(blob, f"step {s} metadata (from rank {meta_src})")
     fid_of = {n: i for i, (n, _) in enumerate(layout.files)}
     load_planner = planner if planner is not None else DefaultLoadPlanner()
     needed = _needed_files(state_dict, metadata, layout, load_planner, rank == 0)

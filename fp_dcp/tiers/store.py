@@ -67,6 +67,23 @@ class Holding:
     files: dict[str, int]
 
 
+def decode(blob: bytes, where: str) -> tuple:
+    """A step's metadata decoded (:func:`fp_dcp.format.decode_metadata`),
+    with the tiers' confinement rule on top: every data file is a plain name
+    the writer gives this save (no path, no data directory), so nothing a
+    tier copies, links, sends, receives or deletes lies outside a step
+    directory, whatever a crafted metadata names.  Every place the tiers read
+    a metadata (a local or persistent step, one sent by a peer) goes
+    through here."""
+    metadata, layout, extra = fmt.decode_metadata(blob, where)
+    for name, _ in layout.files:
+        if "/" in name or not fmt.valid_data_file_name(name, layout.save_id):
+            raise fmt.CheckpointFormatError(
+                f"{where}: data file {name!r} is not a plain file name of save {layout.save_id!r}; the tiers hold "
+                f"checkpoints saved by TierManager (no data_dirs): this one was crafted or saved another way")
+    return metadata, layout, extra
+
+
 def scan(root: str) -> dict[int, Holding]:
     """Every step directory under ``root``: its metadata (decoded, checked)
     and its data files.  A damaged metadata counts as absent."""
@@ -79,7 +96,7 @@ def scan(root: str) -> dict[int, Holding]:
         save_id = meta_files = None
         try:
             blob = read_metadata_bytes(path)
-            _, layout, _ = fmt.decode_metadata(blob, os.path.join(path, fmt.METADATA_NAME))
+            _, layout, _ = decode(blob, os.path.join(path, fmt.METADATA_NAME))
             save_id, meta_files = layout.save_id, [(n, s) for n, s in layout.files]
         except (OSError, fmt.CheckpointFormatError):
             pass
