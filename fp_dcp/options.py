@@ -266,6 +266,12 @@ class FastPersistOptions:
             objects while the save runs (the permanent generation grew past
             what the save froze), nothing is unfrozen at the end, so the
             application's own ``gc.freeze()`` is never undone.
+        freeze_gc_during_load: the same for a load, from
+            ``set_up_storage_reader`` to the end of ``read_data`` (the
+            metadata is decoded with the collector paused): a load of
+            thousands of tensors otherwise runs a full collection of every
+            object of the process each time DCP's and fp_dcp's per-item
+            objects pile up (about 0.15 s each here).
         allow_pickle: on load, unpickle the checkpoint's objects (DCP's bytes
             items: non-tensor values such as a step counter or a scheduler's
             state) with the full unpickler, which runs any code the
@@ -304,6 +310,7 @@ class FastPersistOptions:
     write_checksums: bool = True
     verify_checksums: bool = True
     freeze_gc_during_save: bool = True
+    freeze_gc_during_load: bool = True
     allow_pickle: bool = False
 
     def __post_init__(self) -> None:

@@ -155,6 +155,38 @@ def test_map_ranges_matches_map_runs_to_extents(data):
     assert np.array_equal(rng * run + within, d2)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_a_whole_chunk_into_a_contiguous_target_reads_the_pieces_of_the_grid_path(data):
+    """The planner's shortcut for the common read (a whole stored chunk into
+    a contiguous tensor of its dtype) makes the pieces the grid path makes:
+    the chunk's extents, each into its place in the target."""
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from fp_dcp.load.jobs import ItemPlanner, Limits, direct_jobs
+
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool]))
+    shape = tuple(data.draw(st.lists(st.integers(1, 9), max_size=3)))
+    total = math.prod(shape) * dtype.itemsize
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, total - 1), max_size=4)))) if total > 1 else []
+    bounds = [0] + cuts + [total]
+    exts = [Extent(i % 2, 4096 * i + 64 * i, a, b - a) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    planner = ItemPlanner(SimpleNamespace(extents={MetadataIndex("t", None): exts}), {}, "ckpt",
+                          strict_dtype=False, allow_pickle=False)
+    limits = Limits(4096, 1 << 20, np.array([1 << 30, 1 << 30]), 0.05)
+    dest = torch.empty(shape, dtype=dtype)
+    (job,) = planner.plan_box("t", None, list(shape), dtype, [0] * len(shape), list(shape), dest, limits, None)
+    grid = readplan.box_grid(list(shape), [0] * len(shape), list(shape), dtype.itemsize, dest.stride())
+    (ref,) = direct_jobs(grid, planner.extents("t", None, total), job.buf, total)
+    keep = job.lens > 0
+    assert job.needed == ref.needed == total and job.buf.nbytes == total
+    assert job.buf.__array_interface__["data"][0] == dest.data_ptr()
+    for got, want in ((job.files, ref.files), (job.offs, ref.offs), (job.lens, ref.lens), (job.pos, ref.pos)):
+        assert np.array_equal(got[keep], want)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_plan_fillers_fills_free_gaps_and_stays_in_budget(data):

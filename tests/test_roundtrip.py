@@ -265,6 +265,51 @@ def test_gc_is_frozen_only_during_a_save(tmp_path):
     assert gc.get_freeze_count() == 0
 
 
+def test_gc_is_frozen_only_during_a_load(tmp_path, monkeypatch):
+    """The reader freezes the collector from set_up_storage_reader to the end
+    of read_data, decodes the metadata with it paused, and leaves it as it
+    was after a load, with the option off, and after a load that failed."""
+    import gc
+
+    sd = {"w": torch.ones(10), "step": 3}
+    save(sd, tmp_path / "c", "fp_dcp")
+    seen = []
+    decode = fmt.decode_metadata
+
+    def spy_decode(*a, **k):
+        seen.append(("decode", gc.get_freeze_count() > 0, gc.isenabled()))
+        return decode(*a, **k)
+
+    monkeypatch.setattr(fmt, "decode_metadata", spy_decode)
+    for on in (True, False):
+        seen.clear()
+        reader = FastPersistReader(tmp_path / "c", freeze_gc_during_load=on)
+        read = reader._read
+
+        def spy_read(*a, read=read, **k):
+            seen.append(("read", gc.get_freeze_count() > 0, gc.isenabled()))
+            return read(*a, **k)
+
+        reader._read = spy_read
+        target = {"w": torch.zeros(10), "step": 0}
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        assert_sd_equal(sd, target)
+        assert seen == [("decode", False, not on), ("read", on, True)]
+        assert gc.get_freeze_count() == 0 and gc.isenabled()
+    # a load that fails in read_data does not leave the collector frozen
+    with pytest.raises(FAILED):
+        dcp.load({"w": torch.zeros(10, dtype=torch.float64), "step": 0},
+                 storage_reader=FastPersistReader(tmp_path / "c", strict_dtype=True), no_dist=True)
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    # one that DCP's planner fails between set_up_storage_reader and
+    # read_data is thawed by the reader's close() (or reset(), or its collection)
+    reader = FastPersistReader(tmp_path / "c")
+    with pytest.raises(FAILED):
+        dcp.load({"w": torch.zeros(11)}, storage_reader=reader, no_dist=True)
+    reader.close()
+    assert gc.get_freeze_count() == 0
+
+
 def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatch):
     """prepare_local_plan starts the engine (and, for shared reads, the
     second one) on a thread while DCP plans; the load uses those sessions, a

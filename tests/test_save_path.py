@@ -15,7 +15,7 @@ import torch
 
 from fp_dcp import FastPersistWriter
 from fp_dcp.save.commit import SaveLock
-from fp_dcp.save.gc_freeze import GcFreeze
+from fp_dcp.gc_freeze import GcFreeze
 
 MiB = 1 << 20
 

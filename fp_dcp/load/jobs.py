@@ -140,10 +140,9 @@ class ItemPlanner:
                 + "; the checkpoint metadata is inconsistent"
             )
         check_extents_cover(fqn, exts, nbytes)
-        arrays = tuple(
-            np.array([getattr(e, f) for e in exts], dtype=np.int64)
-            for f in ("item_offset", "length", "file", "file_offset")
-        )
+        # one array, its rows (views) the four columns
+        arrays = tuple(np.array([(e.item_offset, e.length, e.file, e.file_offset) for e in exts],
+                                dtype=np.int64).reshape(len(exts), 4).T)
         self._ext_cache[key] = arrays
         return arrays
 
@@ -203,6 +202,14 @@ class ItemPlanner:
         needed = math.prod(lengths) * esize
         if needed == 0:
             return [Job.empty(done=commit)]
+        if (needed <= _MAX_PIECE_BYTES and lengths == sizes and not any(offsets) and dest.device.type == "cpu"
+                and dest.dtype == dtype and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg()):
+            # The common case, planned without a grid: a whole stored chunk
+            # into a contiguous target of its dtype, one run, whose pieces
+            # are the chunk's extents (what direct_jobs would make of it).
+            item_offsets, lens, files, offs = arrays
+            return [Job(files, offs, lens, item_offsets, buf=dest.reshape(-1).view(torch.uint8).numpy(),
+                        needed=needed, done=commit)]
         in_place = (
             dest.device.type == "cpu"
             and dest.dtype == dtype

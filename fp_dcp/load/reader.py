@@ -66,6 +66,7 @@ from fp_dcp import format as fmt
 from fp_dcp.checksums import ReadVerifier
 from fp_dcp.engine import IOSession
 from fp_dcp.files import read_checkpoint_metadata
+from fp_dcp.gc_freeze import GcFreeze, paused
 from fp_dcp.load import objects
 from fp_dcp.load.execute import Run
 from fp_dcp.load.jobs import ItemPlanner, Job, Limits
@@ -139,6 +140,7 @@ class FastPersistReader(StorageReader):
         self._items: ItemPlanner | None = None  # the checkpoint's items to jobs, from set_up_storage_reader
         self._verifier: ReadVerifier | None = None
         self._use_collectives = True
+        self._gc = GcFreeze()
 
     # ----------------------------------------------------------- DCP protocol
 
@@ -149,6 +151,7 @@ class FastPersistReader(StorageReader):
         self.layout = None
         self._items = None
         self._verifier = None
+        self._gc.thaw()  # a load that failed part-way left it frozen
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -161,7 +164,11 @@ class FastPersistReader(StorageReader):
         return self.path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata, _, _ = read_checkpoint_metadata(self._directory())
+        if self.options.freeze_gc_during_load:
+            with paused():  # tens of thousands of objects, none garbage
+                metadata, _, _ = read_checkpoint_metadata(self._directory())
+        else:
+            metadata, _, _ = read_checkpoint_metadata(self._directory())
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -178,8 +185,14 @@ class FastPersistReader(StorageReader):
         self._items = ItemPlanner(self.layout, self.state_dict_metadata, str(self.path),
                                   strict_dtype=self.options.strict_dtype, allow_pickle=self.options.allow_pickle)
         self._verifier = None
+        if self.options.freeze_gc_during_load:
+            self._gc.freeze()  # until the end of read_data (gc_freeze)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        with self._gc.thaw_on_error():
+            return self._prepare_local_plan(plan)
+
+    def _prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         opts = self.options
         interleave = self._interleave_wanted()  # auto: when this rank has pieces to share
         fragmented = [self._fragmented(r) for r in plan.items] if interleave else []
@@ -195,6 +208,10 @@ class FastPersistReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        with self._gc.thaw_on_error():
+            return self._prepare_global_plan(plans)
+
+    def _prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if not (self.options.share_replicated_reads or self._interleave_wanted()) or len(plans) < 2:
             return plans
         share = self._plan_sharing(plans)
@@ -205,8 +222,11 @@ class FastPersistReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         t0 = time.perf_counter()
         self.last_stats = {}
-        share = self._agreed_share_plan(plan)
-        self._read(plan.items, planner, share)
+        try:
+            share = self._agreed_share_plan(plan)
+            self._read(plan.items, planner, share)
+        finally:
+            self._gc.thaw()
         self.last_stats["seconds"] = time.perf_counter() - t0
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -215,6 +235,7 @@ class FastPersistReader(StorageReader):
     def close(self) -> None:
         self._engines_set_up()
         self._close_sessions()
+        self._gc.thaw()
 
     def __enter__(self) -> "FastPersistReader":
         return self

@@ -11,5 +11,4 @@
 ``device_copy``  CUDA tensors through two page-locked host buffers
 ``results``      what a rank reports of its write; the merge into the layout
 ``commit``       the lock, tmp+rename, directory syncs, clean-up
-``gc_freeze``    the cyclic GC kept off the save's long-lived objects
 """

@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import secrets
 import time
 from typing import Any
 
-import numpy as np
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from fp_dcp.save import balance
@@ -132,7 +132,7 @@ def expected_nbytes(item: WriteItem) -> int | None:
     td = item.tensor_data
     if td is None:
         return None
-    return int(np.prod(td.chunk.sizes, dtype=np.int64)) * td.properties.dtype.itemsize
+    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
 
 
 def describe_rank(

@@ -10,9 +10,9 @@ that they store every item's bytes exactly once (:func:`check_layout_covers`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -89,7 +89,7 @@ def check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout) -> None:
             esize = md.properties.dtype.itemsize
             for chunk in md.chunks:
                 if index.offset is None or chunk.offsets == index.offset:
-                    nbytes = int(np.prod(chunk.sizes, dtype=np.int64)) * esize
+                    nbytes = math.prod(chunk.sizes) * esize
                     break
         try:
             check_extents_cover(index.fqn, exts, nbytes)

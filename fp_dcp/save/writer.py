@@ -28,7 +28,7 @@ modules.
    of the checkpoint it superseded.
 
 The objects that exist when a save starts are kept out of the cyclic GC's
-sight until this rank's part of it ends (:mod:`fp_dcp.save.gc_freeze`).
+sight until this rank's part of it ends (:mod:`fp_dcp.gc_freeze`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from fp_dcp import format as fmt
 from fp_dcp.engine import IOSession
 from fp_dcp.options import FastPersistOptions
 from fp_dcp.save import commit, directories, execute
-from fp_dcp.save.gc_freeze import GcFreeze
+from fp_dcp.gc_freeze import GcFreeze
 from fp_dcp.save.plan import (
     Assignment, GlobalRecord, RankHoldings, assign, assignment_items, describe_rank, keep_global_record,
 )
