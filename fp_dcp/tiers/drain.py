@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from fp_dcp import format as fmt
 from fp_dcp.files import read_metadata_bytes
+from fp_dcp.save.commit import sync_directory
 from fp_dcp.tiers import integrity, store
 from fp_dcp.tools.rotation import keep_last
 
@@ -91,7 +92,7 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
                                                  layout, fid, sync=sync)
                 _point(f"copied {name}")
             if sync:
-                store.fsync_dir(dest)
+                sync_directory(dest)
     except Exception as e:  # noqa: BLE001 - every rank learns it below
         error = f"rank {rank}: {e}"
     outcomes: list = [None] * dist.get_world_size(group)

@@ -26,8 +26,9 @@ from typing import Iterator
 
 from fp_dcp import format as fmt
 from fp_dcp.files import read_metadata_bytes
+from fp_dcp.save.commit import sync_directory
 
-__all__ = ["step_dir", "node_root", "Holding", "scan", "write_atomic", "fsync_dir", "retain", "RESTORE_DIR"]
+__all__ = ["step_dir", "node_root", "Holding", "scan", "write_atomic", "retain", "RESTORE_DIR"]
 
 _STEP = re.compile(r"step_(\d{1,18})")
 RESTORE_DIR = ".restore"
@@ -104,14 +105,6 @@ def scan(root: str) -> dict[int, Holding]:
     return out
 
 
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomic(path: str, data: bytes | memoryview, sync: bool = True) -> None:
     """``data`` at ``path``, all or nothing: a temporary beside it, synced,
     renamed over it, the directory synced."""
@@ -130,7 +123,7 @@ def write_atomic(path: str, data: bytes | memoryview, sync: bool = True) -> None
     os.close(fd)
     os.replace(tmp, path)
     if sync:
-        fsync_dir(os.path.dirname(path) or ".")
+        sync_directory(os.path.dirname(path) or ".")
 
 
 def retain(root: str, keep: int, pinned: set[int] = frozenset()) -> list[str]:
