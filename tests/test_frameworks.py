@@ -175,6 +175,7 @@ def _fabric(rank, world_size, root, port):
     return _kinds(path)
 
 
+@pytest.mark.slow  # multi-process, ~5-10 s: the fast subset stays under 3 minutes
 def test_lightning_fabric_model_parallel(tmp_path):
     _need("lightning", "pip install lightning")
     kinds = run_ranks(2, _fabric, str(tmp_path), _free_port(), timeout=300)
@@ -334,6 +335,7 @@ def _accelerate(rank, world_size, root):
     return _kinds(ckpt_dir), _kinds(opt_dir)
 
 
+@pytest.mark.slow  # multi-process, ~5-10 s: the fast subset stays under 3 minutes
 def test_accelerate_fsdp2_calls_reproduced(tmp_path):
     _need("accelerate", "pip install accelerate")
     res = run_ranks(2, _accelerate, str(tmp_path), timeout=300)

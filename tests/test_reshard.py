@@ -1010,6 +1010,7 @@ def _cooperative_long_runs(rank, ws, root):
     return reader.last_stats
 
 
+@pytest.mark.slow  # multi-process, ~5-10 s: the fast subset stays under 3 minutes
 def test_cooperative_reads_of_long_runs_use_an_engine_per_thread(tmp_path):
     """Two rounds in flight each read long runs, bit-exact: each reading
     thread has its own engine of large requests (one shared engine failed
