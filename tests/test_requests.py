@@ -128,3 +128,64 @@ def test_packed_small_tensors_go_out_as_large_requests(tmp_path):
     assert s["large_request_bytes"] >= s["bytes"] // 2
     assert s["checksum_bytes"] == s["bytes"]
     assert s["requests"] < 600 // 4
+
+
+def _many_big(tmp_path, n=6):
+    rng = np.random.default_rng(3)
+    sd = {f"w{i}": torch.from_numpy(rng.standard_normal((1024, 1024), dtype=np.float32)) for i in range(n)}  # 4 MiB
+    save(sd, tmp_path / "c")
+    return sd, tmp_path / "c"
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_long_runs_split_over_read_threads(tmp_path, monkeypatch, threads):
+    """read_threads engines of large requests read shares of the long runs at
+    once (each copies on its own core): bit-exact, every byte read once and
+    checked once, and the split really happened."""
+    import fp_dcp.load.execute as execute
+
+    monkeypatch.setattr(execute, "_MIN_BYTES_PER_THREAD", 4 * MiB)
+    sd, path = _many_big(tmp_path)
+    target = zeros_like_sd(sd)
+    s = load(target, path, read_threads=threads).last_stats
+    assert_sd_equal(sd, target)
+    assert s["long_run_threads"] == threads
+    assert s["large_request_bytes"] == s["bytes"] == 24 * MiB
+    assert s["checksum_bytes"] == s["bytes"] == s["checksum_verified_bytes"]
+    assert s["engine_calls"] == threads
+
+
+def test_read_threads_one_and_small_loads_stay_on_one_engine(tmp_path):
+    sd, path = _many_big(tmp_path)
+    s1 = load(zeros_like_sd(sd), path, read_threads=1).last_stats
+    assert s1["long_run_threads"] == 1 and s1["engine_calls"] == 1
+    # auto, but 24 MiB is less than two threads' minimum: one engine
+    s = load(zeros_like_sd(sd), path).last_stats
+    assert s["long_run_threads"] == 1
+    with pytest.raises(ValueError, match="read_threads"):
+        load(zeros_like_sd(sd), path, read_threads=0)
+
+
+def test_a_flipped_byte_read_by_another_thread_is_caught(tmp_path, monkeypatch):
+    """The last tensor's bytes go to the last thread: its checksum error is
+    raised in the load, naming the tensor's file, and no engine is left busy."""
+    import os
+
+    import fp_dcp.load.execute as execute
+    from fp_dcp.load.reader import read_checkpoint_metadata
+    from tests._sd import FAILED
+
+    monkeypatch.setattr(execute, "_MIN_BYTES_PER_THREAD", 4 * MiB)
+    sd, path = _many_big(tmp_path)
+    _, layout, _ = read_checkpoint_metadata(str(path))
+    e = max((exts[0] for exts in layout.extents.values()), key=lambda x: (x.file, x.file_offset))
+    name = layout.files[e.file][0]
+    with open(os.path.join(path, name), "r+b") as f:
+        f.seek(e.file_offset + 3 * MiB + 7)
+        b = f.read(1)
+        f.seek(e.file_offset + 3 * MiB + 7)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(FAILED, match="checksum mismatch") as info:
+        load(zeros_like_sd(sd), path, read_threads=3)
+    assert name in str(info.value)
+    assert _native.stats()["inflight"] == 0

@@ -13,7 +13,9 @@ callback); it knows nothing of DCP or of the reader.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -41,6 +43,13 @@ _PROGRESS_BATCH_BYTES = 256 << 20
 # charges per operation 16x the operations of a 4 MiB one: measured in
 # docs/NATIVE.md, "Request sizes".
 LONG_RUN_BYTES = 1 << 20
+# Long runs are read by several engines of large requests at once (``Run``'s
+# ``more``), each on its own thread: an engine copies each completed request
+# out of its bounce buffer (fused with the checksum) on the thread that
+# called it, and one core's copy is slower than a fast device (this VM: 3.7
+# GB/s memcpy of large buffers vs 4.9 GB/s read).  Each thread gets at least
+# this many bytes of a batch, so small loads stay on one thread.
+_MIN_BYTES_PER_THREAD = 64 << 20
 
 
 class Arena:
@@ -93,7 +102,9 @@ class Run:
     """The state of one load on one rank: open files, the arena, the stats.
 
     ``session``: the engine; ``large``: the engine of large requests for
-    long runs, or None; ``paths``: the data files; ``limits``: what the plan
+    long runs, or None; ``more``: other engines of large requests, which
+    read a share of the long runs at the same time, each on a thread of its
+    own (``read_threads``); ``paths``: the data files; ``limits``: what the plan
     was made for (the same alignment and budget); ``budget``: the most
     arena memory; ``coalesce_gap``: the largest gap read through;
     ``max_overread_percent``: the over-read budget; ``verifier``: the stored
@@ -101,13 +112,16 @@ class Run:
     """
 
     def __init__(self, session: IOSession, paths: list[str], limits: Limits, *, large: IOSession | None,
-                 budget: int, coalesce_gap: int, max_overread_percent: int, verifier: ReadVerifier | None,
+                 more: list[IOSession] = (), budget: int, coalesce_gap: int, max_overread_percent: int, verifier: ReadVerifier | None,
                  progress: Callable[[int, int], None] | None) -> None:
         self.session = session
         self.paths = paths
         self.limits = limits
         self.alignment = session.alignment
         self.large = large
+        self.more = list(more) if large is not None else []
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stats_lock = threading.Lock()
         self.budget = budget
         self.coalesce_gap = coalesce_gap
         self.max_overread_percent = max_overread_percent
@@ -129,7 +143,8 @@ class Run:
             "temp_units": 0,
             "checksum_verified_bytes": 0,
             "checksum_bytes": 0,  # bytes the engine fed to the CRC (each read byte at most once)
-            "large_request_bytes": 0,  # bytes moved by the engine of large requests (long runs)
+            "large_request_bytes": 0,  # bytes moved by the engines of large requests (long runs)
+            "long_run_threads": 1,  # the most engines of large requests that read at once
             "read_seconds": 0.0,
             "copy_seconds": 0.0,
         }
@@ -140,12 +155,16 @@ class Run:
     def with_session(self, session: IOSession, large: IOSession | None) -> "Run":
         """Another run of the same load, through ``session`` and, for long
         runs, ``large`` (shared reads read two rounds at once, each thread
-        with engines of its own: an engine serves one thread at a time)."""
+        with engines of its own: an engine serves one thread at a time;
+        its long runs are read by ``large`` alone)."""
         return Run(session, self.paths, self.limits, large=large, budget=self.budget,
                    coalesce_gap=self.coalesce_gap, max_overread_percent=self.max_overread_percent,
                    verifier=self.verifier, progress=self.progress)
 
     def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+            self._threads = None
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
@@ -159,14 +178,47 @@ class Run:
             fds, [self.paths[int(f)] for f in used.tolist()], local.astype(np.int64), offs, views,
             coalesce_gap=0, **kwargs
         )
-        if check is not None:
-            self.stats["checksum_verified_bytes"] += check.verify(s)
+        verified = check.verify(s) if check is not None else 0
+        with self._stats_lock:  # engine calls of long runs run on several threads
+            self.stats["checksum_verified_bytes"] += verified
             self.stats["checksum_bytes"] += s.get("checksum_bytes", 0)
-        self.stats["bytes_read"] += s.get("bytes_read", 0)
-        self.stats["requests"] += s.get("requests", 0)
-        if session is self.large:
-            self.stats["large_request_bytes"] += s.get("bytes", 0)
-        self.stats["engine_calls"] += 1
+            self.stats["bytes_read"] += s.get("bytes_read", 0)
+            self.stats["requests"] += s.get("requests", 0)
+            if session is self.large or session in self.more:
+                self.stats["large_request_bytes"] += s.get("bytes", 0)
+            self.stats["engine_calls"] += 1
+
+    def _read_long(self, files, offs, views, lens: np.ndarray, check) -> None:
+        """Long runs (pieces sorted by file and offset): through the engine
+        of large requests, or split into stretches of about equal bytes
+        read at once by it and the ``more`` engines, each on its own thread.
+        Each piece is checksummed whole by the call that reads it, so any
+        piece boundary is a valid cut."""
+        k = min(1 + len(self.more), int(lens.sum()) // _MIN_BYTES_PER_THREAD, len(lens))
+        if k <= 1:
+            self._engine_read(self.large, files, offs, views, check)
+            return
+        ends = np.cumsum(lens)
+        cuts = np.searchsorted(ends, ends[-1] * np.arange(1, k) // k, side="right")
+        bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < len(lens))), len(lens)]
+        parts = list(zip(bounds[:-1], bounds[1:]))
+        if self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(len(self.more), "fp_dcp-read")
+
+        def read(session: IOSession, a: int, b: int) -> None:
+            idx = np.arange(a, b)
+            self._engine_read(session, files[a:b], offs[a:b], views[a:b], None if check is None else check.subset(idx))
+
+        futures = [self._threads.submit(read, session, a, b) for session, (a, b) in zip(self.more, parts[1:])]
+        with self._stats_lock:
+            self.stats["long_run_threads"] = max(self.stats["long_run_threads"], len(parts))
+        try:
+            read(self.large, *parts[0])
+        finally:
+            for f in futures:  # every thread is done with the views before they go
+                f.exception()
+        for f in futures:
+            f.result()
 
     def _fd(self, file: int) -> int:
         fd = self.fds.get(file)
@@ -251,15 +303,18 @@ class Run:
                 # long runs as large requests, the rest (scattered small runs) as
                 # small ones; a run is a stretch of pieces back to back in one
                 # file (packed small tensors, pieces joined by fillers)
-                long = in_long_runs(files, offs, np.fromiter((v.nbytes for v in views), dtype=np.int64,
-                                                             count=len(views)))
-                for session, mask in ((large, long), (self.session, ~long)):
-                    if mask.all():
-                        self._engine_read(session, files, offs, views, check)
-                    elif mask.any():
-                        idx = np.flatnonzero(mask)
-                        self._engine_read(session, files[idx], offs[idx], [views[i] for i in idx.tolist()],
-                                          None if check is None else check.subset(idx))
+                vlens = np.fromiter((v.nbytes for v in views), dtype=np.int64, count=len(views))
+                long = in_long_runs(files, offs, vlens)
+                if long.all():
+                    self._read_long(files, offs, views, vlens, check)
+                elif long.any():
+                    idx = np.flatnonzero(long)
+                    self._read_long(files[idx], offs[idx], [views[i] for i in idx.tolist()], vlens[idx],
+                                    None if check is None else check.subset(idx))
+                if not long.all():
+                    idx = np.flatnonzero(~long)
+                    self._engine_read(self.session, files[idx], offs[idx], [views[i] for i in idx.tolist()],
+                                      None if check is None else check.subset(idx))
             self.stats["read_seconds"] += time.perf_counter() - t0
             del views
         t0 = time.perf_counter()

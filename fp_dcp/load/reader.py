@@ -85,6 +85,9 @@ __all__ = ["FastPersistReader", "read_checkpoint_metadata"]
 # defaults (qd+1 slots of one block).
 _READ_QUEUE_DEPTH = 64
 _READ_BLOCK_BYTES = 256 << 10
+# read_threads=None: at most this many engines of large requests at once
+# (each copies on its own core; 4 x 32 MiB of bounce buffers at most)
+_AUTO_READ_THREADS = 4
 
 
 class FastPersistReader(StorageReader):
@@ -136,6 +139,7 @@ class FastPersistReader(StorageReader):
         self._session: IOSession | None = None
         self._twins: list[IOSession] = []  # the other engines of shared reads
         self._large: IOSession | None = None  # the engine of large requests (long runs)
+        self._more: list[IOSession] = []  # more of them, reading long runs at the same time
         self._setting_up: threading.Thread | None = None
         self._items: ItemPlanner | None = None  # the checkpoint's items to jobs, from set_up_storage_reader
         self._verifier: ReadVerifier | None = None
@@ -306,6 +310,8 @@ class FastPersistReader(StorageReader):
                     session.engine.settle_pool()
                     if large is not None:
                         large.engine.settle_pool()
+                        for other in self._more_large_engines():
+                            other.engine.settle_pool()
                 if twin:
                     self._twin(0)
             except BaseException:  # noqa: BLE001 - read_data's own set-up reports it
@@ -334,10 +340,24 @@ class FastPersistReader(StorageReader):
         return self._twins[i]
 
     def _close_sessions(self) -> None:
-        for session in [*(s for pair in self._twins for s in pair), self._large, self._session]:
+        for session in [*(s for pair in self._twins for s in pair), *self._more, self._large, self._session]:
             if session is not None:
                 session.close()
-        self._session, self._twins, self._large = None, [], None
+        self._session, self._twins, self._large, self._more = None, [], None, []
+
+    def _more_large_engines(self) -> list[IOSession]:
+        """The other engines of large requests (``read_threads`` in all),
+        kept with the reader; none without an engine of large requests."""
+        large = self._large_engine()
+        if large is None:
+            return []
+        wanted = self.options.read_threads
+        if wanted is None:
+            wanted = min(_AUTO_READ_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                         else os.cpu_count() or 1)
+        while len(self._more) < wanted - 1:
+            self._more.append(large.twin())
+        return self._more[: wanted - 1]
 
     def _large_engine(self) -> IOSession | None:
         """The engine of large requests for long runs, kept with the reader;
@@ -421,7 +441,7 @@ class FastPersistReader(StorageReader):
         file_sizes = np.array([size for _, size in self.layout.files] or [0], dtype=np.int64)
         limits = Limits(alignment, max(alignment, budget // 4), file_sizes, opts.max_overread_percent / 100)
         verifier = self._checksums(paths)
-        return Run(session, paths, limits, large=self._large_engine(), budget=budget,
+        return Run(session, paths, limits, large=self._large_engine(), more=self._more_large_engines(), budget=budget,
                    coalesce_gap=opts.coalesce_gap_bytes, max_overread_percent=opts.max_overread_percent,
                    verifier=verifier, progress=self.progress)
 
