@@ -169,7 +169,11 @@ def _child(spec: dict) -> dict:
         t0 = time.perf_counter()
         if kind == "fp_dcp":
             kw = {"verify_checksums": spec.get("verify", True)}
-            r = Reader(str(path), options=Options(engine=engine, **kw)) if engine else Reader(str(path), **kw)
+            if engine:
+                kw["engine"] = engine
+            if spec.get("read_threads"):
+                kw["read_threads"] = spec["read_threads"]
+            r = Reader(str(path), **kw)
             dcp.load(sd, storage_reader=r)
             extra["checksum_bytes"] = r.last_stats.get("checksum_bytes", 0)
             extra["checksum_verified_bytes"] = r.last_stats.get("checksum_verified_bytes", 0)
@@ -242,6 +246,9 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
                        "role": "fp_dcp_noverify"})
         for e in filter(None, args.engines.split(",")):
             cs.append({"name": f"fp_dcp[{e}]", "kind": "fp_dcp", "engine": e, "role": "fp_dcp_engine"})
+        for n in filter(None, args.read_threads.split(",")):
+            cs.append({"name": f"fp_dcp[read_threads={int(n)}]", "kind": "fp_dcp", "engine": None,
+                       "read_threads": int(n), "role": "fp_dcp_engine"})
     if "stock" in want:
         cs.append({"name": "stock", "kind": "stock", "threads": 1, "role": "stock"})
         if args.stock_threads and args.stock_threads != 1:
@@ -444,6 +451,9 @@ def parse_args(argv=None):
                         "run in the same rounds to show the verifier's cost)")
     p.add_argument("--engines", default="",
                    help="also run fp_dcp with FastPersistOptions(engine=E) for each E (e.g. aio,uring,threads)")
+    p.add_argument("--read-threads", default="",
+                   help="also run fp_dcp with FastPersistOptions(read_threads=N) for each N (e.g. 1,2): "
+                        "the default reader's engines of long runs against one")
     p.add_argument("--stock-threads", type=int, default=4,
                    help="thread_count of the tuned stock FileSystemWriter (1 or 0: no tuned contender)")
     p.add_argument("--raw", choices=("auto", "fio", "python"), default="auto",
