@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -111,6 +112,7 @@ def _train(rank, cfg):
     elif mode == "stock":
         group = dist.new_group(backend="gloo")
     times = []
+    cpu0, threads0 = time.process_time(), _thread_cpu()
     for step in range(1, cfg["iters"] + 1):
         t0 = time.perf_counter()
         model(batch[step % 4]).pow(2).mean().backward()
@@ -128,15 +130,43 @@ def _train(rank, cfg):
                                      process_group=group)
         times.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
+    threads1 = _thread_cpu()  # before close(): the background threads end there
     if mgr is not None:
+        mgr.wait()
+        threads1 = _thread_cpu()
+        history = mgr.history
         mgr.close()
         errors = mgr.errors
     else:
-        errors = []
+        errors, history = [], {}
         if pending is not None:
             pending.result()
+            threads1 = _thread_cpu()
     tail = time.perf_counter() - t0
-    return {"times": times, "tail_seconds": tail, "errors": errors}
+    threads = {k: v - threads0.get(k, 0.0) for k, v in threads1.items()}
+    return {"times": times, "tail_seconds": tail, "errors": errors,
+            "cpu_seconds": time.process_time() - cpu0,  # every thread of this rank, the whole run and close()
+            "thread_cpu_seconds": {k: v for k, v in threads.items() if v >= 0.005},
+            "history": {s: {k: v for k, v in h.items() if isinstance(v, (int, float))} for s, h in history.items()}}
+
+
+def _thread_cpu() -> dict:
+    """CPU seconds of this process's live threads, by Python thread name
+    (the pool's number dropped) or "native" (gloo's, torch's, the engine's)."""
+    import threading
+
+    names = {t.native_id: re.sub(r"_\d+$", "", t.name) for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        name = names.get(int(tid), "native")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _restore_tiers(rank, cfg):
