@@ -353,6 +353,9 @@ def main(argv=None) -> int:
         report["persistent_tier"].update(measure_tier(tier.path))
         per_iter: dict[str, list] = {m: [] for m in MODES}
         tails: dict[str, list] = {m: [] for m in MODES}
+        medians: dict[str, list] = {m: [] for m in MODES}  # each run's
+        cpu: dict[str, list] = {m: [] for m in MODES}  # each run's CPU seconds per step and rank
+        threads: dict[str, dict] = {m: {} for m in MODES}
         errors: list = []
         for rnd in range(a.repeat):  # interleaved: the machine's load drifts
             for mode in MODES:
@@ -363,11 +366,21 @@ def main(argv=None) -> int:
                 res = run_job(cfg)
                 its = [max(r["times"][i] for r in res) for i in range(2, a.iters)]  # the slowest rank, warm
                 per_iter[mode] += its
+                medians[mode].append(statistics.median(its))
                 tails[mode].append(max(r["tail_seconds"] for r in res))
+                cpu[mode].append(statistics.mean(r["cpu_seconds"] for r in res) / a.iters)
+                for r in res:
+                    for k, v in r["thread_cpu_seconds"].items():
+                        threads[mode][k] = threads[mode].get(k, 0.0) + v / a.iters / WORLD / a.repeat
                 errors += res[0]["errors"]
-                print(f"round {rnd} {mode}: median iteration {statistics.median(its) * 1e3:.1f} ms", flush=True)
+                print(f"round {rnd} {mode}: median iteration {medians[mode][-1] * 1e3:.1f} ms, "
+                      f"{cpu[mode][-1]:.3f} CPU s per step and rank", flush=True)
         runs = {m: {"iter_median_s": statistics.median(per_iter[m]), "iter_mean_s": statistics.mean(per_iter[m]),
-                    "tail_s": max(tails[m])} for m in MODES}
+                    "run_medians_s": medians[m], "tail_s": max(tails[m]),
+                    "cpu_per_step_s": statistics.median(cpu[m]), "run_cpu_per_step_s": cpu[m],
+                    # what checkpointing adds, per step and rank, in CPU seconds of all the rank's threads
+                    "checkpoint_cpu_per_step_s": statistics.median(cpu[m]) - statistics.median(cpu["none"]),
+                    "thread_cpu_per_step_s": threads[m]} for m in MODES}
         report["runs"] = runs
         report["errors"] = errors
         # node 1 lost: its local directory goes; the last round's checkpoints are restored
@@ -397,13 +410,28 @@ def main(argv=None) -> int:
         "tiers_overhead_vs_none": tiers / none - 1,
         "stock_overhead_vs_none": stock / none - 1,
         "tiers_vs_stock_iteration": tiers / stock,
+        # each round's runs against the same round's "none" (the machine's load drifts between rounds)
+        "tiers_overhead_vs_none_by_round": [t / n - 1 for t, n in zip(runs["tiers"]["run_medians_s"],
+                                                                      runs["none"]["run_medians_s"])],
+        "stock_overhead_vs_none_by_round": [t / n - 1 for t, n in zip(runs["stock"]["run_medians_s"],
+                                                                      runs["none"]["run_medians_s"])],
+        "tiers_checkpoint_cpu_per_step_s": runs["tiers"]["checkpoint_cpu_per_step_s"],
+        "stock_checkpoint_cpu_per_step_s": runs["stock"]["checkpoint_cpu_per_step_s"],
         "recovery_speedup_vs_persistent": rec["persistent_s"] / rec["tiers_s"],
     }
-    rows = [["none", f"{none * 1e3:.1f}", "-"], [f"tiers (every step, {a.replicas} replica, drain /{a.persist_every})", f"{tiers * 1e3:.1f}",
-            f"{report['ratios']['tiers_overhead_vs_none'] * 100:+.1f}%"],
-            [f"stock async_save /{a.persist_every}", f"{stock * 1e3:.1f}",
-             f"{report['ratios']['stock_overhead_vs_none'] * 100:+.1f}%"]]
-    print(format_table(["run", "median iteration ms", "vs none"], rows))
+    names = {"none": "none", "tiers": f"tiers (every step, {a.replicas} replica, drain /{a.persist_every})",
+             "stock": f"stock async_save /{a.persist_every}"}
+    rows = [[names[m], f"{runs[m]['iter_median_s'] * 1e3:.1f}",
+             "-" if m == "none" else f"{(runs[m]['iter_median_s'] / none - 1) * 100:+.1f}%",
+             " ".join(f"{x * 1e3:.0f}" for x in runs[m]["run_medians_s"]),
+             f"{runs[m]['cpu_per_step_s']:.3f}", "-" if m == "none" else f"{runs[m]['checkpoint_cpu_per_step_s']:+.3f}"]
+            for m in MODES]
+    print(format_table(["run", "median iteration ms", "vs none", "each run's median ms", "CPU s/step/rank",
+                        "checkpoint CPU s/step/rank"], rows))
+    print("CPU s per step and rank, by thread: "
+          + "; ".join(f"{m}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(runs[m]["thread_cpu_per_step_s"].items(),
+                                                                            key=lambda kv: -kv[1]))
+                      for m in MODES))
     print(f"state {state_bytes / 1e6:.0f} MB; persistent tier: {report['persistent_tier']}")
     print(f"recovery of step {rec['step']} after losing node 1 (median of {a.repeat}): tiers {rec['tiers_s']:.2f} s "
           f"(bytes {rec['bytes_from']}, rank 0 phases {rec['tiers_phases_rank0']}), "
