@@ -112,23 +112,39 @@ def _train(rank, cfg):
     elif mode == "stock":
         group = dist.new_group(backend="gloo")
     times = []
+    # the training thread's seconds per step in the checkpoint's calls: waiting for the
+    # staging copy, making the state dict, and the save call (or async_save)
+    waits: dict[str, list] = {"wait_staged": [], "state_dict": [], "save_call": []}
     cpu0, threads0 = time.process_time(), _thread_cpu()
     for step in range(1, cfg["iters"] + 1):
         t0 = time.perf_counter()
         model(batch[step % 4]).pow(2).mean().backward()
+        t1 = time.perf_counter()
         if mgr is not None:
             mgr.wait_staged()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        t3 = t4 = time.perf_counter()
         if mgr is not None:
-            mgr.save(step, _state(model, opt))
+            sd = _state(model, opt)
+            t4 = time.perf_counter()
+            mgr.save(step, sd)
+            del sd
         elif mode == "stock" and step % cfg["persist_every"] == 0:
+            sd = _state(model, opt)
+            t4 = time.perf_counter()
             if pending is not None:
                 pending.result()
-            pending = dcp.async_save(_state(model, opt), checkpoint_id=os.path.join(cfg["persist"], f"step_{step}"),
+            pending = dcp.async_save(sd, checkpoint_id=os.path.join(cfg["persist"], f"step_{step}"),
                                      storage_writer=dcp.FileSystemWriter(os.path.join(cfg["persist"], f"step_{step}")),
                                      process_group=group)
-        times.append(time.perf_counter() - t0)
+            del sd
+        t5 = time.perf_counter()
+        times.append(t5 - t0)
+        waits["wait_staged"].append(t2 - t1)
+        waits["state_dict"].append(t4 - t3)
+        waits["save_call"].append(t5 - t4)
     t0 = time.perf_counter()
     threads1 = _thread_cpu()  # before close(): the background threads end there
     if mgr is not None:
@@ -144,7 +160,7 @@ def _train(rank, cfg):
             threads1 = _thread_cpu()
     tail = time.perf_counter() - t0
     threads = {k: v - threads0.get(k, 0.0) for k, v in threads1.items()}
-    return {"times": times, "tail_seconds": tail, "errors": errors,
+    return {"times": times, "tail_seconds": tail, "errors": errors, "waits": waits,
             "cpu_seconds": time.process_time() - cpu0,  # every thread of this rank, the whole run and close()
             "thread_cpu_seconds": {k: v for k, v in threads.items() if v >= 0.005},
             "history": {s: {k: v for k, v in h.items() if isinstance(v, (int, float))} for s, h in history.items()}}
@@ -356,6 +372,7 @@ def main(argv=None) -> int:
         medians: dict[str, list] = {m: [] for m in MODES}  # each run's
         cpu: dict[str, list] = {m: [] for m in MODES}  # each run's CPU seconds per step and rank
         threads: dict[str, dict] = {m: {} for m in MODES}
+        waits: dict[str, dict] = {m: {} for m in MODES}  # the training thread's, per warm step and rank
         errors: list = []
         for rnd in range(a.repeat):  # interleaved: the machine's load drifts
             for mode in MODES:
@@ -370,6 +387,8 @@ def main(argv=None) -> int:
                 tails[mode].append(max(r["tail_seconds"] for r in res))
                 cpu[mode].append(statistics.mean(r["cpu_seconds"] for r in res) / a.iters)
                 for r in res:
+                    for k, v in r["waits"].items():
+                        waits[mode].setdefault(k, []).extend(v[2:])
                     for k, v in r["thread_cpu_seconds"].items():
                         threads[mode][k] = threads[mode].get(k, 0.0) + v / a.iters / WORLD / a.repeat
                 errors += res[0]["errors"]
@@ -380,7 +399,9 @@ def main(argv=None) -> int:
                     "cpu_per_step_s": statistics.median(cpu[m]), "run_cpu_per_step_s": cpu[m],
                     # what checkpointing adds, per step and rank, in CPU seconds of all the rank's threads
                     "checkpoint_cpu_per_step_s": statistics.median(cpu[m]) - statistics.median(cpu["none"]),
-                    "thread_cpu_per_step_s": threads[m]} for m in MODES}
+                    "thread_cpu_per_step_s": threads[m],
+                    "training_seconds_per_step": {k: statistics.mean(v) for k, v in waits[m].items()}}
+                for m in MODES}
         report["runs"] = runs
         report["errors"] = errors
         # node 1 lost: its local directory goes; the last round's checkpoints are restored
@@ -432,6 +453,9 @@ def main(argv=None) -> int:
           + "; ".join(f"{m}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(runs[m]["thread_cpu_per_step_s"].items(),
                                                                             key=lambda kv: -kv[1]))
                       for m in MODES))
+    print("the training thread's mean seconds per step in: "
+          + "; ".join(f"{m}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[m]["training_seconds_per_step"].items())
+                      for m in MODES if m != "none"))
     print(f"state {state_bytes / 1e6:.0f} MB; persistent tier: {report['persistent_tier']}")
     print(f"recovery of step {rec['step']} after losing node 1 (median of {a.repeat}): tiers {rec['tiers_s']:.2f} s "
           f"(bytes {rec['bytes_from']}, rank 0 phases {rec['tiers_phases_rank0']}), "
