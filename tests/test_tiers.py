@@ -420,6 +420,39 @@ def test_replica_file_io_round_trips_any_size_in_reused_buffers(tmp_path, size):
     files.close()
 
 
+def test_drain_copy_is_the_file_and_refuses_corruption(tmp_path):
+    from fp_dcp import FastPersistOptions
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import integrity
+    from fp_dcp.tiers.drain import DrainIO
+
+    src = str(tmp_path / "src")
+    _one_rank_checkpoint(src)
+    _, layout, _ = read_checkpoint_metadata(src)
+    name, size = layout.files[0]
+    dst = str(tmp_path / "dst")
+    os.makedirs(dst)
+    io = DrainIO(FastPersistOptions())
+    assert io.copy(os.path.join(src, name), os.path.join(dst, name), layout, 0, sync=True) == size
+    assert pathlib.Path(dst, name).read_bytes() == pathlib.Path(src, name).read_bytes()  # padding included
+    with open(os.path.join(src, name), "r+b") as f:  # one flipped byte inside tensor "a"
+        f.seek(123_457)
+        b = f.read(1)
+        f.seek(123_457)
+        f.write(bytes([b[0] ^ 0x40]))
+    os.unlink(os.path.join(dst, name))
+    with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
+        io.copy(os.path.join(src, name), os.path.join(dst, name), layout, 0, sync=True)
+    assert os.listdir(dst) == []  # nothing named, no temporary left
+    with pytest.raises(integrity.IntegrityError, match="missing"):
+        io.copy(os.path.join(src, "nope.fpd"), os.path.join(dst, name), layout, 0, sync=True)
+    os.truncate(os.path.join(src, name), size - 1)
+    with pytest.raises(integrity.IntegrityError, match="recorded"):
+        io.copy(os.path.join(src, name), os.path.join(dst, name), layout, 0, sync=True)
+    assert os.listdir(dst) == []
+    io.close()
+
+
 def _thread_nice() -> dict:
     """nice value of each of this process's threads, by thread id."""
     out = {}
