@@ -117,6 +117,8 @@ def _train(rank, cfg):
     waits: dict[str, list] = {"wait_staged": [], "state_dict": [], "save_call": []}
     cpu0, threads0 = time.process_time(), _thread_cpu()
     for step in range(1, cfg["iters"] + 1):
+        if step == 3:  # the warm steps (those timed): no first-save allocations in their CPU
+            warm0, warm_threads0 = time.process_time(), _thread_cpu()
         t0 = time.perf_counter()
         model(batch[step % 4]).pow(2).mean().backward()
         t1 = time.perf_counter()
@@ -145,6 +147,8 @@ def _train(rank, cfg):
         waits["wait_staged"].append(t2 - t1)
         waits["state_dict"].append(t4 - t3)
         waits["save_call"].append(t5 - t4)
+    warm = (time.process_time() - warm0) / (cfg["iters"] - 2)
+    warm_threads = {k: (v - warm_threads0.get(k, 0.0)) / (cfg["iters"] - 2) for k, v in _thread_cpu().items()}
     t0 = time.perf_counter()
     threads1 = _thread_cpu()  # before close(): the background threads end there
     if mgr is not None:
@@ -163,6 +167,10 @@ def _train(rank, cfg):
     return {"times": times, "tail_seconds": tail, "errors": errors, "waits": waits,
             "cpu_seconds": time.process_time() - cpu0,  # every thread of this rank, the whole run and close()
             "thread_cpu_seconds": {k: v for k, v in threads.items() if v >= 0.005},
+            # per warm step: from the start of step 3 to the end of the last (the background's
+            # work on the last step and close() left out, that of step 2 in)
+            "warm_cpu_seconds_per_step": warm,
+            "warm_thread_cpu_seconds_per_step": {k: v for k, v in warm_threads.items() if v >= 0.0005},
             "history": {s: {k: v for k, v in h.items() if isinstance(v, (int, float))} for s, h in history.items()}}
 
 
@@ -371,6 +379,7 @@ def main(argv=None) -> int:
         tails: dict[str, list] = {m: [] for m in MODES}
         medians: dict[str, list] = {m: [] for m in MODES}  # each run's
         cpu: dict[str, list] = {m: [] for m in MODES}  # each run's CPU seconds per step and rank
+        warm_cpu: dict[str, list] = {m: [] for m in MODES}  # ... of the warm steps only
         threads: dict[str, dict] = {m: {} for m in MODES}
         waits: dict[str, dict] = {m: {} for m in MODES}  # the training thread's, per warm step and rank
         errors: list = []
@@ -386,6 +395,7 @@ def main(argv=None) -> int:
                 medians[mode].append(statistics.median(its))
                 tails[mode].append(max(r["tail_seconds"] for r in res))
                 cpu[mode].append(statistics.mean(r["cpu_seconds"] for r in res) / a.iters)
+                warm_cpu[mode].append(statistics.mean(r["warm_cpu_seconds_per_step"] for r in res))
                 for r in res:
                     for k, v in r["waits"].items():
                         waits[mode].setdefault(k, []).extend(v[2:])
@@ -399,6 +409,8 @@ def main(argv=None) -> int:
                     "cpu_per_step_s": statistics.median(cpu[m]), "run_cpu_per_step_s": cpu[m],
                     # what checkpointing adds, per step and rank, in CPU seconds of all the rank's threads
                     "checkpoint_cpu_per_step_s": statistics.median(cpu[m]) - statistics.median(cpu["none"]),
+                    "warm_cpu_per_step_s": statistics.median(warm_cpu[m]),
+                    "warm_checkpoint_cpu_per_step_s": statistics.median(warm_cpu[m]) - statistics.median(warm_cpu["none"]),
                     "thread_cpu_per_step_s": threads[m],
                     "training_seconds_per_step": {k: statistics.mean(v) for k, v in waits[m].items()}}
                 for m in MODES}
@@ -437,6 +449,9 @@ def main(argv=None) -> int:
         "stock_overhead_vs_none_by_round": [t / n - 1 for t, n in zip(runs["stock"]["run_medians_s"],
                                                                       runs["none"]["run_medians_s"])],
         "tiers_checkpoint_cpu_per_step_s": runs["tiers"]["checkpoint_cpu_per_step_s"],
+        # the CPU a checkpoint takes, as a share of the training's: what a CPU-bound machine loses
+        "tiers_warm_cpu_vs_none": runs["tiers"]["warm_cpu_per_step_s"] / runs["none"]["warm_cpu_per_step_s"] - 1,
+        "stock_warm_cpu_vs_none": runs["stock"]["warm_cpu_per_step_s"] / runs["none"]["warm_cpu_per_step_s"] - 1,
         "stock_checkpoint_cpu_per_step_s": runs["stock"]["checkpoint_cpu_per_step_s"],
         "recovery_speedup_vs_persistent": rec["persistent_s"] / rec["tiers_s"],
     }
@@ -445,10 +460,12 @@ def main(argv=None) -> int:
     rows = [[names[m], f"{runs[m]['iter_median_s'] * 1e3:.1f}",
              "-" if m == "none" else f"{(runs[m]['iter_median_s'] / none - 1) * 100:+.1f}%",
              " ".join(f"{x * 1e3:.0f}" for x in runs[m]["run_medians_s"]),
-             f"{runs[m]['cpu_per_step_s']:.3f}", "-" if m == "none" else f"{runs[m]['checkpoint_cpu_per_step_s']:+.3f}"]
+             f"{runs[m]['cpu_per_step_s']:.3f}", "-" if m == "none" else f"{runs[m]['checkpoint_cpu_per_step_s']:+.3f}",
+             f"{runs[m]['warm_cpu_per_step_s']:.3f}",
+             "-" if m == "none" else f"{runs[m]['warm_checkpoint_cpu_per_step_s'] / runs['none']['warm_cpu_per_step_s'] * 100:+.1f}%"]
             for m in MODES]
     print(format_table(["run", "median iteration ms", "vs none", "each run's median ms", "CPU s/step/rank",
-                        "checkpoint CPU s/step/rank"], rows))
+                        "checkpoint CPU s/step/rank", "warm CPU s/step/rank", "warm CPU vs none"], rows))
     print("CPU s per step and rank, by thread: "
           + "; ".join(f"{m}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(runs[m]["thread_cpu_per_step_s"].items(),
                                                                             key=lambda kv: -kv[1]))
