@@ -85,8 +85,9 @@ class TierManager:
     fails is reported in :attr:`errors` and with a warning, and the next
     drain is tried as usual.  ``timeout``: of the manager's process groups.
     ``background_nice``: the nice value (Linux, per thread) of the
-    manager's save/replication and drain threads and of the threads they
-    start, so that the training's threads win the CPU (0: unchanged).
+    manager's save/replication and drain threads, of the threads they
+    start and of gloo's threads of the manager's groups, so that the
+    training's threads win the CPU (0: unchanged).
     """
 
     def __init__(
