@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -111,32 +112,85 @@ def _train(rank, cfg):
     elif mode == "stock":
         group = dist.new_group(backend="gloo")
     times = []
+    # the training thread's seconds per step in the checkpoint's calls: waiting for the
+    # staging copy, making the state dict, and the save call (or async_save)
+    waits: dict[str, list] = {"wait_staged": [], "state_dict": [], "save_call": []}
+    cpu0, threads0 = time.process_time(), _thread_cpu()
     for step in range(1, cfg["iters"] + 1):
+        if step == 3:  # the warm steps (those timed): no first-save allocations in their CPU
+            warm0, warm_threads0 = time.process_time(), _thread_cpu()
         t0 = time.perf_counter()
         model(batch[step % 4]).pow(2).mean().backward()
+        t1 = time.perf_counter()
         if mgr is not None:
             mgr.wait_staged()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        t3 = t4 = time.perf_counter()
         if mgr is not None:
-            mgr.save(step, _state(model, opt))
+            sd = _state(model, opt)
+            t4 = time.perf_counter()
+            mgr.save(step, sd)
+            del sd
         elif mode == "stock" and step % cfg["persist_every"] == 0:
+            sd = _state(model, opt)
+            t4 = time.perf_counter()
             if pending is not None:
                 pending.result()
-            pending = dcp.async_save(_state(model, opt), checkpoint_id=os.path.join(cfg["persist"], f"step_{step}"),
+            pending = dcp.async_save(sd, checkpoint_id=os.path.join(cfg["persist"], f"step_{step}"),
                                      storage_writer=dcp.FileSystemWriter(os.path.join(cfg["persist"], f"step_{step}")),
                                      process_group=group)
-        times.append(time.perf_counter() - t0)
+            del sd
+        t5 = time.perf_counter()
+        times.append(t5 - t0)
+        waits["wait_staged"].append(t2 - t1)
+        waits["state_dict"].append(t4 - t3)
+        waits["save_call"].append(t5 - t4)
+    warm = (time.process_time() - warm0) / (cfg["iters"] - 2)
+    warm_threads = {k: (v - warm_threads0.get(k, 0.0)) / (cfg["iters"] - 2) for k, v in _thread_cpu().items()}
     t0 = time.perf_counter()
+    threads1 = _thread_cpu()  # before close(): the background threads end there
     if mgr is not None:
+        mgr.wait()
+        threads1 = _thread_cpu()
+        history = mgr.history
         mgr.close()
         errors = mgr.errors
     else:
-        errors = []
+        errors, history = [], {}
         if pending is not None:
             pending.result()
+            threads1 = _thread_cpu()
     tail = time.perf_counter() - t0
-    return {"times": times, "tail_seconds": tail, "errors": errors}
+    threads = {k: v - threads0.get(k, 0.0) for k, v in threads1.items()}
+    return {"times": times, "tail_seconds": tail, "errors": errors, "waits": waits,
+            "cpu_seconds": time.process_time() - cpu0,  # every thread of this rank, the whole run and close()
+            "thread_cpu_seconds": {k: v for k, v in threads.items() if v >= 0.005},
+            # per warm step: from the start of step 3 to the end of the last (the background's
+            # work on the last step and close() left out, that of step 2 in)
+            "warm_cpu_seconds_per_step": warm,
+            "warm_thread_cpu_seconds_per_step": {k: v for k, v in warm_threads.items() if v >= 0.0005},
+            "history": {s: {k: v for k, v in h.items() if isinstance(v, (int, float))} for s, h in history.items()}}
+
+
+def _thread_cpu() -> dict:
+    """CPU seconds of this process's live threads, by Python thread name
+    (the pool's number dropped) or "native" (gloo's, torch's, the engine's)."""
+    import threading
+
+    names = {t.native_id: re.sub(r"_\d+$", "", t.name) for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        name = names.get(int(tid), "native")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _restore_tiers(rank, cfg):
@@ -323,6 +377,11 @@ def main(argv=None) -> int:
         report["persistent_tier"].update(measure_tier(tier.path))
         per_iter: dict[str, list] = {m: [] for m in MODES}
         tails: dict[str, list] = {m: [] for m in MODES}
+        medians: dict[str, list] = {m: [] for m in MODES}  # each run's
+        cpu: dict[str, list] = {m: [] for m in MODES}  # each run's CPU seconds per step and rank
+        warm_cpu: dict[str, list] = {m: [] for m in MODES}  # ... of the warm steps only
+        threads: dict[str, dict] = {m: {} for m in MODES}
+        waits: dict[str, dict] = {m: {} for m in MODES}  # the training thread's, per warm step and rank
         errors: list = []
         for rnd in range(a.repeat):  # interleaved: the machine's load drifts
             for mode in MODES:
@@ -333,11 +392,28 @@ def main(argv=None) -> int:
                 res = run_job(cfg)
                 its = [max(r["times"][i] for r in res) for i in range(2, a.iters)]  # the slowest rank, warm
                 per_iter[mode] += its
+                medians[mode].append(statistics.median(its))
                 tails[mode].append(max(r["tail_seconds"] for r in res))
+                cpu[mode].append(statistics.mean(r["cpu_seconds"] for r in res) / a.iters)
+                warm_cpu[mode].append(statistics.mean(r["warm_cpu_seconds_per_step"] for r in res))
+                for r in res:
+                    for k, v in r["waits"].items():
+                        waits[mode].setdefault(k, []).extend(v[2:])
+                    for k, v in r["thread_cpu_seconds"].items():
+                        threads[mode][k] = threads[mode].get(k, 0.0) + v / a.iters / WORLD / a.repeat
                 errors += res[0]["errors"]
-                print(f"round {rnd} {mode}: median iteration {statistics.median(its) * 1e3:.1f} ms", flush=True)
+                print(f"round {rnd} {mode}: median iteration {medians[mode][-1] * 1e3:.1f} ms, "
+                      f"{cpu[mode][-1]:.3f} CPU s per step and rank", flush=True)
         runs = {m: {"iter_median_s": statistics.median(per_iter[m]), "iter_mean_s": statistics.mean(per_iter[m]),
-                    "tail_s": max(tails[m])} for m in MODES}
+                    "run_medians_s": medians[m], "tail_s": max(tails[m]),
+                    "cpu_per_step_s": statistics.median(cpu[m]), "run_cpu_per_step_s": cpu[m],
+                    # what checkpointing adds, per step and rank, in CPU seconds of all the rank's threads
+                    "checkpoint_cpu_per_step_s": statistics.median(cpu[m]) - statistics.median(cpu["none"]),
+                    "warm_cpu_per_step_s": statistics.median(warm_cpu[m]),
+                    "warm_checkpoint_cpu_per_step_s": statistics.median(warm_cpu[m]) - statistics.median(warm_cpu["none"]),
+                    "thread_cpu_per_step_s": threads[m],
+                    "training_seconds_per_step": {k: statistics.mean(v) for k, v in waits[m].items()}}
+                for m in MODES}
         report["runs"] = runs
         report["errors"] = errors
         # node 1 lost: its local directory goes; the last round's checkpoints are restored
@@ -367,13 +443,36 @@ def main(argv=None) -> int:
         "tiers_overhead_vs_none": tiers / none - 1,
         "stock_overhead_vs_none": stock / none - 1,
         "tiers_vs_stock_iteration": tiers / stock,
+        # each round's runs against the same round's "none" (the machine's load drifts between rounds)
+        "tiers_overhead_vs_none_by_round": [t / n - 1 for t, n in zip(runs["tiers"]["run_medians_s"],
+                                                                      runs["none"]["run_medians_s"])],
+        "stock_overhead_vs_none_by_round": [t / n - 1 for t, n in zip(runs["stock"]["run_medians_s"],
+                                                                      runs["none"]["run_medians_s"])],
+        "tiers_checkpoint_cpu_per_step_s": runs["tiers"]["checkpoint_cpu_per_step_s"],
+        # the CPU a checkpoint takes, as a share of the training's: what a CPU-bound machine loses
+        "tiers_warm_cpu_vs_none": runs["tiers"]["warm_cpu_per_step_s"] / runs["none"]["warm_cpu_per_step_s"] - 1,
+        "stock_warm_cpu_vs_none": runs["stock"]["warm_cpu_per_step_s"] / runs["none"]["warm_cpu_per_step_s"] - 1,
+        "stock_checkpoint_cpu_per_step_s": runs["stock"]["checkpoint_cpu_per_step_s"],
         "recovery_speedup_vs_persistent": rec["persistent_s"] / rec["tiers_s"],
     }
-    rows = [["none", f"{none * 1e3:.1f}", "-"], [f"tiers (every step, {a.replicas} replica, drain /{a.persist_every})", f"{tiers * 1e3:.1f}",
-            f"{report['ratios']['tiers_overhead_vs_none'] * 100:+.1f}%"],
-            [f"stock async_save /{a.persist_every}", f"{stock * 1e3:.1f}",
-             f"{report['ratios']['stock_overhead_vs_none'] * 100:+.1f}%"]]
-    print(format_table(["run", "median iteration ms", "vs none"], rows))
+    names = {"none": "none", "tiers": f"tiers (every step, {a.replicas} replica, drain /{a.persist_every})",
+             "stock": f"stock async_save /{a.persist_every}"}
+    rows = [[names[m], f"{runs[m]['iter_median_s'] * 1e3:.1f}",
+             "-" if m == "none" else f"{(runs[m]['iter_median_s'] / none - 1) * 100:+.1f}%",
+             " ".join(f"{x * 1e3:.0f}" for x in runs[m]["run_medians_s"]),
+             f"{runs[m]['cpu_per_step_s']:.3f}", "-" if m == "none" else f"{runs[m]['checkpoint_cpu_per_step_s']:+.3f}",
+             f"{runs[m]['warm_cpu_per_step_s']:.3f}",
+             "-" if m == "none" else f"{runs[m]['warm_checkpoint_cpu_per_step_s'] / runs['none']['warm_cpu_per_step_s'] * 100:+.1f}%"]
+            for m in MODES]
+    print(format_table(["run", "median iteration ms", "vs none", "each run's median ms", "CPU s/step/rank",
+                        "checkpoint CPU s/step/rank", "warm CPU s/step/rank", "warm CPU vs none"], rows))
+    print("CPU s per step and rank, by thread: "
+          + "; ".join(f"{m}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(runs[m]["thread_cpu_per_step_s"].items(),
+                                                                            key=lambda kv: -kv[1]))
+                      for m in MODES))
+    print("the training thread's mean seconds per step in: "
+          + "; ".join(f"{m}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[m]["training_seconds_per_step"].items())
+                      for m in MODES if m != "none"))
     print(f"state {state_bytes / 1e6:.0f} MB; persistent tier: {report['persistent_tier']}")
     print(f"recovery of step {rec['step']} after losing node 1 (median of {a.repeat}): tiers {rec['tiers_s']:.2f} s "
           f"(bytes {rec['bytes_from']}, rank 0 phases {rec['tiers_phases_rank0']}), "

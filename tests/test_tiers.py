@@ -391,6 +391,148 @@ def test_failed_drain_is_reported_retried_and_harmless(tmp_path):
     assert [n for n in os.listdir(store.step_dir(persist, 4)) if n.endswith(".fpd")] == []
 
 
+# ------------------------------------------------------- the save side
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096 + 7, (3 << 20) + 5])
+def test_replica_file_io_round_trips_any_size_in_reused_buffers(tmp_path, size):
+    from fp_dcp import FastPersistOptions
+    from fp_dcp.tiers.replicate import FileIO
+
+    files = FileIO(FastPersistOptions(), str(tmp_path))
+    want = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    buf = files.buffer(size)
+    buf[:] = want
+    path = str(tmp_path / "f.fpd")
+    pathlib.Path(path).write_bytes(b"x" * (size + 9000))  # an older, longer file there: replaced whole
+    files.write(path, buf, sync=True)
+    assert pathlib.Path(path).read_bytes() == want.tobytes()  # no O_DIRECT padding left at its end
+    got = files.read(path, size)
+    assert np.array_equal(got, want)
+    if size:
+        assert files.read(path, size).ctypes.data == got.ctypes.data  # the same buffer, not a new one
+        assert files.buffer(size // 2).ctypes.data == buf.ctypes.data
+        with pytest.raises(OSError, match="recorded"):
+            files.read(path, size + 1)  # shorter than the checkpoint says
+    os.symlink(path, str(tmp_path / "link.fpd"))
+    with pytest.raises(OSError):
+        files.read(str(tmp_path / "link.fpd"), size)  # a link is never followed
+    files.close()
+
+
+def test_drain_copy_is_the_file_and_refuses_corruption(tmp_path):
+    from fp_dcp import FastPersistOptions
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import integrity
+    from fp_dcp.tiers.drain import DrainIO
+
+    src = str(tmp_path / "src")
+    _one_rank_checkpoint(src)
+    _, layout, _ = read_checkpoint_metadata(src)
+    name, size = layout.files[0]
+    dst = str(tmp_path / "dst")
+    os.makedirs(dst)
+    io = DrainIO(FastPersistOptions())
+    assert io.copy(os.path.join(src, name), os.path.join(dst, name), layout, 0, sync=True) == size
+    assert pathlib.Path(dst, name).read_bytes() == pathlib.Path(src, name).read_bytes()  # padding included
+    with open(os.path.join(src, name), "r+b") as f:  # one flipped byte inside tensor "a"
+        f.seek(123_457)
+        b = f.read(1)
+        f.seek(123_457)
+        f.write(bytes([b[0] ^ 0x40]))
+    os.unlink(os.path.join(dst, name))
+    with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
+        io.copy(os.path.join(src, name), os.path.join(dst, name), layout, 0, sync=True)
+    assert os.listdir(dst) == []  # nothing named, no temporary left
+    with pytest.raises(integrity.IntegrityError, match="missing"):
+        io.copy(os.path.join(src, "nope.fpd"), os.path.join(dst, name), layout, 0, sync=True)
+    os.truncate(os.path.join(src, name), size - 1)
+    with pytest.raises(integrity.IntegrityError, match="recorded"):
+        io.copy(os.path.join(src, name), os.path.join(dst, name), layout, 0, sync=True)
+    assert os.listdir(dst) == []
+    io.close()
+
+
+def _thread_nice() -> dict:
+    """nice value of each of this process's threads, by thread id."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            out[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+    return out
+
+
+def _background_priority(rank, world_size, root):
+    import threading
+
+    import torch
+
+    from fp_dcp import TierManager
+
+    before = _thread_nice()
+    mgr = TierManager(os.path.join(root, "node{node}"), os.path.join(root, "persist"), replicas=0,
+                      persist_every=1, ranks_per_node=1, background_nice=7)
+    made = {t: n for t, n in _thread_nice().items() if t not in before}  # gloo's threads of its groups
+    mgr.save(1, {"w": torch.ones(1000)})
+    mgr.wait()
+    named = {t.native_id: t.name for t in threading.enumerate()}
+    workers = {named[t]: n for t, n in _thread_nice().items()
+               if named.get(t, "").startswith(("fp_dcp-tiers", "fp_dcp-drain"))}
+    ok = mgr.history[1]["drain"].ok
+    mgr.close()
+    return made, workers, ok
+
+
+def test_background_threads_and_their_gloo_threads_run_at_lower_priority(tmp_path):
+    made, workers, drained = run_ranks(1, _background_priority, str(tmp_path), timeout=120)[0]
+    assert drained
+    assert len(made) >= 3 and set(made.values()) == {7}, made  # not the training's nice 0
+    assert len(workers) == 2 and set(workers.values()) == {7}, workers
+
+
+def _damaged_in_flight(rank, world_size, root):
+    import torch
+
+    from fp_dcp import TierManager
+    from fp_dcp.tiers import replicate, store
+
+    if rank == 0:  # what rank 0 sends is damaged after it was read: its receiver must refuse it
+        read = replicate.FileIO.read
+
+        def damaged(self, path, size):
+            data = read(self, path, size).copy()
+            data[size // 2] ^= 1
+            return data
+
+        replicate.FileIO.read = damaged
+    mgr = TierManager(os.path.join(root, "node{node}"), None, replicas=1, ranks_per_node=1, keep_local=3)
+    for step in (1, 2):
+        mgr.save(step, {f"w{rank}": torch.arange(300_000.0) + step + 10 * rank, "step": step})
+    mgr.close()
+    return list(mgr.errors), {k: v for k, v in mgr.history[2].items() if k.endswith("_bytes")}
+
+
+@pytest.mark.slow
+def test_a_replica_damaged_in_flight_is_refused_and_never_named(tmp_path):
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import store
+
+    root = str(tmp_path)
+    (errors0, stats0), (errors1, stats1) = run_ranks(2, _damaged_in_flight, root, timeout=120)
+    assert errors0 == []
+    assert len(errors1) == 2 and all("r0." in e and "checksum mismatch" in e for e in errors1), errors1
+    for step in (1, 2):
+        d0, d1 = (store.step_dir(os.path.join(root, f"node{n}"), step) for n in (0, 1))
+        _, layout, _ = read_checkpoint_metadata(d0)
+        r0, r1 = (next(n for n, _ in layout.files if f".r{r}." in n) for r in (0, 1))
+        assert sorted(os.listdir(d1)) == sorted([".fp_dcp.meta", r1])  # no damaged replica, no temporary
+        # the good replica is the original file, byte for byte (padding included)
+        assert pathlib.Path(d0, r1).read_bytes() == pathlib.Path(d1, r1).read_bytes()
+        assert pathlib.Path(d1, ".fp_dcp.meta").read_bytes() == pathlib.Path(d0, ".fp_dcp.meta").read_bytes()
+        assert os.path.getsize(os.path.join(d0, r1)) == dict(layout.files)[r1]
+    assert stats0["sent_bytes"] == stats1["received_bytes"] > 0
+
+
 # --------------------------------------------------------- NCCL transport
 
 

@@ -2,9 +2,11 @@
 
 Runs on every rank, on the manager's drain thread, over the manager's own
 gloo group (never the training's).  Each rank copies its own data files of
-the step from its node's local tier to ``<persistent root>/step_<step>/``,
-checking every checksum block on the way (:mod:`fp_dcp.tiers.integrity`)
-and ``fsync``-ing each file; the ranks then compare outcomes, and only when
+the step from its node's local tier to ``<persistent root>/step_<step>/``
+(:class:`DrainIO`: read and written with O_DIRECT, buffers reused from one
+drain to the next, so a drain costs the training almost no CPU), checking
+every checksum block before the copy is named
+(:mod:`fp_dcp.tiers.integrity`) and ``fsync``-ing each file; the ranks then compare outcomes, and only when
 every rank succeeded does rank 0 commit: the metadata written beside the
 data files, synced, renamed over ``.fp_dcp.meta``, the directory synced —
 the writer's commit protocol (``docs/FORMAT.md``).  Then, and only then,
@@ -21,6 +23,7 @@ is retried by the manager (``drain_retries``), the failure reported.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -31,11 +34,13 @@ import torch.distributed as dist
 
 from fp_dcp import format as fmt
 from fp_dcp.files import read_metadata_bytes
+from fp_dcp.options import FastPersistOptions
 from fp_dcp.save.commit import sync_directory
 from fp_dcp.tiers import integrity, store
+from fp_dcp.tiers.replicate import FileIO
 from fp_dcp.tools.rotation import keep_last
 
-__all__ = ["DrainResult", "drain_step", "files_of_rank"]
+__all__ = ["DrainResult", "DrainIO", "drain_step", "files_of_rank"]
 
 # Test hook: called with the name of each point of the protocol a drain
 # passes ("start <step>", "copied <file>", "before-commit", "committed"); tests that kill a
@@ -65,15 +70,73 @@ class DrainResult:
     skipped: bool = False  # already committed there
 
 
+class DrainIO:
+    """A drain thread's copies of data files from the local tier to the
+    persistent one: each file read whole with O_DIRECT into a buffer kept
+    for the next drain, checked against the metadata's checksums, written
+    with O_DIRECT under a temporary name, synced, and only then renamed.
+    One thread at a time; :meth:`close` frees the buffers."""
+
+    def __init__(self, options: FastPersistOptions) -> None:
+        self.options = options
+        self._src: FileIO | None = None
+        self._dst: FileIO | None = None
+
+    def _io(self, which: str, directory: str) -> FileIO:
+        io = getattr(self, which)
+        if io is None or not io.matches(directory):
+            if io is not None:
+                io.close()
+            io = FileIO(self.options, directory)
+            setattr(self, which, io)
+        return io
+
+    def copy(self, src: str, dst: str, layout: fmt.StorageLayout, fid: int, sync: bool) -> int:
+        """Copy data file ``fid`` of ``layout`` from ``src`` to ``dst``;
+        returns its bytes.  :class:`~fp_dcp.tiers.integrity.IntegrityError`
+        when ``src`` is missing, short or fails a checksum (nothing named)."""
+        size = layout.files[fid][1]
+        try:
+            data = self._io("_src", os.path.dirname(src)).read(src, size)
+        except FileNotFoundError:
+            raise integrity.IntegrityError(src, "missing") from None
+        except OSError as e:
+            raise integrity.IntegrityError(src, e.strerror or str(e)) from None
+        integrity.check_buffer(data, layout, fid, src)
+        tmp = dst + store.TMP_SUFFIX
+        try:
+            self._io("_dst", os.path.dirname(dst)).write(tmp, data, sync)
+            os.replace(tmp, dst)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return size
+
+    def close(self) -> None:
+        for io in (self._src, self._dst):
+            if io is not None:
+                io.close()
+        self._src = self._dst = None
+
+
 def _point(name: str) -> None:
     if fault_hook is not None:
         fault_hook(name)
 
 
 def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group,
-               keep: int | None = None, sync: bool = True) -> DrainResult:
+               keep: int | None = None, sync: bool = True, io: DrainIO | None = None) -> DrainResult:
     """Drain ``local_dir`` (a committed step of this node's local tier) to
-    the persistent root; every rank of ``group`` calls it for the same step."""
+    the persistent root; every rank of ``group`` calls it for the same step.
+    ``io``: the copier to use (kept by the caller between drains; default:
+    one for this drain, with the options of the environment)."""
+    if io is None:
+        io = DrainIO(FastPersistOptions.from_env())
+        try:
+            return drain_step(step, local_dir, persistent_root, rank, group, keep, sync, io)
+        finally:
+            io.close()
     t0 = time.perf_counter()
     dest = store.step_dir(persistent_root, step)
     done = False
@@ -88,8 +151,7 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
             os.makedirs(dest, exist_ok=True)
             for fid in files_of_rank(layout, rank):
                 name = layout.files[fid][0]
-                copied += integrity.copy_checked(os.path.join(local_dir, name), os.path.join(dest, name),
-                                                 layout, fid, sync=sync)
+                copied += io.copy(os.path.join(local_dir, name), os.path.join(dest, name), layout, fid, sync)
                 _point(f"copied {name}")
             if sync:
                 sync_directory(dest)
@@ -130,7 +192,7 @@ def _remove_uncommitted(dest: str, layout: fmt.StorageLayout, rank: int) -> None
     if _committed_save_id(dest) == layout.save_id:
         return
     for name in (layout.files[fid][0] for fid in files_of_rank(layout, rank)):
-        for path in (os.path.join(dest, name), os.path.join(dest, name) + ".tier-tmp"):
+        for path in (os.path.join(dest, name), os.path.join(dest, name) + store.TMP_SUFFIX):
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -143,7 +205,7 @@ def _tidy(root: str, dest: str, step: int, layout: fmt.StorageLayout, keep: int 
     and committed ones beyond ``keep``."""
     names = {name for name, _ in layout.files}
     for e in os.scandir(dest):
-        if (e.name.endswith(fmt.DATA_SUFFIX) and e.name not in names) or e.name.endswith(".tier-tmp"):
+        if (e.name.endswith(fmt.DATA_SUFFIX) and e.name not in names) or e.name.endswith(store.TMP_SUFFIX):
             os.unlink(e.path)
     for s, path in store.steps(root):
         if s < step and not os.path.lexists(os.path.join(path, fmt.METADATA_NAME)):

@@ -34,6 +34,7 @@ instead (GPU clusters; written, untested without GPUs).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -46,12 +47,14 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from fp_dcp import FastPersistOptions, FastPersistWriter
 from fp_dcp import format as fmt
 from fp_dcp.files import read_metadata_bytes
+from fp_dcp.save.commit import sync_directory
 from fp_dcp.tiers import drain, integrity, restore as _restore, store
-from fp_dcp.tiers.replicate import Transfer, run_transfers
+from fp_dcp.tiers.replicate import FileIO, Transfer, run_transfers
 from fp_dcp.tiers.topology import Topology, ranks_per_node_from_env
 
 __all__ = ["TierManager"]
@@ -82,8 +85,9 @@ class TierManager:
     fails is reported in :attr:`errors` and with a warning, and the next
     drain is tried as usual.  ``timeout``: of the manager's process groups.
     ``background_nice``: the nice value (Linux, per thread) of the
-    manager's save/replication and drain threads and of the threads they
-    start, so that the training's threads win the CPU (0: unchanged).
+    manager's save/replication and drain threads, of the threads they
+    start and of gloo's threads of the manager's groups, so that the
+    training's threads win the CPU (0: unchanged).
     """
 
     def __init__(
@@ -143,13 +147,19 @@ class TierManager:
             raise ValueError("TierManager: each node's local root is its data directory; leave data_dirs empty")
         self.options = base
         os.makedirs(self.local_root, exist_ok=True)
-        # one group per background thread (and one for the NCCL transport)
-        self._save_group = dist.new_group(backend="gloo", timeout=timeout)
-        self._repl_group = dist.new_group(backend="gloo", timeout=timeout)
-        self._drain_group = dist.new_group(backend="gloo", timeout=timeout)
+        nice = functools.partial(_lower_priority, background_nice)
+        # One gloo group per background thread (and one for the NCCL
+        # transport).  They are made on a thread at the background's nice
+        # value: gloo's threads (the one that moves a group's bytes, the
+        # ones that run its collectives) start there and inherit it, so the
+        # replication's traffic yields the CPU to the training too.
+        with concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-tiers-setup", initializer=nice) as setup:
+            self._save_group, self._repl_group, self._drain_group = setup.submit(
+                lambda: [dist.new_group(backend="gloo", timeout=timeout) for _ in range(3)]).result()
         self._bytes_group = self._repl_group if transport == "gloo" else dist.new_group(backend="nccl", timeout=timeout)
         self.writer = FastPersistWriter(options=self.options)
-        nice = functools.partial(_lower_priority, background_nice)
+        self._files: FileIO | None = None  # the worker thread's O_DIRECT reads and writes of replicas
+        self._drain_io = drain.DrainIO(self.options)  # the drain thread's
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-tiers", initializer=nice)
         self._drainer = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-drain", initializer=nice)
         self._staged: concurrent.futures.Future | None = None
@@ -230,6 +240,10 @@ class TierManager:
             self._worker.shutdown(wait=True)
             self._drainer.shutdown(wait=True)
             self.writer.close()
+            if self._files is not None:
+                self._files.close()
+                self._files = None
+            self._drain_io.close()
 
     def __enter__(self) -> "TierManager":
         return self
@@ -245,39 +259,34 @@ class TierManager:
 
     def _after_save(self, step: int, staged: Any) -> dict[str, Any]:
         """The worker thread: the local save of ``step``, then the metadata
-        to every node, replicas, retention, drain."""
-        t0 = time.perf_counter()
+        to every node, replicas, retention, drain.  Records in
+        :attr:`history` the wall seconds (``*_seconds``) of each phase and
+        this thread's CPU seconds (``cpu_seconds``; gloo's and the engine's
+        own threads not included)."""
+        clock = _Clock()
         directory = store.step_dir(self.local_root, step)
         if isinstance(staged, concurrent.futures.Future):
             staged = staged.result()
-        dcp.save(staged, storage_writer=self.writer, checkpoint_id=directory, process_group=self._save_group)
+        clock.lap("staged")
+        # Plan caching: every step has the state dict's structure of the one
+        # before, so DCP and the writer reuse their plans instead of making
+        # and exchanging them again (Python on this thread, holding the GIL
+        # the training needs).
+        dcp.save(staged, storage_writer=self.writer, checkpoint_id=directory, process_group=self._save_group,
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
         del staged
-        saved = time.perf_counter()
+        clock.lap("save")
         box = [read_metadata_bytes(directory) if self.rank == 0 else None]
         dist.broadcast_object_list(box, group_src=0, group=self._repl_group)
         blob = box[0]
         _, layout, _ = store.decode(blob, os.path.join(directory, fmt.METADATA_NAME))
-        fid_of = {n: i for i, (n, _) in enumerate(layout.files)}
-        transfers = [
-            Transfer(src, dst, layout.files[fid][0], layout.files[fid][1])
-            for src, dst in self.topology.replication_pairs(self.replicas)
-            for fid in drain.files_of_rank(layout, src)
-        ]
-
-        def read(t: Transfer):
-            return integrity.read_file(os.path.join(directory, t.name), t.size)
-
-        def receive(t: Transfer, data) -> None:
-            integrity.check_buffer(data, layout, fid_of[t.name], f"{t.name} from rank {t.src}")
-            store.write_atomic(os.path.join(directory, t.name), data, sync=self.options.sync_files)
-
-        stats, failed = run_transfers(transfers, self.rank, self._bytes_group, read, receive)
-        for t, why in failed.items():
-            self._report(f"step {step}: replica of {t.name} (rank {t.src} -> rank {t.dst}) failed: {why}")
+        clock.lap("metadata")
+        stats = self._replicate(step, directory, layout, clock)
         leader = self.topology.leader(self.node) == self.rank
         if leader and self.node != self.topology.node_of(0):
             store.write_atomic(os.path.join(directory, fmt.METADATA_NAME), blob, sync=self.options.sync_files)
         dist.barrier(group=self._repl_group)
+        clock.lap("barrier")
         drain_now = self.persistent_root is not None and step % self.persist_every == 0
         with self._lock:
             if drain_now:
@@ -285,18 +294,71 @@ class TierManager:
             pinned = set(self._pinned)
         if leader:
             store.retain(self.local_root, self.keep_local, pinned)
-        info = {"save_seconds": saved - t0, "replicate_seconds": time.perf_counter() - saved, **stats}
+        clock.lap("retain")
+        info = {**clock.laps, **stats, "cpu_seconds": clock.cpu()}
         self.history[step] = info  # before the drain adds its outcome to it
         if drain_now:
             self._drains.append(self._drainer.submit(self._drain, step))
         return info
+
+    def _replicate(self, step: int, directory: str, layout: fmt.StorageLayout, clock: "_Clock") -> dict[str, Any]:
+        """Send this rank's files of the step to its partners and take in
+        theirs: read and written with O_DIRECT through reused buffers, each
+        received file checked against the metadata's checksums, written
+        under a temporary name and renamed only then."""
+        fid_of = {n: i for i, (n, _) in enumerate(layout.files)}
+        transfers = [
+            Transfer(src, dst, layout.files[fid][0], layout.files[fid][1])
+            for src, dst in self.topology.replication_pairs(self.replicas)
+            for fid in drain.files_of_rank(layout, src)
+        ]
+        if self._files is None or not self._files.matches(directory):
+            if self._files is not None:
+                self._files.close()
+            self._files = FileIO(self.options, directory)
+        files = self._files
+        sync = self.options.sync_files
+        phase = {"read": 0.0, "check": 0.0, "write": 0.0}
+
+        def read(t: Transfer):
+            t0 = time.perf_counter()
+            try:
+                return files.read(os.path.join(directory, t.name), t.size)
+            finally:
+                phase["read"] += time.perf_counter() - t0
+
+        def receive(t: Transfer, data) -> None:
+            t0 = time.perf_counter()
+            integrity.check_buffer(data, layout, fid_of[t.name], f"{t.name} from rank {t.src}")
+            t1 = time.perf_counter()
+            path = os.path.join(directory, t.name)
+            tmp = path + store.TMP_SUFFIX
+            try:
+                files.write(tmp, data, sync)
+                os.replace(tmp, path)  # named only when whole, checked and synced
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+            finally:
+                phase["check"] += t1 - t0
+                phase["write"] += time.perf_counter() - t1
+
+        stats, failed = run_transfers(transfers, self.rank, self._bytes_group, read, receive,
+                                      receive_buffer=lambda t: files.buffer(t.size))
+        if stats["received_bytes"] and sync:
+            sync_directory(directory)  # the replicas' names
+        for t, why in failed.items():
+            self._report(f"step {step}: replica of {t.name} (rank {t.src} -> rank {t.dst}) failed: {why}")
+        clock.lap("replicate")
+        return {**stats, **{f"replica_{k}_seconds": v for k, v in phase.items()}}
 
     def _drain(self, step: int) -> drain.DrainResult:
         try:
             for attempt in range(self.drain_retries + 1):
                 result = drain.drain_step(step, store.step_dir(self.local_root, step), self.persistent_root,
                                           self.rank, self._drain_group, keep=self.keep_persistent,
-                                          sync=self.options.sync_files)
+                                          sync=self.options.sync_files, io=self._drain_io)
                 if result.ok:
                     break
                 self._report(f"step {step}: drain attempt {attempt + 1} failed: {result.error}")
@@ -313,6 +375,24 @@ class TierManager:
         log.warning("fp_dcp tiers: %s", message)
         if self.rank == 0:
             warnings.warn(f"fp_dcp tiers: {message}", RuntimeWarning, stacklevel=3)
+
+
+class _Clock:
+    """Wall seconds of consecutive phases of the calling thread
+    (``laps["<phase>_seconds"]``) and its CPU seconds since it was made."""
+
+    def __init__(self) -> None:
+        self._cpu0 = time.thread_time()
+        self._last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[f"{phase}_seconds"] = now - self._last
+        self._last = now
+
+    def cpu(self) -> float:
+        return time.thread_time() - self._cpu0
 
 
 def _lower_priority(nice: int) -> None:

@@ -32,7 +32,7 @@ __all__ = ["step_dir", "node_root", "Holding", "scan", "write_atomic", "retain",
 
 _STEP = re.compile(r"step_(\d{1,18})")
 RESTORE_DIR = ".restore"
-_TMP_SUFFIX = ".tier-tmp"
+TMP_SUFFIX = ".tier-tmp"  # a file being written: never taken for a data file
 
 
 def step_dir(root: str, step: int) -> str:
@@ -108,7 +108,7 @@ def scan(root: str) -> dict[int, Holding]:
 def write_atomic(path: str, data: bytes | memoryview, sync: bool = True) -> None:
     """``data`` at ``path``, all or nothing: a temporary beside it, synced,
     renamed over it, the directory synced."""
-    tmp = path + _TMP_SUFFIX
+    tmp = path + TMP_SUFFIX
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:
         view = memoryview(data).cast("B")
