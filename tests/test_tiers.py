@@ -457,8 +457,11 @@ def _thread_nice() -> dict:
     """nice value of each of this process's threads, by thread id."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            out[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                out[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # the thread ended since the listing
     return out
 
 
