@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -207,18 +208,23 @@ def _train_and_save(rank, world_size, root):
         opt.step()
         opt.zero_grad()
         mgr.save(step, _state(model, opt))
+        if step >= STEPS - 1:  # the steps the local tiers keep: what each restores to
+            want = _full_sd(_state(model, opt))
+            loss = _probe_loss(model)
+            if rank == 0:
+                torch.save({"state": want, "loss": loss}, os.path.join(root, f"want{step}.pt"))
     mgr.wait()
-    want = _full_sd(_state(model, opt))
-    loss = _probe_loss(model)
-    if rank == 0:
-        torch.save({"state": want, "loss": loss}, os.path.join(root, "want.pt"))
     drains = {s: h["drain"].ok for s, h in mgr.history.items() if "drain" in h}
     errors = list(mgr.errors)
     mgr.close()
     return drains, errors
 
 
-def _restore_and_check(rank, world_size, root):
+def _restore_and_check(rank, world_size, root, hook=None):
+    """Restore into a model of other weights; the state and the probe loss
+    must be those of the step restored, bit-exact.  ``hook``: ``(rank,
+    point, exception)``: ``fp_dcp.tiers.restore.fault_hook`` raises it on
+    that rank (``None``: every rank) at that point."""
     import torch
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -232,10 +238,18 @@ def _restore_and_check(rank, world_size, root):
     opt.zero_grad()
     mgr = _manager(root)
     sd = _state(model, opt)
+    if hook is not None and hook[0] in (None, rank):
+        from fp_dcp.tiers import restore as tiers_restore
+
+        def fail(point):
+            if point == hook[1]:
+                raise hook[2]
+
+        tiers_restore.fault_hook = fail
     step = mgr.restore(sd)
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, opt, sd["optim"])
-    want = torch.load(os.path.join(root, "want.pt"), weights_only=False)
+    want = torch.load(os.path.join(root, f"want{step}.pt"), weights_only=False)
     _assert_same(want["state"], _full_sd(_state(model, opt)))
     loss = _probe_loss(model)
     assert loss == want["loss"], (loss, want["loss"])  # the loss curve continues where it was
@@ -245,7 +259,7 @@ def _restore_and_check(rank, world_size, root):
     opt.step()
     mgr.save(step + 1, _state(model, opt))
     mgr.close()
-    return step, res.node_bytes_from, res.skipped
+    return step, res.node_bytes_from, res.skipped, res.sources
 
 
 def _lose_node(root, node):
@@ -282,12 +296,41 @@ def test_lost_node_restores_from_replicas_on_4_2_3_ranks(tmp_path_factory):
         r = os.path.join(str(tmp_path_factory.mktemp(f"w{world}")), "run")
         shutil.copytree(snapshot, r)
         results = run_ranks(world, _restore_and_check, r, timeout=300)
-        step, by_tier, skipped = results[0]
+        step, by_tier, skipped, _ = results[0]
         assert step == STEPS and skipped == []
         assert by_tier["persistent"] == 0, by_tier  # 0 bytes from the persistent tier: a replica exists
         assert by_tier["local"] > 0
         if world != 2:  # 4 and 3 ranks: a replacement node with an empty disk fetched its part
             assert by_tier["replica"] > 0, by_tier
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def _extent_of(layout, file_part, fqn):
+    """(file name, file offset) of the first extent of ``fqn``'s chunk at
+    the origin (rank 0's shard) whose file name contains ``file_part``."""
+    for idx, exts in layout.extents.items():
+        if idx.fqn == fqn and not any(idx.offset or ()):
+            for e in exts:
+                name = layout.files[e.file][0]
+                if file_part in name:
+                    return name, e.file_offset
+    raise AssertionError(f"no extent of {fqn} in a file {file_part}")
+
+
+def _persistent_only_for(sources, by_tier, names):
+    """Every byte from the persistent tier came for ``names``, and the
+    job's count is those copies' bytes."""
+    pers = [src for src in sources if src[2] == "persistent"]
+    assert pers and {src[1] for src in pers} <= set(names), sources
+    assert by_tier["persistent"] == sum(src[3] for src in pers), (by_tier, sources)
+    assert sum(src[3] for src in sources) == sum(by_tier.values()), (by_tier, sources)
 
 
 @pytest.mark.slow
@@ -300,19 +343,128 @@ def test_corrupt_replica_falls_back_to_persistent(tmp_path_factory):
     d = store.step_dir(os.path.join(root, "node0"), STEPS)
     _, layout, _ = read_checkpoint_metadata(d)
     victim = next(n for n, _ in layout.files if ".r2." in n)  # node 1's file, node 0's replica of it
-    with open(os.path.join(d, victim), "r+b") as f:
-        f.seek(100)
-        b = f.read(1)
-        f.seek(100)
-        f.write(bytes([b[0] ^ 1]))
-    step, by_tier, skipped = run_ranks(4, _restore_and_check, root, timeout=300)[0]
+    _flip(os.path.join(d, victim), 100)
+    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, timeout=300)[0]
     assert step == STEPS
-    # each node that needed the file (both: replicated items are split over every rank) skipped node 0's copy
-    assert 1 <= len(skipped) <= 2, skipped
-    for why in skipped:
-        assert why.startswith(f"{victim} from node 0's local tier") and "checksum mismatch" in why, skipped
-    size = dict(layout.files)[victim]
-    assert by_tier["persistent"] == size * len(skipped)  # that file only, from the next tier
+    # node 1 (its disk empty) needs the file's first extent (rank 2's shard): the replica fails on arrival
+    assert len(skipped) == 1, skipped
+    assert skipped[0].startswith(f"{victim} from node 0's local tier, for rank 2") \
+        and "checksum mismatch" in skipped[0], skipped
+    _persistent_only_for(sources, by_tier, [victim])  # that file only, from the next tier
+    assert [src[:3] for src in sources if src[2] == "persistent"] == [(1, victim, "persistent")]
+    assert by_tier["persistent"] <= dict(layout.files)[victim]  # only what node 1 reads of it
+
+
+@pytest.mark.slow
+def test_bad_local_copy_found_by_the_load_is_refetched(tmp_path_factory):
+    """A local copy is not checked twice: the load's own verification finds
+    the damage (an extent rank 0 reads whole), the restore names the copy,
+    fetches it from the next tier and loads again, bit-exact."""
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import store
+
+    root = _saved(tmp_path_factory)
+    _lose_node(root, 1)
+    d = store.step_dir(os.path.join(root, "node0"), STEPS)
+    _, layout, _ = read_checkpoint_metadata(d)
+    victim, offset = _extent_of(layout, ".r0.", "model.0.weight")
+    _flip(os.path.join(d, victim), offset + 10)
+    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, timeout=300)[0]
+    assert step == STEPS
+    assert len(skipped) == 1 and skipped[0].startswith(f"{victim} from node 0's local tier, for rank 0"), skipped
+    assert "checksum mismatch" in skipped[0] and "found after the load failed" in skipped[0], skipped
+    _persistent_only_for(sources, by_tier, [victim])
+
+
+@pytest.mark.slow
+def test_a_step_bad_in_every_tier_falls_back_to_an_older_one(tmp_path_factory):
+    """Step 6's copy of a file is bad on node 0 and in the persistent tier
+    (node 1 is lost): every rank passes over step 6 and restores step 5,
+    bit-exact, saying why; with no older step left, the restore raises an
+    error naming the file and each tier tried."""
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import store
+
+    root = _saved(tmp_path_factory)
+    _lose_node(root, 1)
+    d = store.step_dir(os.path.join(root, "node0"), STEPS)
+    _, layout, _ = read_checkpoint_metadata(d)
+    victim, offset = _extent_of(layout, ".r0.", "model.0.weight")
+    _flip(os.path.join(d, victim), offset + 10)
+    _flip(os.path.join(store.step_dir(os.path.join(root, "persist"), STEPS), victim), offset + 10)
+    bare = str(tmp_path_factory.mktemp("bare")) + "/run"
+    shutil.copytree(root, bare)
+    step, by_tier, skipped, _ = run_ranks(4, _restore_and_check, root, timeout=300)[0]
+    assert step == STEPS - 1  # the newest step complete in some tier
+    passed = [w for w in skipped if w.startswith("passed over")]
+    assert len(passed) == 1 and passed[0].startswith(f"passed over step {STEPS}: no tier holds a good copy of "
+                                                     f"{victim} (tried: node 0's local tier: "), skipped
+    assert "the persistent tier: " in passed[0] and passed[0].count("checksum mismatch") == 2, passed
+    # no older step anywhere: the error names the file and the tiers tried, on every rank
+    shutil.rmtree(store.step_dir(os.path.join(bare, "node0"), STEPS - 1))
+    shutil.rmtree(store.step_dir(os.path.join(bare, "persist"), 3))
+    for message in run_ranks(4, _restore_expecting_error, bare, timeout=300):
+        assert message.startswith(f"no step is loadable from the tiers: step {STEPS}: no tier holds a good copy "
+                                  f"of {victim} (tried: node 0's local tier: "), message
+        assert "the persistent tier: " in message and message.count("checksum mismatch") == 2, message
+
+
+def _restore_expecting_error(rank, world_size, root, hook=None):
+    """A restore that must raise TierRestoreError on every rank (none left
+    waiting: every rank returns); returns its message."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fp_dcp.tiers import restore as tiers_restore
+
+    model, opt = _build(7, init_device_mesh("cpu", (world_size,)))
+    model(torch.randn(8, 32)).pow(2).mean().backward()
+    opt.step()
+    mgr = _manager(root)
+    if hook is not None and hook[0] in (None, rank):
+        def fail(point):
+            if point == hook[1]:
+                raise hook[2]
+
+        tiers_restore.fault_hook = fail
+    try:
+        mgr.restore(_state(model, opt))
+    except tiers_restore.TierRestoreError as e:
+        return str(e)
+    finally:
+        mgr.close()
+    raise AssertionError("the restore did not fail")
+
+
+@pytest.mark.slow
+def test_a_rank_whose_read_fails_does_not_stall_the_others(tmp_path_factory):
+    """Node 0 cannot read the replica it sends to node 1: the receiver
+    hears it at once and takes the file from the persistent tier, naming
+    the file and the rank.  Rank 0's read of its own local copy raises an
+    error that is no damage: every rank raises, at once, an error naming
+    rank 0 and the file (each rank returns: none waits for the group's
+    timeout, which is 30 minutes, far beyond the test's)."""
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import store
+
+    root = _saved(tmp_path_factory)
+    _lose_node(root, 1)
+    bare = str(tmp_path_factory.mktemp("bare")) + "/run"
+    shutil.copytree(root, bare)
+    _, layout, _ = read_checkpoint_metadata(store.step_dir(os.path.join(root, "node0"), STEPS))
+    sent = next(n for n, _ in layout.files if ".r2." in n)  # node 1's file: rank 0 sends it to rank 2
+    hook = (None, f"send {sent}", OSError(5, "injected read error"))
+    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, hook, timeout=300)[0]
+    assert step == STEPS
+    assert len(skipped) == 1 and re.fullmatch(
+        re.escape(f"{sent} from node 0's local tier, for rank 2: rank ") + "[01]" + re.escape(" could not read it"),
+        skipped[0]), skipped
+    _persistent_only_for(sources, by_tier, [sent])
+    own = next(n for n, _ in layout.files if ".r0." in n)  # rank 0 links its own file
+    hook = (0, f"local {own}", RuntimeError("injected failure"))
+    for message in run_ranks(4, _restore_expecting_error, bare, hook, timeout=300):
+        assert message.startswith(f"restore: assembling step {STEPS} failed on rank 0: TierRestoreError: {own} "
+                                  f"from node 0's local tier: RuntimeError: injected failure"), message
 
 
 # ---------------------------------------------------- drains under fire

@@ -28,7 +28,7 @@ from fp_dcp import format as fmt
 from fp_dcp.files import read_metadata_bytes
 from fp_dcp.save.commit import sync_directory
 
-__all__ = ["step_dir", "node_root", "Holding", "scan", "write_atomic", "retain", "RESTORE_DIR"]
+__all__ = ["step_dir", "node_root", "Holding", "scan", "write_atomic", "write_ranges", "retain", "RESTORE_DIR"]
 
 _STEP = re.compile(r"step_(\d{1,18})")
 RESTORE_DIR = ".restore"
@@ -124,6 +124,32 @@ def write_atomic(path: str, data: bytes | memoryview, sync: bool = True) -> None
     os.replace(tmp, path)
     if sync:
         sync_directory(os.path.dirname(path) or ".")
+
+
+def write_ranges(path: str, size: int, ranges, data) -> None:
+    """A file of ``size`` bytes at ``path`` holding ``data`` (the bytes of
+    ``ranges``, ``(offset, length)`` pairs, concatenated) at their offsets
+    and holes elsewhere; all or nothing (a temporary renamed over it), not
+    synced (a restore's scratch)."""
+    tmp = path + _TMP_SUFFIX
+    view = memoryview(data).cast("B")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        at = 0
+        for off, n in ranges:
+            if off < 0 or off + n > size:
+                raise ValueError(f"{path}: range {off}+{n} outside the file's {size} bytes")
+            w = 0
+            while w < n:
+                w += os.pwrite(fd, view[at + w: at + n], off + w)
+            at += n
+    except BaseException:
+        os.close(fd)
+        _unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
 
 
 def retain(root: str, keep: int, pinned: set[int] = frozenset()) -> list[str]:
