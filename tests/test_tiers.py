@@ -86,6 +86,47 @@ def test_checked_copy_refuses_corruption(tmp_path):
         integrity.check_buffer(np.zeros(10, np.uint8), layout, 0, "x")
 
 
+def test_ranges_of_a_file_are_checked_copied_and_sent_alone(tmp_path):
+    """A restore moves only the extents a node reads: ranges of a file are
+    read concatenated, checked alone, written at their offsets (holes
+    elsewhere), and a range that cuts an extent (some bytes of it would pass
+    unchecked) is refused."""
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import integrity, store
+
+    src = str(tmp_path / "src")
+    _one_rank_checkpoint(src)
+    _, layout, _ = read_checkpoint_metadata(src)
+    name, size = layout.files[0]
+    path = os.path.join(src, name)
+    ext = {i.fqn: es[0] for i, es in layout.extents.items()}
+    b = integrity.extent_ranges([(ext["b"].file_offset, ext["b"].length)])
+    data = integrity.read_ranges(path, b)
+    assert data.size == ext["b"].length == 7 * 5 * 4
+    integrity.check_buffer(data, layout, 0, "x", ranges=b)
+    out = str(tmp_path / "out.fpd")
+    store.write_ranges(out, size, b, data)
+    with open(path, "rb") as f, open(out, "rb") as g:
+        whole, part = f.read(), g.read()
+    assert len(part) == size and part[b[0][0]: b[0][0] + b[0][1]] == whole[b[0][0]: b[0][0] + b[0][1]]
+    assert part.count(0) >= size - b[0][1]  # the rest a hole
+    copied = str(tmp_path / "copied.fpd")
+    assert integrity.copy_checked(path, copied, layout, 0, ranges=b) == b[0][1]
+    with open(copied, "rb") as g:
+        assert g.read() == part
+    a = (ext["a"].file_offset, ext["a"].length)
+    with pytest.raises(ValueError, match="cuts an extent"):
+        integrity.check_file(path, layout, 0, [(a[0], a[1] // 2)])
+    _flip(path, a[0] + 5)  # damage in "a" does not touch a check of "b" alone
+    integrity.check_file(path, layout, 0, b)
+    with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
+        integrity.check_file(path, layout, 0, integrity.extent_ranges([a, (b[0])]))
+    bad = integrity.read_ranges(path, [a])
+    with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
+        integrity.check_buffer(bad, layout, 0, "x", ranges=[a])
+    assert integrity.extent_ranges([(10, 5), (0, 10), (30, 1), (12, 2)]) == [(0, 15), (30, 1)]
+
+
 def test_subset_metadata_loads_what_it_names(tmp_path):
     """The metadata a restore writes for a node names only the files
     assembled there and the items they hold whole; it is a valid fp_dcp
@@ -108,6 +149,11 @@ def test_subset_metadata_loads_what_it_names(tmp_path):
     assert sub.files == layout.files and {i.fqn for i in sub.extents} == {"a", "n"}
     md.storage_data = sub
     fmt.decode_metadata(fmt.encode_metadata(md, sub, extra), "x")
+    # ranges of files held: only the items whose extents lie inside them
+    a = next(es[0] for i, es in layout.extents.items() if i.fqn == "a")
+    part = subset_layout(two, {layout.files[0][0]: [(a.file_offset, a.length)], two.files[1][0]: [(0, 4096)]})
+    assert part.files == two.files and {i.fqn for i in part.extents} == {"a", "b"}
+    assert {i.fqn for i in subset_layout(two, {layout.files[0][0]: [(a.file_offset, a.length - 1)]}).extents} == set()
 
 
 @pytest.mark.parametrize("name", ["../../victim.fpd", "/etc/passwd", "", "{sid}.r0.0.fpd/../x",

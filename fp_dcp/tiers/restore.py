@@ -359,21 +359,24 @@ class _StepRestore:
         self.fid_of = {n: i for i, (n, _) in enumerate(self.layout.files)}
 
     def _node_needs(self, reads: list[dict]) -> list[_Need]:
+        """Every node's needs, from every rank's reads.  A file's receiver
+        is the rank of the node that reads most of it (each rank fetches
+        its own shard's file, so the node's ranks fetch side by side)."""
         needs = []
         for node, ranks in enumerate(self.topology.nodes):
-            per: dict[str, tuple[list, list, list]] = {}
+            per: dict[str, tuple[list, list, dict]] = {}
             for r in ranks:
                 for name, (spans, check) in reads[r].items():
                     if name not in self.fid_of:
                         raise TierRestoreError(f"restore: rank {r} asked for {name!r}, not a file of step {self.s}")
-                    a = per.setdefault(name, ([], [], []))
+                    a = per.setdefault(name, ([], [], {}))
                     a[0].extend(spans)
                     a[1].extend(check)
-                    a[2].append(r)
+                    a[2][r] = ranges_bytes(spans)
             for name in sorted(per):
-                spans, check, ranks_needing = per[name]
-                needs.append(_Need(node, name, min(ranks_needing), tuple(extent_ranges(spans)),
-                                   tuple(extent_ranges(check))))
+                spans, check, by_rank = per[name]
+                receiver = min(by_rank, key=lambda r: (-by_rank[r], r))
+                needs.append(_Need(node, name, receiver, tuple(extent_ranges(spans)), tuple(extent_ranges(check))))
         return needs
 
     # ---------------------------------------------------------- assembly
@@ -386,8 +389,9 @@ class _StepRestore:
         while pending:
             plan: list[tuple[_Need, str, int]] = []
             missing = []
-            for need in pending:
-                src = self._pick(need)
+            sending: dict[int, int] = {}  # bytes each holder sends this round: the next goes to the least busy
+            for need in sorted(pending, key=lambda n: (-ranges_bytes(n.ranges), n.node, n.name)):
+                src = self._pick(need, sending)
                 if src is None:
                     missing.append(need)
                 else:
@@ -396,6 +400,7 @@ class _StepRestore:
                 names = sorted({m.name for m in missing})
                 raise _Unloadable("no tier holds a good copy of " + ", ".join(
                     f"{n} (tried: {'; '.join(self.tried.get(n, [])) or 'no tier holds it'})" for n in names))
+            plan.sort(key=lambda p: (p[0].node, p[0].name))  # the transfers' global order
             for need, tier, _ in plan:
                 self.chosen[(need.node, need.name)] = tier
             local_failures = _exchange(self.group, self.world, f"assembling step {self.s}",
@@ -470,10 +475,10 @@ class _StepRestore:
             self.tried.setdefault(name, []).append(f"{source}: {why}")
         return {(receiver, name) for name, _, _, receiver in failures}
 
-    def _pick(self, need: _Need) -> tuple[str, int] | None:
+    def _pick(self, need: _Need, sending: dict[int, int]) -> tuple[str, int] | None:
         """The fastest good source of a file for a node: its own local tier, a
-        replica on another node (spread over the holders by file name), the
-        persistent tier."""
+        replica on another node (the holder with the fewest bytes to send so
+        far, ``sending``, which this updates), the persistent tier."""
         topology, s = self.topology, self.s
         if self._holds(need.receiver, need.name) \
                 and (need.name, _source_key("local", need.receiver, topology)) not in self.bad:
@@ -481,7 +486,9 @@ class _StepRestore:
         others = [r for r in range(self.world) if topology.node_of(r) != need.node and self._holds(r, need.name)
                   and (need.name, _source_key("replica", r, topology)) not in self.bad]
         if others:
-            return "replica", others[zlib.crc32(f"{need.node}/{need.name}".encode()) % len(others)]
+            src = min(others, key=lambda r: (sending.get(r, 0), zlib.crc32(f"{need.node}/{need.name}/{r}".encode())))
+            sending[src] = sending.get(src, 0) + ranges_bytes(need.ranges)
+            return "replica", src
         if self.pers.get(s) and self.pers[s][2].get(need.name) == self.sizes[need.name] \
                 and (need.name, "the persistent tier") not in self.bad:
             return "persistent", -1
@@ -512,9 +519,9 @@ class _StepRestore:
         # checks every block it reads whole (local copies rely on it)
         opts = (self.options or FastPersistOptions.from_env()).replace(
             share_replicated_reads=False, share_interleaved_reads=False, direct_io=False, verify_checksums=True)
-        try:
-            dcp.load(self.state_dict, storage_reader=FastPersistReader(self.restore_dir, options=opts),
-                     planner=self.planner, process_group=self.group)
+        reader = FastPersistReader(self.restore_dir, options=opts)
+        try:  # what raises in here raises on every rank (DCP gathers every rank's outcome)
+            dcp.load(self.state_dict, storage_reader=reader, planner=self.planner, process_group=self.group)
             dist.barrier(group=self.group)
             return []
         except Exception as load_error:
