@@ -115,6 +115,16 @@ def test_ranges_of_a_file_are_checked_copied_and_sent_alone(tmp_path):
     with open(copied, "rb") as g:
         assert g.read() == part
     a = (ext["a"].file_offset, ext["a"].length)
+    # a transfer's parts: cut at piece boundaries, each checked alone, together the ranges
+    whole = integrity.extent_ranges([(e.file_offset, e.length) for e in ext.values()])
+    for limit in (1, 4096, 1 << 20, 1 << 30):
+        parts = integrity.split_ranges(layout, 0, whole, limit)
+        assert integrity.extent_ranges([r for p in parts for r in p]) == whole
+        assert all(integrity.ranges_bytes(p) <= limit or len(p) == 1 for p in parts)
+        for p in parts:
+            integrity.check_buffer(integrity.read_ranges(path, p), layout, 0, "x", ranges=p)
+    assert len(integrity.split_ranges(layout, 0, whole, 1 << 30)) == 1
+    assert integrity.split_ranges(layout, 0, [a], 1 << 20) == [[a]]  # one piece (1.2 MB) is never cut
     with pytest.raises(ValueError, match="cuts an extent"):
         integrity.check_file(path, layout, 0, [(a[0], a[1] // 2)])
     _flip(path, a[0] + 5)  # damage in "a" does not touch a check of "b" alone
@@ -266,11 +276,12 @@ def _train_and_save(rank, world_size, root):
     return drains, errors
 
 
-def _restore_and_check(rank, world_size, root, hook=None):
+def _restore_and_check(rank, world_size, root, hook=None, chunk=None):
     """Restore into a model of other weights; the state and the probe loss
     must be those of the step restored, bit-exact.  ``hook``: ``(rank,
-    point, exception)``: ``fp_dcp.tiers.restore.fault_hook`` raises it on
-    that rank (``None``: every rank) at that point."""
+    point, exception[, n])``: ``fp_dcp.tiers.restore.fault_hook`` raises it
+    on that rank (``None``: every rank) at that point (only its ``n``-th
+    time there).  ``chunk``: the bytes of a replica transfer's part."""
     import torch
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -284,12 +295,18 @@ def _restore_and_check(rank, world_size, root, hook=None):
     opt.zero_grad()
     mgr = _manager(root)
     sd = _state(model, opt)
+    from fp_dcp.tiers import restore as tiers_restore
+
+    if chunk is not None:
+        tiers_restore.CHUNK_BYTES = chunk
     if hook is not None and hook[0] in (None, rank):
-        from fp_dcp.tiers import restore as tiers_restore
+        seen = [0]
 
         def fail(point):
             if point == hook[1]:
-                raise hook[2]
+                seen[0] += 1
+                if seen[0] == (hook[3] if len(hook) > 3 else seen[0]):
+                    raise hook[2]
 
         tiers_restore.fault_hook = fail
     step = mgr.restore(sd)
@@ -495,8 +512,9 @@ def test_a_rank_whose_read_fails_does_not_stall_the_others(tmp_path_factory):
 
     root = _saved(tmp_path_factory)
     _lose_node(root, 1)
-    bare = str(tmp_path_factory.mktemp("bare")) + "/run"
+    bare, parts = (str(tmp_path_factory.mktemp(n)) + "/run" for n in ("bare", "parts"))
     shutil.copytree(root, bare)
+    shutil.copytree(root, parts)
     _, layout, _ = read_checkpoint_metadata(store.step_dir(os.path.join(root, "node0"), STEPS))
     sent = next(n for n, _ in layout.files if ".r2." in n)  # node 1's file: rank 0 sends it to rank 2
     hook = (None, f"send {sent}", OSError(5, "injected read error"))
@@ -505,6 +523,12 @@ def test_a_rank_whose_read_fails_does_not_stall_the_others(tmp_path_factory):
     assert len(skipped) == 1 and re.fullmatch(
         re.escape(f"{sent} from node 0's local tier, for rank 2: rank ") + "[01]" + re.escape(" could not read it"),
         skipped[0]), skipped
+    _persistent_only_for(sources, by_tier, [sent])
+    # the same, the file sent in parts of 4 KiB and the second part unreadable: the parts before it are
+    # never named, the file comes whole from the next tier
+    hook = (None, f"send {sent}", OSError(5, "injected read error"), 2)
+    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, parts, hook, 4096, timeout=300)[0]
+    assert step == STEPS and len(skipped) == 1 and skipped[0].endswith("could not read it"), skipped
     _persistent_only_for(sources, by_tier, [sent])
     own = next(n for n, _ in layout.files if ".r0." in n)  # rank 0 links its own file
     hook = (0, f"local {own}", RuntimeError("injected failure"))

@@ -31,7 +31,7 @@ from fp_dcp import format as fmt
 from fp_dcp.checksums import crc_array, item_name
 
 __all__ = ["IntegrityError", "check_buffer", "check_file", "copy_checked", "read_file", "read_ranges",
-           "extent_ranges", "ranges_bytes"]
+           "extent_ranges", "ranges_bytes", "split_ranges"]
 
 _PIECE = 16 << 20
 
@@ -88,6 +88,33 @@ def extent_ranges(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def ranges_bytes(ranges: Ranges) -> int:
     return sum(n for _, n in ranges)
+
+
+def split_ranges(layout: fmt.StorageLayout, fid: int, ranges: Ranges, limit: int) -> list[list[tuple[int, int]]]:
+    """``ranges`` of file ``fid`` cut into consecutive parts of at most
+    ``limit`` bytes each (or one piece, when a piece is larger), every cut
+    at a piece boundary, so that each part is checked alone.  At least one
+    part (empty when ``ranges`` are)."""
+    size = layout.files[fid][1]
+    cuts = sorted({p.offset for p in _pieces(layout, fid)} | {size})
+    parts: list[list[tuple[int, int]]] = [[]]
+    room = limit
+    for off, n in ranges:
+        pos, end = off, off + n
+        while pos < end:
+            if room <= 0:
+                parts.append([])
+                room = limit
+            stop = end if end - pos <= room else cuts[bisect.bisect_right(cuts, pos + room) - 1]
+            if stop <= pos:  # no boundary within the room: this part is done, or one piece is larger
+                if parts[-1]:
+                    room = 0
+                    continue
+                stop = min(end, cuts[bisect.bisect_right(cuts, pos)])
+            parts[-1].append((pos, stop - pos))
+            room -= stop - pos
+            pos = stop
+    return parts
 
 
 def _pieces_in(layout: fmt.StorageLayout, fid: int, ranges: Ranges | None, path: str) -> Iterator[tuple[_Piece, int]]:

@@ -77,7 +77,7 @@ from fp_dcp.files import read_metadata_bytes
 from fp_dcp.load.jobs import whole_chunk_read
 from fp_dcp.tiers import integrity, store
 from fp_dcp.tiers.integrity import extent_ranges, ranges_bytes
-from fp_dcp.tiers.replicate import Transfer, run_transfers
+from fp_dcp.tiers.replicate import CHUNK_BYTES, Transfer, run_transfers
 from fp_dcp.tiers.topology import Topology
 
 __all__ = ["RestoreResult", "restore", "TierRestoreError"]
@@ -444,27 +444,67 @@ class _StepRestore:
 
     def _transfers(self, plan) -> list[tuple[str, str, str, int]]:
         """The replica copies of ``plan`` over the process group: each
-        holder reads the extents a node needs, the node's receiver checks
-        them and writes them at their offsets."""
-        wanted = {(need.receiver, need.name): need for need, tier, _ in plan if tier == "replica"}
-        transfers = [Transfer(src, need.receiver, need.name, ranges_bytes(need.ranges))
-                     for need, tier, src in plan if tier == "replica"]
+        holder reads the extents a node needs and sends them, in parts of
+        at most ``CHUNK_BYTES`` (so it reads the next part while the
+        receiver checks and writes this one); the node's receiver checks
+        each part and writes it at its offsets, and names the file when
+        every part arrived good."""
+        parts: dict[tuple[int, str], tuple[_Need, list, int, bool]] = {}  # (receiver, transfer) -> need, ranges, k, last?
+        transfers = []
+        for need, tier, src in plan:
+            if tier != "replica":
+                continue
+            split = integrity.split_ranges(self.layout, self.fid_of[need.name], need.ranges, CHUNK_BYTES)
+            for k, ranges in enumerate(split):
+                t = Transfer(src, need.receiver, f"{need.name}:{k}", ranges_bytes(ranges))
+                parts[(t.dst, t.name)] = (need, ranges, k, k == len(split) - 1)
+                transfers.append(t)
+        files: dict[str, store.RangesFile] = {}  # being received, every part so far good
+        arrived: dict[str, int] = {}  # parts received good, by file
+        failures: dict[str, tuple[int, str]] = {}  # file -> (sender, why)
 
         def read(t: Transfer) -> Any:
+            need, ranges, _, _ = parts[(t.dst, t.name)]
             if fault_hook is not None:
-                fault_hook(f"send {t.name}")
-            return integrity.read_ranges(os.path.join(self.local_dir, t.name), wanted[(t.dst, t.name)].ranges)
+                fault_hook(f"send {need.name}")
+            return integrity.read_ranges(os.path.join(self.local_dir, need.name), ranges)
 
         def receive(t: Transfer, data: Any) -> None:
-            need = wanted[(t.dst, t.name)]
-            fid = self.fid_of[t.name]
-            integrity.check_buffer(data, self.layout, fid, f"{t.name} from rank {t.src}", ranges=need.ranges)
-            store.write_ranges(os.path.join(self.restore_dir, t.name), self.layout.files[fid][1], need.ranges, data)
-            self.taken["replica"] += t.size
+            need, ranges, k, last = parts[(t.dst, t.name)]
+            if need.name in failures:  # an earlier part failed: the file comes from the next source
+                return
+            if arrived.get(need.name, 0) != k:  # an earlier part never came (its sender failed)
+                failures[need.name] = (t.src, f"part {arrived.get(need.name, 0)} did not arrive")
+                return
+            fid = self.fid_of[need.name]
+            try:
+                integrity.check_buffer(data, self.layout, fid, f"{need.name} from rank {t.src}", ranges=ranges)
+                if need.name not in files:
+                    files[need.name] = store.RangesFile(os.path.join(self.restore_dir, need.name),
+                                                        self.layout.files[fid][1])
+                files[need.name].write(ranges, data)
+            except Exception as e:
+                failures[need.name] = (t.src, str(e))
+                raise
+            arrived[need.name] = k + 1
+            if last:
+                files.pop(need.name).commit()
+                self.taken["replica"] += ranges_bytes(need.ranges)
 
-        _, failed = run_transfers(transfers, self.rank, self.bytes_group, read, receive)
-        return [(t.name, _source_key("replica", t.src, self.topology), why, self.rank)
-                for t, why in failed.items() if t.dst == self.rank]
+        try:
+            _, failed = run_transfers(transfers, self.rank, self.bytes_group, read, receive)
+            named = set()
+            for t in transfers:  # each file's first failed part says why
+                if t in failed and t.dst == self.rank:
+                    need = parts[(t.dst, t.name)][0]
+                    if need.name not in named:
+                        named.add(need.name)
+                        failures[need.name] = (t.src, failed[t])
+        finally:
+            for f in files.values():
+                f.discard()
+        return [(name, _source_key("replica", src, self.topology), why, self.rank)
+                for name, (src, why) in sorted(failures.items())]
 
     def _mark_bad(self, failures) -> set[tuple[int, str]]:
         """Record every rank's failed copies (the same list on every rank);
