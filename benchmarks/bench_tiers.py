@@ -20,11 +20,24 @@ Runs, each ``--iters`` iterations (``--persist-every`` divides it):
   previous save awaited before the next: torchtitan's pattern);
 
 then node 1 is lost (its local directory deleted) and 4 fresh ranks
-restore the last step twice: through ``TierManager.restore`` (local tier
-and replicas) and with ``dcp.load`` + ``FastPersistReader`` straight from
-the throttled persistent tier, page cache dropped before each.
+restore the last step ``--repeat`` times each way, alternating: through
+``TierManager.restore`` (local tier and replicas; timed from before the
+manager is built) and with ``dcp.load`` + ``FastPersistReader`` straight
+from the throttled persistent tier, page cache dropped before each.  Each
+restore's time is its slowest rank's; the report gives each round's ratio.
+
+State size: ``--state-mb`` sets the layer count whose fp32 parameters and
+AdamW moments come nearest (3 x 4 bytes x (width² + width) a layer); the
+report gives that and the checkpoint's bytes on disk.  The tiers' fixed
+costs (groups, agreement, planning) do not grow with the state, the
+persistent tier's time does: measure recovery at a size where the tiers'
+throughput matters (``--state-mb 1000``).  ``--recovery-only`` skips the
+iteration comparison: one tiers run saves the checkpoint, then the
+restores.
 
     flock /tmp/fp_dcp_bench.lock python benchmarks/bench_tiers.py --json bench_out/tiers.json
+    flock /tmp/fp_dcp_bench.lock python benchmarks/bench_tiers.py --recovery-only --state-mb 1000 \
+        --batch 16 --iters 10 --json bench_out/tiers_recovery.json
 """
 
 from __future__ import annotations
