@@ -59,7 +59,6 @@ import bisect
 import dataclasses
 import os
 import shutil
-import threading
 import time
 import zlib
 from collections.abc import Mapping
@@ -295,7 +294,6 @@ class _StepRestore:
         self.tried: dict[str, list[str]] = {}  # file -> "source: why" of every copy passed over
         self.taken = {t: 0 for t in TIERS}  # this rank's, of the copies in use
         self.chosen: dict[tuple[int, str], str] = {}  # (node, file) -> tier of the copy in use (every rank knows)
-        self.readahead: list[threading.Thread] = []
 
     # ------------------------------------------------------------ phases
 
@@ -407,7 +405,6 @@ class _StepRestore:
                 self.chosen[(need.node, need.name)] = tier
             local_failures = _exchange(self.group, self.world, f"assembling step {self.s}",
                                        lambda: self._fetch_here(plan))
-            self._readahead(plan)
             transfer_failures = self._transfers(plan)
             every: list = [None] * self.world
             dist.all_gather_object(every, transfer_failures, group=self.group)
@@ -444,35 +441,6 @@ class _StepRestore:
                 raise TierRestoreError(f"{need.name} from {source}: {type(e).__name__}: {e}") from e
             self.taken[tier] += ranges_bytes(need.ranges)
         return failures
-
-    def _readahead(self, plan) -> None:
-        """Ask the kernel to start reading what the load will read of the
-        local copies this rank linked, so that the node's disk works while
-        the replicas cross (``POSIX_FADV_WILLNEED``, on a thread: it may
-        block while it queues the reads).  Only a hint: the load reads them
-        whatever it did."""
-        todo = [(os.path.join(self.restore_dir, need.name), need.ranges) for need, tier, _ in plan
-                if tier == "local" and need.receiver == self.rank]
-        if not todo or not hasattr(os, "posix_fadvise"):
-            return
-
-        def work() -> None:
-            for path, ranges in todo:
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                except OSError:
-                    continue
-                try:
-                    for off, n in ranges:
-                        os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    pass
-                finally:
-                    os.close(fd)
-
-        thread = threading.Thread(target=work, name="fp_dcp-restore-readahead", daemon=True)
-        thread.start()
-        self.readahead.append(thread)
 
     def _transfers(self, plan) -> list[tuple[str, str, str, int]]:
         """The replica copies of ``plan`` over the process group: each
@@ -579,9 +547,6 @@ class _StepRestore:
         and returned (to fetch from the next tier); none bad: the load's
         error is raised."""
         node_needs = [n for n in self.needs if n.node == self.node]
-        for thread in self.readahead:
-            thread.join()
-        self.readahead = []
         if self.leader:
             held = {n.name: (None if self.chosen[(n.node, n.name)] == "local" else n.ranges) for n in node_needs}
             metadata = dataclasses.replace(self.metadata)
