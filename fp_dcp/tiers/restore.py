@@ -14,14 +14,15 @@ else running on the tiers' process group:
    its load with the DCP load planner against it (the state dict it will
    load, so any world size and sharding) and lists the extents its read
    items touch, by data file: a node needs only those bytes of a file, not
-   all of it (the optimizer's step counters of every rank sit in a few
-   files; a node needs a few bytes of each).
+   all of it (a replicated item, such as an optimizer's step counter, is
+   saved once, in some rank's file: a node may need a few bytes of every
+   file).
 4. *Assembly.*  Each node gathers the extents its ranks need into
    ``<local root>/.restore/``: a file its own local tier holds is
    hard-linked; one held only by other nodes comes from one of them over
    the process group (:mod:`fp_dcp.tiers.replicate`), only the extents
-   needed, checked on arrival and written at their offsets (the rest of
-   the file a hole); the persistent tier, the same way, only for what no
+   needed, in parts, each checked on arrival and written at its offsets
+   (the rest of the file a hole); the persistent tier, the same way, only for what no
    node holds.  A copy that fails its checks is skipped (named in
    ``RestoreResult.skipped``) and fetched from the next source, in rounds
    that every rank runs alike.
