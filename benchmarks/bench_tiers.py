@@ -20,11 +20,24 @@ Runs, each ``--iters`` iterations (``--persist-every`` divides it):
   previous save awaited before the next: torchtitan's pattern);
 
 then node 1 is lost (its local directory deleted) and 4 fresh ranks
-restore the last step twice: through ``TierManager.restore`` (local tier
-and replicas) and with ``dcp.load`` + ``FastPersistReader`` straight from
-the throttled persistent tier, page cache dropped before each.
+restore the last step ``--repeat`` times each way, alternating: through
+``TierManager.restore`` (local tier and replicas; timed from before the
+manager is built) and with ``dcp.load`` + ``FastPersistReader`` straight
+from the throttled persistent tier, page cache dropped before each.  Each
+restore's time is its slowest rank's; the report gives each round's ratio.
+
+State size: ``--state-mb`` sets the layer count whose fp32 parameters and
+AdamW moments come nearest (3 x 4 bytes x (width² + width) a layer); the
+report gives that and the checkpoint's bytes on disk.  The tiers' fixed
+costs (groups, agreement, planning) do not grow with the state, the
+persistent tier's time does: measure recovery at a size where the tiers'
+throughput matters (``--state-mb 1000``).  ``--recovery-only`` skips the
+iteration comparison: one tiers run saves the checkpoint, then the
+restores.
 
     flock /tmp/fp_dcp_bench.lock python benchmarks/bench_tiers.py --json bench_out/tiers.json
+    flock /tmp/fp_dcp_bench.lock python benchmarks/bench_tiers.py --recovery-only --state-mb 1000 \
+        --batch 16 --iters 10 --json bench_out/tiers_recovery.json
 """
 
 from __future__ import annotations
@@ -202,12 +215,13 @@ def _restore_tiers(rank, cfg):
     t0 = time.perf_counter()
     mgr = TierManager(cfg["local"], cfg["persist"], replicas=cfg["replicas"], persist_every=cfg["persist_every"],
                       ranks_per_node=2)
+    built = time.perf_counter() - t0
     step = mgr.restore(sd)
     seconds = time.perf_counter() - t0
     res = mgr.last_restore
     mgr.close()
     return {"seconds": seconds, "step": step, "bytes_from": res.node_bytes_from, "skipped": res.skipped,
-            "phases": res.phases}
+            "phases": {"manager": built, **res.phases}}
 
 
 def _restore_persistent(rank, cfg):
@@ -344,11 +358,24 @@ def measure_tier(path: Path, nbytes: int = 256 << 20) -> dict:
 
 # ------------------------------------------------------------------ main
 
+def _layer_state_bytes(width: int) -> int:
+    """Checkpointed bytes of one Linear(width, width): weight and bias in
+    fp32, and AdamW's two moments of each (plus a scalar step per tensor,
+    negligible)."""
+    return (width * width + width) * 4 * 3
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR / "tiers", help="work directory (the local tier)")
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4, help="Linear layers of the model (see --state-mb)")
     ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--state-mb", type=float, default=None,
+                    help="checkpointed state in MB (1e6 bytes): sets --layers to the count whose fp32 parameters and "
+                         "AdamW's two moments come nearest (at least 1); the report gives the bytes saved")
+    ap.add_argument("--recovery-only", action="store_true",
+                    help="measure only the recovery: one tiers run of --iters steps saves the checkpoint (no "
+                         "iteration comparison), then --repeat rounds of the two restores")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--persist-every", type=int, default=10)
@@ -358,6 +385,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="rounds of the three runs, interleaved; restores as many")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
+    if a.state_mb is not None:
+        a.layers = max(1, round(a.state_mb * 1e6 / _layer_state_bytes(a.width)))
     if a.iters % a.persist_every:
         ap.error("--persist-every must divide --iters (the last step is then in every tier)")
     if a.dir.exists():
@@ -366,7 +395,7 @@ def main(argv=None) -> int:
     repo = str(Path(__file__).resolve().parents[1])
     base = {"repo": repo, "layers": a.layers, "width": a.width, "batch": a.batch, "iters": a.iters,
             "persist_every": a.persist_every, "replicas": a.replicas}
-    state_bytes = a.layers * (a.width * a.width + a.width) * 4 * 3
+    state_bytes = a.layers * _layer_state_bytes(a.width)
     report: dict = {"when": timestamp(), "args": {k: str(v) for k, v in vars(a).items()},
                     "state_bytes": state_bytes}
     with ThrottledTier(a.dir, a.tier_size, a.throttle_mbps) as tier:
@@ -383,8 +412,10 @@ def main(argv=None) -> int:
         threads: dict[str, dict] = {m: {} for m in MODES}
         waits: dict[str, dict] = {m: {} for m in MODES}  # the training thread's, per warm step and rank
         errors: list = []
-        for rnd in range(a.repeat):  # interleaved: the machine's load drifts
-            for mode in MODES:
+        modes = ("tiers",) if a.recovery_only else MODES
+        train_rounds = 1 if a.recovery_only else a.repeat
+        for rnd in range(train_rounds):  # interleaved: the machine's load drifts
+            for mode in modes:
                 persist = tier.path / f"{mode}{rnd}"
                 persist.mkdir(exist_ok=True)
                 cfg = {**base, "job": "train", "mode": mode, "local": str(a.dir / f"{mode}{rnd}" / "node{node}"),
@@ -400,7 +431,7 @@ def main(argv=None) -> int:
                     for k, v in r["waits"].items():
                         waits[mode].setdefault(k, []).extend(v[2:])
                     for k, v in r["thread_cpu_seconds"].items():
-                        threads[mode][k] = threads[mode].get(k, 0.0) + v / a.iters / WORLD / a.repeat
+                        threads[mode][k] = threads[mode].get(k, 0.0) + v / a.iters / WORLD / train_rounds
                 errors += res[0]["errors"]
                 print(f"round {rnd} {mode}: median iteration {medians[mode][-1] * 1e3:.1f} ms, "
                       f"{cpu[mode][-1]:.3f} CPU s per step and rank", flush=True)
@@ -408,16 +439,18 @@ def main(argv=None) -> int:
                     "run_medians_s": medians[m], "tail_s": max(tails[m]),
                     "cpu_per_step_s": statistics.median(cpu[m]), "run_cpu_per_step_s": cpu[m],
                     # what checkpointing adds, per step and rank, in CPU seconds of all the rank's threads
-                    "checkpoint_cpu_per_step_s": statistics.median(cpu[m]) - statistics.median(cpu["none"]),
+                    "checkpoint_cpu_per_step_s": (statistics.median(cpu[m]) - statistics.median(cpu["none"])
+                                                  if cpu["none"] else None),
                     "warm_cpu_per_step_s": statistics.median(warm_cpu[m]),
-                    "warm_checkpoint_cpu_per_step_s": statistics.median(warm_cpu[m]) - statistics.median(warm_cpu["none"]),
+                    "warm_checkpoint_cpu_per_step_s": (statistics.median(warm_cpu[m]) - statistics.median(warm_cpu["none"])
+                                                       if warm_cpu["none"] else None),
                     "thread_cpu_per_step_s": threads[m],
                     "training_seconds_per_step": {k: statistics.mean(v) for k, v in waits[m].items()}}
-                for m in MODES}
+                for m in modes}
         report["runs"] = runs
         report["errors"] = errors
         # node 1 lost: its local directory goes; the last round's checkpoints are restored
-        last = a.repeat - 1
+        last = train_rounds - 1
         shutil.rmtree(a.dir / f"tiers{last}" / "node1")
         cfg = {**base, "local": str(a.dir / f"tiers{last}" / "node{node}"), "persist": str(tier.path / f"tiers{last}")}
         step_path = tier.path / f"tiers{last}" / f"step_{a.iters:09d}"
@@ -428,56 +461,64 @@ def main(argv=None) -> int:
             rts.append(run_job({**cfg, "job": "restore_tiers"}))
             dropped &= drop_caches()[0]
             rps.append(run_job({**cfg, "job": "restore_persistent", "path": str(step_path)}))
+        # each restore's time: its slowest rank, from before the manager is
+        # built (its groups are part of a restart) to the state loaded
         tiers_s = [max(r["seconds"] for r in rt) for rt in rts]
         pers_s = [max(r["seconds"] for r in rp) for rp in rps]
         rt = rts[-1]
         report["recovery"] = {
             "cold_cache": dropped, "tiers_runs_s": tiers_s, "persistent_runs_s": pers_s,
+            "round_ratios": [p / t for p, t in zip(pers_s, tiers_s)],
             "tiers_s": statistics.median(tiers_s), "bytes_from": rt[0]["bytes_from"], "step": rt[0]["step"],
             "skipped": rt[0]["skipped"], "tiers_phases_rank0": rt[0]["phases"],
+            "tiers_phases_max": {k: max(r["phases"].get(k, 0.0) for r in rt) for k in rt[0]["phases"]},
             "persistent_s": statistics.median(pers_s),
+            "checkpoint_bytes": sum(f.stat().st_size for f in step_path.iterdir() if f.is_file()),
         }
-    none, tiers, stock = (runs[m]["iter_median_s"] for m in ("none", "tiers", "stock"))
     rec = report["recovery"]
-    report["ratios"] = {
-        "tiers_overhead_vs_none": tiers / none - 1,
-        "stock_overhead_vs_none": stock / none - 1,
-        "tiers_vs_stock_iteration": tiers / stock,
-        # each round's runs against the same round's "none" (the machine's load drifts between rounds)
-        "tiers_overhead_vs_none_by_round": [t / n - 1 for t, n in zip(runs["tiers"]["run_medians_s"],
-                                                                      runs["none"]["run_medians_s"])],
-        "stock_overhead_vs_none_by_round": [t / n - 1 for t, n in zip(runs["stock"]["run_medians_s"],
-                                                                      runs["none"]["run_medians_s"])],
-        "tiers_checkpoint_cpu_per_step_s": runs["tiers"]["checkpoint_cpu_per_step_s"],
-        # the CPU a checkpoint takes, as a share of the training's: what a CPU-bound machine loses
-        "tiers_warm_cpu_vs_none": runs["tiers"]["warm_cpu_per_step_s"] / runs["none"]["warm_cpu_per_step_s"] - 1,
-        "stock_warm_cpu_vs_none": runs["stock"]["warm_cpu_per_step_s"] / runs["none"]["warm_cpu_per_step_s"] - 1,
-        "stock_checkpoint_cpu_per_step_s": runs["stock"]["checkpoint_cpu_per_step_s"],
-        "recovery_speedup_vs_persistent": rec["persistent_s"] / rec["tiers_s"],
-    }
-    names = {"none": "none", "tiers": f"tiers (every step, {a.replicas} replica, drain /{a.persist_every})",
-             "stock": f"stock async_save /{a.persist_every}"}
-    rows = [[names[m], f"{runs[m]['iter_median_s'] * 1e3:.1f}",
-             "-" if m == "none" else f"{(runs[m]['iter_median_s'] / none - 1) * 100:+.1f}%",
-             " ".join(f"{x * 1e3:.0f}" for x in runs[m]["run_medians_s"]),
-             f"{runs[m]['cpu_per_step_s']:.3f}", "-" if m == "none" else f"{runs[m]['checkpoint_cpu_per_step_s']:+.3f}",
-             f"{runs[m]['warm_cpu_per_step_s']:.3f}",
-             "-" if m == "none" else f"{runs[m]['warm_checkpoint_cpu_per_step_s'] / runs['none']['warm_cpu_per_step_s'] * 100:+.1f}%"]
-            for m in MODES]
-    print(format_table(["run", "median iteration ms", "vs none", "each run's median ms", "CPU s/step/rank",
-                        "checkpoint CPU s/step/rank", "warm CPU s/step/rank", "warm CPU vs none"], rows))
-    print("CPU s per step and rank, by thread: "
-          + "; ".join(f"{m}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(runs[m]["thread_cpu_per_step_s"].items(),
-                                                                            key=lambda kv: -kv[1]))
-                      for m in MODES))
-    print("the training thread's mean seconds per step in: "
-          + "; ".join(f"{m}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[m]["training_seconds_per_step"].items())
-                      for m in MODES if m != "none"))
-    print(f"state {state_bytes / 1e6:.0f} MB; persistent tier: {report['persistent_tier']}")
-    print(f"recovery of step {rec['step']} after losing node 1 (median of {a.repeat}): tiers {rec['tiers_s']:.2f} s "
-          f"(bytes {rec['bytes_from']}, rank 0 phases {rec['tiers_phases_rank0']}), "
-          f"persistent tier {rec['persistent_s']:.2f} s: "
-          f"{report['ratios']['recovery_speedup_vs_persistent']:.1f}x faster"
+    report["ratios"] = {"recovery_speedup_vs_persistent": rec["persistent_s"] / rec["tiers_s"]}
+    if not a.recovery_only:
+        none, tiers, stock = (runs[m]["iter_median_s"] for m in ("none", "tiers", "stock"))
+        report["ratios"].update({
+            "tiers_overhead_vs_none": tiers / none - 1,
+            "stock_overhead_vs_none": stock / none - 1,
+            "tiers_vs_stock_iteration": tiers / stock,
+            # each round's runs against the same round's "none" (the machine's load drifts between rounds)
+            "tiers_overhead_vs_none_by_round": [t / n - 1 for t, n in zip(runs["tiers"]["run_medians_s"],
+                                                                          runs["none"]["run_medians_s"])],
+            "stock_overhead_vs_none_by_round": [t / n - 1 for t, n in zip(runs["stock"]["run_medians_s"],
+                                                                          runs["none"]["run_medians_s"])],
+            "tiers_checkpoint_cpu_per_step_s": runs["tiers"]["checkpoint_cpu_per_step_s"],
+            # the CPU a checkpoint takes, as a share of the training's: what a CPU-bound machine loses
+            "tiers_warm_cpu_vs_none": runs["tiers"]["warm_cpu_per_step_s"] / runs["none"]["warm_cpu_per_step_s"] - 1,
+            "stock_warm_cpu_vs_none": runs["stock"]["warm_cpu_per_step_s"] / runs["none"]["warm_cpu_per_step_s"] - 1,
+            "stock_checkpoint_cpu_per_step_s": runs["stock"]["checkpoint_cpu_per_step_s"],
+        })
+        names = {"none": "none", "tiers": f"tiers (every step, {a.replicas} replica, drain /{a.persist_every})",
+                 "stock": f"stock async_save /{a.persist_every}"}
+        rows = [[names[m], f"{runs[m]['iter_median_s'] * 1e3:.1f}",
+                 "-" if m == "none" else f"{(runs[m]['iter_median_s'] / none - 1) * 100:+.1f}%",
+                 " ".join(f"{x * 1e3:.0f}" for x in runs[m]["run_medians_s"]),
+                 f"{runs[m]['cpu_per_step_s']:.3f}", "-" if m == "none" else f"{runs[m]['checkpoint_cpu_per_step_s']:+.3f}",
+                 f"{runs[m]['warm_cpu_per_step_s']:.3f}",
+                 "-" if m == "none" else f"{runs[m]['warm_checkpoint_cpu_per_step_s'] / runs['none']['warm_cpu_per_step_s'] * 100:+.1f}%"]
+                for m in MODES]
+        print(format_table(["run", "median iteration ms", "vs none", "each run's median ms", "CPU s/step/rank",
+                            "checkpoint CPU s/step/rank", "warm CPU s/step/rank", "warm CPU vs none"], rows))
+        print("CPU s per step and rank, by thread: "
+              + "; ".join(f"{m}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(runs[m]["thread_cpu_per_step_s"].items(),
+                                                                                key=lambda kv: -kv[1]))
+                          for m in MODES))
+        print("the training thread's mean seconds per step in: "
+              + "; ".join(f"{m}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[m]["training_seconds_per_step"].items())
+                          for m in MODES if m != "none"))
+    print(f"state {state_bytes / 1e6:.0f} MB ({a.layers} x Linear({a.width}, {a.width}) + AdamW), checkpoint "
+          f"{rec['checkpoint_bytes'] / 1e6:.0f} MB on disk; persistent tier: {report['persistent_tier']}")
+    print(f"recovery of step {rec['step']} after losing node 1 ({a.repeat} rounds, page cache dropped before each): "
+          f"tiers {', '.join(f'{t:.2f}' for t in tiers_s)} s, persistent tier {', '.join(f'{t:.2f}' for t in pers_s)} s; "
+          f"per round {', '.join(f'{r:.1f}x' for r in rec['round_ratios'])}; median "
+          f"{report['ratios']['recovery_speedup_vs_persistent']:.1f}x faster from the tiers "
+          f"(bytes {rec['bytes_from']}, slowest rank's phases {rec['tiers_phases_max']})"
           + ("" if rec["cold_cache"] else " (page cache NOT dropped: not root)"))
     if a.json:
         write_json(a.json, report)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,57 @@ def test_checked_copy_refuses_corruption(tmp_path):
         integrity.check_buffer(np.zeros(10, np.uint8), layout, 0, "x")
 
 
+def test_ranges_of_a_file_are_checked_copied_and_sent_alone(tmp_path):
+    """A restore moves only the extents a node reads: ranges of a file are
+    read concatenated, checked alone, written at their offsets (holes
+    elsewhere), and a range that cuts an extent (some bytes of it would pass
+    unchecked) is refused."""
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import integrity, store
+
+    src = str(tmp_path / "src")
+    _one_rank_checkpoint(src)
+    _, layout, _ = read_checkpoint_metadata(src)
+    name, size = layout.files[0]
+    path = os.path.join(src, name)
+    ext = {i.fqn: es[0] for i, es in layout.extents.items()}
+    b = integrity.extent_ranges([(ext["b"].file_offset, ext["b"].length)])
+    data = integrity.read_ranges(path, b)
+    assert data.size == ext["b"].length == 7 * 5 * 4
+    integrity.check_buffer(data, layout, 0, "x", ranges=b)
+    out = str(tmp_path / "out.fpd")
+    store.write_ranges(out, size, b, data)
+    with open(path, "rb") as f, open(out, "rb") as g:
+        whole, part = f.read(), g.read()
+    assert len(part) == size and part[b[0][0]: b[0][0] + b[0][1]] == whole[b[0][0]: b[0][0] + b[0][1]]
+    assert part.count(0) >= size - b[0][1]  # the rest a hole
+    copied = str(tmp_path / "copied.fpd")
+    assert integrity.copy_checked(path, copied, layout, 0, ranges=b) == b[0][1]
+    with open(copied, "rb") as g:
+        assert g.read() == part
+    a = (ext["a"].file_offset, ext["a"].length)
+    # a transfer's parts: cut at piece boundaries, each checked alone, together the ranges
+    whole = integrity.extent_ranges([(e.file_offset, e.length) for e in ext.values()])
+    for limit in (1, 4096, 1 << 20, 1 << 30):
+        parts = integrity.split_ranges(layout, 0, whole, limit)
+        assert integrity.extent_ranges([r for p in parts for r in p]) == whole
+        assert all(integrity.ranges_bytes(p) <= limit or len(p) == 1 for p in parts)
+        for p in parts:
+            integrity.check_buffer(integrity.read_ranges(path, p), layout, 0, "x", ranges=p)
+    assert len(integrity.split_ranges(layout, 0, whole, 1 << 30)) == 1
+    assert integrity.split_ranges(layout, 0, [a], 1 << 20) == [[a]]  # one piece (1.2 MB) is never cut
+    with pytest.raises(ValueError, match="cuts an extent"):
+        integrity.check_file(path, layout, 0, [(a[0], a[1] // 2)])
+    _flip(path, a[0] + 5)  # damage in "a" does not touch a check of "b" alone
+    integrity.check_file(path, layout, 0, b)
+    with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
+        integrity.check_file(path, layout, 0, integrity.extent_ranges([a, (b[0])]))
+    bad = integrity.read_ranges(path, [a])
+    with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
+        integrity.check_buffer(bad, layout, 0, "x", ranges=[a])
+    assert integrity.extent_ranges([(10, 5), (0, 10), (30, 1), (12, 2)]) == [(0, 15), (30, 1)]
+
+
 def test_subset_metadata_loads_what_it_names(tmp_path):
     """The metadata a restore writes for a node names only the files
     assembled there and the items they hold whole; it is a valid fp_dcp
@@ -107,6 +159,11 @@ def test_subset_metadata_loads_what_it_names(tmp_path):
     assert sub.files == layout.files and {i.fqn for i in sub.extents} == {"a", "n"}
     md.storage_data = sub
     fmt.decode_metadata(fmt.encode_metadata(md, sub, extra), "x")
+    # ranges of files held: only the items whose extents lie inside them
+    a = next(es[0] for i, es in layout.extents.items() if i.fqn == "a")
+    part = subset_layout(two, {layout.files[0][0]: [(a.file_offset, a.length)], two.files[1][0]: [(0, 4096)]})
+    assert part.files == two.files and {i.fqn for i in part.extents} == {"a", "b"}
+    assert {i.fqn for i in subset_layout(two, {layout.files[0][0]: [(a.file_offset, a.length - 1)]}).extents} == set()
 
 
 @pytest.mark.parametrize("name", ["../../victim.fpd", "/etc/passwd", "", "{sid}.r0.0.fpd/../x",
@@ -207,18 +264,24 @@ def _train_and_save(rank, world_size, root):
         opt.step()
         opt.zero_grad()
         mgr.save(step, _state(model, opt))
+        if step >= STEPS - 1:  # the steps the local tiers keep: what each restores to
+            want = _full_sd(_state(model, opt))
+            loss = _probe_loss(model)
+            if rank == 0:
+                torch.save({"state": want, "loss": loss}, os.path.join(root, f"want{step}.pt"))
     mgr.wait()
-    want = _full_sd(_state(model, opt))
-    loss = _probe_loss(model)
-    if rank == 0:
-        torch.save({"state": want, "loss": loss}, os.path.join(root, "want.pt"))
     drains = {s: h["drain"].ok for s, h in mgr.history.items() if "drain" in h}
     errors = list(mgr.errors)
     mgr.close()
     return drains, errors
 
 
-def _restore_and_check(rank, world_size, root):
+def _restore_and_check(rank, world_size, root, hook=None, chunk=None):
+    """Restore into a model of other weights; the state and the probe loss
+    must be those of the step restored, bit-exact.  ``hook``: ``(rank,
+    point, exception[, n])``: ``fp_dcp.tiers.restore.fault_hook`` raises it
+    on that rank (``None``: every rank) at that point (only its ``n``-th
+    time there).  ``chunk``: the bytes of a replica transfer's part."""
     import torch
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -232,10 +295,24 @@ def _restore_and_check(rank, world_size, root):
     opt.zero_grad()
     mgr = _manager(root)
     sd = _state(model, opt)
+    from fp_dcp.tiers import restore as tiers_restore
+
+    if chunk is not None:
+        tiers_restore.CHUNK_BYTES = chunk
+    if hook is not None and hook[0] in (None, rank):
+        seen = [0]
+
+        def fail(point):
+            if point == hook[1]:
+                seen[0] += 1
+                if seen[0] == (hook[3] if len(hook) > 3 else seen[0]):
+                    raise hook[2]
+
+        tiers_restore.fault_hook = fail
     step = mgr.restore(sd)
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, opt, sd["optim"])
-    want = torch.load(os.path.join(root, "want.pt"), weights_only=False)
+    want = torch.load(os.path.join(root, f"want{step}.pt"), weights_only=False)
     _assert_same(want["state"], _full_sd(_state(model, opt)))
     loss = _probe_loss(model)
     assert loss == want["loss"], (loss, want["loss"])  # the loss curve continues where it was
@@ -245,7 +322,7 @@ def _restore_and_check(rank, world_size, root):
     opt.step()
     mgr.save(step + 1, _state(model, opt))
     mgr.close()
-    return step, res.node_bytes_from, res.skipped
+    return step, res.node_bytes_from, res.skipped, res.sources
 
 
 def _lose_node(root, node):
@@ -282,12 +359,41 @@ def test_lost_node_restores_from_replicas_on_4_2_3_ranks(tmp_path_factory):
         r = os.path.join(str(tmp_path_factory.mktemp(f"w{world}")), "run")
         shutil.copytree(snapshot, r)
         results = run_ranks(world, _restore_and_check, r, timeout=300)
-        step, by_tier, skipped = results[0]
+        step, by_tier, skipped, _ = results[0]
         assert step == STEPS and skipped == []
         assert by_tier["persistent"] == 0, by_tier  # 0 bytes from the persistent tier: a replica exists
         assert by_tier["local"] > 0
         if world != 2:  # 4 and 3 ranks: a replacement node with an empty disk fetched its part
             assert by_tier["replica"] > 0, by_tier
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def _extent_of(layout, file_part, fqn):
+    """(file name, file offset) of the first extent of ``fqn``'s chunk at
+    the origin (rank 0's shard) whose file name contains ``file_part``."""
+    for idx, exts in layout.extents.items():
+        if idx.fqn == fqn and not any(idx.offset or ()):
+            for e in exts:
+                name = layout.files[e.file][0]
+                if file_part in name:
+                    return name, e.file_offset
+    raise AssertionError(f"no extent of {fqn} in a file {file_part}")
+
+
+def _persistent_only_for(sources, by_tier, names):
+    """Every byte from the persistent tier came for ``names``, and the
+    job's count is those copies' bytes."""
+    pers = [src for src in sources if src[2] == "persistent"]
+    assert pers and {src[1] for src in pers} <= set(names), sources
+    assert by_tier["persistent"] == sum(src[3] for src in pers), (by_tier, sources)
+    assert sum(src[3] for src in sources) == sum(by_tier.values()), (by_tier, sources)
 
 
 @pytest.mark.slow
@@ -300,19 +406,135 @@ def test_corrupt_replica_falls_back_to_persistent(tmp_path_factory):
     d = store.step_dir(os.path.join(root, "node0"), STEPS)
     _, layout, _ = read_checkpoint_metadata(d)
     victim = next(n for n, _ in layout.files if ".r2." in n)  # node 1's file, node 0's replica of it
-    with open(os.path.join(d, victim), "r+b") as f:
-        f.seek(100)
-        b = f.read(1)
-        f.seek(100)
-        f.write(bytes([b[0] ^ 1]))
-    step, by_tier, skipped = run_ranks(4, _restore_and_check, root, timeout=300)[0]
+    _flip(os.path.join(d, victim), 100)
+    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, timeout=300)[0]
     assert step == STEPS
-    # each node that needed the file (both: replicated items are split over every rank) skipped node 0's copy
-    assert 1 <= len(skipped) <= 2, skipped
-    for why in skipped:
-        assert why.startswith(f"{victim} from node 0's local tier") and "checksum mismatch" in why, skipped
-    size = dict(layout.files)[victim]
-    assert by_tier["persistent"] == size * len(skipped)  # that file only, from the next tier
+    # node 1 (its disk empty) needs the file's first extent (rank 2's shard): the replica fails on arrival
+    assert len(skipped) == 1, skipped
+    assert skipped[0].startswith(f"{victim} from node 0's local tier, for rank 2") \
+        and "checksum mismatch" in skipped[0], skipped
+    _persistent_only_for(sources, by_tier, [victim])  # that file only, from the next tier
+    assert [src[:3] for src in sources if src[2] == "persistent"] == [(1, victim, "persistent")]
+    assert by_tier["persistent"] <= dict(layout.files)[victim]  # only what node 1 reads of it
+
+
+@pytest.mark.slow
+def test_bad_local_copy_found_by_the_load_is_refetched(tmp_path_factory):
+    """A local copy is not checked twice: the load's own verification finds
+    the damage (an extent rank 0 reads whole), the restore names the copy,
+    fetches it from the next tier and loads again, bit-exact."""
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import store
+
+    root = _saved(tmp_path_factory)
+    _lose_node(root, 1)
+    d = store.step_dir(os.path.join(root, "node0"), STEPS)
+    _, layout, _ = read_checkpoint_metadata(d)
+    victim, offset = _extent_of(layout, ".r0.", "model.0.weight")
+    _flip(os.path.join(d, victim), offset + 10)
+    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, timeout=300)[0]
+    assert step == STEPS
+    assert len(skipped) == 1 and skipped[0].startswith(f"{victim} from node 0's local tier, for rank 0"), skipped
+    assert "checksum mismatch" in skipped[0] and "found after the load failed" in skipped[0], skipped
+    _persistent_only_for(sources, by_tier, [victim])
+
+
+@pytest.mark.slow
+def test_a_step_bad_in_every_tier_falls_back_to_an_older_one(tmp_path_factory):
+    """Step 6's copy of a file is bad on node 0 and in the persistent tier
+    (node 1 is lost): every rank passes over step 6 and restores step 5,
+    bit-exact, saying why; with no older step left, the restore raises an
+    error naming the file and each tier tried."""
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import store
+
+    root = _saved(tmp_path_factory)
+    _lose_node(root, 1)
+    d = store.step_dir(os.path.join(root, "node0"), STEPS)
+    _, layout, _ = read_checkpoint_metadata(d)
+    victim, offset = _extent_of(layout, ".r0.", "model.0.weight")
+    _flip(os.path.join(d, victim), offset + 10)
+    _flip(os.path.join(store.step_dir(os.path.join(root, "persist"), STEPS), victim), offset + 10)
+    bare = str(tmp_path_factory.mktemp("bare")) + "/run"
+    shutil.copytree(root, bare)
+    step, by_tier, skipped, _ = run_ranks(4, _restore_and_check, root, timeout=300)[0]
+    assert step == STEPS - 1  # the newest step complete in some tier
+    passed = [w for w in skipped if w.startswith("passed over")]
+    assert len(passed) == 1 and passed[0].startswith(f"passed over step {STEPS}: no tier holds a good copy of "
+                                                     f"{victim} (tried: node 0's local tier: "), skipped
+    assert "the persistent tier: " in passed[0] and passed[0].count("checksum mismatch") == 2, passed
+    # no older step anywhere: the error names the file and the tiers tried, on every rank
+    shutil.rmtree(store.step_dir(os.path.join(bare, "node0"), STEPS - 1))
+    shutil.rmtree(store.step_dir(os.path.join(bare, "persist"), 3))
+    for message in run_ranks(4, _restore_expecting_error, bare, timeout=300):
+        assert message.startswith(f"no step is loadable from the tiers: step {STEPS}: no tier holds a good copy "
+                                  f"of {victim} (tried: node 0's local tier: "), message
+        assert "the persistent tier: " in message and message.count("checksum mismatch") == 2, message
+
+
+def _restore_expecting_error(rank, world_size, root, hook=None):
+    """A restore that must raise TierRestoreError on every rank (none left
+    waiting: every rank returns); returns its message."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fp_dcp.tiers import restore as tiers_restore
+
+    model, opt = _build(7, init_device_mesh("cpu", (world_size,)))
+    model(torch.randn(8, 32)).pow(2).mean().backward()
+    opt.step()
+    mgr = _manager(root)
+    if hook is not None and hook[0] in (None, rank):
+        def fail(point):
+            if point == hook[1]:
+                raise hook[2]
+
+        tiers_restore.fault_hook = fail
+    try:
+        mgr.restore(_state(model, opt))
+    except tiers_restore.TierRestoreError as e:
+        return str(e)
+    finally:
+        mgr.close()
+    raise AssertionError("the restore did not fail")
+
+
+@pytest.mark.slow
+def test_a_rank_whose_read_fails_does_not_stall_the_others(tmp_path_factory):
+    """Node 0 cannot read the replica it sends to node 1: the receiver
+    hears it at once and takes the file from the persistent tier, naming
+    the file and the rank.  Rank 0's read of its own local copy raises an
+    error that is no damage: every rank raises, at once, an error naming
+    rank 0 and the file (each rank returns: none waits for the group's
+    timeout, which is 30 minutes, far beyond the test's)."""
+    from fp_dcp.files import read_checkpoint_metadata
+    from fp_dcp.tiers import store
+
+    root = _saved(tmp_path_factory)
+    _lose_node(root, 1)
+    bare, parts = (str(tmp_path_factory.mktemp(n)) + "/run" for n in ("bare", "parts"))
+    shutil.copytree(root, bare)
+    shutil.copytree(root, parts)
+    _, layout, _ = read_checkpoint_metadata(store.step_dir(os.path.join(root, "node0"), STEPS))
+    sent = next(n for n, _ in layout.files if ".r2." in n)  # node 1's file: rank 0 sends it to rank 2
+    hook = (None, f"send {sent}", OSError(5, "injected read error"))
+    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, hook, timeout=300)[0]
+    assert step == STEPS
+    assert len(skipped) == 1 and re.fullmatch(
+        re.escape(f"{sent} from node 0's local tier, for rank 2: rank ") + "[01]" + re.escape(" could not read it"),
+        skipped[0]), skipped
+    _persistent_only_for(sources, by_tier, [sent])
+    # the same, the file sent in parts of 4 KiB and the second part unreadable: the parts before it are
+    # never named, the file comes whole from the next tier
+    hook = (None, f"send {sent}", OSError(5, "injected read error"), 2)
+    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, parts, hook, 4096, timeout=300)[0]
+    assert step == STEPS and len(skipped) == 1 and skipped[0].endswith("could not read it"), skipped
+    _persistent_only_for(sources, by_tier, [sent])
+    own = next(n for n, _ in layout.files if ".r0." in n)  # rank 0 links its own file
+    hook = (0, f"local {own}", RuntimeError("injected failure"))
+    for message in run_ranks(4, _restore_expecting_error, bare, hook, timeout=300):
+        assert message.startswith(f"restore: assembling step {STEPS} failed on rank 0: TierRestoreError: {own} "
+                                  f"from node 0's local tier: RuntimeError: injected failure"), message
 
 
 # ---------------------------------------------------- drains under fire

@@ -44,7 +44,7 @@ from fp_dcp.load.plan import (
 )
 from fp_dcp.save.layout import check_extents_cover
 
-__all__ = ["Job", "Limits", "ItemPlanner", "storage_bytes", "MERGE_RUN_MAX_BYTES", "MAX_BATCH_PIECES"]
+__all__ = ["Job", "Limits", "ItemPlanner", "storage_bytes", "whole_chunk_read", "MERGE_RUN_MAX_BYTES", "MAX_BATCH_PIECES"]
 
 # Runs at least this long are always read straight into their target: the
 # per-run cost (one memoryview, one engine piece) is negligible beside them,
@@ -202,8 +202,7 @@ class ItemPlanner:
         needed = math.prod(lengths) * esize
         if needed == 0:
             return [Job.empty(done=commit)]
-        if (needed <= _MAX_PIECE_BYTES and lengths == sizes and not any(offsets) and dest.device.type == "cpu"
-                and dest.dtype == dtype and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg()):
+        if whole_chunk_read(sizes, dtype, offsets, lengths, dest):
             # The common case, planned without a grid: a whole stored chunk
             # into a contiguous target of its dtype, one run, whose pieces
             # are the chunk's extents (what direct_jobs would make of it).
@@ -245,6 +244,18 @@ class ItemPlanner:
                 jobs.extend(packed_temp_jobs(grid, arrays, sub_needed, target, dtype, limits))
         jobs[-1].add_done(commit)
         return jobs
+
+
+def whole_chunk_read(sizes, dtype: torch.dtype, offsets, lengths, dest: torch.Tensor) -> bool:
+    """Whether a read of box ``offsets+lengths`` of a stored chunk
+    (``sizes``, ``dtype``) into ``dest`` is the common case: the whole chunk
+    into a contiguous CPU target of its dtype, read as the chunk's extents
+    whole (so a load with ``verify_checksums`` checks every block of them;
+    ``fp_dcp.tiers.restore`` relies on it)."""
+    lengths, sizes = [int(n) for n in lengths], [int(n) for n in sizes]
+    return (math.prod(lengths) * dtype.itemsize <= _MAX_PIECE_BYTES and lengths == sizes and not any(offsets)
+            and dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous() and not dest.is_conj()
+            and not dest.is_neg())
 
 
 def _merge_level(grid: Grid, limits: Limits) -> tuple[int | None, int]:

@@ -8,14 +8,21 @@ extent cut at block multiples from its start, each piece with the CRCs it
 must have.  One pass reads, checks and (for a copy) writes, so a tier never
 takes bytes it has not verified.  Extents written without checksums pass
 unchecked, as they load.
+
+A restore needs only the extents its ranks read: every function here can
+work on *ranges* of a file instead of all of it (sorted, disjoint
+``(offset, length)`` pairs, each a union of whole extents:
+:func:`extent_ranges`); the bytes of the ranges travel concatenated, and a
+copy leaves the rest of the file a hole.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import errno
 import os
-from typing import Iterator
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -23,9 +30,12 @@ from fp_dcp import _native
 from fp_dcp import format as fmt
 from fp_dcp.checksums import crc_array, item_name
 
-__all__ = ["IntegrityError", "check_buffer", "check_file", "copy_checked", "read_file"]
+__all__ = ["IntegrityError", "check_buffer", "check_file", "copy_checked", "read_file", "read_ranges",
+           "extent_ranges", "ranges_bytes", "split_ranges"]
 
 _PIECE = 16 << 20
+
+Ranges = Sequence[tuple[int, int]]  # sorted, disjoint (file offset, length), each a union of whole extents
 
 
 class IntegrityError(OSError):
@@ -64,6 +74,76 @@ def _pieces(layout: fmt.StorageLayout, fid: int) -> Iterator[_Piece]:
         yield _Piece(pos, size - pos, None, None)
 
 
+def extent_ranges(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, length)`` spans (whole extents) sorted, with overlapping
+    and touching ones merged."""
+    out: list[list[int]] = []
+    for off, n in sorted(spans):
+        if out and off <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], off + n - out[-1][0])
+        else:
+            out.append([off, n])
+    return [(o, n) for o, n in out]
+
+
+def ranges_bytes(ranges: Ranges) -> int:
+    return sum(n for _, n in ranges)
+
+
+def split_ranges(layout: fmt.StorageLayout, fid: int, ranges: Ranges, limit: int) -> list[list[tuple[int, int]]]:
+    """``ranges`` of file ``fid`` cut into consecutive parts of at most
+    ``limit`` bytes each (or one piece, when a piece is larger), every cut
+    at a piece boundary, so that each part is checked alone.  At least one
+    part (empty when ``ranges`` are)."""
+    size = layout.files[fid][1]
+    cuts = sorted({p.offset for p in _pieces(layout, fid)} | {size})
+    parts: list[list[tuple[int, int]]] = [[]]
+    room = limit
+    for off, n in ranges:
+        pos, end = off, off + n
+        while pos < end:
+            if room <= 0:
+                parts.append([])
+                room = limit
+            stop = end if end - pos <= room else cuts[bisect.bisect_right(cuts, pos + room) - 1]
+            if stop <= pos:  # no boundary within the room: this part is done, or one piece is larger
+                if parts[-1]:
+                    room = 0
+                    continue
+                stop = min(end, cuts[bisect.bisect_right(cuts, pos)])
+            parts[-1].append((pos, stop - pos))
+            room -= stop - pos
+            pos = stop
+    return parts
+
+
+def _pieces_in(layout: fmt.StorageLayout, fid: int, ranges: Ranges | None, path: str) -> Iterator[tuple[_Piece, int]]:
+    """The pieces of file ``fid`` inside ``ranges`` (``None``: the whole
+    file), each with its position in the ranges' concatenated bytes.
+    ``ValueError`` when a range is not a union of whole pieces (then some of
+    its bytes could pass unchecked) or lies beyond the file."""
+    size = layout.files[fid][1]
+    if ranges is None:
+        ranges = [(0, size)] if size else []
+    starts = [o for o, _ in ranges]
+    base = [0]
+    for o, n in ranges:
+        if o < 0 or n < 0 or o + n > size:
+            raise ValueError(f"{path}: range {o}+{n} outside the file's {size} bytes")
+        base.append(base[-1] + n)
+    covered = 0
+    for p in _pieces(layout, fid):
+        i = bisect.bisect_right(starts, p.offset) - 1
+        if i < 0 or p.offset >= starts[i] + ranges[i][1]:
+            continue
+        if p.offset + p.length > starts[i] + ranges[i][1]:
+            raise ValueError(f"{path}: range {starts[i]}+{ranges[i][1]} cuts an extent at file offset {p.offset}")
+        covered += p.length
+        yield p, base[i] + p.offset - starts[i]
+    if covered != base[-1]:
+        raise ValueError(f"{path}: ranges of {base[-1]} bytes hold only {covered} bytes of whole extents")
+
+
 def _check(piece: _Piece, data, block: int, path: str) -> None:
     if piece.expected is None:
         return
@@ -74,46 +154,67 @@ def _check(piece: _Piece, data, block: int, path: str) -> None:
                                    f"{piece.offset + bad * block}")
 
 
-def check_buffer(data: np.ndarray | memoryview, layout: fmt.StorageLayout, fid: int, path: str) -> None:
-    """Raise :class:`IntegrityError` unless ``data`` (a whole file's bytes)
-    is file ``fid`` of ``layout``: its recorded size at least, every
-    checksum block right."""
+def check_buffer(data: np.ndarray | memoryview, layout: fmt.StorageLayout, fid: int, path: str,
+                 ranges: Ranges | None = None) -> None:
+    """Raise :class:`IntegrityError` unless ``data`` is file ``fid`` of
+    ``layout`` (``ranges``: only those ranges of it, concatenated): the
+    recorded size at least, every checksum block right."""
     view = memoryview(data).cast("B")
-    size = layout.files[fid][1]
+    size = layout.files[fid][1] if ranges is None else ranges_bytes(ranges)
     if len(view) < size:
         raise IntegrityError(path, f"short: {len(view)} bytes, the checkpoint recorded {size}")
     block = layout.checksum_block_bytes or (1 << 20)
-    for p in _pieces(layout, fid):
-        _check(p, view[p.offset: p.offset + p.length], block, path)
+    for p, at in _pieces_in(layout, fid, ranges, path):
+        _check(p, view[at: at + p.length], block, path)
 
 
 def read_file(path: str, size: int) -> np.ndarray:
     """The first ``size`` bytes of a data file (a regular file, links not
     followed) as a uint8 array; :class:`IntegrityError` when shorter."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    return read_ranges(path, [(0, size)])
+
+
+def read_ranges(path: str, ranges: Ranges) -> np.ndarray:
+    """The bytes of ``ranges`` of a data file (a regular file, links not
+    followed), concatenated, as a uint8 array; :class:`IntegrityError` when
+    the file ends before them."""
     try:
-        buf = np.empty(size, dtype=np.uint8)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise IntegrityError(path, "missing") from None
+    try:
+        buf = np.empty(ranges_bytes(ranges), dtype=np.uint8)
         view = memoryview(buf)
-        done = 0
-        while done < size:
-            n = os.readv(fd, [view[done: done + _PIECE]])
-            if n == 0:
-                raise IntegrityError(path, f"short: {done} bytes, the checkpoint recorded {size}")
-            done += n
+        at = 0
+        for off, n in ranges:
+            _pread_full(fd, view[at: at + n], off, path)
+            at += n
         return buf
     finally:
         os.close(fd)
 
 
-def check_file(path: str, layout: fmt.StorageLayout, fid: int) -> None:
-    """:func:`check_buffer` of a file on disk, read piece by piece."""
-    copy_checked(path, None, layout, fid)
+def _pread_full(fd: int, view: memoryview, off: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done: done + _PIECE]], off + done)
+        if n == 0:
+            raise IntegrityError(path, f"short: it ends at {off + done} bytes, the checkpoint recorded more")
+        done += n
 
 
-def copy_checked(src: str, dst: str | None, layout: fmt.StorageLayout, fid: int, sync: bool = True) -> int:
+def check_file(path: str, layout: fmt.StorageLayout, fid: int, ranges: Ranges | None = None) -> None:
+    """:func:`check_buffer` of a file on disk (``ranges``: only those), read
+    piece by piece."""
+    copy_checked(path, None, layout, fid, ranges=ranges)
+
+
+def copy_checked(src: str, dst: str | None, layout: fmt.StorageLayout, fid: int, sync: bool = True,
+                 ranges: Ranges | None = None) -> int:
     """Copy data file ``fid`` from ``src`` to ``dst`` (a temporary beside it,
     renamed when every piece passed; ``None``: only check), checking every
-    piece on the way.  Returns the bytes read."""
+    piece on the way.  ``ranges``: copy only those (the rest of ``dst`` a
+    hole, its size the recorded one).  Returns the bytes read."""
     size = layout.files[fid][1]
     block = layout.checksum_block_bytes or (1 << 20)
     try:
@@ -122,18 +223,19 @@ def copy_checked(src: str, dst: str | None, layout: fmt.StorageLayout, fid: int,
         raise IntegrityError(src, "missing") from None
     out = None
     tmp = None if dst is None else dst + ".tier-tmp"
+    read = 0
     try:
         if tmp is not None:
             out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            os.ftruncate(out, size)
         buf = np.empty(min(size, max(_PIECE, block)) or 1, dtype=np.uint8)
-        for p in _pieces(layout, fid):
+        for p, _ in _pieces_in(layout, fid, ranges, src):
             view = memoryview(buf)[: p.length]
-            got = os.preadv(fd, [view], p.offset) if p.length else 0
-            while got < p.length:
-                n = os.preadv(fd, [view[got:]], p.offset + got)
-                if n == 0:
-                    raise IntegrityError(src, f"short: {p.offset + got} bytes, the checkpoint recorded {size}")
-                got += n
+            try:
+                _pread_full(fd, view, p.offset, src)
+            except IntegrityError:
+                raise IntegrityError(src, f"short: the checkpoint recorded {size} bytes") from None
+            read += p.length
             _check(p, view, block, src)
             if out is not None:
                 w = 0
@@ -145,7 +247,7 @@ def copy_checked(src: str, dst: str | None, layout: fmt.StorageLayout, fid: int,
             os.close(out)
             out = None
             os.replace(tmp, dst)
-        return size
+        return read
     except BaseException:
         if out is not None:
             os.close(out)

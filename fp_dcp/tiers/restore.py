@@ -12,50 +12,87 @@ else running on the tiers' process group:
    persistent tier.
 3. *Needs.*  The metadata travels from one holder to all; each rank plans
    its load with the DCP load planner against it (the state dict it will
-   load, so any world size and sharding) and lists the data files its read
-   items touch.
-4. *Assembly.*  Each node gathers the files its ranks need into
-   ``<local root>/.restore/``: a file its own local tier holds is checked
-   and hard-linked; one held only by other nodes comes from one of them
-   over the process group (:mod:`fp_dcp.tiers.replicate`); the persistent
-   tier only for what no node holds.  Every file is checked against the
-   metadata's checksums before it is taken; a file that fails is skipped
-   (named in ``RestoreResult.skipped``) and fetched from the next source, in
-   rounds that every rank runs alike.
+   load, so any world size and sharding) and lists the extents its read
+   items touch, by data file: a node needs only those bytes of a file, not
+   all of it (a replicated item, such as an optimizer's step counter, is
+   saved once, in some rank's file: a node may need a few bytes of every
+   file).
+4. *Assembly.*  Each node gathers the extents its ranks need into
+   ``<local root>/.restore/``: a file its own local tier holds is
+   hard-linked; one held only by other nodes comes from one of them over
+   the process group (:mod:`fp_dcp.tiers.replicate`), only the extents
+   needed, in parts, each checked on arrival and written at its offsets
+   (the rest of the file a hole); the persistent tier, the same way, only for what no
+   node holds.  A copy that fails its checks is skipped (named in
+   ``RestoreResult.skipped``) and fetched from the next source, in rounds
+   that every rank runs alike.
 5. *Load.*  The node's directory gets a metadata of the same save that
-   names only the files assembled there (every item they hold whole), and
-   ``dcp.load`` reads it through ``FastPersistReader`` — every check of a
-   normal load applies (names of this save only, no links, checksums).
+   names only the files assembled there and the items whose extents they
+   hold, and ``dcp.load`` reads it through ``FastPersistReader`` with
+   ``verify_checksums`` on: every check of a normal load applies (names of
+   this save only, no links, checksums).
+
+Checks: bytes that crossed from another node or from the persistent tier
+are checked against the metadata's CRCs before they are named.  A local
+copy is not read twice: the load's own verification checks every block of
+the items it reads whole (:func:`fp_dcp.load.jobs.whole_chunk_read`); the
+extents it reads only in part (resharding) are checked at assembly.  When
+the load fails, each node checks the local copies it linked; a bad one is
+marked, named in ``skipped``, fetched from the next tier, and the load
+runs again.  The bytes a restore returns are never unchecked.
+
+Fallback: when no tier holds a good copy of something a step needs, every
+rank (they all know it from the same gathered facts) passes over that step
+to the next older one complete somewhere, and ``skipped`` says which step
+was passed over and why; when no step loads, :class:`TierRestoreError`
+names the files and the tiers tried.
+
+Failures surface at once: each phase's local work (scan, planning,
+assembly, the checks after a failed load) ends with an exchange of every
+rank's outcome, so a rank whose work raised makes every rank raise
+:class:`TierRestoreError` naming it, the file and the error, instead of
+leaving the others in a collective until the group's timeout.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import os
 import shutil
 import time
 import zlib
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
 
 from fp_dcp import FastPersistOptions, FastPersistReader
 from fp_dcp import format as fmt
 from fp_dcp.files import read_metadata_bytes
+from fp_dcp.load.jobs import whole_chunk_read
 from fp_dcp.tiers import integrity, store
-from fp_dcp.tiers.replicate import Transfer, run_transfers
+from fp_dcp.tiers.integrity import extent_ranges, ranges_bytes
+from fp_dcp.tiers.replicate import CHUNK_BYTES, Transfer, run_transfers
 from fp_dcp.tiers.topology import Topology
 
 __all__ = ["RestoreResult", "restore", "TierRestoreError"]
 
 TIERS = ("local", "replica", "persistent")
 
+#: Tests: called with ``"local NAME"``, ``"send NAME"`` or ``"persistent
+#: NAME"`` on the rank about to read that copy of data file NAME.
+fault_hook: Callable[[str], None] | None = None
+
 
 class TierRestoreError(RuntimeError):
-    """No tier holds a good copy of some file the restore needs."""
+    """No step is loadable from the tiers, or a rank failed during a restore
+    (the message names it, the file and the error)."""
 
 
 @dataclasses.dataclass
@@ -63,24 +100,38 @@ class RestoreResult:
     step: int
     save_id: str
     bytes_from: dict[str, int]  # this rank's bytes taken from each tier (local, replica, persistent)
-    skipped: list[str]  # every rank's: file, source and why it was passed over
+    skipped: list[str]  # every rank's: file, source and why it was passed over; steps passed over and why
     seconds: float
     node_bytes_from: dict[str, int] = dataclasses.field(default_factory=dict)  # the whole job's
-    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds: agree, assemble, load
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds: agree, plan, assemble, load
+    #: the whole job's copies loaded: (node, data file, tier, bytes of it the node took)
+    sources: list[tuple[int, str, str, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Need:
+    """What node ``node`` needs of data file ``name``: ``ranges`` (whole
+    extents its ranks read), of which ``check`` the load reads only in part
+    (so will not verify whole).  ``receiver``: the rank that fetches it."""
+
     node: int
     name: str
     receiver: int
+    ranges: tuple[tuple[int, int], ...]
+    check: tuple[tuple[int, int], ...]
+
+
+class _Unloadable(Exception):
+    """No tier holds a good copy of something this step needs (every rank
+    raises it alike, from gathered facts)."""
 
 
 def _holding_doc(holdings: dict[int, store.Holding]) -> dict[int, Any]:
     return {s: (h.save_id, h.meta_files, h.files) for s, h in holdings.items()}
 
 
-def _choose(step: int | None, invs: list[dict], pers: dict[int, Any]) -> tuple[int, str, list] | None:
+def _choose(step: int | None, invs: list[dict], pers: dict[int, Any],
+            excluded: set[int] = frozenset()) -> tuple[int, str, list] | None:
     """The newest step complete somewhere: ``(step, save_id, files)``."""
     candidates: dict[tuple[int, str], list] = {}
     for inv in invs + [pers]:
@@ -88,7 +139,7 @@ def _choose(step: int | None, invs: list[dict], pers: dict[int, Any]) -> tuple[i
             if sid is not None:
                 candidates.setdefault((s, sid), meta_files)
     for (s, sid), files in sorted(candidates.items(), key=lambda kv: kv[0][0], reverse=True):
-        if step is not None and s != step:
+        if (step is not None and s != step) or s in excluded:
             continue
         # every file present at its recorded size in some tier
         ok = all(any(inv.get(s) and inv[s][2].get(n) == z for inv in invs + [pers]) for n, z in files)
@@ -97,26 +148,85 @@ def _choose(step: int | None, invs: list[dict], pers: dict[int, Any]) -> tuple[i
     return None
 
 
-def _needed_files(state_dict: dict, metadata, layout: fmt.StorageLayout, planner, is_coordinator: bool) -> set[str]:
+def _exchange(group, world: int, what: str, work: Callable[[], Any]) -> list[Any]:
+    """Run ``work`` here and gather every rank's result; when it raised on
+    any rank, every rank raises :class:`TierRestoreError` naming the ranks
+    and their errors (no rank is left waiting in a later collective)."""
+    err = mine = None
+    try:
+        mine = work()
+    except Exception as e:  # noqa: BLE001 - every rank learns it, then raises
+        err, local = f"{type(e).__name__}: {e}", e
+    out: list = [None] * world
+    dist.all_gather_object(out, (mine, err), group=group)
+    failed = [(r, e) for r, (_, e) in enumerate(out) if e is not None]
+    if failed:
+        raise TierRestoreError(f"restore: {what} failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed)) \
+            from (local if err is not None else None)
+    return [v for v, _ in out]
+
+
+def _reads(state_dict: dict, metadata, layout: fmt.StorageLayout, planner, is_coordinator: bool) -> dict[str, tuple]:
+    """The extents this rank's load plan reads, by data file: ``name ->
+    (ranges, check)``, ``check`` the ranges the reader will not verify
+    whole (items read in part, or into a target it reads through a grid)."""
     planner.set_up_planner(state_dict, metadata, is_coordinator)
     plan = planner.create_local_plan()
-    fids: set[int] = set()
+    out: dict[str, tuple[list, list]] = {}
     for item in plan.items:
-        exts = layout.extents.get(MetadataIndex(item.storage_index.fqn, item.storage_index.offset))
+        idx = MetadataIndex(item.storage_index.fqn, item.storage_index.offset)
+        exts = layout.extents.get(idx)
         if exts is None:
             raise fmt.CheckpointFormatError(f"{item.storage_index.fqn}: the checkpoint has no extents for it")
-        fids.update(e.file for e in exts)
-    return {layout.files[f][0] for f in fids}
+        verified = item.type == LoadItemType.BYTE_IO or _read_whole(item, metadata, planner)
+        for e in exts:
+            spans, check = out.setdefault(layout.files[e.file][0], ([], []))
+            spans.append((e.file_offset, e.length))
+            if not verified:
+                check.append((e.file_offset, e.length))
+    return {name: (extent_ranges(a), extent_ranges(b)) for name, (a, b) in out.items()}
 
 
-def subset_layout(layout: fmt.StorageLayout, names: set[str]) -> fmt.StorageLayout:
-    """``layout`` with only the files ``names`` and the items they hold whole."""
-    keep = [fid for fid, (n, _) in enumerate(layout.files) if n in names]
+def _read_whole(item, metadata, planner) -> bool:
+    """Whether the reader reads ``item``'s stored chunk as its extents whole
+    (and so checks every block of them)."""
+    md = metadata.state_dict_metadata.get(item.storage_index.fqn)
+    if not isinstance(md, TensorStorageMetadata):
+        return False
+    want = item.storage_index.offset
+    chunk = next((c for c in md.chunks if want is None or list(c.offsets) == list(want)), None)
+    try:
+        dest = planner.resolve_tensor(item)
+    except Exception:  # noqa: BLE001 - a planner that cannot say: check it at assembly
+        return False
+    if chunk is None or not isinstance(dest, torch.Tensor):
+        return False
+    return whole_chunk_read(chunk.sizes, md.properties.dtype, item.storage_offsets, item.lengths, dest.detach())
+
+
+def subset_layout(layout: fmt.StorageLayout, held: Any) -> fmt.StorageLayout:
+    """``layout`` with only the files ``held`` and the items whose extents
+    they hold.  ``held``: file names (held whole) or ``{name: ranges}``
+    (only those ``(offset, length)`` ranges held)."""
+    ranges: Mapping = held if isinstance(held, Mapping) else {n: None for n in held}
+    keep = [fid for fid, (n, _) in enumerate(layout.files) if n in ranges]
     new_id = {old: new for new, old in enumerate(keep)}
+    starts = {fid: [o for o, _ in ranges[layout.files[fid][0]]] for fid in keep
+              if ranges[layout.files[fid][0]] is not None}
+
+    def inside(e) -> bool:
+        if e.file not in new_id:
+            return False
+        if e.file not in starts:
+            return True
+        r = ranges[layout.files[e.file][0]]
+        i = bisect.bisect_right(starts[e.file], e.file_offset) - 1
+        return i >= 0 and e.file_offset + e.length <= r[i][0] + r[i][1]
+
     extents = {
         idx: [dataclasses.replace(e, file=new_id[e.file]) for e in exts]
         for idx, exts in layout.extents.items()
-        if all(e.file in new_id for e in exts)
+        if all(inside(e) for e in exts)
     }
     return dataclasses.replace(layout, files=[layout.files[f] for f in keep], extents=extents)
 
@@ -126,143 +236,365 @@ def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str,
             options: FastPersistOptions | None = None) -> RestoreResult | None:
     t0 = time.perf_counter()
     world = dist.get_world_size(group)
-    node = topology.node_of(rank)
-    leader = topology.leader(node) == rank
-    restore_dir = os.path.join(local_root, store.RESTORE_DIR)
-    if leader:
-        shutil.rmtree(restore_dir, ignore_errors=True)
-        os.makedirs(restore_dir)
 
-    # 1. inventory
-    mine = _holding_doc(store.scan(local_root))
-    pers = {}
-    if rank == 0 and persistent_root is not None:
-        pers = {s: d for s, d in _holding_doc(store.scan(persistent_root)).items() if d[0] is not None}
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, (mine, pers), group=group)
+    def inventory():
+        mine = _holding_doc(store.scan(local_root))
+        pers = {}
+        if rank == 0 and persistent_root is not None:
+            pers = {s: d for s, d in _holding_doc(store.scan(persistent_root)).items() if d[0] is not None}
+        return mine, pers
+
+    gathered = _exchange(group, world, "taking stock of the tiers", inventory)
     invs = [g[0] for g in gathered]
     pers = gathered[0][1]
+    passed: list[str] = []  # steps passed over, and why
+    excluded: set[int] = set()
+    while True:
+        chosen = _choose(step, invs, pers, excluded)
+        if chosen is None:
+            if passed:
+                raise TierRestoreError("no step is loadable from the tiers: " + "; ".join(passed))
+            if step is not None:
+                raise TierRestoreError(f"step {step} is complete in no tier (local, replicas, persistent)")
+            return None
+        s, save_id, files = chosen
+        attempt = _StepRestore(state_dict, rank, world, topology, local_root, persistent_root, group,
+                               bytes_group or group, planner, options, invs, pers, s, save_id, files)
+        attempt.phases["agree"] = time.perf_counter() - t0
+        try:
+            result = attempt.run()
+        except _Unloadable as e:
+            passed.append(f"step {s}: {e}")
+            excluded.add(s)
+            if step is not None:
+                raise TierRestoreError(f"step {s} is not loadable: {e}") from None
+            continue
+        result.skipped = [f"passed over {p}" for p in passed] + result.skipped
+        result.seconds = time.perf_counter() - t0
+        return result
 
-    # 2. agreement
-    chosen = _choose(step, invs, pers)
-    if chosen is None:
-        if step is not None:
-            raise TierRestoreError(f"step {step} is complete in no tier (local, replicas, persistent)")
-        return None
-    s, save_id, files = chosen
-    sizes = dict(files)
-    phases = {"agree": time.perf_counter() - t0}
 
-    def holds(r: int, name: str) -> bool:
-        h = invs[r].get(s)
-        return h is not None and h[2].get(name) == sizes[name]
+class _StepRestore:
+    """One attempt at restoring step ``s`` (phases 3 to 5)."""
 
-    # 3. metadata to all, needs
-    meta_src = next((r for r in range(world) if invs[r].get(s) and invs[r][s][0] == save_id), 0)
-    box = [None]
-    if rank == meta_src:
-        ours = invs[rank].get(s) is not None and invs[rank][s][0] == save_id
-        box = [read_metadata_bytes(store.step_dir(local_root if ours else persistent_root, s))]
-    dist.broadcast_object_list(box, group_src=meta_src, group=group)
-    blob = box[0]
-    metadata, layout, extra = store.decode(blob, f"step {s} metadata (from rank {meta_src})")
-    fid_of = {n: i for i, (n, _) in enumerate(layout.files)}
-    load_planner = planner if planner is not None else DefaultLoadPlanner()
-    needed = _needed_files(state_dict, metadata, layout, load_planner, rank == 0)
-    all_needs: list = [None] * world
-    dist.all_gather_object(all_needs, sorted(needed), group=group)
-    needs: list[_Need] = []
-    for n_idx, ranks in enumerate(topology.nodes):
-        names = sorted({n for r in ranks for n in all_needs[r]})
-        for name in names:
-            needs.append(_Need(n_idx, name, min(r for r in ranks if name in all_needs[r])))
+    def __init__(self, state_dict, rank, world, topology: Topology, local_root, persistent_root, group, bytes_group,
+                 planner, options, invs, pers, s, save_id, files) -> None:
+        self.state_dict, self.rank, self.world, self.topology = state_dict, rank, world, topology
+        self.group, self.bytes_group, self.planner, self.options = group, bytes_group, planner, options
+        self.invs, self.pers, self.s, self.save_id = invs, pers, s, save_id
+        self.sizes = dict(files)
+        self.node = topology.node_of(rank)
+        self.leader = topology.leader(self.node) == rank
+        self.restore_dir = os.path.join(local_root, store.RESTORE_DIR)
+        self.local_dir = store.step_dir(local_root, s)
+        self.pers_dir = None if persistent_root is None else store.step_dir(persistent_root, s)
+        self.local_root, self.persistent_root = local_root, persistent_root
+        self.phases: dict[str, float] = {}
+        self.bad: set[tuple[str, str]] = set()  # (file, source)
+        self.skipped: list[str] = []
+        self.tried: dict[str, list[str]] = {}  # file -> "source: why" of every copy passed over
+        self.taken = {t: 0 for t in TIERS}  # this rank's, of the copies in use
+        self.chosen: dict[tuple[int, str], str] = {}  # (node, file) -> tier of the copy in use (every rank knows)
 
-    # 4. assembly, in rounds
-    bad: set[tuple[str, str]] = set()  # (file, source)
-    skipped: list[str] = []
-    taken = {t: 0 for t in TIERS}
-    pending = needs
-    local_dir = store.step_dir(local_root, s)
-    pers_dir = None if persistent_root is None else store.step_dir(persistent_root, s)
-    while pending:
-        plan: list[tuple[_Need, str, int]] = []  # (need, tier, source rank)
-        missing = []
-        for need in pending:
-            src = _pick(need, topology, world, holds, pers, s, sizes, bad)
-            if src is None:
-                missing.append(need)
-            else:
-                plan.append((need, *src))
-        if missing:
-            raise TierRestoreError(
-                f"step {s}: no tier holds a good copy of "
-                + ", ".join(sorted({m.name for m in missing}))
-                + (f" (skipped: {'; '.join(skipped)})" if skipped else "")
-            )
-        failures: list[tuple[str, str, str, int]] = []  # (file, source, why, receiver)
-        for need, tier, src in plan:
-            if need.receiver != rank or tier == "replica":
-                continue
-            fid = fid_of[need.name]
-            from_dir = local_dir if tier == "local" else pers_dir
+    # ------------------------------------------------------------ phases
+
+    def run(self) -> RestoreResult:
+        self._fresh_dir()
+        try:
+            return self._run()
+        finally:
+            if self.leader:
+                shutil.rmtree(self.restore_dir, ignore_errors=True)
+
+    def _run(self) -> RestoreResult:
+        t = time.perf_counter()
+        self._metadata()
+        load_planner = self.planner if self.planner is not None else DefaultLoadPlanner()
+        reads = _exchange(self.group, self.world, f"planning the load of step {self.s}",
+                          lambda: _reads(self.state_dict, self.metadata, self.layout, load_planner, self.rank == 0))
+        self.needs = self._node_needs(reads)
+        self.phases["plan"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self._assemble(self.needs)
+        self.phases["assemble"] = time.perf_counter() - t
+        t = time.perf_counter()
+        while True:
+            failed = self._load()
+            if not failed:
+                break
+            self._assemble(failed)
+        self.phases["load"] = time.perf_counter() - t
+        everyone: list = [None] * self.world
+        mine = [(n.node, n.name, self.chosen[(n.node, n.name)], ranges_bytes(n.ranges)) for n in self.needs
+                if n.receiver == self.rank]
+        dist.all_gather_object(everyone, (self.taken, mine), group=self.group)
+        job = {t: sum(x[0][t] for x in everyone) for t in TIERS}
+        sources = sorted(src for x in everyone for src in x[1])
+        return RestoreResult(self.s, self.save_id, self.taken, self.skipped, 0.0, job, self.phases, sources)
+
+    def _fresh_dir(self) -> None:
+        def make() -> None:
+            if self.leader:
+                shutil.rmtree(self.restore_dir, ignore_errors=True)
+                os.makedirs(self.restore_dir)
+
+        _exchange(self.group, self.world, "preparing the restore directory", make)
+
+    def _metadata(self) -> None:
+        """The step's metadata, from one rank that holds it to all."""
+        s, invs = self.s, self.invs
+        src = next((r for r in range(self.world) if invs[r].get(s) and invs[r][s][0] == self.save_id), 0)
+        box: list = [None]
+        if self.rank == src:
+            ours = invs[self.rank].get(s) is not None and invs[self.rank][s][0] == self.save_id
             try:
-                dst = os.path.join(restore_dir, need.name)
-                if tier == "local":
-                    integrity.check_file(os.path.join(from_dir, need.name), layout, fid)
-                    _link_or_copy(os.path.join(from_dir, need.name), dst)
-                else:
-                    integrity.copy_checked(os.path.join(from_dir, need.name), dst, layout, fid, sync=False)
-                taken[tier] += sizes[need.name]
-            except OSError as e:
-                failures.append((need.name, _source_key(tier, src, topology), str(e), rank))
+                box = [(read_metadata_bytes(store.step_dir(self.local_root if ours else self.persistent_root, s)),
+                        None)]
+            except Exception as e:  # noqa: BLE001 - every rank learns it
+                box = [(None, f"{type(e).__name__}: {e}")]
+        dist.broadcast_object_list(box, group_src=src, group=self.group)
+        blob, err = box[0]
+        if err is not None:
+            raise TierRestoreError(f"restore: rank {src} could not read step {s}'s metadata: {err}")
+        self.metadata, self.layout, self.extra = store.decode(blob, f"step {s} metadata (from rank {src})")
+        self.fid_of = {n: i for i, (n, _) in enumerate(self.layout.files)}
 
-        transfers = [Transfer(src, need.receiver, need.name, sizes[need.name])
-                     for need, tier, src in plan if tier == "replica"]
+    def _node_needs(self, reads: list[dict]) -> list[_Need]:
+        """Every node's needs, from every rank's reads.  A file's receiver
+        is the rank of the node that reads most of it (each rank fetches
+        its own shard's file, so the node's ranks fetch side by side)."""
+        needs = []
+        for node, ranks in enumerate(self.topology.nodes):
+            per: dict[str, tuple[list, list, dict]] = {}
+            for r in ranks:
+                for name, (spans, check) in reads[r].items():
+                    if name not in self.fid_of:
+                        raise TierRestoreError(f"restore: rank {r} asked for {name!r}, not a file of step {self.s}")
+                    a = per.setdefault(name, ([], [], {}))
+                    a[0].extend(spans)
+                    a[1].extend(check)
+                    a[2][r] = ranges_bytes(spans)
+            for name in sorted(per):
+                spans, check, by_rank = per[name]
+                receiver = min(by_rank, key=lambda r: (-by_rank[r], r))
+                needs.append(_Need(node, name, receiver, tuple(extent_ranges(spans)), tuple(extent_ranges(check))))
+        return needs
+
+    # ---------------------------------------------------------- assembly
+
+    def _assemble(self, pending: list[_Need]) -> None:
+        """Fetch ``pending`` from the fastest good source of each, in rounds
+        (a copy that fails goes to the next source) until every one is in
+        its node's restore directory; :class:`_Unloadable` when some need
+        has no good source left."""
+        while pending:
+            plan: list[tuple[_Need, str, int]] = []
+            missing = []
+            sending: dict[int, int] = {}  # bytes each holder sends this round: the next goes to the least busy
+            for need in sorted(pending, key=lambda n: (-ranges_bytes(n.ranges), n.node, n.name)):
+                src = self._pick(need, sending)
+                if src is None:
+                    missing.append(need)
+                else:
+                    plan.append((need, *src))
+            if missing:
+                names = sorted({m.name for m in missing})
+                raise _Unloadable("no tier holds a good copy of " + ", ".join(
+                    f"{n} (tried: {'; '.join(self.tried.get(n, [])) or 'no tier holds it'})" for n in names))
+            plan.sort(key=lambda p: (p[0].node, p[0].name))  # the transfers' global order
+            for need, tier, _ in plan:
+                self.chosen[(need.node, need.name)] = tier
+            local_failures = _exchange(self.group, self.world, f"assembling step {self.s}",
+                                       lambda: self._fetch_here(plan))
+            transfer_failures = self._transfers(plan)
+            every: list = [None] * self.world
+            dist.all_gather_object(every, transfer_failures, group=self.group)
+            failed = self._mark_bad(sorted({f for fs in local_failures + every for f in fs}))
+            pending = [need for need, _, _ in plan if (need.receiver, need.name) in failed]
+
+    def _fetch_here(self, plan) -> list[tuple[str, str, str, int]]:
+        """This rank's copies from its node's local tier and from the
+        persistent tier.  A copy that fails its checks is returned as
+        ``(file, source, why, rank)``; any other error raises."""
+        failures = []
+        for need, tier, src in plan:
+            if need.receiver != self.rank or tier == "replica":
+                continue
+            fid = self.fid_of[need.name]
+            dst = os.path.join(self.restore_dir, need.name)
+            source = _source_key(tier, src, self.topology)
+            try:
+                try:
+                    if fault_hook is not None:
+                        fault_hook(f"{tier} {need.name}")
+                    if tier == "local":
+                        path = os.path.join(self.local_dir, need.name)
+                        if need.check:  # what the load will not verify whole
+                            integrity.check_file(path, self.layout, fid, need.check)
+                        _link_or_copy(path, dst)
+                    else:
+                        integrity.copy_checked(os.path.join(self.pers_dir, need.name), dst, self.layout, fid,
+                                               sync=False, ranges=need.ranges)
+                except OSError as e:
+                    failures.append((need.name, source, str(e), self.rank))
+                    continue
+            except Exception as e:
+                raise TierRestoreError(f"{need.name} from {source}: {type(e).__name__}: {e}") from e
+            self.taken[tier] += ranges_bytes(need.ranges)
+        return failures
+
+    def _transfers(self, plan) -> list[tuple[str, str, str, int]]:
+        """The replica copies of ``plan`` over the process group: each
+        holder reads the extents a node needs and sends them, in parts of
+        at most ``CHUNK_BYTES`` (so it reads the next part while the
+        receiver checks and writes this one); the node's receiver checks
+        each part and writes it at its offsets, and names the file when
+        every part arrived good."""
+        parts: dict[tuple[int, str], tuple[_Need, list, int, bool]] = {}  # (receiver, transfer) -> need, ranges, k, last?
+        transfers = []
+        for need, tier, src in plan:
+            if tier != "replica":
+                continue
+            split = integrity.split_ranges(self.layout, self.fid_of[need.name], need.ranges, CHUNK_BYTES)
+            for k, ranges in enumerate(split):
+                t = Transfer(src, need.receiver, f"{need.name}:{k}", ranges_bytes(ranges))
+                parts[(t.dst, t.name)] = (need, ranges, k, k == len(split) - 1)
+                transfers.append(t)
+        files: dict[str, store.RangesFile] = {}  # being received, every part so far good
+        arrived: dict[str, int] = {}  # parts received good, by file
+        failures: dict[str, tuple[int, str]] = {}  # file -> (sender, why)
 
         def read(t: Transfer) -> Any:
-            return integrity.read_file(os.path.join(local_dir, t.name), t.size)
+            need, ranges, _, _ = parts[(t.dst, t.name)]
+            if fault_hook is not None:
+                fault_hook(f"send {need.name}")
+            return integrity.read_ranges(os.path.join(self.local_dir, need.name), ranges)
 
         def receive(t: Transfer, data: Any) -> None:
-            integrity.check_buffer(data, layout, fid_of[t.name], f"{t.name} from rank {t.src}")
-            store.write_atomic(os.path.join(restore_dir, t.name), data, sync=False)
-            taken["replica"] += t.size
+            need, ranges, k, last = parts[(t.dst, t.name)]
+            if need.name in failures:  # an earlier part failed: the file comes from the next source
+                return
+            if arrived.get(need.name, 0) != k:  # an earlier part never came (its sender failed)
+                failures[need.name] = (t.src, f"part {arrived.get(need.name, 0)} did not arrive")
+                return
+            fid = self.fid_of[need.name]
+            try:
+                integrity.check_buffer(data, self.layout, fid, f"{need.name} from rank {t.src}", ranges=ranges)
+                if need.name not in files:
+                    files[need.name] = store.RangesFile(os.path.join(self.restore_dir, need.name),
+                                                        self.layout.files[fid][1])
+                files[need.name].write(ranges, data)
+            except Exception as e:
+                failures[need.name] = (t.src, str(e))
+                raise
+            arrived[need.name] = k + 1
+            if last:
+                files.pop(need.name).commit()
+                self.taken["replica"] += ranges_bytes(need.ranges)
 
-        _, failed = run_transfers(transfers, rank, bytes_group or group, read, receive)
-        for t, why in failed.items():
-            if t.dst == rank:
-                failures.append((t.name, _source_key("replica", t.src, topology), why, rank))
-        every: list = [None] * world
-        dist.all_gather_object(every, failures, group=group)
-        flat = sorted({f for fs in every for f in fs})
-        for name, source, why, receiver in flat:
-            bad.add((name, source))
-            skipped.append(f"{name} from {source}, for rank {receiver}: {why}")
-        failed = {(receiver, name) for name, _, _, receiver in flat}
-        pending = [need for need, _, _ in plan if (need.receiver, need.name) in failed]
+        try:
+            _, failed = run_transfers(transfers, self.rank, self.bytes_group, read, receive)
+            named = set()
+            for t in transfers:  # each file's first failed part says why
+                if t in failed and t.dst == self.rank:
+                    need = parts[(t.dst, t.name)][0]
+                    if need.name not in named:
+                        named.add(need.name)
+                        failures[need.name] = (t.src, failed[t])
+        finally:
+            for f in files.values():
+                f.discard()
+        return [(name, _source_key("replica", src, self.topology), why, self.rank)
+                for name, (src, why) in sorted(failures.items())]
 
-    phases["assemble"] = time.perf_counter() - t0 - phases["agree"]
-    # 5. the node's metadata, then the load
-    if leader:
-        mine_names = {need.name for need in needs if need.node == node}
-        metadata.storage_data = sub = subset_layout(layout, mine_names)
-        store.write_atomic(os.path.join(restore_dir, fmt.METADATA_NAME),
-                           fmt.encode_metadata(metadata, sub, extra), sync=False)
-    dist.barrier(group=group)
-    # every rank reads only its node's files (no shared reads), and through
-    # the page cache: the assembly just read (and checked) or wrote every one
-    opts = (options or FastPersistOptions.from_env()).replace(
-        share_replicated_reads=False, share_interleaved_reads=False, direct_io=False)
-    t_load = time.perf_counter()
-    dcp.load(state_dict, storage_reader=FastPersistReader(restore_dir, options=opts), planner=planner,
-             process_group=group)
-    dist.barrier(group=group)
-    phases["load"] = time.perf_counter() - t_load
-    if leader:
-        shutil.rmtree(restore_dir, ignore_errors=True)
-    totals: list = [None] * world
-    dist.all_gather_object(totals, taken, group=group)
-    job = {t: sum(x[t] for x in totals) for t in TIERS}
-    return RestoreResult(s, save_id, taken, skipped, time.perf_counter() - t0, job, phases)
+    def _mark_bad(self, failures) -> set[tuple[int, str]]:
+        """Record every rank's failed copies (the same list on every rank);
+        returns the ``(receiver, file)`` pairs to fetch again."""
+        for name, source, why, receiver in failures:
+            self.bad.add((name, source))
+            self.skipped.append(f"{name} from {source}, for rank {receiver}: {why}")
+            self.tried.setdefault(name, []).append(f"{source}: {why}")
+        return {(receiver, name) for name, _, _, receiver in failures}
+
+    def _pick(self, need: _Need, sending: dict[int, int]) -> tuple[str, int] | None:
+        """The fastest good source of a file for a node: its own local tier, a
+        replica on another node (the holder with the fewest bytes to send so
+        far, ``sending``, which this updates), the persistent tier."""
+        topology, s = self.topology, self.s
+        if self._holds(need.receiver, need.name) \
+                and (need.name, _source_key("local", need.receiver, topology)) not in self.bad:
+            return "local", need.receiver
+        others = [r for r in range(self.world) if topology.node_of(r) != need.node and self._holds(r, need.name)
+                  and (need.name, _source_key("replica", r, topology)) not in self.bad]
+        if others:
+            src = min(others, key=lambda r: (sending.get(r, 0), zlib.crc32(f"{need.node}/{need.name}/{r}".encode())))
+            sending[src] = sending.get(src, 0) + ranges_bytes(need.ranges)
+            return "replica", src
+        if self.pers.get(s) and self.pers[s][2].get(need.name) == self.sizes[need.name] \
+                and (need.name, "the persistent tier") not in self.bad:
+            return "persistent", -1
+        return None
+
+    def _holds(self, r: int, name: str) -> bool:
+        h = self.invs[r].get(self.s)
+        return h is not None and h[2].get(name) == self.sizes[name]
+
+    # -------------------------------------------------------------- load
+
+    def _load(self) -> list[_Need]:
+        """``dcp.load`` of every node's assembled files; ``[]`` when it
+        loaded.  When it failed (on every rank: DCP shares the outcome),
+        each node checks the local copies it linked: the bad ones are marked
+        and returned (to fetch from the next tier); none bad: the load's
+        error is raised."""
+        node_needs = [n for n in self.needs if n.node == self.node]
+        if self.leader:
+            held = {n.name: (None if self.chosen[(n.node, n.name)] == "local" else n.ranges) for n in node_needs}
+            metadata = dataclasses.replace(self.metadata)
+            metadata.storage_data = sub = subset_layout(self.layout, held)
+            store.write_atomic(os.path.join(self.restore_dir, fmt.METADATA_NAME),
+                               fmt.encode_metadata(metadata, sub, self.extra), sync=False)
+        dist.barrier(group=self.group)
+        # every rank reads only its node's files (no shared reads), through
+        # the page cache (the assembly wrote the fetched files there), and
+        # checks every block it reads whole (local copies rely on it)
+        opts = (self.options or FastPersistOptions.from_env()).replace(
+            share_replicated_reads=False, share_interleaved_reads=False, direct_io=False, verify_checksums=True)
+        reader = FastPersistReader(self.restore_dir, options=opts)
+        try:  # what raises in here raises on every rank (DCP gathers every rank's outcome)
+            dcp.load(self.state_dict, storage_reader=reader, planner=self.planner, process_group=self.group)
+            dist.barrier(group=self.group)
+            return []
+        except Exception as load_error:
+            failures = _exchange(self.group, self.world, f"checking step {self.s}'s local copies after a failed load",
+                                 lambda: self._check_linked(node_needs))
+            flat = sorted({f for fs in failures for f in fs})
+            if not flat:
+                raise
+            failed = self._mark_bad([(n, src, f"{why} (found after the load failed: {load_error})", r)
+                                     for n, src, why, r in flat])
+            redo = [need for need in self.needs if (need.receiver, need.name) in failed]
+            for need in redo:
+                if need.receiver == self.rank:
+                    self.taken["local"] -= ranges_bytes(need.ranges)
+                    try:
+                        os.unlink(os.path.join(self.restore_dir, need.name))
+                    except FileNotFoundError:
+                        pass
+            dist.barrier(group=self.group)
+            return redo
+
+    def _check_linked(self, node_needs: list[_Need]) -> list[tuple[str, str, str, int]]:
+        failures = []
+        for need in node_needs:
+            if need.receiver != self.rank or self.chosen[(need.node, need.name)] != "local":
+                continue
+            try:
+                integrity.check_file(os.path.join(self.restore_dir, need.name), self.layout, self.fid_of[need.name],
+                                     need.ranges)
+            except OSError as e:
+                failures.append((need.name, _source_key("local", self.rank, self.topology), str(e), self.rank))
+        return failures
 
 
 def _source_key(tier: str, src: int, topology: Topology) -> str:
@@ -280,20 +612,3 @@ def _link_or_copy(src: str, dst: str) -> None:
         if isinstance(e, FileExistsError):
             raise
         shutil.copyfile(src, dst, follow_symlinks=False)
-
-
-def _pick(need: _Need, topology: Topology, world: int, holds, pers: dict, s: int, sizes: dict,
-          bad: set) -> tuple[str, int] | None:
-    """The fastest good source of a file for a node: its own local tier, a
-    replica on another node (spread over the holders by file name), the
-    persistent tier."""
-    if holds(need.receiver, need.name) and (need.name, _source_key("local", need.receiver, topology)) not in bad:
-        return "local", need.receiver
-    others = [r for r in range(world) if topology.node_of(r) != need.node and holds(r, need.name)
-              and (need.name, _source_key("replica", r, topology)) not in bad]
-    if others:
-        return "replica", others[zlib.crc32(f"{need.node}/{need.name}".encode()) % len(others)]
-    if pers.get(s) and pers[s][2].get(need.name) == sizes[need.name] \
-            and (need.name, "the persistent tier") not in bad:
-        return "persistent", -1
-    return None

@@ -28,7 +28,7 @@ from fp_dcp import format as fmt
 from fp_dcp.files import read_metadata_bytes
 from fp_dcp.save.commit import sync_directory
 
-__all__ = ["step_dir", "node_root", "Holding", "scan", "write_atomic", "retain", "RESTORE_DIR"]
+__all__ = ["step_dir", "node_root", "Holding", "scan", "write_atomic", "write_ranges", "RangesFile", "retain", "RESTORE_DIR"]
 
 _STEP = re.compile(r"step_(\d{1,18})")
 RESTORE_DIR = ".restore"
@@ -124,6 +124,60 @@ def write_atomic(path: str, data: bytes | memoryview, sync: bool = True) -> None
     os.replace(tmp, path)
     if sync:
         sync_directory(os.path.dirname(path) or ".")
+
+
+class RangesFile:
+    """A file of ``size`` bytes at ``path`` written range by range
+    (:meth:`write`), holes elsewhere, named only at :meth:`commit` (a
+    temporary renamed over it; :meth:`discard` removes it).  Not synced: a
+    restore's scratch."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size, self.tmp = path, size, path + _TMP_SUFFIX
+        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                                      0o644)
+        try:
+            os.ftruncate(self.fd, size)
+        except BaseException:
+            self.discard()
+            raise
+
+    def write(self, ranges, data) -> None:
+        """``data``: the bytes of ``ranges`` (``(offset, length)`` pairs),
+        concatenated."""
+        view = memoryview(data).cast("B")
+        at = 0
+        for off, n in ranges:
+            if off < 0 or off + n > self.size:
+                raise ValueError(f"{self.path}: range {off}+{n} outside the file's {self.size} bytes")
+            w = 0
+            while w < n:
+                w += os.pwrite(self.fd, view[at + w: at + n], off + w)
+            at += n
+
+    def commit(self) -> None:
+        os.close(self.fd)
+        self.fd = None
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        _unlink(self.tmp)
+
+
+def write_ranges(path: str, size: int, ranges, data) -> None:
+    """A file of ``size`` bytes at ``path`` holding ``data`` (the bytes of
+    ``ranges``, ``(offset, length)`` pairs, concatenated) at their offsets
+    and holes elsewhere; all or nothing, not synced (:class:`RangesFile`)."""
+    f = RangesFile(path, size)
+    try:
+        f.write(ranges, data)
+    except BaseException:
+        f.discard()
+        raise
+    f.commit()
 
 
 def retain(root: str, keep: int, pinned: set[int] = frozenset()) -> list[str]:
