@@ -797,3 +797,46 @@ def test_nccl_transport_moves_replicas(tmp_path):
         pytest.skip("the NCCL transport needs CUDA and one GPU per rank (2 here)")
     for same, by_tier in run_ranks(2, _nccl_replicas, str(tmp_path), timeout=300):
         assert same and by_tier["replica"] > 0 and by_tier["persistent"] == 0
+
+
+def _metadata_unreadable_on_rank0(rank, world_size, root):
+    import torch
+
+    from fp_dcp import TierManager
+    from fp_dcp.tiers import manager as manager_module
+    from fp_dcp.tiers.agree import TierError
+
+    if rank == 0:
+        read = manager_module.read_metadata_bytes
+
+        def failing(directory):
+            if directory.endswith(os.path.basename(manager_module.store.step_dir("", 2))):
+                raise OSError(f"{directory}: injected read failure")
+            return read(directory)
+
+        manager_module.read_metadata_bytes = failing
+    mgr = TierManager(os.path.join(root, "node{node}"), None, replicas=1, ranks_per_node=1)
+    errors = []
+    try:
+        for step in (1, 2, 3):
+            mgr.save(step, {f"w{rank}": torch.arange(1000.0) + step})
+        mgr.wait()
+    except TierError as e:
+        errors.append(str(e))
+    finally:
+        try:
+            mgr.close()
+        except TierError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.slow
+def test_a_save_whose_metadata_rank0_cannot_read_fails_on_every_rank_at_once(tmp_path):
+    """Rank 0 cannot read step 2's metadata: every rank's manager raises an
+    error naming rank 0 and the step (within the test's timeout, not the
+    group's 30 minutes), instead of the others waiting in a broadcast."""
+    errs = run_ranks(2, _metadata_unreadable_on_rank0, str(tmp_path), timeout=120)
+    for rank_errors in errs:
+        assert rank_errors, errs
+        assert "step 2" in rank_errors[0] and "rank 0" in rank_errors[0] and "injected read failure" in rank_errors[0]

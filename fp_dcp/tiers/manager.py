@@ -54,6 +54,7 @@ from fp_dcp import format as fmt
 from fp_dcp.files import read_metadata_bytes
 from fp_dcp.save.commit import sync_directory
 from fp_dcp.tiers import drain, integrity, restore as _restore, store
+from fp_dcp.tiers.agree import exchange
 from fp_dcp.tiers.replicate import FileIO, Transfer, run_transfers
 from fp_dcp.tiers.topology import Topology, ranks_per_node_from_env
 
@@ -276,16 +277,21 @@ class TierManager:
                  planner=DefaultSavePlanner(enable_plan_caching=True))
         del staged
         clock.lap("save")
-        box = [read_metadata_bytes(directory) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, group_src=0, group=self._repl_group)
-        blob = box[0]
+        # rank 0 (DCP's coordinator) has the committed metadata; a failure to
+        # read it reaches every rank now, not as a 30-minute wait (agree)
+        blob = exchange(self._repl_group, self.world_size, f"tiers: step {step}: reading the metadata",
+                        lambda: read_metadata_bytes(directory) if self.rank == 0 else None)[0]
         _, layout, _ = store.decode(blob, os.path.join(directory, fmt.METADATA_NAME))
         clock.lap("metadata")
         stats = self._replicate(step, directory, layout, clock)
         leader = self.topology.leader(self.node) == self.rank
-        if leader and self.node != self.topology.node_of(0):
-            store.write_atomic(os.path.join(directory, fmt.METADATA_NAME), blob, sync=self.options.sync_files)
-        dist.barrier(group=self._repl_group)
+
+        def name_metadata() -> None:
+            if leader and self.node != self.topology.node_of(0):
+                store.write_atomic(os.path.join(directory, fmt.METADATA_NAME), blob, sync=self.options.sync_files)
+
+        exchange(self._repl_group, self.world_size, f"tiers: step {step}: writing the metadata on every node",
+                 name_metadata)  # also the barrier: every node's copy is named before retention
         clock.lap("barrier")
         drain_now = self.persistent_root is not None and step % self.persist_every == 0
         with self._lock:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import os
 import shutil
 import time
@@ -77,6 +78,7 @@ from fp_dcp import format as fmt
 from fp_dcp.files import read_metadata_bytes
 from fp_dcp.load.jobs import whole_chunk_read
 from fp_dcp.tiers import integrity, store
+from fp_dcp.tiers.agree import TierError, exchange
 from fp_dcp.tiers.integrity import extent_ranges, ranges_bytes
 from fp_dcp.tiers.replicate import CHUNK_BYTES, Transfer, run_transfers
 from fp_dcp.tiers.topology import Topology
@@ -90,9 +92,13 @@ TIERS = ("local", "replica", "persistent")
 fault_hook: Callable[[str], None] | None = None
 
 
-class TierRestoreError(RuntimeError):
+class TierRestoreError(TierError):
     """No step is loadable from the tiers, or a rank failed during a restore
     (the message names it, the file and the error)."""
+
+
+# every phase of a restore ends with every rank's outcome (fp_dcp.tiers.agree)
+_exchange = functools.partial(exchange, error=TierRestoreError)
 
 
 @dataclasses.dataclass
@@ -146,24 +152,6 @@ def _choose(step: int | None, invs: list[dict], pers: dict[int, Any],
         if ok:
             return s, sid, files
     return None
-
-
-def _exchange(group, world: int, what: str, work: Callable[[], Any]) -> list[Any]:
-    """Run ``work`` here and gather every rank's result; when it raised on
-    any rank, every rank raises :class:`TierRestoreError` naming the ranks
-    and their errors (no rank is left waiting in a later collective)."""
-    err = mine = None
-    try:
-        mine = work()
-    except Exception as e:  # noqa: BLE001 - every rank learns it, then raises
-        err, local = f"{type(e).__name__}: {e}", e
-    out: list = [None] * world
-    dist.all_gather_object(out, (mine, err), group=group)
-    failed = [(r, e) for r, (_, e) in enumerate(out) if e is not None]
-    if failed:
-        raise TierRestoreError(f"restore: {what} failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed)) \
-            from (local if err is not None else None)
-    return [v for v, _ in out]
 
 
 def _reads(state_dict: dict, metadata, layout: fmt.StorageLayout, planner, is_coordinator: bool) -> dict[str, tuple]:
@@ -244,7 +232,7 @@ def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str,
             pers = {s: d for s, d in _holding_doc(store.scan(persistent_root)).items() if d[0] is not None}
         return mine, pers
 
-    gathered = _exchange(group, world, "taking stock of the tiers", inventory)
+    gathered = _exchange(group, world, "restore: taking stock of the tiers", inventory)
     invs = [g[0] for g in gathered]
     pers = gathered[0][1]
     passed: list[str] = []  # steps passed over, and why
@@ -310,7 +298,7 @@ class _StepRestore:
         t = time.perf_counter()
         self._metadata()
         load_planner = self.planner if self.planner is not None else DefaultLoadPlanner()
-        reads = _exchange(self.group, self.world, f"planning the load of step {self.s}",
+        reads = _exchange(self.group, self.world, f"restore: planning the load of step {self.s}",
                           lambda: _reads(self.state_dict, self.metadata, self.layout, load_planner, self.rank == 0))
         self.needs = self._node_needs(reads)
         self.phases["plan"] = time.perf_counter() - t
@@ -338,7 +326,7 @@ class _StepRestore:
                 shutil.rmtree(self.restore_dir, ignore_errors=True)
                 os.makedirs(self.restore_dir)
 
-        _exchange(self.group, self.world, "preparing the restore directory", make)
+        _exchange(self.group, self.world, "restore: preparing the restore directory", make)
 
     def _metadata(self) -> None:
         """The step's metadata, from one rank that holds it to all."""
@@ -404,7 +392,7 @@ class _StepRestore:
             plan.sort(key=lambda p: (p[0].node, p[0].name))  # the transfers' global order
             for need, tier, _ in plan:
                 self.chosen[(need.node, need.name)] = tier
-            local_failures = _exchange(self.group, self.world, f"assembling step {self.s}",
+            local_failures = _exchange(self.group, self.world, f"restore: assembling step {self.s}",
                                        lambda: self._fetch_here(plan))
             transfer_failures = self._transfers(plan)
             every: list = [None] * self.world
@@ -566,7 +554,7 @@ class _StepRestore:
             dist.barrier(group=self.group)
             return []
         except Exception as load_error:
-            failures = _exchange(self.group, self.world, f"checking step {self.s}'s local copies after a failed load",
+            failures = _exchange(self.group, self.world, f"restore: checking step {self.s}'s local copies after a failed load",
                                  lambda: self._check_linked(node_needs))
             flat = sorted({f for fs in failures for f in fs})
             if not flat:

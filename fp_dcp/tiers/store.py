@@ -133,7 +133,7 @@ class RangesFile:
     restore's scratch."""
 
     def __init__(self, path: str, size: int) -> None:
-        self.path, self.size, self.tmp = path, size, path + _TMP_SUFFIX
+        self.path, self.size, self.tmp = path, size, path + TMP_SUFFIX
         self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
                                       0o644)
         try:
