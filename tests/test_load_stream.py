@@ -142,31 +142,32 @@ def test_an_error_while_planning_waits_for_the_read_in_flight(tmp_path, small_ch
     assert_sd_equal(sd, again)
 
 
-def test_objects_are_planned_first_and_unpickled_while_tensors_are_read(tmp_path, small_chunks, monkeypatch):
-    """Bytes items come first in the plan (the state dict puts them last):
-    their unpickling then runs while later chunks are read, not after the
-    last read."""
+def test_objects_are_planned_first(tmp_path, small_chunks, monkeypatch):
+    """Bytes items come first in the plan (a state dict puts them last): they
+    are read in the first batch and unpickled once it is read, while the
+    tensors' batches are still to be read, not after the last read."""
     sd = _many_small(3)
     sd.update({f"z_obj{i}": i for i in range(5)})  # after every tensor in the state dict's order
     save(sd, tmp_path / "c")
-    reads = {"done": 0}
+    finishing = {"batch": -1}
     at_object: list[int] = []
-    read_batch = execute.Run._read_batch
+    finish = execute.Run._finish
     load_object = reader_mod.ItemPlanner._load_object
 
-    def read_batch_counting(self, calls):
-        read_batch(self, calls)
-        reads["done"] += 1
+    def finish_counting(self, batch):
+        finishing["batch"] += 1
+        return finish(self, batch)
 
     def load_object_noting(self, req, planner, data):
-        at_object.append(reads["done"])
+        at_object.append(finishing["batch"])
         return load_object(self, req, planner, data)
 
-    monkeypatch.setattr(execute.Run, "_read_batch", read_batch_counting)
+    monkeypatch.setattr(execute.Run, "_finish", finish_counting)
     monkeypatch.setattr(reader_mod.ItemPlanner, "_load_object", load_object_noting)
     target = zeros_like_sd(sd)
     with FastPersistReader(tmp_path / "c") as r:
         dcp.load(target, storage_reader=r, no_dist=True)
+        calls = r.last_stats["engine_calls"]
     assert_sd_equal(sd, target)
-    assert len(at_object) == 8  # step, cfg.lr, cfg.name and the five
-    assert max(at_object) <= 2 < reads["done"]  # unpickled after the first reads, long before the last
+    assert at_object == [0] * 8  # step, cfg.lr, cfg.name and the five, all in the first batch
+    assert finishing["batch"] >= 5 and calls >= 5

@@ -185,13 +185,14 @@ class Run:
 
     def stream(self, chunks: Iterable[list[Job]]) -> None:
         """Run the jobs of ``chunks`` (an iterable that plans them: a
-        generator) with the engine calls on a thread of their own, so that
-        planning the next chunk and preparing the next batch overlap the
-        reads of the one before.  Each batch's copies and callbacks run here,
-        in order, after its read, while the next batch is read; a batch that
-        reads into the arena waits for the copies out of the batch before
-        it that used the arena.  An error (of planning or of a read) waits
-        for the read in flight before it is raised."""
+        generator) with the engine calls on a thread of their own, queued
+        there in order as each batch is ready, so that planning never waits
+        for a read and the reads never wait for copies.  Each batch's copies
+        and callbacks run here, in order, once its read is done (between
+        chunks, and at the end); a batch that reads into the arena first
+        waits for the copies out of the batches before it that used the
+        arena.  An error (of planning or of a read) waits for the reads
+        queued or in flight before it is raised."""
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-read")
         pending: list[tuple[list[Job], concurrent.futures.Future]] = []  # read or being read, in order
         try:
@@ -203,7 +204,7 @@ class Run:
                         self._drain(pending)  # the arena still holds what an earlier batch has to copy out
                     pending.append((batch, pool.submit(self._read_batch, reads)))
                     reads = None  # the views live as long as the read, not until the next batch
-                    while len(pending) > 1:  # the batch before: its copies while this one is read
+                    while len(pending) > 1 and pending[0][1].done():  # read: its copies while the rest is
                         self._finish_next(pending)
             self._drain(pending)
         except BaseException:

@@ -428,11 +428,11 @@ class FastPersistReader(StorageReader):
         t0 = time.perf_counter()
         is_object = [req.type == LoadItemType.BYTE_IO for req in items]
         ordered = [r for r, o in zip(items, is_object) if o] + [r for r, o in zip(items, is_object) if not o]
-        for req in ordered:
+        for req, obj in zip(ordered, sorted(is_object, reverse=True)):
             new = plan_item(req, planner, limits)
             jobs.extend(new)
             nbytes += sum(j.needed for j in new)
-            if nbytes >= goal:
+            if nbytes >= goal and not obj:  # every object in the first chunk
                 run.stats["plan_seconds"] += time.perf_counter() - t0
                 yield jobs
                 t0 = time.perf_counter()
