@@ -17,7 +17,7 @@ import concurrent.futures
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -227,6 +227,59 @@ class Run:
         return fd
 
     def execute(self, jobs: list[Job]) -> None:
+        """Run ``jobs``: batches within the budget, each read, then copied out
+        and handed on, one after the other (on this thread)."""
+        for batch in self._batches(jobs):
+            reads = self._prepare(batch)
+            self._read_batch(reads)
+            self._finish(batch)
+
+    def stream(self, chunks: Iterable[list[Job]]) -> None:
+        """Run the jobs of ``chunks`` (an iterable that plans them: a
+        generator) with the engine calls on a thread of their own, queued
+        there in order as each batch is ready, so that planning never waits
+        for a read and the reads never wait for copies.  Each batch's copies
+        and callbacks run here, in order, once its read is done (between
+        chunks, and at the end); a batch that reads into the arena first
+        waits for the copies out of the batches before it that used the
+        arena.  An error (of planning or of a read) waits for the reads
+        queued or in flight before it is raised."""
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-read")
+        pending: list[tuple[list[Job], concurrent.futures.Future]] = []  # read or being read, in order
+        try:
+            for jobs in chunks:
+                batches = self._batches(jobs, before_arena=lambda: self._drain(pending))
+                for batch in batches:
+                    reads = self._prepare(batch)
+                    if pending and any(j.temp for j in batch) and any(j.temp for b, _ in pending for j in b):
+                        self._drain(pending)  # the arena still holds what an earlier batch has to copy out
+                    pending.append((batch, pool.submit(self._read_batch, reads)))
+                    reads = None  # the views live as long as the read, not until the next batch
+                    while len(pending) > 1 and pending[0][1].done():  # read: its copies while the rest is
+                        self._finish_next(pending)
+            self._drain(pending)
+        except BaseException:
+            for _, fut in pending:  # nothing writes into the targets once the error is raised
+                concurrent.futures.wait([fut])
+            raise
+        finally:
+            pool.shutdown(wait=True)
+
+    def _finish_next(self, pending: list) -> None:
+        batch, fut = pending[0]
+        fut.result()
+        pending.pop(0)
+        self._finish(batch)
+
+    def _drain(self, pending: list) -> None:
+        while pending:
+            self._finish_next(pending)
+
+    def _batches(self, jobs: list[Job], before_arena: Callable[[], None] | None = None) -> list[list[Job]]:
+        """``jobs`` (accounted for in the totals and the over-read budget)
+        cut into the batches of one engine call each, within the arena
+        budget, the pieces of one call and its bytes; the arena is grown
+        for them first (after ``before_arena``, when it must be)."""
         needed = sum(j.needed for j in jobs)
         planned_paid = sum(j.paid for j in jobs)
         self.total += needed
@@ -234,89 +287,109 @@ class Run:
         self.paid_left += needed * self.max_overread_percent // 100 - planned_paid
         self.stats["merged_bytes_paid"] = self.stats.get("merged_bytes_paid", 0) + planned_paid
         temp_total = sum(j.temp for j in jobs)
-        if temp_total and self.arena.ensure(min(self.budget, temp_total)):
-            self.stats["temp_bytes"] = self.arena.size
+        if temp_total and self.arena.size < min(self.budget, temp_total):
+            if before_arena is not None:
+                before_arena()  # no read in flight into the arena it replaces
+            if self.arena.ensure(min(self.budget, temp_total)):
+                self.stats["temp_bytes"] = self.arena.size
         max_bytes = _PROGRESS_BATCH_BYTES if self.progress else _MAX_BATCH_BYTES
+        batches: list[list[Job]] = []
         batch: list[Job] = []
         used = pieces = nbytes = 0
         for job in jobs:
             if batch and (used + job.temp > self.budget or pieces + len(job.offs) > MAX_BATCH_PIECES
                           or nbytes + job.needed > max_bytes):
-                self._flush(batch)
+                batches.append(batch)
                 batch, used, pieces, nbytes = [], 0, 0, 0
             job.temp_off = used
             used += job.temp
             pieces += len(job.offs)
             nbytes += job.needed
             batch.append(job)
-        self._flush(batch)
+        if batch:
+            batches.append(batch)
+        return batches
 
-    def _flush(self, batch: list[Job]) -> None:
+    def _prepare(self, batch: list[Job]) -> list[tuple]:
+        """The engine calls of a batch: its pieces sorted by file and offset,
+        with the fillers the planner allows (from the over-read budget), cut
+        for the verifier, and split between the engine of long runs and the
+        engine of scattered ones.  Each call: ``(session, files, offsets,
+        views, check, lengths)`` (``lengths`` of the views, for long runs)."""
         if not batch:
-            return
+            return []
         files = np.concatenate([j.files for j in batch])
         offs = np.concatenate([j.offs for j in batch])
         lens = np.concatenate([j.lens for j in batch])
-        if len(offs):
-            keep = lens > 0
-            views: list[memoryview] = []
-            arena_mv = self.arena.view()
-            for j in batch:
-                if j.temp:
-                    base = arena_mv[j.temp_off : j.temp_off + j.temp]
-                else:
-                    base = memoryview(j.buf)
-                views.extend(base[p : p + n] for p, n in zip(j.pos.tolist(), j.lens.tolist()))
-            if not keep.all():
-                idx = np.flatnonzero(keep)
-                files, offs, lens = files[idx], offs[idx], lens[idx]
-                views = [views[i] for i in idx.tolist()]
-            order = np.lexsort((offs, files))
-            files, offs, lens = files[order], offs[order], lens[order]
-            views = [views[i] for i in order.tolist()]
-            ffiles, foffs, flens, paid = plan_fillers(
-                files, offs, lens, self.alignment, self.paid_left, self.coalesce_gap
-            )
-            self.paid_left -= paid
-            self.stats["filler_bytes_paid"] += paid
-            self.stats["fillers"] += len(foffs)
-            self.stats["pieces"] += len(offs)
-            if len(foffs):
-                scratch = memoryview(self.scratch)
-                views.extend(scratch[:n] for n in flens.tolist())
-                files = np.concatenate([files, ffiles])
-                offs = np.concatenate([offs, foffs])
-                lens = np.concatenate([lens, flens])
-                order = np.lexsort((offs, files))
-                files, offs = files[order], offs[order]
-                views = [views[i] for i in order.tolist()]
-            check = None
-            if self.verifier is not None:
-                # pieces cut at extent boundaries; every checksum block a piece
-                # covers whole is compared with the CRC stored at save time
-                files, offs, views, check = self.verifier.plan(files, offs, views, skip=self.scratch)
-            t0 = time.perf_counter()
-            large = self.large
-            if large is None:
-                self._engine_read(self.session, files, offs, views, check)
+        if not len(offs):
+            return []
+        keep = lens > 0
+        views: list[memoryview] = []
+        arena_mv = self.arena.view()
+        for j in batch:
+            if j.temp:
+                base = arena_mv[j.temp_off : j.temp_off + j.temp]
             else:
-                # long runs as large requests, the rest (scattered small runs) as
-                # small ones; a run is a stretch of pieces back to back in one
-                # file (packed small tensors, pieces joined by fillers)
-                vlens = np.fromiter((v.nbytes for v in views), dtype=np.int64, count=len(views))
-                long = in_long_runs(files, offs, vlens)
-                if long.all():
-                    self._read_long(files, offs, views, vlens, check)
-                elif long.any():
-                    idx = np.flatnonzero(long)
-                    self._read_long(files[idx], offs[idx], [views[i] for i in idx.tolist()], vlens[idx],
-                                    None if check is None else check.subset(idx))
-                if not long.all():
-                    idx = np.flatnonzero(~long)
-                    self._engine_read(self.session, files[idx], offs[idx], [views[i] for i in idx.tolist()],
-                                      None if check is None else check.subset(idx))
-            self.stats["read_seconds"] += time.perf_counter() - t0
-            del views
+                base = memoryview(j.buf)
+            views.extend(base[p : p + n] for p, n in zip(j.pos.tolist(), j.lens.tolist()))
+        if not keep.all():
+            idx = np.flatnonzero(keep)
+            files, offs, lens = files[idx], offs[idx], lens[idx]
+            views = [views[i] for i in idx.tolist()]
+        order = np.lexsort((offs, files))
+        files, offs, lens = files[order], offs[order], lens[order]
+        views = [views[i] for i in order.tolist()]
+        ffiles, foffs, flens, paid = plan_fillers(
+            files, offs, lens, self.alignment, self.paid_left, self.coalesce_gap
+        )
+        self.paid_left -= paid
+        self.stats["filler_bytes_paid"] += paid
+        self.stats["fillers"] += len(foffs)
+        self.stats["pieces"] += len(offs)
+        if len(foffs):
+            scratch = memoryview(self.scratch)
+            views.extend(scratch[:n] for n in flens.tolist())
+            files = np.concatenate([files, ffiles])
+            offs = np.concatenate([offs, foffs])
+            lens = np.concatenate([lens, flens])
+            order = np.lexsort((offs, files))
+            files, offs = files[order], offs[order]
+            views = [views[i] for i in order.tolist()]
+        check = None
+        if self.verifier is not None:
+            # pieces cut at extent boundaries; every checksum block a piece
+            # covers whole is compared with the CRC stored at save time
+            files, offs, views, check = self.verifier.plan(files, offs, views, skip=self.scratch)
+        large = self.large
+        if large is None:
+            return [(self.session, files, offs, views, check, None)]
+        # long runs as large requests, the rest (scattered small runs) as
+        # small ones; a run is a stretch of pieces back to back in one
+        # file (packed small tensors, pieces joined by fillers)
+        lens = np.fromiter((v.nbytes for v in views), dtype=np.int64, count=len(views))
+        long = in_long_runs(files, offs, lens)
+        calls = []
+        for session, mask in ((large, long), (self.session, ~long)):
+            if mask.all():
+                calls.append((session, files, offs, views, check, lens))
+            elif mask.any():
+                idx = np.flatnonzero(mask)
+                calls.append((session, files[idx], offs[idx], [views[i] for i in idx.tolist()],
+                              None if check is None else check.subset(idx), lens[idx]))
+        return calls
+
+    def _read_batch(self, calls: list[tuple]) -> None:
+        """The engine calls :meth:`_prepare` made (on the calling thread)."""
+        t0 = time.perf_counter()
+        for session, files, offs, views, check, lens in calls:
+            if session is self.large:  # long runs, over the engines of large requests
+                self._read_long(files, offs, views, lens, check)
+            else:
+                self._engine_read(session, files, offs, views, check)
+        self.stats["read_seconds"] += time.perf_counter() - t0
+
+    def _finish(self, batch: list[Job]) -> None:
+        """A read batch's copies out of the arena and callbacks, then progress."""
         t0 = time.perf_counter()
         for j in batch:
             self.stats["temp_units"] += j.units

@@ -126,9 +126,11 @@ class ItemPlanner:
                 return [int(s) for s in c.sizes], md.properties.dtype
         raise fmt.CheckpointFormatError(f"{self.path}: {fqn}: the checkpoint has no chunk at {list(chunk)}")
 
-    def extents(self, fqn: str, chunk: Any, nbytes: int) -> tuple[np.ndarray, ...]:
-        """The item's extents as arrays (item offsets, lengths, files, file offsets)."""
-        key = MetadataIndex(fqn, chunk)
+    def extents(self, fqn: str, chunk: Any, nbytes: int, key: MetadataIndex | None = None) -> tuple[np.ndarray, ...]:
+        """The item's extents as arrays (item offsets, lengths, files, file offsets);
+        ``key``: its ``MetadataIndex`` where the caller has it (a read item's)."""
+        if key is None:
+            key = MetadataIndex(fqn, chunk)
         cached = self._ext_cache.get(key)
         if cached is not None:
             return cached
@@ -163,7 +165,7 @@ class ItemPlanner:
         dest = self.target(req, planner, dtype)
         commit = lambda: planner.commit_tensor(req, dest)  # noqa: E731
         return self.plan_box(fqn, chunk, sizes, dtype, list(req.storage_offsets), list(req.lengths), dest, limits,
-                             commit)
+                             commit, key=req.storage_index)
 
     def _load_object(self, req: ReadItem, planner: LoadPlanner, data: bytes) -> None:
         """A bytes item's object, rebuilt safely (:mod:`fp_dcp.load.objects`), to the planner."""
@@ -182,7 +184,7 @@ class ItemPlanner:
                 f"a tensor into it"
             )
         dest = dest.detach()
-        if list(dest.shape) != [int(n) for n in req.lengths]:
+        if dest.shape != tuple(req.lengths):  # torch.Size is a tuple
             raise ValueError(
                 f"{req.dest_index.fqn}: the planner's target has shape {list(dest.shape)}, "
                 f"the read needs {list(req.lengths)}"
@@ -195,10 +197,12 @@ class ItemPlanner:
             )
         return dest
 
-    def plan_box(self, fqn, chunk, sizes, dtype, offsets, lengths, dest, limits: Limits, commit) -> list[Job]:
-        """Jobs that read box ``offsets+lengths`` of a stored chunk into ``dest``."""
+    def plan_box(self, fqn, chunk, sizes, dtype, offsets, lengths, dest, limits: Limits, commit,
+                 key: MetadataIndex | None = None) -> list[Job]:
+        """Jobs that read box ``offsets+lengths`` of a stored chunk into ``dest``
+        (``key``: the chunk's ``MetadataIndex``, where the caller has it)."""
         esize = dtype.itemsize
-        arrays = self.extents(fqn, chunk, math.prod(sizes) * esize)
+        arrays = self.extents(fqn, chunk, math.prod(sizes) * esize, key)
         needed = math.prod(lengths) * esize
         if needed == 0:
             return [Job.empty(done=commit)]
