@@ -206,12 +206,11 @@ class FastPersistOptions:
         read_threads: on load, engines of large requests that read the long
             runs (large tensors, packed small ones) at the same time, each on
             its own thread, which copies its requests out of its bounce
-            buffers (with their checksums) on its own core: one core's copy
-            can be slower than the device (measured in docs/NATIVE.md,
-            "Request sizes").  ``None`` (auto): the CPUs this process may
-            run on, at most 4; each thread gets at least 64 MiB of a batch.
-            Each engine keeps its own bounce buffers (32 MiB by the built-in
-            rule).  ``1``: one engine.
+            buffers (with their checksums) on its own core; each takes at
+            least 64 MiB of a batch and keeps its own bounce buffers (32 MiB
+            by the built-in rule).  For a device that reads faster than one
+            core copies; on this project's VM (4.5 GB/s disk, 2 cores) two
+            were no faster than one (docs/NATIVE.md, "Request sizes").
         max_overread_percent: on load, bytes read beyond those the targets
             need, in percent of them, that the reader may spend to merge
             nearby pieces into fewer requests (gaps of at most
@@ -311,7 +310,7 @@ class FastPersistOptions:
     staging_spill_dir: str | None = None
     staging_checksums: bool = True
     read_buffer_budget_bytes: int = 128 << 20
-    read_threads: int | None = None
+    read_threads: int = 1
     max_overread_percent: int = 5
     strict_dtype: bool = False
     share_replicated_reads: bool = False
@@ -359,8 +358,8 @@ class FastPersistOptions:
             raise ValueError(
                 f"FastPersistOptions.read_buffer_budget_bytes must be at least 1 MiB, got {self.read_buffer_budget_bytes}"
             )
-        if self.read_threads is not None and self.read_threads < 1:
-            raise ValueError(f"FastPersistOptions.read_threads must be at least 1 (or None: auto), got {self.read_threads}")
+        if self.read_threads < 1:
+            raise ValueError(f"FastPersistOptions.read_threads must be at least 1, got {self.read_threads}")
         if self.share_interleaved_reads is not None and not isinstance(self.share_interleaved_reads, bool):
             raise ValueError(
                 "FastPersistOptions.share_interleaved_reads must be True, False or None (auto), "

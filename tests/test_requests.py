@@ -157,10 +157,10 @@ def test_long_runs_split_over_read_threads(tmp_path, monkeypatch, threads):
 
 def test_read_threads_one_and_small_loads_stay_on_one_engine(tmp_path):
     sd, path = _many_big(tmp_path)
-    s1 = load(zeros_like_sd(sd), path, read_threads=1).last_stats
+    s1 = load(zeros_like_sd(sd), path).last_stats  # the default: one
     assert s1["long_run_threads"] == 1
-    # auto, but 24 MiB is less than two threads' minimum: one engine
-    s = load(zeros_like_sd(sd), path).last_stats
+    # four asked, but 24 MiB is less than two threads' minimum: one engine
+    s = load(zeros_like_sd(sd), path, read_threads=4).last_stats
     assert s["long_run_threads"] == 1
     with pytest.raises(ValueError, match="read_threads"):
         load(zeros_like_sd(sd), path, read_threads=0)

@@ -85,9 +85,6 @@ __all__ = ["FastPersistReader", "read_checkpoint_metadata"]
 # defaults (qd+1 slots of one block).
 _READ_QUEUE_DEPTH = 64
 _READ_BLOCK_BYTES = 256 << 10
-# read_threads=None: at most this many engines of large requests at once
-# (each copies on its own core; 4 x 32 MiB of bounce buffers at most)
-_AUTO_READ_THREADS = 4
 # The read items are planned in chunks while the chunk before is read
 # (Run.stream): the first chunk small, so the disk starts early, then each
 # twice the one before (fewer engine calls, each of which starts with an
@@ -358,9 +355,6 @@ class FastPersistReader(StorageReader):
         if large is None:
             return []
         wanted = self.options.read_threads
-        if wanted is None:
-            wanted = min(_AUTO_READ_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                         else os.cpu_count() or 1)
         while len(self._more) < wanted - 1:
             self._more.append(large.twin())
         return self._more[: wanted - 1]
