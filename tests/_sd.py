@@ -169,3 +169,12 @@ def failed_load(sd, path, **options) -> BaseException:
     except FAILED as e:
         return root_error(e)
     raise AssertionError(f"the load of {path} succeeded")
+
+
+def flip_byte(path, offset: int, mask: int = 0x40) -> None:
+    """Damage one byte of a file in place (XOR ``mask``): the checksum tests' corruption."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))

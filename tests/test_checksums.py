@@ -20,7 +20,7 @@ from fp_dcp import format as fmt
 from fp_dcp.tools import verify as verify_mod
 from fp_dcp.checksums import ChecksumError, ReadVerifier, crc_array, crc_hex, merge_block_crcs
 from fp_dcp.load.reader import read_checkpoint_metadata
-from tests._sd import FAILED, assert_sd_equal, load, mixed_state_dict, save, zeros_like_sd
+from tests._sd import FAILED, assert_sd_equal, flip_byte, load, mixed_state_dict, save, zeros_like_sd
 
 pytestmark = pytest.mark.usefixtures("aio_no_leaks")
 
@@ -36,12 +36,6 @@ def extent_of(path, fqn):
     raise KeyError(fqn)
 
 
-def flip(file, offset):
-    with open(file, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 @pytest.fixture
@@ -85,7 +79,7 @@ def test_a_flipped_byte_is_refused_naming_tensor_file_and_offset(big_ckpt, where
     sd, path = big_ckpt
     file, e, _ = extent_of(path, "w")
     at = {"first": 0, "middle": e.length // 2, "last": e.length - 1}[where]
-    flip(file, e.file_offset + at)
+    flip_byte(file, e.file_offset + at)
     with pytest.raises(FAILED) as ei:
         load(zeros_like_sd(sd), path)
     text = str(ei.value)
@@ -111,12 +105,12 @@ def test_partial_reads_check_the_blocks_they_cover(tmp_path):
     save({"w": w}, tmp_path / "c")
     file, e, _ = extent_of(tmp_path / "c", "w")
     # rows 200..800 (4 KiB each) are bytes [819200, 3276800): blocks 1 and 2 whole, 0 and 3 in part
-    flip(file, e.file_offset + MiB + 10)  # block 1: covered whole
+    flip_byte(file, e.file_offset + MiB + 10)  # block 1: covered whole
     got = _read_box(tmp_path / "c", w, 200, 800)
     assert isinstance(got, ChecksumError), got
     assert got.file_offset == e.file_offset + MiB and got.tensor == "w"
-    flip(file, e.file_offset + MiB + 10)  # repaired
-    flip(file, e.file_offset + 3 * MiB + 500 * 1024)  # block 3, row 893: a block read in part only
+    flip_byte(file, e.file_offset + MiB + 10)  # repaired
+    flip_byte(file, e.file_offset + 3 * MiB + 500 * 1024)  # block 3, row 893: a block read in part only
     got = _read_box(tmp_path / "c", w, 200, 800)
     assert isinstance(got, torch.Tensor)
     assert torch.equal(got, w[200:800])  # the flipped byte lies outside the rows read
@@ -185,7 +179,7 @@ def test_verify_lists_every_bad_extent(tmp_path, capsys):
     bad = []
     for name, at in (("t1", 5), ("t4", 1000000), ("small", 3)):
         file, e, _ = extent_of(path, name)
-        flip(file, e.file_offset + at)
+        flip_byte(file, e.file_offset + at)
         bad.append((name, file, e.file_offset))
     report = verify_mod.verify_checkpoint(path, workers=3)
     assert not report.ok
@@ -206,8 +200,8 @@ def test_verify_shares_one_big_file_among_workers(big_ckpt, monkeypatch):
     sd, path = big_ckpt
     monkeypatch.setattr(verify_mod, "_BATCH_BYTES", 2 * MiB)
     file, e, _ = extent_of(path, "w")
-    flip(file, e.file_offset + 100)
-    flip(file, e.file_offset + 4 * MiB + 7)
+    flip_byte(file, e.file_offset + 100)
+    flip_byte(file, e.file_offset + 4 * MiB + 7)
     report = verify_mod.verify_checkpoint(path, workers=3)
     assert report.workers == 3 and report.verified_bytes == report.bytes
     assert len(report.bad) == 1

@@ -17,7 +17,7 @@ from fp_dcp.engine import (
     device_max_request_bytes,
     large_read_shape,
 )
-from tests._sd import assert_sd_equal, load, save, zeros_like_sd
+from tests._sd import assert_sd_equal, flip_byte, load, save, zeros_like_sd
 
 pytestmark = pytest.mark.usefixtures("aio_no_leaks")
 
@@ -89,11 +89,7 @@ def test_a_flipped_byte_in_a_long_run_is_still_caught(tmp_path):
 
     _, layout, _ = read_checkpoint_metadata(str(path))
     e = next(exts[0] for idx, exts in layout.extents.items() if idx.fqn == "big")
-    with open(os.path.join(path, layout.files[e.file][0]), "r+b") as f:
-        f.seek(e.file_offset + 5 * MiB + 3)
-        b = f.read(1)
-        f.seek(e.file_offset + 5 * MiB + 3)
-        f.write(bytes([b[0] ^ 1]))
+    flip_byte(os.path.join(path, layout.files[e.file][0]), e.file_offset + 5 * MiB + 3, mask=1)
     with pytest.raises(FAILED, match="checksum mismatch"):
         load(zeros_like_sd(sd), path)
     assert _native.stats()["inflight"] == 0
@@ -180,11 +176,7 @@ def test_a_flipped_byte_read_by_another_thread_is_caught(tmp_path, monkeypatch):
     _, layout, _ = read_checkpoint_metadata(str(path))
     e = max((exts[0] for exts in layout.extents.values()), key=lambda x: (x.file, x.file_offset))
     name = layout.files[e.file][0]
-    with open(os.path.join(path, name), "r+b") as f:
-        f.seek(e.file_offset + 3 * MiB + 7)
-        b = f.read(1)
-        f.seek(e.file_offset + 3 * MiB + 7)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(os.path.join(path, name), e.file_offset + 3 * MiB + 7, mask=0x10)
     with pytest.raises(FAILED, match="checksum mismatch") as info:
         load(zeros_like_sd(sd), path, read_threads=3)
     assert name in str(info.value)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests._dist import run_ranks
+from tests._sd import flip_byte
 
 # ------------------------------------------------------------ pure parts
 
@@ -71,11 +72,7 @@ def test_checked_copy_refuses_corruption(tmp_path):
     with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "rb") as g:
         assert f.read() == g.read()
     integrity.check_buffer(integrity.read_file(os.path.join(dst, name), layout.files[0][1]), layout, 0, "x")
-    with open(os.path.join(src, name), "r+b") as f:  # one flipped byte inside tensor "a"
-        f.seek(123_457)
-        b = f.read(1)
-        f.seek(123_457)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(os.path.join(src, name), 123_457)  # one flipped byte inside tensor "a"
     os.unlink(os.path.join(dst, name))
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
         integrity.copy_checked(os.path.join(src, name), os.path.join(dst, name), layout, 0)
@@ -127,7 +124,7 @@ def test_ranges_of_a_file_are_checked_copied_and_sent_alone(tmp_path):
     assert integrity.split_ranges(layout, 0, [a], 1 << 20) == [[a]]  # one piece (1.2 MB) is never cut
     with pytest.raises(ValueError, match="cuts an extent"):
         integrity.check_file(path, layout, 0, [(a[0], a[1] // 2)])
-    _flip(path, a[0] + 5)  # damage in "a" does not touch a check of "b" alone
+    flip_byte(path, a[0] + 5, mask=1)  # damage in "a" does not touch a check of "b" alone
     integrity.check_file(path, layout, 0, b)
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
         integrity.check_file(path, layout, 0, integrity.extent_ranges([a, (b[0])]))
@@ -367,12 +364,6 @@ def test_lost_node_restores_from_replicas_on_4_2_3_ranks(tmp_path_factory):
             assert by_tier["replica"] > 0, by_tier
 
 
-def _flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 1]))
 
 
 def _extent_of(layout, file_part, fqn):
@@ -406,7 +397,7 @@ def test_corrupt_replica_falls_back_to_persistent(tmp_path_factory):
     d = store.step_dir(os.path.join(root, "node0"), STEPS)
     _, layout, _ = read_checkpoint_metadata(d)
     victim = next(n for n, _ in layout.files if ".r2." in n)  # node 1's file, node 0's replica of it
-    _flip(os.path.join(d, victim), 100)
+    flip_byte(os.path.join(d, victim), 100, mask=1)
     step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, timeout=300)[0]
     assert step == STEPS
     # node 1 (its disk empty) needs the file's first extent (rank 2's shard): the replica fails on arrival
@@ -418,11 +409,10 @@ def test_corrupt_replica_falls_back_to_persistent(tmp_path_factory):
     assert by_tier["persistent"] <= dict(layout.files)[victim]  # only what node 1 reads of it
 
 
-@pytest.mark.slow
-def test_bad_local_copy_found_by_the_load_is_refetched(tmp_path_factory):
-    """A local copy is not checked twice: the load's own verification finds
-    the damage (an extent rank 0 reads whole), the restore names the copy,
-    fetches it from the next tier and loads again, bit-exact."""
+def _node1_lost_and_node0_copy_damaged(tmp_path_factory):
+    """The saved run with node 1 lost and one byte of node 0's local copy of
+    rank 0's file damaged inside an extent rank 0 reads whole: (root, the
+    file, the extent's offset)."""
     from fp_dcp.files import read_checkpoint_metadata
     from fp_dcp.tiers import store
 
@@ -431,7 +421,16 @@ def test_bad_local_copy_found_by_the_load_is_refetched(tmp_path_factory):
     d = store.step_dir(os.path.join(root, "node0"), STEPS)
     _, layout, _ = read_checkpoint_metadata(d)
     victim, offset = _extent_of(layout, ".r0.", "model.0.weight")
-    _flip(os.path.join(d, victim), offset + 10)
+    flip_byte(os.path.join(d, victim), offset + 10, mask=1)
+    return root, victim, offset
+
+
+@pytest.mark.slow
+def test_bad_local_copy_found_by_the_load_is_refetched(tmp_path_factory):
+    """A local copy is not checked twice: the load's own verification finds
+    the damage (an extent rank 0 reads whole), the restore names the copy,
+    fetches it from the next tier and loads again, bit-exact."""
+    root, victim, offset = _node1_lost_and_node0_copy_damaged(tmp_path_factory)
     step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, timeout=300)[0]
     assert step == STEPS
     assert len(skipped) == 1 and skipped[0].startswith(f"{victim} from node 0's local tier, for rank 0"), skipped
@@ -445,16 +444,10 @@ def test_a_step_bad_in_every_tier_falls_back_to_an_older_one(tmp_path_factory):
     (node 1 is lost): every rank passes over step 6 and restores step 5,
     bit-exact, saying why; with no older step left, the restore raises an
     error naming the file and each tier tried."""
-    from fp_dcp.files import read_checkpoint_metadata
     from fp_dcp.tiers import store
 
-    root = _saved(tmp_path_factory)
-    _lose_node(root, 1)
-    d = store.step_dir(os.path.join(root, "node0"), STEPS)
-    _, layout, _ = read_checkpoint_metadata(d)
-    victim, offset = _extent_of(layout, ".r0.", "model.0.weight")
-    _flip(os.path.join(d, victim), offset + 10)
-    _flip(os.path.join(store.step_dir(os.path.join(root, "persist"), STEPS), victim), offset + 10)
+    root, victim, offset = _node1_lost_and_node0_copy_damaged(tmp_path_factory)
+    flip_byte(os.path.join(store.step_dir(os.path.join(root, "persist"), STEPS), victim), offset + 10, mask=1)
     bare = str(tmp_path_factory.mktemp("bare")) + "/run"
     shutil.copytree(root, bare)
     step, by_tier, skipped, _ = run_ranks(4, _restore_and_check, root, timeout=300)[0]
@@ -657,11 +650,7 @@ def test_drain_copy_is_the_file_and_refuses_corruption(tmp_path):
     io = DrainIO(FastPersistOptions())
     assert io.copy(os.path.join(src, name), os.path.join(dst, name), layout, 0, sync=True) == size
     assert pathlib.Path(dst, name).read_bytes() == pathlib.Path(src, name).read_bytes()  # padding included
-    with open(os.path.join(src, name), "r+b") as f:  # one flipped byte inside tensor "a"
-        f.seek(123_457)
-        b = f.read(1)
-        f.seek(123_457)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(os.path.join(src, name), 123_457)  # one flipped byte inside tensor "a"
     os.unlink(os.path.join(dst, name))
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
         io.copy(os.path.join(src, name), os.path.join(dst, name), layout, 0, sync=True)
@@ -719,7 +708,7 @@ def _damaged_in_flight(rank, world_size, root):
     import torch
 
     from fp_dcp import TierManager
-    from fp_dcp.tiers import replicate, store
+    from fp_dcp.tiers import replicate
 
     if rank == 0:  # what rank 0 sends is damaged after it was read: its receiver must refuse it
         read = replicate.FileIO.read
