@@ -71,14 +71,14 @@ def test_checked_copy_refuses_corruption(tmp_path):
     integrity.copy_checked(os.path.join(src, name), os.path.join(dst, name), layout, 0)
     with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "rb") as g:
         assert f.read() == g.read()
-    integrity.check_buffer(integrity.read_file(os.path.join(dst, name), layout.files[0][1]), layout, 0, "x")
+    integrity.check_buffer(integrity.read_ranges(os.path.join(dst, name), [(0, layout.files[0][1])]), layout, 0, "x")
     flip_byte(os.path.join(src, name), 123_457)  # one flipped byte inside tensor "a"
     os.unlink(os.path.join(dst, name))
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
         integrity.copy_checked(os.path.join(src, name), os.path.join(dst, name), layout, 0)
     assert os.listdir(dst) == []  # nothing half-copied left behind
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch"):
-        integrity.check_buffer(integrity.read_file(os.path.join(src, name), layout.files[0][1]), layout, 0, "x")
+        integrity.check_buffer(integrity.read_ranges(os.path.join(src, name), [(0, layout.files[0][1])]), layout, 0, "x")
     with pytest.raises(integrity.IntegrityError, match="short"):
         integrity.check_buffer(np.zeros(10, np.uint8), layout, 0, "x")
 
@@ -102,7 +102,9 @@ def test_ranges_of_a_file_are_checked_copied_and_sent_alone(tmp_path):
     assert data.size == ext["b"].length == 7 * 5 * 4
     integrity.check_buffer(data, layout, 0, "x", ranges=b)
     out = str(tmp_path / "out.fpd")
-    store.write_ranges(out, size, b, data)
+    ranged = store.RangesFile(out, size)
+    ranged.write(b, data)
+    ranged.commit()
     with open(path, "rb") as f, open(out, "rb") as g:
         whole, part = f.read(), g.read()
     assert len(part) == size and part[b[0][0]: b[0][0] + b[0][1]] == whole[b[0][0]: b[0][0] + b[0][1]]

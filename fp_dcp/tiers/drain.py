@@ -23,7 +23,6 @@ is retried by the manager (``drain_retries``), the failure reported.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -37,7 +36,7 @@ from fp_dcp.files import read_metadata_bytes
 from fp_dcp.options import FastPersistOptions
 from fp_dcp.save.commit import sync_directory
 from fp_dcp.tiers import integrity, store
-from fp_dcp.tiers.replicate import FileIO
+from fp_dcp.tiers.replicate import FileIO, file_io_for
 from fp_dcp.tools.rotation import keep_last
 
 __all__ = ["DrainResult", "DrainIO", "drain_step", "files_of_rank"]
@@ -82,35 +81,22 @@ class DrainIO:
         self._src: FileIO | None = None
         self._dst: FileIO | None = None
 
-    def _io(self, which: str, directory: str) -> FileIO:
-        io = getattr(self, which)
-        if io is None or not io.matches(directory):
-            if io is not None:
-                io.close()
-            io = FileIO(self.options, directory)
-            setattr(self, which, io)
-        return io
 
     def copy(self, src: str, dst: str, layout: fmt.StorageLayout, fid: int, sync: bool) -> int:
         """Copy data file ``fid`` of ``layout`` from ``src`` to ``dst``;
         returns its bytes.  :class:`~fp_dcp.tiers.integrity.IntegrityError`
         when ``src`` is missing, short or fails a checksum (nothing named)."""
         size = layout.files[fid][1]
+        self._src = file_io_for(self._src, self.options, os.path.dirname(src))
         try:
-            data = self._io("_src", os.path.dirname(src)).read(src, size)
+            data = self._src.read(src, size)
         except FileNotFoundError:
             raise integrity.IntegrityError(src, "missing") from None
         except OSError as e:
             raise integrity.IntegrityError(src, e.strerror or str(e)) from None
         integrity.check_buffer(data, layout, fid, src)
-        tmp = dst + store.TMP_SUFFIX
-        try:
-            self._io("_dst", os.path.dirname(dst)).write(tmp, data, sync)
-            os.replace(tmp, dst)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        self._dst = file_io_for(self._dst, self.options, os.path.dirname(dst))
+        self._dst.write_named(dst, data, sync)
         return size
 
     def close(self) -> None:

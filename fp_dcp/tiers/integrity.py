@@ -30,7 +30,7 @@ from fp_dcp import _native
 from fp_dcp import format as fmt
 from fp_dcp.checksums import crc_array, item_name
 
-__all__ = ["IntegrityError", "check_buffer", "check_file", "copy_checked", "read_file", "read_ranges",
+__all__ = ["IntegrityError", "check_buffer", "check_file", "copy_checked", "read_ranges",
            "extent_ranges", "ranges_bytes", "split_ranges"]
 
 _PIECE = 16 << 20
@@ -166,12 +166,6 @@ def check_buffer(data: np.ndarray | memoryview, layout: fmt.StorageLayout, fid: 
     block = layout.checksum_block_bytes or (1 << 20)
     for p, at in _pieces_in(layout, fid, ranges, path):
         _check(p, view[at: at + p.length], block, path)
-
-
-def read_file(path: str, size: int) -> np.ndarray:
-    """The first ``size`` bytes of a data file (a regular file, links not
-    followed) as a uint8 array; :class:`IntegrityError` when shorter."""
-    return read_ranges(path, [(0, size)])
 
 
 def read_ranges(path: str, ranges: Ranges) -> np.ndarray:

@@ -34,7 +34,6 @@ instead (GPU clusters; written, untested without GPUs).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import logging
 import os
@@ -55,7 +54,7 @@ from fp_dcp.files import read_metadata_bytes
 from fp_dcp.save.commit import sync_directory
 from fp_dcp.tiers import drain, integrity, restore as _restore, store
 from fp_dcp.tiers.agree import exchange
-from fp_dcp.tiers.replicate import FileIO, Transfer, run_transfers
+from fp_dcp.tiers.replicate import FileIO, Transfer, file_io_for, run_transfers
 from fp_dcp.tiers.topology import Topology, ranks_per_node_from_env
 
 __all__ = ["TierManager"]
@@ -318,11 +317,7 @@ class TierManager:
             for src, dst in self.topology.replication_pairs(self.replicas)
             for fid in drain.files_of_rank(layout, src)
         ]
-        if self._files is None or not self._files.matches(directory):
-            if self._files is not None:
-                self._files.close()
-            self._files = FileIO(self.options, directory)
-        files = self._files
+        files = self._files = file_io_for(self._files, self.options, directory)
         sync = self.options.sync_files
         phase = {"read": 0.0, "check": 0.0, "write": 0.0}
 
@@ -337,15 +332,8 @@ class TierManager:
             t0 = time.perf_counter()
             integrity.check_buffer(data, layout, fid_of[t.name], f"{t.name} from rank {t.src}")
             t1 = time.perf_counter()
-            path = os.path.join(directory, t.name)
-            tmp = path + store.TMP_SUFFIX
             try:
-                files.write(tmp, data, sync)
-                os.replace(tmp, path)  # named only when whole, checked and synced
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-                raise
+                files.write_named(os.path.join(directory, t.name), data, sync)  # named only when checked
             finally:
                 phase["check"] += t1 - t0
                 phase["write"] += time.perf_counter() - t1

@@ -35,6 +35,7 @@ step pays them every step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -48,8 +49,9 @@ import torch.distributed as dist
 from fp_dcp import _native
 from fp_dcp.engine import IOSession
 from fp_dcp.options import FastPersistOptions
+from fp_dcp.tiers.store import TMP_SUFFIX
 
-__all__ = ["Transfer", "run_transfers", "group_device", "FileIO"]
+__all__ = ["Transfer", "run_transfers", "group_device", "FileIO", "file_io_for"]
 
 CHUNK_BYTES = 64 << 20
 
@@ -185,6 +187,30 @@ class FileIO:
                 if sync:
                     os.fsync(fds[0])
 
+    def write_named(self, path: str, data: np.ndarray, sync: bool) -> None:
+        """:meth:`write` under a temporary name beside ``path``, renamed over
+        it only when whole (and synced when ``sync``): a reader never takes
+        a half-written file for a data file.  The temporary is removed on
+        failure."""
+        tmp = path + TMP_SUFFIX
+        try:
+            self.write(tmp, data, sync)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
     def close(self) -> None:
         self._buffers.clear()  # freed with their last view
         self.session.close()
+
+
+def file_io_for(io: FileIO | None, options: FastPersistOptions, directory: str) -> FileIO:
+    """``io`` when it serves ``directory``'s file system, else a new
+    :class:`FileIO` for it (``io`` closed): a thread's reused copier."""
+    if io is not None and io.matches(directory):
+        return io
+    if io is not None:
+        io.close()
+    return FileIO(options, directory)

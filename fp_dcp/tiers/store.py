@@ -28,7 +28,7 @@ from fp_dcp import format as fmt
 from fp_dcp.files import read_metadata_bytes
 from fp_dcp.save.commit import sync_directory
 
-__all__ = ["step_dir", "node_root", "Holding", "scan", "write_atomic", "write_ranges", "RangesFile", "retain", "RESTORE_DIR"]
+__all__ = ["step_dir", "node_root", "Holding", "scan", "write_atomic", "RangesFile", "retain", "RESTORE_DIR"]
 
 _STEP = re.compile(r"step_(\d{1,18})")
 RESTORE_DIR = ".restore"
@@ -165,19 +165,6 @@ class RangesFile:
             os.close(self.fd)
             self.fd = None
         _unlink(self.tmp)
-
-
-def write_ranges(path: str, size: int, ranges, data) -> None:
-    """A file of ``size`` bytes at ``path`` holding ``data`` (the bytes of
-    ``ranges``, ``(offset, length)`` pairs, concatenated) at their offsets
-    and holes elsewhere; all or nothing, not synced (:class:`RangesFile`)."""
-    f = RangesFile(path, size)
-    try:
-        f.write(ranges, data)
-    except BaseException:
-        f.discard()
-        raise
-    f.commit()
 
 
 def retain(root: str, keep: int, pinned: set[int] = frozenset()) -> list[str]:
