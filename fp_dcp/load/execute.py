@@ -43,11 +43,12 @@ _PROGRESS_BATCH_BYTES = 256 << 20
 # charges per operation 16x the operations of a 4 MiB one: measured in
 # docs/NATIVE.md, "Request sizes".
 LONG_RUN_BYTES = 1 << 20
-# Long runs are read by several engines of large requests at once (``Run``'s
-# ``more``), each on its own thread: an engine copies each completed request
-# out of its bounce buffer (fused with the checksum) on the thread that
-# called it, and one core's copy is slower than a fast device (this VM: 3.7
-# GB/s memcpy of large buffers vs 4.9 GB/s read).  Each thread gets at least
+# With read_threads > 1, long runs are read by several engines of large
+# requests at once (``Run``'s ``more``), each on its own thread: an engine
+# copies each completed request out of its bounce buffer (fused with the
+# checksum) on the thread that called it, so one engine copies on one core,
+# which a device faster than a core's memcpy outruns (on this project's VM
+# two engines were no faster: docs/NATIVE.md).  Each thread gets at least
 # this many bytes of a batch, so small loads stay on one thread.
 _MIN_BYTES_PER_THREAD = 64 << 20
 
@@ -112,8 +113,8 @@ class Run:
     """
 
     def __init__(self, session: IOSession, paths: list[str], limits: Limits, *, large: IOSession | None,
-                 more: list[IOSession] = (), budget: int, coalesce_gap: int, max_overread_percent: int, verifier: ReadVerifier | None,
-                 progress: Callable[[int, int], None] | None) -> None:
+                 more: list[IOSession] = (), budget: int, coalesce_gap: int, max_overread_percent: int,
+                 verifier: ReadVerifier | None, progress: Callable[[int, int], None] | None) -> None:
         self.session = session
         self.paths = paths
         self.limits = limits

@@ -440,13 +440,11 @@ class FastPersistReader(StorageReader):
         jobs: list[Job] = []
         nbytes = 0
         t0 = time.perf_counter()
-        is_object = [req.type == LoadItemType.BYTE_IO for req in items]
-        ordered = [r for r, o in zip(items, is_object) if o] + [r for r, o in zip(items, is_object) if not o]
-        for req, obj in zip(ordered, sorted(is_object, reverse=True)):
+        for req in sorted(items, key=lambda r: r.type != LoadItemType.BYTE_IO):  # stable: objects first
             new = plan_item(req, planner, limits)
             jobs.extend(new)
             nbytes += sum(j.needed for j in new)
-            if nbytes >= goal and not obj:  # every object in the first chunk
+            if nbytes >= goal and req.type != LoadItemType.BYTE_IO:  # every object in the first chunk
                 run.stats["plan_seconds"] += time.perf_counter() - t0
                 yield jobs
                 t0 = time.perf_counter()
@@ -468,8 +466,8 @@ class FastPersistReader(StorageReader):
         file_sizes = np.array([size for _, size in self.layout.files] or [0], dtype=np.int64)
         limits = Limits(alignment, max(alignment, budget // 4), file_sizes, opts.max_overread_percent / 100)
         verifier = self._checksums(paths)
-        return Run(session, paths, limits, large=self._large_engine(), more=self._more_large_engines(), budget=budget,
-                   coalesce_gap=opts.coalesce_gap_bytes, max_overread_percent=opts.max_overread_percent,
+        return Run(session, paths, limits, large=self._large_engine(), more=self._more_large_engines(),
+                   budget=budget, coalesce_gap=opts.coalesce_gap_bytes, max_overread_percent=opts.max_overread_percent,
                    verifier=verifier, progress=self.progress)
 
     def _plan_sharing(self, plans: list[LoadPlan]) -> SharePlan | None:
