@@ -594,8 +594,11 @@ def _source_key(tier: str, src: int, topology: Topology) -> str:
 
 
 def _link_or_copy(src: str, dst: str) -> None:
+    """``src`` (a scanned regular file of the local tier) at ``dst``: a hard
+    link, else a copy; a link never followed (one swapped in since the scan
+    is linked or copied as a link, which the load then refuses)."""
     try:
-        os.link(src, dst)
+        os.link(src, dst, follow_symlinks=False)
     except OSError as e:
         if isinstance(e, FileExistsError):
             raise
