@@ -71,6 +71,27 @@ def test_long_runs_go_out_as_large_requests(tmp_path):
     assert s["checksum_bytes"] == s["bytes"]      # both engines' reads verified, each byte once
 
 
+def test_direct_bytes_counts_reads_in_place(tmp_path):
+    """Bytes read straight into the target (aligned memory at an aligned
+    file offset) are counted, bytes through the bounce buffers are not."""
+    sd, path = _ckpt(tmp_path)
+    big = sd["big"].numel() * 4
+    page = _native.AlignedBuffer(big, 4096)
+    aligned = {"big": torch.frombuffer(page, dtype=torch.float32).view(2048, 1024),
+               "small": torch.zeros_like(sd["small"])}
+    s = load(aligned, path).last_stats
+    assert_sd_equal(sd, aligned)
+    assert s["direct_bytes"] == big
+    off_page = zeros_like_sd(sd)
+    if off_page["big"].data_ptr() % 4096 == 0:
+        pytest.skip("this allocator put the target on a page boundary")
+    s = load(off_page, path).last_stats
+    assert_sd_equal(sd, off_page)
+    assert s["direct_bytes"] == 0
+    del aligned
+    page.close()
+
+
 def test_explicit_engine_options_override_the_rule(tmp_path):
     sd, path = _ckpt(tmp_path)
     target = zeros_like_sd(sd)

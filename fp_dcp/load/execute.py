@@ -145,6 +145,7 @@ class Run:
             "checksum_verified_bytes": 0,
             "checksum_bytes": 0,  # bytes the engine fed to the CRC (each read byte at most once)
             "large_request_bytes": 0,  # bytes moved by the engines of large requests (long runs)
+            "direct_bytes": 0,  # bytes read in place, without a bounce copy
             "long_run_threads": 1,  # the most engines of large requests that read at once
             "read_seconds": 0.0,
             "copy_seconds": 0.0,
@@ -185,6 +186,7 @@ class Run:
             self.stats["checksum_bytes"] += s.get("checksum_bytes", 0)
             self.stats["bytes_read"] += s.get("bytes_read", 0)
             self.stats["requests"] += s.get("requests", 0)
+            self.stats["direct_bytes"] += s.get("direct_bytes", 0)
             if session is self.large or session in self.more:
                 self.stats["large_request_bytes"] += s.get("bytes", 0)
             self.stats["engine_calls"] += 1
