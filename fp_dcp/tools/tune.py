@@ -82,20 +82,24 @@ def engine_pass(op: str, path: str, nbytes: int, block_size: int, queue_depth: i
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 views = [memoryview(buffer)[: min(span, nbytes - off)] for off in range(0, nbytes, span)]
                 per_call = max(1, _CALL_BYTES // span)
-                t0 = time.perf_counter()
-                for first in range(0, len(views), per_call):
-                    part = views[first:first + per_call]
-                    offsets = np.arange(first, first + len(part), dtype=np.int64) * span
-                    args = ([fd], [path], np.zeros(len(part), np.int64), offsets, part)
+                part = args = None
+                try:
+                    t0 = time.perf_counter()
+                    for first in range(0, len(views), per_call):
+                        part = views[first:first + per_call]
+                        offsets = np.arange(first, first + len(part), dtype=np.int64) * span
+                        args = ([fd], [path], np.zeros(len(part), np.int64), offsets, part)
+                        if op == "write":
+                            eng.write(*args, sync=False)
+                        else:
+                            eng.read(*args, coalesce_gap=0)
                     if op == "write":
-                        eng.write(*args, sync=False)
-                    else:
-                        eng.read(*args, coalesce_gap=0)
-                if op == "write":
-                    os.fsync(fd)
-                seconds = time.perf_counter() - t0
-                for v in views:
-                    v.release()
+                        os.fsync(fd)
+                    seconds = time.perf_counter() - t0
+                finally:  # else closing the buffer would hide the engine's error
+                    del part, args
+                    for v in views:
+                        v.release()
                 if op == "write":  # a read of it must come from the device
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
