@@ -178,6 +178,10 @@ def _child(spec: dict) -> dict:
             extra["checksum_bytes"] = r.last_stats.get("checksum_bytes", 0)
             extra["checksum_verified_bytes"] = r.last_stats.get("checksum_verified_bytes", 0)
             extra["bytes_read"] = r.last_stats.get("bytes_read", 0)
+            # the reader's own share of the clock (the rest is DCP's planning
+            # and the first load's set-up in a fresh process)
+            extra["reader_seconds"] = r.last_stats.get("seconds")
+            extra["engine_read_seconds"] = r.last_stats.get("read_seconds")
         elif kind == "torch_checkpointing":
             m = _tc_manager()
             names = {_tc_key(k): k for k in sd}
