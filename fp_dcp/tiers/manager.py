@@ -61,6 +61,11 @@ __all__ = ["TierManager"]
 
 log = logging.getLogger("fp_dcp.tiers")
 
+#: steps whose replication may still run when :meth:`TierManager.save` of the
+#: next one returns (more wait in ``save``); the local save of the step
+#: before runs meanwhile, on its own thread
+BEHIND = 1
+
 
 class TierManager:
     """Checkpoint a training job into tiers: node-local every save,
@@ -160,7 +165,11 @@ class TierManager:
         self.writer = FastPersistWriter(options=self.options)
         self._files: FileIO | None = None  # the worker thread's O_DIRECT reads and writes of replicas
         self._drain_io = drain.DrainIO(self.options)  # the drain thread's
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-tiers", initializer=nice)
+        # Two stages, one thread each, so that a step's replication overlaps
+        # the next step's local save: the saver runs dcp.save (the staging
+        # arena is busy until it returns), the replicator everything after it.
+        self._saver = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-tiers", initializer=nice)
+        self._replicator = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-tiers-replicate", initializer=nice)
         self._drainer = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-drain", initializer=nice)
         self._staged: concurrent.futures.Future | None = None
         self._jobs: list[concurrent.futures.Future] = []
@@ -184,15 +193,16 @@ class TierManager:
         earlier step's local save or replication is raised here."""
         if self._closed:
             raise RuntimeError("TierManager is closed")
-        self._reap(keep=1)  # at most one step's background work behind the training
+        self._reap(keep=BEHIND)
         directory = store.step_dir(self.local_root, step)
         os.makedirs(directory, exist_ok=True)
         # What dcp.async_save does, with the save on the manager's own
         # (low-priority) thread: the writer stages (lazy: a future), then
-        # dcp.save writes the staged copy.
+        # dcp.save writes the staged copy; the replicator takes it from there.
         staged = self.writer.stage(state_dict)
         self._staged = staged if isinstance(staged, concurrent.futures.Future) else None
-        job = self._worker.submit(self._after_save, step, staged)
+        saved = self._saver.submit(self._save_local, step, staged)
+        job = self._replicator.submit(self._after_save, step, saved)
         self._jobs.append(job)
         return job
 
@@ -237,7 +247,8 @@ class TierManager:
             self.wait()
         finally:
             self._closed = True
-            self._worker.shutdown(wait=True)
+            self._saver.shutdown(wait=True)
+            self._replicator.shutdown(wait=True)
             self._drainer.shutdown(wait=True)
             self.writer.close()
             if self._files is not None:
@@ -257,14 +268,11 @@ class TierManager:
         while len(self._jobs) > keep:
             self._jobs.pop(0).result()
 
-    def _after_save(self, step: int, staged: Any) -> dict[str, Any]:
-        """The worker thread: the local save of ``step``, then the metadata
-        to every node, replicas, retention, drain.  Records in
-        :attr:`history` the wall seconds (``*_seconds``) of each phase and
-        this thread's CPU seconds (``cpu_seconds``; gloo's and the engine's
-        own threads not included)."""
+    def _save_local(self, step: int, staged: Any) -> dict[str, Any]:
+        """The saver thread: the local save of ``step`` (``dcp.save`` of the
+        staged copy).  Returns its wall seconds (``*_seconds``) and this
+        thread's CPU seconds."""
         clock = _Clock()
-        directory = store.step_dir(self.local_root, step)
         if isinstance(staged, concurrent.futures.Future):
             staged = staged.result()
         clock.lap("staged")
@@ -272,10 +280,21 @@ class TierManager:
         # before, so DCP and the writer reuse their plans instead of making
         # and exchanging them again (Python on this thread, holding the GIL
         # the training needs).
-        dcp.save(staged, storage_writer=self.writer, checkpoint_id=directory, process_group=self._save_group,
-                 planner=DefaultSavePlanner(enable_plan_caching=True))
+        dcp.save(staged, storage_writer=self.writer, checkpoint_id=store.step_dir(self.local_root, step),
+                 process_group=self._save_group, planner=DefaultSavePlanner(enable_plan_caching=True))
         del staged
         clock.lap("save")
+        return {**clock.laps, "save_cpu_seconds": clock.cpu()}
+
+    def _after_save(self, step: int, saved: concurrent.futures.Future) -> dict[str, Any]:
+        """The replicator thread, once the saver has saved ``step``: the
+        metadata to every node, replicas, retention, drain.  Records in
+        :attr:`history` the wall seconds (``*_seconds``) of each phase and
+        the two threads' CPU seconds (``cpu_seconds``; gloo's and the
+        engine's own threads not included)."""
+        local = saved.result()  # the save's failure is this step's
+        clock = _Clock()
+        directory = store.step_dir(self.local_root, step)
         # rank 0 (DCP's coordinator) has the committed metadata; a failure to
         # read it reaches every rank now, not as a 30-minute wait (agree)
         blob = exchange(self._repl_group, self.world_size, f"tiers: step {step}: reading the metadata",
@@ -297,10 +316,11 @@ class TierManager:
             if drain_now:
                 self._pinned.add(step)
             pinned = set(self._pinned)
-        if leader:
-            store.retain(self.local_root, self.keep_local, pinned)
+        if leader:  # steps after this one may be saved but not yet replicated: they do not count
+            store.retain(self.local_root, self.keep_local, pinned, newest=step)
         clock.lap("retain")
-        info = {**clock.laps, **stats, "cpu_seconds": clock.cpu()}
+        cpu = local.pop("save_cpu_seconds") + clock.cpu()
+        info = {**local, **clock.laps, **stats, "cpu_seconds": cpu}
         self.history[step] = info  # before the drain adds its outcome to it
         if drain_now:
             self._drains.append(self._drainer.submit(self._drain, step))
