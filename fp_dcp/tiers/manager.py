@@ -218,9 +218,10 @@ class TierManager:
         the first failure of a save or replication."""
         self.wait_staged()
         self._reap(keep=0)
-        for d in list(self._drains):
+        with self._lock:
+            queued = list(self._drains)
+        for d in queued:
             d.result()
-        self._drains = [d for d in self._drains if not d.done()]
 
     def restore(self, state_dict: dict[str, Any], *, step: int | None = None, planner: Any = None) -> int | None:
         """Load the newest step complete in any tier (or ``step``) into
@@ -284,7 +285,7 @@ class TierManager:
                  process_group=self._save_group, planner=DefaultSavePlanner(enable_plan_caching=True))
         del staged
         clock.lap("save")
-        return {**clock.laps, "save_cpu_seconds": clock.cpu()}
+        return {**clock.laps, **clock.cpu_laps, "save_cpu": clock.cpu()}
 
     def _after_save(self, step: int, saved: concurrent.futures.Future) -> dict[str, Any]:
         """The replicator thread, once the saver has saved ``step``: the
@@ -312,19 +313,40 @@ class TierManager:
                  name_metadata)  # also the barrier: every node's copy is named before retention
         clock.lap("barrier")
         drain_now = self.persistent_root is not None and step % self.persist_every == 0
-        with self._lock:
-            if drain_now:
-                self._pinned.add(step)
-            pinned = set(self._pinned)
-        if leader:  # steps after this one may be saved but not yet replicated: they do not count
-            store.retain(self.local_root, self.keep_local, pinned, newest=step)
-        clock.lap("retain")
-        cpu = local.pop("save_cpu_seconds") + clock.cpu()
-        info = {**local, **clock.laps, **stats, "cpu_seconds": cpu}
-        self.history[step] = info  # before the drain adds its outcome to it
         if drain_now:
-            self._drains.append(self._drainer.submit(self._drain, step))
+            with self._lock:
+                self._pinned.add(step)
+        cpu = local.pop("save_cpu") + clock.cpu()
+        info = {**local, **clock.laps, **clock.cpu_laps, **stats, "cpu_seconds": cpu}
+        self.history[step] = info  # before the drain adds its outcome to it
+        # The drain thread does the housekeeping too: removing a step's files
+        # takes the file system a while, which the replicator's next step
+        # need not wait for.
+        if drain_now:
+            self._housekeep(self._drain, step)
+        if leader:
+            self._housekeep(self._retain, step)
         return info
+
+    def _housekeep(self, work: Any, step: int) -> None:
+        """Queue ``work(step)`` on the drain thread (:meth:`wait` waits for it)."""
+        with self._lock:
+            self._drains = [d for d in self._drains if not d.done()]
+            self._drains.append(self._drainer.submit(work, step))
+
+    def _retain(self, step: int) -> None:
+        """Local retention on this node once ``step`` is replicated and
+        named: the steps after it may be saved but not yet replicated, so
+        they do not count (``newest``); a step a queued drain still reads
+        stays (pinned)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            pinned = set(self._pinned)
+        try:
+            store.retain(self.local_root, self.keep_local, pinned, newest=step)
+        except OSError as e:  # the next step's retention tries again
+            self._report(f"step {step}: local retention failed: {e}")
+        self.history[step]["retain_seconds"] = time.perf_counter() - t0
 
     def _replicate(self, step: int, directory: str, layout: fmt.StorageLayout, clock: "_Clock") -> dict[str, Any]:
         """Send this rank's files of the step to its partners and take in
@@ -393,17 +415,20 @@ class TierManager:
 
 class _Clock:
     """Wall seconds of consecutive phases of the calling thread
-    (``laps["<phase>_seconds"]``) and its CPU seconds since it was made."""
+    (``laps["<phase>_seconds"]``), its CPU seconds in each
+    (``cpu_laps["<phase>_cpu_seconds"]``) and since it was made."""
 
     def __init__(self) -> None:
-        self._cpu0 = time.thread_time()
+        self._cpu0 = self._cpu_last = time.thread_time()
         self._last = time.perf_counter()
         self.laps: dict[str, float] = {}
+        self.cpu_laps: dict[str, float] = {}
 
     def lap(self, phase: str) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self.laps[f"{phase}_seconds"] = now - self._last
-        self._last = now
+        self.cpu_laps[f"{phase}_cpu_seconds"] = cpu - self._cpu_last
+        self._last, self._cpu_last = now, cpu
 
     def cpu(self) -> float:
         return time.thread_time() - self._cpu0
