@@ -13,19 +13,20 @@
 
 Each ``save`` stages the state dict through a ``FastPersistWriter`` (lazy
 staging by default: the copy to host memory overlaps the next
-forward/backward) and, on the manager's low-priority worker thread,
-writes it to the node-local tier with ``dcp.save`` (what
-``dcp.async_save`` does on its own thread), gives every node the metadata, sends each node's files to
-``replicas`` other nodes (:mod:`fp_dcp.tiers.replicate`), applies the local
-retention and, every ``persist_every`` steps, queues a drain to the
-persistent root (:mod:`fp_dcp.tiers.drain`).  ``restore`` loads the newest
+forward/backward).  The manager's low-priority saver thread writes it to
+the node-local tier with ``dcp.save`` (what ``dcp.async_save`` does on its
+own thread); its replicator thread then, while the saver goes on with the
+next step, gives every node the metadata and sends each node's files to
+``replicas`` other nodes (:mod:`fp_dcp.tiers.replicate`), and queues on
+the drain thread the local retention and, every ``persist_every`` steps,
+a drain to the persistent root (:mod:`fp_dcp.tiers.drain`).  ``restore`` loads the newest
 step that is complete somewhere, from the fastest tier that holds each byte
 (:mod:`fp_dcp.tiers.restore`), on any world size and sharding.
 
 Process groups: the constructor (a collective: every rank, same order)
-creates three gloo groups of all ranks: the DCP saves' and replication's
-(both on the manager's worker thread, one after the other) and the
-drains' (the drain thread) — so no background collective ever shares a
+creates three gloo groups of all ranks: the DCP saves' (the saver
+thread), replication's (the replicator thread) and the drains' (the
+drain thread) — so no background collective ever shares a
 group with the training or with another thread.  With
 ``transport="nccl"`` replication and restore move bytes over an NCCL group
 instead (GPU clusters; written, untested without GPUs).
@@ -163,7 +164,7 @@ class TierManager:
                 lambda: [dist.new_group(backend="gloo", timeout=timeout) for _ in range(3)]).result()
         self._bytes_group = self._repl_group if transport == "gloo" else dist.new_group(backend="nccl", timeout=timeout)
         self.writer = FastPersistWriter(options=self.options)
-        self._files: FileIO | None = None  # the worker thread's O_DIRECT reads and writes of replicas
+        self._files: FileIO | None = None  # the replicator thread's O_DIRECT reads and writes of replicas
         self._drain_io = drain.DrainIO(self.options)  # the drain thread's
         # Two stages, one thread each, so that a step's replication overlaps
         # the next step's local save: the saver runs dcp.save (the staging
