@@ -211,6 +211,24 @@ def test_retention_keeps_newest_committed_and_pinned(tmp_path):
     assert len(removed) == 2
 
 
+def test_retention_does_not_count_steps_after_the_newest_replicated(tmp_path):
+    """The replicator retains after step 3 while the saver has committed
+    step 4 locally, not yet replicated: with ``keep=1`` step 3 must stay
+    (the newest complete step everywhere), step 4 is neither counted nor
+    removed."""
+    from fp_dcp import format as fmt
+    from fp_dcp.tiers import store
+
+    root = str(tmp_path)
+    for s in (1, 2, 3, 4):
+        d = store.step_dir(root, s)
+        os.makedirs(d)
+        open(os.path.join(d, fmt.METADATA_NAME), "wb").close()
+    assert len(store.retain(root, 1, newest=3)) == 2
+    assert sorted(s for s, _ in store.steps(root)) == [3, 4]
+    assert store.retain(root, 1, newest=4) and sorted(s for s, _ in store.steps(root)) == [4]
+
+
 # ------------------------------------------------------- multi-rank runs
 
 STEPS = 6
