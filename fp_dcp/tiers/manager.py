@@ -62,9 +62,9 @@ __all__ = ["TierManager"]
 
 log = logging.getLogger("fp_dcp.tiers")
 
-#: steps whose replication may still run when :meth:`TierManager.save` of the
-#: next one returns (more wait in ``save``); the local save of the step
-#: before runs meanwhile, on its own thread
+#: how many earlier steps' replications may still be queued or running when
+#: :meth:`TierManager.save` returns (it waits for the older ones); the saver
+#: thread meanwhile runs the newest step's local save
 BEHIND = 1
 
 
