@@ -121,7 +121,8 @@ def _train(rank, cfg):
         from fp_dcp import TierManager
 
         mgr = TierManager(cfg["local"], cfg["persist"], replicas=cfg["replicas"],
-                          persist_every=cfg["persist_every"], ranks_per_node=2, keep_local=2, keep_persistent=2)
+                          persist_every=cfg["persist_every"], ranks_per_node=2, keep_local=2, keep_persistent=2,
+                          background_nice=cfg.get("background_nice", 10))
     elif mode == "stock":
         group = dist.new_group(backend="gloo")
     times = []
@@ -380,6 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--persist-every", type=int, default=10)
     ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--background-nice", type=int, default=10,
+                    help="TierManager(background_nice=...) of the tiers run (0: the training's priority)")
     ap.add_argument("--throttle-mbps", type=int, default=200)
     ap.add_argument("--tier-size", default=4 << 30, type=int, help="bytes of the loop-mounted file system")
     ap.add_argument("--repeat", type=int, default=2, help="rounds of the three runs, interleaved; restores as many")
@@ -394,7 +397,8 @@ def main(argv=None) -> int:
     a.dir.mkdir(parents=True)
     repo = str(Path(__file__).resolve().parents[1])
     base = {"repo": repo, "layers": a.layers, "width": a.width, "batch": a.batch, "iters": a.iters,
-            "persist_every": a.persist_every, "replicas": a.replicas}
+            "persist_every": a.persist_every, "replicas": a.replicas,
+            "background_nice": a.background_nice}
     state_bytes = a.layers * _layer_state_bytes(a.width)
     report: dict = {"when": timestamp(), "args": {k: str(v) for k, v in vars(a).items()},
                     "state_bytes": state_bytes}

@@ -211,6 +211,24 @@ def test_retention_keeps_newest_committed_and_pinned(tmp_path):
     assert len(removed) == 2
 
 
+def test_retention_does_not_count_steps_after_the_newest_replicated(tmp_path):
+    """The replicator retains after step 3 while the saver has committed
+    step 4 locally, not yet replicated: with ``keep=1`` step 3 must stay
+    (the newest complete step everywhere), step 4 is neither counted nor
+    removed."""
+    from fp_dcp import format as fmt
+    from fp_dcp.tiers import store
+
+    root = str(tmp_path)
+    for s in (1, 2, 3, 4):
+        d = store.step_dir(root, s)
+        os.makedirs(d)
+        open(os.path.join(d, fmt.METADATA_NAME), "wb").close()
+    assert len(store.retain(root, 1, newest=3)) == 2
+    assert sorted(s for s, _ in store.steps(root)) == [3, 4]
+    assert store.retain(root, 1, newest=4) and sorted(s for s, _ in store.steps(root)) == [4]
+
+
 # ------------------------------------------------------- multi-rank runs
 
 STEPS = 6
@@ -703,7 +721,7 @@ def test_background_threads_and_their_gloo_threads_run_at_lower_priority(tmp_pat
     made, workers, drained = run_ranks(1, _background_priority, str(tmp_path), timeout=120)[0]
     assert drained
     assert len(made) >= 3 and set(made.values()) == {7}, made  # not the training's nice 0
-    assert len(workers) == 2 and set(workers.values()) == {7}, workers
+    assert len(workers) == 3 and set(workers.values()) == {7}, workers  # saver, replicator, drain
 
 
 def _damaged_in_flight(rank, world_size, root):

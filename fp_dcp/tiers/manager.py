@@ -13,19 +13,20 @@
 
 Each ``save`` stages the state dict through a ``FastPersistWriter`` (lazy
 staging by default: the copy to host memory overlaps the next
-forward/backward) and, on the manager's low-priority worker thread,
-writes it to the node-local tier with ``dcp.save`` (what
-``dcp.async_save`` does on its own thread), gives every node the metadata, sends each node's files to
-``replicas`` other nodes (:mod:`fp_dcp.tiers.replicate`), applies the local
-retention and, every ``persist_every`` steps, queues a drain to the
-persistent root (:mod:`fp_dcp.tiers.drain`).  ``restore`` loads the newest
+forward/backward).  The manager's low-priority saver thread writes it to
+the node-local tier with ``dcp.save`` (what ``dcp.async_save`` does on its
+own thread); its replicator thread then, while the saver goes on with the
+next step, gives every node the metadata and sends each node's files to
+``replicas`` other nodes (:mod:`fp_dcp.tiers.replicate`), and queues on
+the drain thread the local retention and, every ``persist_every`` steps,
+a drain to the persistent root (:mod:`fp_dcp.tiers.drain`).  ``restore`` loads the newest
 step that is complete somewhere, from the fastest tier that holds each byte
 (:mod:`fp_dcp.tiers.restore`), on any world size and sharding.
 
 Process groups: the constructor (a collective: every rank, same order)
-creates three gloo groups of all ranks: the DCP saves' and replication's
-(both on the manager's worker thread, one after the other) and the
-drains' (the drain thread) — so no background collective ever shares a
+creates three gloo groups of all ranks: the DCP saves' (the saver
+thread), replication's (the replicator thread) and the drains' (the
+drain thread) — so no background collective ever shares a
 group with the training or with another thread.  With
 ``transport="nccl"`` replication and restore move bytes over an NCCL group
 instead (GPU clusters; written, untested without GPUs).
@@ -60,6 +61,11 @@ from fp_dcp.tiers.topology import Topology, ranks_per_node_from_env
 __all__ = ["TierManager"]
 
 log = logging.getLogger("fp_dcp.tiers")
+
+#: how many earlier steps' replications may still be queued or running when
+#: :meth:`TierManager.save` returns (it waits for the older ones); the saver
+#: thread meanwhile runs the newest step's local save
+BEHIND = 1
 
 
 class TierManager:
@@ -158,9 +164,13 @@ class TierManager:
                 lambda: [dist.new_group(backend="gloo", timeout=timeout) for _ in range(3)]).result()
         self._bytes_group = self._repl_group if transport == "gloo" else dist.new_group(backend="nccl", timeout=timeout)
         self.writer = FastPersistWriter(options=self.options)
-        self._files: FileIO | None = None  # the worker thread's O_DIRECT reads and writes of replicas
+        self._files: FileIO | None = None  # the replicator thread's O_DIRECT reads and writes of replicas
         self._drain_io = drain.DrainIO(self.options)  # the drain thread's
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-tiers", initializer=nice)
+        # Two stages, one thread each, so that a step's replication overlaps
+        # the next step's local save: the saver runs dcp.save (the staging
+        # arena is busy until it returns), the replicator everything after it.
+        self._saver = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-tiers", initializer=nice)
+        self._replicator = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-tiers-replicate", initializer=nice)
         self._drainer = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-drain", initializer=nice)
         self._staged: concurrent.futures.Future | None = None
         self._jobs: list[concurrent.futures.Future] = []
@@ -184,15 +194,16 @@ class TierManager:
         earlier step's local save or replication is raised here."""
         if self._closed:
             raise RuntimeError("TierManager is closed")
-        self._reap(keep=1)  # at most one step's background work behind the training
+        self._reap(keep=BEHIND)
         directory = store.step_dir(self.local_root, step)
         os.makedirs(directory, exist_ok=True)
         # What dcp.async_save does, with the save on the manager's own
         # (low-priority) thread: the writer stages (lazy: a future), then
-        # dcp.save writes the staged copy.
+        # dcp.save writes the staged copy; the replicator takes it from there.
         staged = self.writer.stage(state_dict)
         self._staged = staged if isinstance(staged, concurrent.futures.Future) else None
-        job = self._worker.submit(self._after_save, step, staged)
+        saved = self._saver.submit(self._save_local, step, staged)
+        job = self._replicator.submit(self._after_save, step, saved)
         self._jobs.append(job)
         return job
 
@@ -208,9 +219,10 @@ class TierManager:
         the first failure of a save or replication."""
         self.wait_staged()
         self._reap(keep=0)
-        for d in list(self._drains):
+        with self._lock:
+            queued = list(self._drains)
+        for d in queued:
             d.result()
-        self._drains = [d for d in self._drains if not d.done()]
 
     def restore(self, state_dict: dict[str, Any], *, step: int | None = None, planner: Any = None) -> int | None:
         """Load the newest step complete in any tier (or ``step``) into
@@ -237,7 +249,8 @@ class TierManager:
             self.wait()
         finally:
             self._closed = True
-            self._worker.shutdown(wait=True)
+            self._saver.shutdown(wait=True)
+            self._replicator.shutdown(wait=True)
             self._drainer.shutdown(wait=True)
             self.writer.close()
             if self._files is not None:
@@ -257,14 +270,11 @@ class TierManager:
         while len(self._jobs) > keep:
             self._jobs.pop(0).result()
 
-    def _after_save(self, step: int, staged: Any) -> dict[str, Any]:
-        """The worker thread: the local save of ``step``, then the metadata
-        to every node, replicas, retention, drain.  Records in
-        :attr:`history` the wall seconds (``*_seconds``) of each phase and
-        this thread's CPU seconds (``cpu_seconds``; gloo's and the engine's
-        own threads not included)."""
+    def _save_local(self, step: int, staged: Any) -> dict[str, Any]:
+        """The saver thread: the local save of ``step`` (``dcp.save`` of the
+        staged copy).  Returns its wall seconds (``*_seconds``) and this
+        thread's CPU seconds."""
         clock = _Clock()
-        directory = store.step_dir(self.local_root, step)
         if isinstance(staged, concurrent.futures.Future):
             staged = staged.result()
         clock.lap("staged")
@@ -272,10 +282,21 @@ class TierManager:
         # before, so DCP and the writer reuse their plans instead of making
         # and exchanging them again (Python on this thread, holding the GIL
         # the training needs).
-        dcp.save(staged, storage_writer=self.writer, checkpoint_id=directory, process_group=self._save_group,
-                 planner=DefaultSavePlanner(enable_plan_caching=True))
+        dcp.save(staged, storage_writer=self.writer, checkpoint_id=store.step_dir(self.local_root, step),
+                 process_group=self._save_group, planner=DefaultSavePlanner(enable_plan_caching=True))
         del staged
         clock.lap("save")
+        return {**clock.laps, **clock.cpu_laps, "save_cpu": clock.cpu()}
+
+    def _after_save(self, step: int, saved: concurrent.futures.Future) -> dict[str, Any]:
+        """The replicator thread, once the saver has saved ``step``: the
+        metadata to every node, replicas, retention, drain.  Records in
+        :attr:`history` the wall seconds (``*_seconds``) of each phase and
+        the two threads' CPU seconds (``cpu_seconds``; gloo's and the
+        engine's own threads not included)."""
+        local = saved.result()  # the save's failure is this step's
+        clock = _Clock()
+        directory = store.step_dir(self.local_root, step)
         # rank 0 (DCP's coordinator) has the committed metadata; a failure to
         # read it reaches every rank now, not as a 30-minute wait (agree)
         blob = exchange(self._repl_group, self.world_size, f"tiers: step {step}: reading the metadata",
@@ -293,18 +314,40 @@ class TierManager:
                  name_metadata)  # also the barrier: every node's copy is named before retention
         clock.lap("barrier")
         drain_now = self.persistent_root is not None and step % self.persist_every == 0
-        with self._lock:
-            if drain_now:
-                self._pinned.add(step)
-            pinned = set(self._pinned)
-        if leader:
-            store.retain(self.local_root, self.keep_local, pinned)
-        clock.lap("retain")
-        info = {**clock.laps, **stats, "cpu_seconds": clock.cpu()}
-        self.history[step] = info  # before the drain adds its outcome to it
         if drain_now:
-            self._drains.append(self._drainer.submit(self._drain, step))
+            with self._lock:
+                self._pinned.add(step)
+        cpu = local.pop("save_cpu") + clock.cpu()
+        info = {**local, **clock.laps, **clock.cpu_laps, **stats, "cpu_seconds": cpu}
+        self.history[step] = info  # before the drain adds its outcome to it
+        # The drain thread does the housekeeping too: removing a step's files
+        # takes the file system a while, which the replicator's next step
+        # need not wait for.
+        if drain_now:
+            self._housekeep(self._drain, step)
+        if leader:
+            self._housekeep(self._retain, step)
         return info
+
+    def _housekeep(self, work: Any, step: int) -> None:
+        """Queue ``work(step)`` on the drain thread (:meth:`wait` waits for it)."""
+        with self._lock:
+            self._drains = [d for d in self._drains if not d.done()]
+            self._drains.append(self._drainer.submit(work, step))
+
+    def _retain(self, step: int) -> None:
+        """Local retention on this node once ``step`` is replicated and
+        named: the steps after it may be saved but not yet replicated, so
+        they do not count (``newest``); a step a queued drain still reads
+        stays (pinned)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            pinned = set(self._pinned)
+        try:
+            store.retain(self.local_root, self.keep_local, pinned, newest=step)
+        except OSError as e:  # the next step's retention tries again
+            self._report(f"step {step}: local retention failed: {e}")
+        self.history[step]["retain_seconds"] = time.perf_counter() - t0
 
     def _replicate(self, step: int, directory: str, layout: fmt.StorageLayout, clock: "_Clock") -> dict[str, Any]:
         """Send this rank's files of the step to its partners and take in
@@ -373,17 +416,20 @@ class TierManager:
 
 class _Clock:
     """Wall seconds of consecutive phases of the calling thread
-    (``laps["<phase>_seconds"]``) and its CPU seconds since it was made."""
+    (``laps["<phase>_seconds"]``), its CPU seconds in each
+    (``cpu_laps["<phase>_cpu_seconds"]``) and since it was made."""
 
     def __init__(self) -> None:
-        self._cpu0 = time.thread_time()
+        self._cpu0 = self._cpu_last = time.thread_time()
         self._last = time.perf_counter()
         self.laps: dict[str, float] = {}
+        self.cpu_laps: dict[str, float] = {}
 
     def lap(self, phase: str) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self.laps[f"{phase}_seconds"] = now - self._last
-        self._last = now
+        self.cpu_laps[f"{phase}_cpu_seconds"] = cpu - self._cpu_last
+        self._last, self._cpu_last = now, cpu
 
     def cpu(self) -> float:
         return time.thread_time() - self._cpu0

@@ -167,16 +167,18 @@ class RangesFile:
         _unlink(self.tmp)
 
 
-def retain(root: str, keep: int, pinned: set[int] = frozenset()) -> list[str]:
+def retain(root: str, keep: int, pinned: set[int] = frozenset(), newest: int | None = None) -> list[str]:
     """Keep the ``keep`` newest steps under ``root`` that have metadata;
     remove every older step directory (committed or not) except the
     ``pinned`` ones (a drain still reads them).  Steps newer than the
     oldest kept one stay, committed or not (a save in progress).  Metadata
-    first, so nothing half removed is ever taken for a step."""
+    first, so nothing half removed is ever taken for a step.  ``newest``:
+    steps after it do not count as committed (saved, not yet replicated)."""
     if keep < 1:
         raise ValueError(f"retention keeps at least 1 step, got {keep}")
     held = sorted(steps(root))
-    committed = [s for s, p in held if os.path.lexists(os.path.join(p, fmt.METADATA_NAME))]
+    committed = [s for s, p in held if os.path.lexists(os.path.join(p, fmt.METADATA_NAME))
+                 and (newest is None or s <= newest)]
     if len(committed) <= keep:
         return []
     oldest_kept = committed[-keep]
