@@ -58,6 +58,19 @@ def _one_rank_checkpoint(path, seed=0):
     return sd
 
 
+def _read_ranges(path, ranges):
+    """The bytes of ``ranges`` of ``path``, concatenated, as a restore's
+    holder reads them (``FileIO.read_ranges``), copied out of its buffer."""
+    from fp_dcp import FastPersistOptions
+    from fp_dcp.tiers.replicate import FileIO
+
+    io = FileIO(FastPersistOptions(), os.path.dirname(path))
+    try:
+        return io.read_ranges(path, ranges).copy()
+    finally:
+        io.close()
+
+
 def test_checked_copy_refuses_corruption(tmp_path):
     from fp_dcp.files import read_checkpoint_metadata
     from fp_dcp.tiers import integrity
@@ -71,14 +84,14 @@ def test_checked_copy_refuses_corruption(tmp_path):
     integrity.copy_checked(os.path.join(src, name), os.path.join(dst, name), layout, 0)
     with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "rb") as g:
         assert f.read() == g.read()
-    integrity.check_buffer(integrity.read_ranges(os.path.join(dst, name), [(0, layout.files[0][1])]), layout, 0, "x")
+    integrity.check_buffer(_read_ranges(os.path.join(dst, name), [(0, layout.files[0][1])]), layout, 0, "x")
     flip_byte(os.path.join(src, name), 123_457)  # one flipped byte inside tensor "a"
     os.unlink(os.path.join(dst, name))
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
         integrity.copy_checked(os.path.join(src, name), os.path.join(dst, name), layout, 0)
     assert os.listdir(dst) == []  # nothing half-copied left behind
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch"):
-        integrity.check_buffer(integrity.read_ranges(os.path.join(src, name), [(0, layout.files[0][1])]), layout, 0, "x")
+        integrity.check_buffer(_read_ranges(os.path.join(src, name), [(0, layout.files[0][1])]), layout, 0, "x")
     with pytest.raises(integrity.IntegrityError, match="short"):
         integrity.check_buffer(np.zeros(10, np.uint8), layout, 0, "x")
 
@@ -98,17 +111,19 @@ def test_ranges_of_a_file_are_checked_copied_and_sent_alone(tmp_path):
     path = os.path.join(src, name)
     ext = {i.fqn: es[0] for i, es in layout.extents.items()}
     b = integrity.extent_ranges([(ext["b"].file_offset, ext["b"].length)])
-    data = integrity.read_ranges(path, b)
+    data = _read_ranges(path, b)
     assert data.size == ext["b"].length == 7 * 5 * 4
     integrity.check_buffer(data, layout, 0, "x", ranges=b)
     out = str(tmp_path / "out.fpd")
     ranged = store.RangesFile(out, size)
     ranged.write(b, data)
-    ranged.commit()
+    ranged.close()
     with open(path, "rb") as f, open(out, "rb") as g:
         whole, part = f.read(), g.read()
     assert len(part) == size and part[b[0][0]: b[0][0] + b[0][1]] == whole[b[0][0]: b[0][0] + b[0][1]]
     assert part.count(0) >= size - b[0][1]  # the rest a hole
+    with pytest.raises(FileExistsError):  # never over a name taken (a link to a local copy would be written through)
+        store.RangesFile(out, size)
     copied = str(tmp_path / "copied.fpd")
     assert integrity.copy_checked(path, copied, layout, 0, ranges=b) == b[0][1]
     with open(copied, "rb") as g:
@@ -121,7 +136,7 @@ def test_ranges_of_a_file_are_checked_copied_and_sent_alone(tmp_path):
         assert integrity.extent_ranges([r for p in parts for r in p]) == whole
         assert all(integrity.ranges_bytes(p) <= limit or len(p) == 1 for p in parts)
         for p in parts:
-            integrity.check_buffer(integrity.read_ranges(path, p), layout, 0, "x", ranges=p)
+            integrity.check_buffer(_read_ranges(path, p), layout, 0, "x", ranges=p)
     assert len(integrity.split_ranges(layout, 0, whole, 1 << 30)) == 1
     assert integrity.split_ranges(layout, 0, [a], 1 << 20) == [[a]]  # one piece (1.2 MB) is never cut
     with pytest.raises(ValueError, match="cuts an extent"):
@@ -130,7 +145,7 @@ def test_ranges_of_a_file_are_checked_copied_and_sent_alone(tmp_path):
     integrity.check_file(path, layout, 0, b)
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
         integrity.check_file(path, layout, 0, integrity.extent_ranges([a, (b[0])]))
-    bad = integrity.read_ranges(path, [a])
+    bad = _read_ranges(path, [a])
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
         integrity.check_buffer(bad, layout, 0, "x", ranges=[a])
     assert integrity.extent_ranges([(10, 5), (0, 10), (30, 1), (12, 2)]) == [(0, 15), (30, 1)]
