@@ -336,7 +336,7 @@ def _restore_and_check(rank, world_size, root, hook=None, chunk=None):
     opt.step()
     mgr.save(step + 1, _state(model, opt))
     mgr.close()
-    return step, res.node_bytes_from, res.skipped, res.sources
+    return step, res.node_bytes_from, res.skipped, res.sources, sorted(res.phases)
 
 
 def _lose_node(root, node):
@@ -373,12 +373,16 @@ def test_lost_node_restores_from_replicas_on_4_2_3_ranks(tmp_path_factory):
         r = os.path.join(str(tmp_path_factory.mktemp(f"w{world}")), "run")
         shutil.copytree(snapshot, r)
         results = run_ranks(world, _restore_and_check, r, timeout=300)
-        step, by_tier, skipped, _ = results[0]
+        step, by_tier, skipped, _, _ = results[0]
         assert step == STEPS and skipped == []
         assert by_tier["persistent"] == 0, by_tier  # 0 bytes from the persistent tier: a replica exists
         assert by_tier["local"] > 0
         if world != 2:  # 4 and 3 ranks: a replacement node with an empty disk fetched its part
             assert by_tier["replica"] > 0, by_tier
+        # the transfers overlapped the load: only the ranks of the node that received waited in it
+        waited = [r for r, res in enumerate(results) if "wait" in res[4]]
+        assert waited == ([2, 3] if world == 4 else [2] if world == 3 else []), (world, results)
+        assert all(("replicas" in res[4]) == (world != 2) for res in results), results
 
 
 
@@ -415,7 +419,7 @@ def test_corrupt_replica_falls_back_to_persistent(tmp_path_factory):
     _, layout, _ = read_checkpoint_metadata(d)
     victim = next(n for n, _ in layout.files if ".r2." in n)  # node 1's file, node 0's replica of it
     flip_byte(os.path.join(d, victim), 100, mask=1)
-    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, timeout=300)[0]
+    step, by_tier, skipped, sources, _ = run_ranks(4, _restore_and_check, root, timeout=300)[0]
     assert step == STEPS
     # node 1 (its disk empty) needs the file's first extent (rank 2's shard): the replica fails on arrival
     assert len(skipped) == 1, skipped
@@ -448,7 +452,7 @@ def test_bad_local_copy_found_by_the_load_is_refetched(tmp_path_factory):
     the damage (an extent rank 0 reads whole), the restore names the copy,
     fetches it from the next tier and loads again, bit-exact."""
     root, victim, offset = _node1_lost_and_node0_copy_damaged(tmp_path_factory)
-    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, timeout=300)[0]
+    step, by_tier, skipped, sources, _ = run_ranks(4, _restore_and_check, root, timeout=300)[0]
     assert step == STEPS
     assert len(skipped) == 1 and skipped[0].startswith(f"{victim} from node 0's local tier, for rank 0"), skipped
     assert "checksum mismatch" in skipped[0] and "found after the load failed" in skipped[0], skipped
@@ -467,7 +471,7 @@ def test_a_step_bad_in_every_tier_falls_back_to_an_older_one(tmp_path_factory):
     flip_byte(os.path.join(store.step_dir(os.path.join(root, "persist"), STEPS), victim), offset + 10, mask=1)
     bare = str(tmp_path_factory.mktemp("bare")) + "/run"
     shutil.copytree(root, bare)
-    step, by_tier, skipped, _ = run_ranks(4, _restore_and_check, root, timeout=300)[0]
+    step, by_tier, skipped, _, _ = run_ranks(4, _restore_and_check, root, timeout=300)[0]
     assert step == STEPS - 1  # the newest step complete in some tier
     passed = [w for w in skipped if w.startswith("passed over")]
     assert len(passed) == 1 and passed[0].startswith(f"passed over step {STEPS}: no tier holds a good copy of "
@@ -528,7 +532,7 @@ def test_a_rank_whose_read_fails_does_not_stall_the_others(tmp_path_factory):
     _, layout, _ = read_checkpoint_metadata(store.step_dir(os.path.join(root, "node0"), STEPS))
     sent = next(n for n, _ in layout.files if ".r2." in n)  # node 1's file: rank 0 sends it to rank 2
     hook = (None, f"send {sent}", OSError(5, "injected read error"))
-    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, hook, timeout=300)[0]
+    step, by_tier, skipped, sources, _ = run_ranks(4, _restore_and_check, root, hook, timeout=300)[0]
     assert step == STEPS
     assert len(skipped) == 1 and re.fullmatch(
         re.escape(f"{sent} from node 0's local tier, for rank 2: rank ") + "[01]" + re.escape(" could not read it"),
@@ -537,7 +541,7 @@ def test_a_rank_whose_read_fails_does_not_stall_the_others(tmp_path_factory):
     # the same, the file sent in parts of 4 KiB and the second part unreadable: the parts before it are
     # never named, the file comes whole from the next tier
     hook = (None, f"send {sent}", OSError(5, "injected read error"), 2)
-    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, parts, hook, 4096, timeout=300)[0]
+    step, by_tier, skipped, sources, _ = run_ranks(4, _restore_and_check, parts, hook, 4096, timeout=300)[0]
     assert step == STEPS and len(skipped) == 1 and skipped[0].endswith("could not read it"), skipped
     _persistent_only_for(sources, by_tier, [sent])
     own = next(n for n, _ in layout.files if ".r0." in n)  # rank 0 links its own file

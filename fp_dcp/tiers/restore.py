@@ -30,7 +30,11 @@ else running on the tiers' process group:
    names only the files assembled there and the items whose extents they
    hold, and ``dcp.load`` reads it through ``FastPersistReader`` with
    ``verify_checksums`` on: every check of a normal load applies (names of
-   this save only, no links, checksums).
+   this save only, no links, checksums).  The load overlaps the replica
+   transfers of step 4, which run on a thread of their own (over a gloo
+   group the restore makes at the caller's priority): the ranks of a node
+   that receives wait in the load's ``read_data`` until every transfer
+   ended; the others read their local copies at once.
 
 Checks: bytes that crossed from another node or from the persistent tier
 are checked against the metadata's CRCs before they are named.  A local
@@ -247,13 +251,18 @@ def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str,
             pers = {s: d for s, d in _holding_doc(store.scan(persistent_root)).items() if d[0] is not None}
         return mine, pers
 
-    gathered = _exchange(group, world, "restore: taking stock of the tiers", inventory)
-    invs = [g[0] for g in gathered]
-    pers = gathered[0][1]
-    passed: list[str] = []  # steps passed over, and why
-    excluded: set[int] = set()
-    moving = None  # the transfers' gloo group (see _StepRestore)
+    # the transfers' gloo group (see _StepRestore), made while the tiers are
+    # scanned, on a thread started here: its threads (gloo's, which move the
+    # bytes) run at the caller's priority, not the manager's background one
+    pool = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-restore-group")
+    making = pool.submit(dist.new_group, backend="gloo", **({} if timeout is None else {"timeout": timeout}))
+    pool.shutdown(wait=False)
     try:
+        gathered = _exchange(group, world, "restore: taking stock of the tiers", inventory)
+        invs = [g[0] for g in gathered]
+        pers = gathered[0][1]
+        passed: list[str] = []  # steps passed over, and why
+        excluded: set[int] = set()
         while True:
             chosen = _choose(step, invs, pers, excluded)
             if chosen is None:
@@ -263,12 +272,8 @@ def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str,
                     raise TierRestoreError(f"step {step} is complete in no tier (local, replicas, persistent)")
                 return None
             s, save_id, files = chosen
-            if moving is None:
-                # made here, so that its threads (gloo's, which move the bytes)
-                # run at the caller's priority, not the manager's background one
-                moving = dist.new_group(backend="gloo", **({} if timeout is None else {"timeout": timeout}))
             attempt = _StepRestore(state_dict, rank, world, topology, local_root, persistent_root, group,
-                                   moving, bytes_group, planner, options, invs, pers, s, save_id, files)
+                                   making.result(), bytes_group, planner, options, invs, pers, s, save_id, files)
             attempt.phases["agree"] = time.perf_counter() - t0
             try:
                 result = attempt.run()
@@ -282,8 +287,7 @@ def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str,
             result.seconds = time.perf_counter() - t0
             return result
     finally:
-        if moving is not None:
-            dist.destroy_process_group(moving)
+        dist.destroy_process_group(making.result())
 
 
 class _StepRestore:
