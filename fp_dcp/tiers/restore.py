@@ -454,8 +454,13 @@ class _StepRestore:
         plan has no replica copy."""
         if not any(tier == "replica" for _, tier, _ in plan):
             return None
+        # the current CUDA device is per thread: the NCCL transport's tensors
+        # go on the caller's, not on the new thread's default one
+        cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
         def work():
+            if cuda is not None:
+                torch.cuda.set_device(cuda)
             t = time.perf_counter()
             try:
                 return _exchange(self.moving, self.world, f"restore: moving replicas of step {self.s}",
