@@ -475,7 +475,11 @@ def main(argv=None) -> int:
             "round_ratios": [p / t for p, t in zip(pers_s, tiers_s)],
             "tiers_s": statistics.median(tiers_s), "bytes_from": rt[0]["bytes_from"], "step": rt[0]["step"],
             "skipped": rt[0]["skipped"], "tiers_phases_rank0": rt[0]["phases"],
-            "tiers_phases_max": {k: max(r["phases"].get(k, 0.0) for r in rt) for k in rt[0]["phases"]},
+            # every rank's phases (the ranks of the node that receives replicas
+            # also have "wait"), each the slowest rank's, and each round's
+            "tiers_phases_max": {k: max(r["phases"].get(k, 0.0) for r in rt) for k in sorted({k for r in rt for k in r["phases"]})},
+            "tiers_phases_by_round": [{k: round(max(r["phases"].get(k, 0.0) for r in x), 3)
+                                       for k in sorted({k for r in x for k in r["phases"]})} for x in rts],
             "persistent_s": statistics.median(pers_s),
             "checkpoint_bytes": sum(f.stat().st_size for f in step_path.iterdir() if f.is_file()),
         }
@@ -522,7 +526,8 @@ def main(argv=None) -> int:
           f"tiers {', '.join(f'{t:.2f}' for t in tiers_s)} s, persistent tier {', '.join(f'{t:.2f}' for t in pers_s)} s; "
           f"per round {', '.join(f'{r:.1f}x' for r in rec['round_ratios'])}; median "
           f"{report['ratios']['recovery_speedup_vs_persistent']:.1f}x faster from the tiers "
-          f"(bytes {rec['bytes_from']}, slowest rank's phases {rec['tiers_phases_max']})"
+          f"(bytes {rec['bytes_from']}; slowest rank's phases by round: "
+          + "; ".join(", ".join(f"{k} {v:.2f}" for k, v in ph.items()) for ph in rec["tiers_phases_by_round"]) + ")"
           + ("" if rec["cold_cache"] else " (page cache NOT dropped: not root)"))
     if a.json:
         write_json(a.json, report)

@@ -58,6 +58,19 @@ def _one_rank_checkpoint(path, seed=0):
     return sd
 
 
+def _read_ranges(path, ranges):
+    """The bytes of ``ranges`` of ``path``, concatenated, as a restore's
+    holder reads them (``FileIO.read_ranges``), copied out of its buffer."""
+    from fp_dcp import FastPersistOptions
+    from fp_dcp.tiers.replicate import FileIO
+
+    io = FileIO(FastPersistOptions(), os.path.dirname(path))
+    try:
+        return io.read_ranges(path, ranges).copy()
+    finally:
+        io.close()
+
+
 def test_checked_copy_refuses_corruption(tmp_path):
     from fp_dcp.files import read_checkpoint_metadata
     from fp_dcp.tiers import integrity
@@ -71,14 +84,14 @@ def test_checked_copy_refuses_corruption(tmp_path):
     integrity.copy_checked(os.path.join(src, name), os.path.join(dst, name), layout, 0)
     with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "rb") as g:
         assert f.read() == g.read()
-    integrity.check_buffer(integrity.read_ranges(os.path.join(dst, name), [(0, layout.files[0][1])]), layout, 0, "x")
+    integrity.check_buffer(_read_ranges(os.path.join(dst, name), [(0, layout.files[0][1])]), layout, 0, "x")
     flip_byte(os.path.join(src, name), 123_457)  # one flipped byte inside tensor "a"
     os.unlink(os.path.join(dst, name))
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
         integrity.copy_checked(os.path.join(src, name), os.path.join(dst, name), layout, 0)
     assert os.listdir(dst) == []  # nothing half-copied left behind
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch"):
-        integrity.check_buffer(integrity.read_ranges(os.path.join(src, name), [(0, layout.files[0][1])]), layout, 0, "x")
+        integrity.check_buffer(_read_ranges(os.path.join(src, name), [(0, layout.files[0][1])]), layout, 0, "x")
     with pytest.raises(integrity.IntegrityError, match="short"):
         integrity.check_buffer(np.zeros(10, np.uint8), layout, 0, "x")
 
@@ -98,17 +111,19 @@ def test_ranges_of_a_file_are_checked_copied_and_sent_alone(tmp_path):
     path = os.path.join(src, name)
     ext = {i.fqn: es[0] for i, es in layout.extents.items()}
     b = integrity.extent_ranges([(ext["b"].file_offset, ext["b"].length)])
-    data = integrity.read_ranges(path, b)
+    data = _read_ranges(path, b)
     assert data.size == ext["b"].length == 7 * 5 * 4
     integrity.check_buffer(data, layout, 0, "x", ranges=b)
     out = str(tmp_path / "out.fpd")
     ranged = store.RangesFile(out, size)
     ranged.write(b, data)
-    ranged.commit()
+    ranged.close()
     with open(path, "rb") as f, open(out, "rb") as g:
         whole, part = f.read(), g.read()
     assert len(part) == size and part[b[0][0]: b[0][0] + b[0][1]] == whole[b[0][0]: b[0][0] + b[0][1]]
     assert part.count(0) >= size - b[0][1]  # the rest a hole
+    with pytest.raises(FileExistsError):  # never over a name taken (a link to a local copy would be written through)
+        store.RangesFile(out, size)
     copied = str(tmp_path / "copied.fpd")
     assert integrity.copy_checked(path, copied, layout, 0, ranges=b) == b[0][1]
     with open(copied, "rb") as g:
@@ -121,7 +136,7 @@ def test_ranges_of_a_file_are_checked_copied_and_sent_alone(tmp_path):
         assert integrity.extent_ranges([r for p in parts for r in p]) == whole
         assert all(integrity.ranges_bytes(p) <= limit or len(p) == 1 for p in parts)
         for p in parts:
-            integrity.check_buffer(integrity.read_ranges(path, p), layout, 0, "x", ranges=p)
+            integrity.check_buffer(_read_ranges(path, p), layout, 0, "x", ranges=p)
     assert len(integrity.split_ranges(layout, 0, whole, 1 << 30)) == 1
     assert integrity.split_ranges(layout, 0, [a], 1 << 20) == [[a]]  # one piece (1.2 MB) is never cut
     with pytest.raises(ValueError, match="cuts an extent"):
@@ -130,7 +145,7 @@ def test_ranges_of_a_file_are_checked_copied_and_sent_alone(tmp_path):
     integrity.check_file(path, layout, 0, b)
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
         integrity.check_file(path, layout, 0, integrity.extent_ranges([a, (b[0])]))
-    bad = integrity.read_ranges(path, [a])
+    bad = _read_ranges(path, [a])
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch in a"):
         integrity.check_buffer(bad, layout, 0, "x", ranges=[a])
     assert integrity.extent_ranges([(10, 5), (0, 10), (30, 1), (12, 2)]) == [(0, 15), (30, 1)]
@@ -339,7 +354,7 @@ def _restore_and_check(rank, world_size, root, hook=None, chunk=None):
     opt.step()
     mgr.save(step + 1, _state(model, opt))
     mgr.close()
-    return step, res.node_bytes_from, res.skipped, res.sources
+    return step, res.node_bytes_from, res.skipped, res.sources, sorted(res.phases)
 
 
 def _lose_node(root, node):
@@ -376,12 +391,16 @@ def test_lost_node_restores_from_replicas_on_4_2_3_ranks(tmp_path_factory):
         r = os.path.join(str(tmp_path_factory.mktemp(f"w{world}")), "run")
         shutil.copytree(snapshot, r)
         results = run_ranks(world, _restore_and_check, r, timeout=300)
-        step, by_tier, skipped, _ = results[0]
+        step, by_tier, skipped, _, _ = results[0]
         assert step == STEPS and skipped == []
         assert by_tier["persistent"] == 0, by_tier  # 0 bytes from the persistent tier: a replica exists
         assert by_tier["local"] > 0
         if world != 2:  # 4 and 3 ranks: a replacement node with an empty disk fetched its part
             assert by_tier["replica"] > 0, by_tier
+        # the transfers overlapped the load: only the ranks of the node that received waited in it
+        waited = [r for r, res in enumerate(results) if "wait" in res[4]]
+        assert waited == ([2, 3] if world == 4 else [2] if world == 3 else []), (world, results)
+        assert all(("replicas" in res[4]) == (world != 2) for res in results), results
 
 
 
@@ -418,7 +437,7 @@ def test_corrupt_replica_falls_back_to_persistent(tmp_path_factory):
     _, layout, _ = read_checkpoint_metadata(d)
     victim = next(n for n, _ in layout.files if ".r2." in n)  # node 1's file, node 0's replica of it
     flip_byte(os.path.join(d, victim), 100, mask=1)
-    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, timeout=300)[0]
+    step, by_tier, skipped, sources, _ = run_ranks(4, _restore_and_check, root, timeout=300)[0]
     assert step == STEPS
     # node 1 (its disk empty) needs the file's first extent (rank 2's shard): the replica fails on arrival
     assert len(skipped) == 1, skipped
@@ -451,7 +470,7 @@ def test_bad_local_copy_found_by_the_load_is_refetched(tmp_path_factory):
     the damage (an extent rank 0 reads whole), the restore names the copy,
     fetches it from the next tier and loads again, bit-exact."""
     root, victim, offset = _node1_lost_and_node0_copy_damaged(tmp_path_factory)
-    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, timeout=300)[0]
+    step, by_tier, skipped, sources, _ = run_ranks(4, _restore_and_check, root, timeout=300)[0]
     assert step == STEPS
     assert len(skipped) == 1 and skipped[0].startswith(f"{victim} from node 0's local tier, for rank 0"), skipped
     assert "checksum mismatch" in skipped[0] and "found after the load failed" in skipped[0], skipped
@@ -470,7 +489,7 @@ def test_a_step_bad_in_every_tier_falls_back_to_an_older_one(tmp_path_factory):
     flip_byte(os.path.join(store.step_dir(os.path.join(root, "persist"), STEPS), victim), offset + 10, mask=1)
     bare = str(tmp_path_factory.mktemp("bare")) + "/run"
     shutil.copytree(root, bare)
-    step, by_tier, skipped, _ = run_ranks(4, _restore_and_check, root, timeout=300)[0]
+    step, by_tier, skipped, _, _ = run_ranks(4, _restore_and_check, root, timeout=300)[0]
     assert step == STEPS - 1  # the newest step complete in some tier
     passed = [w for w in skipped if w.startswith("passed over")]
     assert len(passed) == 1 and passed[0].startswith(f"passed over step {STEPS}: no tier holds a good copy of "
@@ -531,7 +550,7 @@ def test_a_rank_whose_read_fails_does_not_stall_the_others(tmp_path_factory):
     _, layout, _ = read_checkpoint_metadata(store.step_dir(os.path.join(root, "node0"), STEPS))
     sent = next(n for n, _ in layout.files if ".r2." in n)  # node 1's file: rank 0 sends it to rank 2
     hook = (None, f"send {sent}", OSError(5, "injected read error"))
-    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, root, hook, timeout=300)[0]
+    step, by_tier, skipped, sources, _ = run_ranks(4, _restore_and_check, root, hook, timeout=300)[0]
     assert step == STEPS
     assert len(skipped) == 1 and re.fullmatch(
         re.escape(f"{sent} from node 0's local tier, for rank 2: rank ") + "[01]" + re.escape(" could not read it"),
@@ -540,7 +559,7 @@ def test_a_rank_whose_read_fails_does_not_stall_the_others(tmp_path_factory):
     # the same, the file sent in parts of 4 KiB and the second part unreadable: the parts before it are
     # never named, the file comes whole from the next tier
     hook = (None, f"send {sent}", OSError(5, "injected read error"), 2)
-    step, by_tier, skipped, sources = run_ranks(4, _restore_and_check, parts, hook, 4096, timeout=300)[0]
+    step, by_tier, skipped, sources, _ = run_ranks(4, _restore_and_check, parts, hook, 4096, timeout=300)[0]
     assert step == STEPS and len(skipped) == 1 and skipped[0].endswith("could not read it"), skipped
     _persistent_only_for(sources, by_tier, [sent])
     own = next(n for n, _ in layout.files if ".r0." in n)  # rank 0 links its own file

@@ -30,7 +30,7 @@ from fp_dcp import _native
 from fp_dcp import format as fmt
 from fp_dcp.checksums import crc_array, item_name
 
-__all__ = ["IntegrityError", "check_buffer", "check_file", "copy_checked", "read_ranges",
+__all__ = ["IntegrityError", "check_buffer", "check_file", "copy_checked",
            "extent_ranges", "ranges_bytes", "split_ranges"]
 
 _PIECE = 16 << 20
@@ -166,26 +166,6 @@ def check_buffer(data: np.ndarray | memoryview, layout: fmt.StorageLayout, fid: 
     block = layout.checksum_block_bytes or (1 << 20)
     for p, at in _pieces_in(layout, fid, ranges, path):
         _check(p, view[at: at + p.length], block, path)
-
-
-def read_ranges(path: str, ranges: Ranges) -> np.ndarray:
-    """The bytes of ``ranges`` of a data file (a regular file, links not
-    followed), concatenated, as a uint8 array; :class:`IntegrityError` when
-    the file ends before them."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise IntegrityError(path, "missing") from None
-    try:
-        buf = np.empty(ranges_bytes(ranges), dtype=np.uint8)
-        view = memoryview(buf)
-        at = 0
-        for off, n in ranges:
-            _pread_full(fd, view[at: at + n], off, path)
-            at += n
-        return buf
-    finally:
-        os.close(fd)
 
 
 def _pread_full(fd: int, view: memoryview, off: int, path: str) -> None:

@@ -163,6 +163,7 @@ class TierManager:
             self._save_group, self._repl_group, self._drain_group = setup.submit(
                 lambda: [dist.new_group(backend="gloo", timeout=timeout) for _ in range(3)]).result()
         self._bytes_group = self._repl_group if transport == "gloo" else dist.new_group(backend="nccl", timeout=timeout)
+        self._timeout = timeout
         self.writer = FastPersistWriter(options=self.options)
         self._files: FileIO | None = None  # the replicator thread's O_DIRECT reads and writes of replicas
         self._drain_io = drain.DrainIO(self.options)  # the drain thread's
@@ -233,7 +234,7 @@ class TierManager:
         result = _restore.restore(
             state_dict, rank=self.rank, topology=self.topology, local_root=self.local_root,
             persistent_root=self.persistent_root, group=self._repl_group, bytes_group=self._bytes_group,
-            planner=planner, step=step, options=self.options,
+            planner=planner, step=step, options=self.options, timeout=self._timeout,
         )
         self.last_restore = result
         if result is not None and result.skipped and self.rank == 0:

@@ -40,7 +40,7 @@ import dataclasses
 import errno
 import os
 import stat
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -162,17 +162,31 @@ class FileIO:
             self._buffers[role] = buf = _native.AlignedBuffer(-(-max(size, 1) // a) * a, a, lock=False)
         return np.frombuffer(buf, dtype=np.uint8, count=size)
 
-    def read(self, path: str, size: int) -> np.ndarray:
+    def read(self, path: str, size: int, role: str = "read") -> np.ndarray:
         """The first ``size`` bytes of the file ``path`` (no link followed),
-        in the read buffer; OSError when it is shorter."""
-        data = self.buffer(size, "read")
+        in this role's buffer; OSError when it is shorter."""
+        return self.read_ranges(path, [(0, size)], role)
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]], role: str = "read") -> np.ndarray:
+        """The bytes of ``ranges`` (``(offset, length)`` pairs) of the file
+        ``path`` (no link followed), concatenated, in this role's buffer;
+        OSError when the file ends before them."""
+        total = sum(n for _, n in ranges)
+        data = self.buffer(total, role)
         st = os.stat(path, follow_symlinks=False)
         if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.ELOOP, "not a regular file", path)
-        if st.st_size < size:
-            raise OSError(errno.EIO, f"{st.st_size} bytes, the checkpoint recorded {size}", path)
-        if size:
-            self.session.read([path], np.zeros(1, np.int64), np.zeros(1, np.int64), [data])
+        end = max((o + n for o, n in ranges), default=0)
+        if st.st_size < end:
+            raise OSError(errno.EIO, f"{st.st_size} bytes, the checkpoint recorded at least {end}", path)
+        pieces = [(o, n) for o, n in ranges if n]
+        if pieces:
+            views, at = [], 0
+            for _, n in pieces:
+                views.append(data[at: at + n])
+                at += n
+            self.session.read([path], np.zeros(len(pieces), np.int64), np.array([o for o, _ in pieces], np.int64),
+                              views)
         return data
 
     def write(self, path: str, data: np.ndarray, sync: bool) -> None:

@@ -30,7 +30,11 @@ else running on the tiers' process group:
    names only the files assembled there and the items whose extents they
    hold, and ``dcp.load`` reads it through ``FastPersistReader`` with
    ``verify_checksums`` on: every check of a normal load applies (names of
-   this save only, no links, checksums).
+   this save only, no links, checksums).  The load overlaps the replica
+   transfers of step 4, which run on a thread of their own (over a gloo
+   group the restore makes at the caller's priority): the ranks of a node
+   that receives wait in the load's ``read_data`` until every transfer
+   ended; the others read their local copies at once.
 
 Checks: bytes that crossed from another node or from the persistent tier
 are checked against the metadata's CRCs before they are named.  A local
@@ -57,6 +61,7 @@ leaving the others in a collective until the group's timeout.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -64,11 +69,15 @@ import shutil
 import time
 import zlib
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any, Callable
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
@@ -80,12 +89,17 @@ from fp_dcp.load.jobs import whole_chunk_read
 from fp_dcp.tiers import integrity, store
 from fp_dcp.tiers.agree import TierError, exchange
 from fp_dcp.tiers.integrity import extent_ranges, ranges_bytes
-from fp_dcp.tiers.replicate import CHUNK_BYTES, Transfer, run_transfers
+from fp_dcp.tiers.replicate import FileIO, Transfer, run_transfers
 from fp_dcp.tiers.topology import Topology
 
 __all__ = ["RestoreResult", "restore", "TierRestoreError"]
 
 TIERS = ("local", "replica", "persistent")
+
+#: The most bytes of a replica sent as one part (each part checked on
+#: arrival): the holder reads the next part while this one crosses, the
+#: receiver checks and writes it while the next arrives.
+CHUNK_BYTES = 32 << 20
 
 #: Tests: called with ``"local NAME"``, ``"send NAME"`` or ``"persistent
 #: NAME"`` on the rank about to read that copy of data file NAME.
@@ -221,7 +235,12 @@ def subset_layout(layout: fmt.StorageLayout, held: Any) -> fmt.StorageLayout:
 
 def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str, persistent_root: str | None,
             group, bytes_group=None, planner=None, step: int | None = None,
-            options: FastPersistOptions | None = None) -> RestoreResult | None:
+            options: FastPersistOptions | None = None, timeout: timedelta | None = None) -> RestoreResult | None:
+    """``group``: a gloo group of every rank for the restore's own
+    collectives and ``dcp.load``; ``bytes_group``: the group replicas move
+    over (an NCCL group, or ``None``/``group``: gloo); ``timeout``: that of
+    the gloo group the restore makes for the replicas' transfers (the
+    default: torch's)."""
     t0 = time.perf_counter()
     world = dist.get_world_size(group)
 
@@ -232,43 +251,57 @@ def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str,
             pers = {s: d for s, d in _holding_doc(store.scan(persistent_root)).items() if d[0] is not None}
         return mine, pers
 
-    gathered = _exchange(group, world, "restore: taking stock of the tiers", inventory)
-    invs = [g[0] for g in gathered]
-    pers = gathered[0][1]
-    passed: list[str] = []  # steps passed over, and why
-    excluded: set[int] = set()
-    while True:
-        chosen = _choose(step, invs, pers, excluded)
-        if chosen is None:
-            if passed:
-                raise TierRestoreError("no step is loadable from the tiers: " + "; ".join(passed))
-            if step is not None:
-                raise TierRestoreError(f"step {step} is complete in no tier (local, replicas, persistent)")
-            return None
-        s, save_id, files = chosen
-        attempt = _StepRestore(state_dict, rank, world, topology, local_root, persistent_root, group,
-                               bytes_group or group, planner, options, invs, pers, s, save_id, files)
-        attempt.phases["agree"] = time.perf_counter() - t0
-        try:
-            result = attempt.run()
-        except _Unloadable as e:
-            passed.append(f"step {s}: {e}")
-            excluded.add(s)
-            if step is not None:
-                raise TierRestoreError(f"step {s} is not loadable: {e}") from None
-            continue
-        result.skipped = [f"passed over {p}" for p in passed] + result.skipped
-        result.seconds = time.perf_counter() - t0
-        return result
+    # the transfers' gloo group (see _StepRestore), made while the tiers are
+    # scanned, on a thread started here: its threads (gloo's, which move the
+    # bytes) run at the caller's priority, not the manager's background one
+    pool = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-restore-group")
+    making = pool.submit(dist.new_group, backend="gloo", **({} if timeout is None else {"timeout": timeout}))
+    pool.shutdown(wait=False)
+    try:
+        gathered = _exchange(group, world, "restore: taking stock of the tiers", inventory)
+        invs = [g[0] for g in gathered]
+        pers = gathered[0][1]
+        passed: list[str] = []  # steps passed over, and why
+        excluded: set[int] = set()
+        while True:
+            chosen = _choose(step, invs, pers, excluded)
+            if chosen is None:
+                if passed:
+                    raise TierRestoreError("no step is loadable from the tiers: " + "; ".join(passed))
+                if step is not None:
+                    raise TierRestoreError(f"step {step} is complete in no tier (local, replicas, persistent)")
+                return None
+            s, save_id, files = chosen
+            attempt = _StepRestore(state_dict, rank, world, topology, local_root, persistent_root, group,
+                                   making.result(), bytes_group, planner, options, invs, pers, s, save_id, files)
+            attempt.phases["agree"] = time.perf_counter() - t0
+            try:
+                result = attempt.run()
+            except _Unloadable as e:
+                passed.append(f"step {s}: {e}")
+                excluded.add(s)
+                if step is not None:
+                    raise TierRestoreError(f"step {s} is not loadable: {e}") from None
+                continue
+            result.skipped = [f"passed over {p}" for p in passed] + result.skipped
+            result.seconds = time.perf_counter() - t0
+            return result
+    finally:
+        dist.destroy_process_group(making.result())
 
 
 class _StepRestore:
     """One attempt at restoring step ``s`` (phases 3 to 5)."""
 
-    def __init__(self, state_dict, rank, world, topology: Topology, local_root, persistent_root, group, bytes_group,
-                 planner, options, invs, pers, s, save_id, files) -> None:
+    def __init__(self, state_dict, rank, world, topology: Topology, local_root, persistent_root, group, moving,
+                 bytes_group, planner, options, invs, pers, s, save_id, files) -> None:
         self.state_dict, self.rank, self.world, self.topology = state_dict, rank, world, topology
-        self.group, self.bytes_group, self.planner, self.options = group, bytes_group, planner, options
+        self.group, self.planner, self.options = group, planner, options
+        # the replicas' transfers run on a thread of their own while the load
+        # runs on this one (group): their collectives go over ``moving``, their
+        # bytes too unless an NCCL group carries them
+        self.moving = moving
+        self.bytes_group = moving if bytes_group is None or bytes_group is group else bytes_group
         self.invs, self.pers, self.s, self.save_id = invs, pers, s, save_id
         self.sizes = dict(files)
         self.node = topology.node_of(rank)
@@ -283,6 +316,7 @@ class _StepRestore:
         self.tried: dict[str, list[str]] = {}  # file -> "source: why" of every copy passed over
         self.taken = {t: 0 for t in TIERS}  # this rank's, of the copies in use
         self.chosen: dict[tuple[int, str], str] = {}  # (node, file) -> tier of the copy in use (every rank knows)
+        self.receiving: dict[str, store.RangesFile] = {}  # the replica copies this rank receives this round
 
     # ------------------------------------------------------------ phases
 
@@ -291,6 +325,10 @@ class _StepRestore:
         try:
             return self._run()
         finally:
+            for f in self.receiving.values():  # left by a failure
+                f.discard()
+            if "_file_io" in self.__dict__:
+                self._file_io.close()
             if self.leader:
                 shutil.rmtree(self.restore_dir, ignore_errors=True)
 
@@ -301,13 +339,15 @@ class _StepRestore:
         reads = _exchange(self.group, self.world, f"restore: planning the load of step {self.s}",
                           lambda: _reads(self.state_dict, self.metadata, self.layout, load_planner, self.rank == 0))
         self.needs = self._node_needs(reads)
+        self.mine = reads[self.rank]
         self.phases["plan"] = time.perf_counter() - t
         t = time.perf_counter()
-        self._assemble(self.needs)
+        incoming = self._assemble(self.needs, background=True)
         self.phases["assemble"] = time.perf_counter() - t
         t = time.perf_counter()
         while True:
-            failed = self._load()
+            failed = self._load(incoming)
+            incoming = None
             if not failed:
                 break
             self._assemble(failed)
@@ -370,11 +410,15 @@ class _StepRestore:
 
     # ---------------------------------------------------------- assembly
 
-    def _assemble(self, pending: list[_Need]) -> None:
+    def _assemble(self, pending: list[_Need], background: bool = False) -> concurrent.futures.Future | None:
         """Fetch ``pending`` from the fastest good source of each, in rounds
         (a copy that fails goes to the next source) until every one is in
         its node's restore directory; :class:`_Unloadable` when some need
-        has no good source left."""
+        has no good source left.  With ``background``, a first round whose
+        local and persistent copies all succeeded leaves its replica
+        transfers running on a thread and returns their future (every
+        rank's failed copies, :meth:`_start_transfers`), for the load to
+        overlap."""
         while pending:
             plan: list[tuple[_Need, str, int]] = []
             missing = []
@@ -394,19 +438,58 @@ class _StepRestore:
                 self.chosen[(need.node, need.name)] = tier
             local_failures = _exchange(self.group, self.world, f"restore: assembling step {self.s}",
                                        lambda: self._fetch_here(plan))
-            transfer_failures = self._transfers(plan)
-            every: list = [None] * self.world
-            dist.all_gather_object(every, transfer_failures, group=self.group)
-            failed = self._mark_bad(sorted({f for fs in local_failures + every for f in fs}))
+            if background and not any(local_failures):
+                return self._start_transfers(plan)
+            moved = _exchange(self.moving, self.world, f"restore: moving replicas of step {self.s}",
+                              lambda: self._transfers(plan))
+            failed = self._mark_bad(sorted({f for fs in local_failures + moved for f in fs}))
             pending = [need for need, _, _ in plan if (need.receiver, need.name) in failed]
+        return None
+
+    def _start_transfers(self, plan) -> concurrent.futures.Future | None:
+        """The replica copies of ``plan`` on a thread of their own (its
+        collectives on ``self.moving``, none on ``self.group``): a future of
+        every rank's failed copies, raising :class:`TierRestoreError` on
+        every rank when a transfer raised on some rank.  ``None`` when the
+        plan has no replica copy."""
+        if not any(tier == "replica" for _, tier, _ in plan):
+            return None
+        # the current CUDA device is per thread: the NCCL transport's tensors
+        # go on the caller's, not on the new thread's default one
+        cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+        def work():
+            if cuda is not None:
+                torch.cuda.set_device(cuda)
+            t = time.perf_counter()
+            try:
+                return _exchange(self.moving, self.world, f"restore: moving replicas of step {self.s}",
+                                 lambda: self._transfers(plan))
+            finally:
+                self.phases["replicas"] = time.perf_counter() - t
+
+        pool = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-restore-moves")
+        try:
+            return pool.submit(work)
+        finally:
+            pool.shutdown(wait=False)
 
     def _fetch_here(self, plan) -> list[tuple[str, str, str, int]]:
         """This rank's copies from its node's local tier and from the
-        persistent tier.  A copy that fails its checks is returned as
-        ``(file, source, why, rank)``; any other error raises."""
+        persistent tier, and the files of the replica copies it will
+        receive, created empty (:meth:`_transfers` fills them; the load,
+        whose metadata read wants every file there, reads them only once
+        they are whole and checked).  A copy that fails its checks is
+        returned as ``(file, source, why, rank)``; any other error raises."""
         failures = []
+        self.receiving = {}
         for need, tier, src in plan:
-            if need.receiver != self.rank or tier == "replica":
+            if need.receiver != self.rank:
+                continue
+            if tier == "replica":
+                fid = self.fid_of[need.name]
+                self.receiving[need.name] = store.RangesFile(os.path.join(self.restore_dir, need.name),
+                                                             self.layout.files[fid][1])
                 continue
             fid = self.fid_of[need.name]
             dst = os.path.join(self.restore_dir, need.name)
@@ -432,12 +515,15 @@ class _StepRestore:
         return failures
 
     def _transfers(self, plan) -> list[tuple[str, str, str, int]]:
-        """The replica copies of ``plan`` over the process group: each
+        """The replica copies of ``plan`` over ``self.bytes_group``: each
         holder reads the extents a node needs and sends them, in parts of
-        at most ``CHUNK_BYTES`` (so it reads the next part while the
-        receiver checks and writes this one); the node's receiver checks
-        each part and writes it at its offsets, and names the file when
-        every part arrived good."""
+        at most ``CHUNK_BYTES``; the node's receiver checks each part and
+        writes it at its offsets, and names the file when every part
+        arrived good.  Three stages overlap on each side: the holder reads
+        the next part (O_DIRECT, :class:`_ReadAhead`) while this one is
+        sent; the receiver checks and writes a part on a thread of its own
+        while the next one arrives.  This rank's failed copies:
+        ``(file, source, why, rank)``."""
         parts: dict[tuple[int, str], tuple[_Need, list, int, bool]] = {}  # (receiver, transfer) -> need, ranges, k, last?
         transfers = []
         for need, tier, src in plan:
@@ -448,52 +534,84 @@ class _StepRestore:
                 t = Transfer(src, need.receiver, f"{need.name}:{k}", ranges_bytes(ranges))
                 parts[(t.dst, t.name)] = (need, ranges, k, k == len(split) - 1)
                 transfers.append(t)
-        files: dict[str, store.RangesFile] = {}  # being received, every part so far good
+        sends = [t for t in transfers if t.src == self.rank != t.dst]
+        receives = [t for t in transfers if t.dst == self.rank != t.src]
+        if not sends and not receives:
+            return []  # (receives none: self.receiving is empty)
+        files = self.receiving  # being received, every part so far good (then closed and dropped)
         arrived: dict[str, int] = {}  # parts received good, by file
-        failures: dict[str, tuple[int, str]] = {}  # file -> (sender, why)
+        failures: dict[str, tuple[int, int, str]] = {}  # file -> (part, sender, why) of its first failed part
+        ahead = _ReadAhead(self._file_io if sends else None,
+                           [(os.path.join(self.local_dir, parts[(t.dst, t.name)][0].name), parts[(t.dst, t.name)][1])
+                            for t in sends])
+        # two receive buffers in turn: one being received into, one checked and written
+        size = max((t.size for t in receives), default=0)
+        buffers = [np.empty(size if receives else 0, dtype=np.uint8) for _ in range(2)]
+        jobs: list[concurrent.futures.Future | None] = [None, None]
+        turn = [0]
+        writer = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-restore-write") if receives else None
 
         def read(t: Transfer) -> Any:
-            need, ranges, _, _ = parts[(t.dst, t.name)]
+            data = ahead.take()
             if fault_hook is not None:
-                fault_hook(f"send {need.name}")
-            return integrity.read_ranges(os.path.join(self.local_dir, need.name), ranges)
+                fault_hook(f"send {parts[(t.dst, t.name)][0].name}")
+            return data.result()
+
+        def receive_buffer(t: Transfer) -> np.ndarray:
+            slot = turn[0] % 2
+            if jobs[slot] is not None:
+                jobs[slot].result()  # the part received into it two parts ago is written
+            return buffers[slot][: t.size]
 
         def receive(t: Transfer, data: Any) -> None:
+            slot = turn[0] % 2
+            turn[0] += 1
+            assert writer is not None
+            jobs[slot] = writer.submit(check_and_write, t, data)
+
+        def check_and_write(t: Transfer, data: Any) -> None:
             need, ranges, k, last = parts[(t.dst, t.name)]
             if need.name in failures:  # an earlier part failed: the file comes from the next source
                 return
             if arrived.get(need.name, 0) != k:  # an earlier part never came (its sender failed)
-                failures[need.name] = (t.src, f"part {arrived.get(need.name, 0)} did not arrive")
+                failures[need.name] = (k, t.src, f"part {arrived.get(need.name, 0)} did not arrive")
                 return
             fid = self.fid_of[need.name]
             try:
                 integrity.check_buffer(data, self.layout, fid, f"{need.name} from rank {t.src}", ranges=ranges)
-                if need.name not in files:
-                    files[need.name] = store.RangesFile(os.path.join(self.restore_dir, need.name),
-                                                        self.layout.files[fid][1])
                 files[need.name].write(ranges, data)
-            except Exception as e:
-                failures[need.name] = (t.src, str(e))
-                raise
+            except Exception as e:  # noqa: BLE001 - this copy fails; the file comes from the next source
+                failures[need.name] = (k, t.src, str(e))
+                return
             arrived[need.name] = k + 1
             if last:
-                files.pop(need.name).commit()
+                files.pop(need.name).close()
                 self.taken["replica"] += ranges_bytes(need.ranges)
 
         try:
-            _, failed = run_transfers(transfers, self.rank, self.bytes_group, read, receive)
-            named = set()
-            for t in transfers:  # each file's first failed part says why
-                if t in failed and t.dst == self.rank:
-                    need = parts[(t.dst, t.name)][0]
-                    if need.name not in named:
-                        named.add(need.name)
-                        failures[need.name] = (t.src, failed[t])
+            _, failed = run_transfers(transfers, self.rank, self.bytes_group, read, receive,
+                                      receive_buffer=receive_buffer)
+            if writer is not None:
+                writer.shutdown(wait=True)  # every part received is checked and written
+            for t, why in failed.items():  # a part that failed in run_transfers (its sender could not read it)
+                if t.dst == self.rank:
+                    need, _, k, _ = parts[(t.dst, t.name)]
+                    if need.name not in failures or failures[need.name][0] > k:
+                        failures[need.name] = (k, t.src, why)
         finally:
-            for f in files.values():
+            if writer is not None:
+                writer.shutdown(wait=True)
+            ahead.close()
+            for f in files.values():  # not whole, or not good: removed, never read
                 f.discard()
+            files.clear()
         return [(name, _source_key("replica", src, self.topology), why, self.rank)
-                for name, (src, why) in sorted(failures.items())]
+                for name, (_, src, why) in sorted(failures.items())]
+
+    @functools.cached_property
+    def _file_io(self) -> FileIO:
+        """How this rank reads the replicas it sends: O_DIRECT into reused buffers."""
+        return FileIO(self.options or FastPersistOptions.from_env(), self.restore_dir)
 
     def _mark_bad(self, failures) -> set[tuple[int, str]]:
         """Record every rank's failed copies (the same list on every rank);
@@ -529,48 +647,79 @@ class _StepRestore:
 
     # -------------------------------------------------------------- load
 
-    def _load(self) -> list[_Need]:
+    def _load(self, incoming: concurrent.futures.Future | None) -> list[_Need]:
         """``dcp.load`` of every node's assembled files; ``[]`` when it
-        loaded.  When it failed (on every rank: DCP shares the outcome),
-        each node checks the local copies it linked: the bad ones are marked
-        and returned (to fetch from the next tier); none bad: the load's
-        error is raised."""
+        loaded.  ``incoming``: replica transfers still running
+        (:meth:`_start_transfers`): the ranks of a node that receives any
+        wait for them in the load's ``read_data`` (:class:`_ArrivingReader`)
+        while the other ranks already read; then every rank learns every
+        failed copy, which is marked and returned (to fetch from the next
+        tier).  When the load failed otherwise (on every rank: DCP shares
+        the outcome), each node checks the local copies it linked: the bad
+        ones are marked and returned; none bad: the load's error is
+        raised."""
         node_needs = [n for n in self.needs if n.node == self.node]
-        if self.leader:
-            held = {n.name: (None if self.chosen[(n.node, n.name)] == "local" else n.ranges) for n in node_needs}
-            metadata = dataclasses.replace(self.metadata)
-            metadata.storage_data = sub = subset_layout(self.layout, held)
-            store.write_atomic(os.path.join(self.restore_dir, fmt.METADATA_NAME),
-                               fmt.encode_metadata(metadata, sub, self.extra), sync=False)
-        dist.barrier(group=self.group)
-        # every rank reads only its node's files (no shared reads), through
-        # the page cache (the assembly wrote the fetched files there), and
-        # checks every block it reads whole (local copies rely on it)
-        opts = (self.options or FastPersistOptions.from_env()).replace(
-            share_replicated_reads=False, share_interleaved_reads=False, direct_io=False, verify_checksums=True)
-        reader = FastPersistReader(self.restore_dir, options=opts)
-        try:  # what raises in here raises on every rank (DCP gathers every rank's outcome)
-            dcp.load(self.state_dict, storage_reader=reader, planner=self.planner, process_group=self.group)
+        try:
+            if self.leader:
+                held = {n.name: (None if self.chosen[(n.node, n.name)] == "local" else n.ranges) for n in node_needs}
+                metadata = dataclasses.replace(self.metadata)
+                metadata.storage_data = sub = subset_layout(self.layout, held)
+                store.write_atomic(os.path.join(self.restore_dir, fmt.METADATA_NAME),
+                                   fmt.encode_metadata(metadata, sub, self.extra), sync=False)
             dist.barrier(group=self.group)
-            return []
-        except Exception as load_error:
+            # every rank reads only its node's files (no shared reads) and
+            # checks every block it reads whole (local copies rely on it); a
+            # rank that reads only local copies reads them with O_DIRECT (the
+            # disk straight into the state), the others through the page
+            # cache (the assembly wrote the fetched files there)
+            direct = all(self.chosen[(self.node, name)] == "local" for name in self.mine)
+            opts = (self.options or FastPersistOptions.from_env()).replace(
+                share_replicated_reads=False, share_interleaved_reads=False, verify_checksums=True,
+                **({} if direct else {"direct_io": False}))
+            waits = incoming is not None and any(self.chosen[(n.node, n.name)] == "replica" for n in node_needs)
+            reader = _ArrivingReader(self.restore_dir, opts, functools.partial(self._arrived, incoming)
+                                     if waits else None)
+            load_error = None
+            try:  # what raises in here raises on every rank (DCP gathers every rank's outcome)
+                dcp.load(self.state_dict, storage_reader=reader, planner=self.planner, process_group=self.group)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - below: a copy to fetch again, or raised
+                load_error = e
+        finally:
+            moved = [] if incoming is None else incoming.result()  # raises on every rank when moving failed on one
+        failed = self._mark_bad(sorted({f for fs in moved for f in fs}))  # never named: fetched again
+        redo = [need for need in self.needs if (need.receiver, need.name) in failed]
+        if not redo and load_error is not None:
             failures = _exchange(self.group, self.world, f"restore: checking step {self.s}'s local copies after a failed load",
                                  lambda: self._check_linked(node_needs))
             flat = sorted({f for fs in failures for f in fs})
             if not flat:
-                raise
+                raise load_error
             failed = self._mark_bad([(n, src, f"{why} (found after the load failed: {load_error})", r)
                                      for n, src, why, r in flat])
             redo = [need for need in self.needs if (need.receiver, need.name) in failed]
             for need in redo:
                 if need.receiver == self.rank:
                     self.taken["local"] -= ranges_bytes(need.ranges)
-                    try:
-                        os.unlink(os.path.join(self.restore_dir, need.name))
-                    except FileNotFoundError:
-                        pass
-            dist.barrier(group=self.group)
-            return redo
+        for need in redo:
+            if need.receiver == self.rank:
+                try:
+                    os.unlink(os.path.join(self.restore_dir, need.name))
+                except FileNotFoundError:
+                    pass
+        dist.barrier(group=self.group)
+        return redo
+
+    def _arrived(self, incoming: concurrent.futures.Future) -> None:
+        """Wait for the replica transfers (on a rank whose node receives
+        some); raise when a copy this node needs failed."""
+        t = time.perf_counter()
+        try:
+            moved = incoming.result()
+        finally:
+            self.phases["wait"] = time.perf_counter() - t
+        ours = sorted({name for fs in moved for name, _, _, r in fs if self.topology.node_of(r) == self.node})
+        if ours:
+            raise OSError(f"restore: {', '.join(ours)} did not arrive good from a replica; fetching again")
 
     def _check_linked(self, node_needs: list[_Need]) -> list[tuple[str, str, str, int]]:
         failures = []
@@ -583,6 +732,55 @@ class _StepRestore:
             except OSError as e:
                 failures.append((need.name, _source_key("local", self.rank, self.topology), str(e), self.rank))
         return failures
+
+
+class _ArrivingReader(FastPersistReader):
+    """:class:`FastPersistReader` whose ``read_data`` first waits until
+    ``arrived()`` returns: the files this node receives are complete and
+    checked (it raises when one failed, which fails the load on every
+    rank).  DCP's planning, the other ranks' reads and the transfers run
+    meanwhile."""
+
+    def __init__(self, path: str, options: FastPersistOptions, arrived: Callable[[], None] | None) -> None:
+        super().__init__(path, options=options)
+        self._arrived = arrived
+
+    def read_data(self, plan, planner):
+        if self._arrived is not None:
+            self._arrived()
+        return super().read_data(plan, planner)
+
+
+class _ReadAhead:
+    """The parts a rank sends, in the order it sends them, each read while
+    the one before is sent: on a thread of its own, with O_DIRECT
+    (:meth:`FileIO.read_ranges`), into two buffers used in turn, so a
+    part's bytes stay valid until the part after it is taken."""
+
+    def __init__(self, io: FileIO | None, parts: list[tuple[str, list[tuple[int, int]]]]) -> None:
+        self.io, self.parts, self.next = io, parts, 0
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-restore-read") if parts else None
+        self.pending = self._start(0)
+
+    def _start(self, k: int) -> concurrent.futures.Future | None:
+        if k >= len(self.parts):
+            return None
+        assert self.pool is not None and self.io is not None
+        path, ranges = self.parts[k]
+        return self.pool.submit(self.io.read_ranges, path, ranges, f"send{k % 2}")
+
+    def take(self) -> concurrent.futures.Future:
+        """The next part's read (its bytes: ``.result()``); starts reading
+        the one after it."""
+        fut = self.pending
+        assert fut is not None, "more parts taken than listed"
+        self.next += 1
+        self.pending = self._start(self.next)
+        return fut
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
 
 
 def _source_key(tier: str, src: int, topology: Topology) -> str:

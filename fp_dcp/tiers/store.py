@@ -127,15 +127,16 @@ def write_atomic(path: str, data: bytes | memoryview, sync: bool = True) -> None
 
 
 class RangesFile:
-    """A file of ``size`` bytes at ``path`` written range by range
-    (:meth:`write`), holes elsewhere, named only at :meth:`commit` (a
-    temporary renamed over it; :meth:`discard` removes it).  Not synced: a
-    restore's scratch."""
+    """A file of ``size`` bytes created at ``path`` (never over an existing
+    entry: a name taken, by a link to a local copy say, is an error), holes
+    everywhere, then written range by range (:meth:`write`); :meth:`close`
+    when every range is written, :meth:`discard` removes it.  Not synced: a
+    restore's scratch, which the restore reads only once every range
+    written was checked (``docs/TIERS.md``)."""
 
     def __init__(self, path: str, size: int) -> None:
-        self.path, self.size, self.tmp = path, size, path + TMP_SUFFIX
-        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
-                                      0o644)
+        self.path, self.size = path, size
+        self.fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             os.ftruncate(self.fd, size)
         except BaseException:
@@ -145,6 +146,8 @@ class RangesFile:
     def write(self, ranges, data) -> None:
         """``data``: the bytes of ``ranges`` (``(offset, length)`` pairs),
         concatenated."""
+        if self.fd is None:
+            raise ValueError(f"{self.path}: closed")
         view = memoryview(data).cast("B")
         at = 0
         for off, n in ranges:
@@ -155,16 +158,14 @@ class RangesFile:
                 w += os.pwrite(self.fd, view[at + w: at + n], off + w)
             at += n
 
-    def commit(self) -> None:
-        os.close(self.fd)
-        self.fd = None
-        os.replace(self.tmp, self.path)
-
-    def discard(self) -> None:
+    def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        _unlink(self.tmp)
+
+    def discard(self) -> None:
+        self.close()
+        _unlink(self.path)
 
 
 def retain(root: str, keep: int, pinned: set[int] = frozenset(), newest: int | None = None) -> list[str]:
