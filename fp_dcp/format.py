@@ -236,6 +236,8 @@ def _enc(value: Any) -> Any:
     if isinstance(value, torch.Size):
         return {"__size__": list(value)}
     if isinstance(value, tuple):
+        if all(type(v) is str for v in value):  # DCP's planner data: a path of keys per item
+            return {"__tuple__": list(value)}
         return {"__tuple__": [_enc(v) for v in value]}
     if isinstance(value, list):
         return [_enc(v) for v in value]
@@ -290,18 +292,39 @@ def _int(value: Any, what: str) -> int:
 
 
 def _int_list(value: Any, what: str) -> list[int]:
+    if type(value) is list and all(type(v) is int for v in value):
+        return value  # the common case, checked without a call per element (JSON gives exact ints)
     return [_int(v, what) for v in _list(value, what)]
+
+
+def _shared_size(seen: dict[tuple, torch.Size], values: list[int]) -> torch.Size:
+    """``torch.Size(values)``, one object per distinct value (they are immutable)."""
+    t = tuple(values)
+    out = seen.get(t)
+    if out is None:
+        out = seen[t] = torch.Size(t)
+    return out
 
 
 def _index_key(index: MetadataIndex) -> list:
     return [index.fqn, None if index.offset is None else list(index.offset)]
 
 
-def _index_from_key(key: Any) -> MetadataIndex:
+def _index_from_key(key: Any, sizes: dict[tuple, torch.Size] | None = None) -> MetadataIndex:
+    """``sizes``: offsets already made into ``torch.Size``, shared (most
+    items have the same few offsets, all zeros)."""
     if not (isinstance(key, list) and len(key) == 2 and isinstance(key[0], str)):
         raise CheckpointFormatError(f"metadata: malformed item key {key!r}")
-    offset = None if key[1] is None else torch.Size(_int_list(key[1], "item offset"))
-    return MetadataIndex(key[0], offset)
+    if key[1] is None:
+        return MetadataIndex(key[0], None)
+    offset = _int_list(key[1], "item offset")
+    if sizes is None:
+        return MetadataIndex(key[0], torch.Size(offset))
+    t = tuple(offset)
+    shared = sizes.get(t)
+    if shared is None:
+        shared = sizes[t] = torch.Size(t)
+    return MetadataIndex(key[0], shared)
 
 
 def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, Any]) -> bytes:
@@ -324,10 +347,12 @@ def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, 
     block = layout.checksum_block_bytes
     for index, exts in layout.extents.items():
         for e in exts:
-            if e.crc32c is not None and (
-                block is None or not isinstance(e.crc32c, str) or len(e.crc32c) != 8 * checksum_blocks(e.length, block)
+            crc = e.crc32c
+            # 8 hex digits per checksum block (one block when empty: checksum_blocks)
+            if crc is not None and (
+                block is None or type(crc) is not str or len(crc) != 8 * (-(-e.length // block) or 1)
             ):
-                raise ValueError(f"{index.fqn}: extent checksum {e.crc32c!r} does not match its length {e.length}")
+                raise ValueError(f"{index.fqn}: extent checksum {crc!r} does not match its length {e.length}")
     doc = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -468,6 +493,7 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
         raise CheckpointFormatError(f"format version {doc.get('format_version')!r} in body, {version} in header")
     block = _checksum_block(doc, version)
     sd_md: dict[str, Any] = {}
+    sizes_seen: dict[tuple, torch.Size] = {}  # torch.Size objects are immutable: equal ones are shared
     raw_sd = doc["state_dict_metadata"]
     if not isinstance(raw_sd, dict):
         raise CheckpointFormatError("state_dict_metadata is not a mapping")
@@ -483,18 +509,21 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
         dtype = _dtype_from_name(md["dtype"], fqn)
         if len(size) > 64 or any(d < 0 for d in size) or math.prod(size) * dtype.itemsize > _MAX_FILE:
             raise CheckpointFormatError(f"{fqn}: tensor size {size[:8]} out of range")
+        tsize = _shared_size(sizes_seen, size)
         chunks = []
         for c in _list(md["chunks"], f"{fqn} chunks"):
+            if type(c) is not list or len(c) != 2:
+                raise CheckpointFormatError(f"{fqn}: malformed chunk {str(c)[:80]}")
             offs, sizes = _int_list(c[0], f"{fqn} chunk offsets"), _int_list(c[1], f"{fqn} chunk sizes")
             if len(offs) != len(size) or len(sizes) != len(size) or any(
                 o < 0 or s < 0 or o + s > d for o, s, d in zip(offs, sizes, size)
             ):
                 raise CheckpointFormatError(f"{fqn}: chunk {offs}+{sizes} outside tensor {size}")
-            chunks.append(ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
+            chunks.append(ChunkStorageMetadata(_shared_size(sizes_seen, offs), _shared_size(sizes_seen, sizes)))
         props = TensorProperties(
             dtype=dtype, requires_grad=bool(md.get("requires_grad", False))
         )
-        sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+        sd_md[fqn] = TensorStorageMetadata(properties=props, size=tsize, chunks=chunks)
 
     save_id = doc["save_id"]
     if not isinstance(save_id, str) or not _SAVE_ID.fullmatch(save_id):
@@ -511,21 +540,31 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
             raise CheckpointFormatError(f"data file {name!r}: size {size} out of range")
         files.append((name, size))
     extents: dict[MetadataIndex, list[Extent]] = {}
-    for key, raw_exts in _list(doc["extents"], "extents"):
-        index = _index_from_key(key)
+    file_sizes = [size for _, size in files]
+    n_fields = (4, 5) if version >= 2 else (4,)
+    for pair in _list(doc["extents"], "extents"):
+        if type(pair) is not list or len(pair) != 2:
+            raise CheckpointFormatError(f"metadata: malformed extents entry {str(pair)[:80]}")
+        key, raw_exts = pair
+        index = _index_from_key(key, sizes_seen)
         exts = []
         for r in _list(raw_exts, f"extents of {index.fqn}"):
-            r = _list(r, f"extent of {index.fqn}")
-            if len(r) not in ((4, 5) if version >= 2 else (4,)):
+            if type(r) is not list or len(r) not in n_fields:
+                r = _list(r, f"extent of {index.fqn}")
                 raise CheckpointFormatError(f"{index.fqn}: an extent has {len(r)} fields")
-            f, fo, io_, ln = (_int(v, f"extent of {index.fqn}") for v in r[:4])
-            if not 0 <= f < len(files) or fo < 0 or not 0 <= io_ <= _MAX_FILE or ln < 0 or fo + ln > files[f][1]:
+            f, fo, io_, ln = r[0], r[1], r[2], r[3]
+            if not (type(f) is int and type(fo) is int and type(io_) is int and type(ln) is int):
+                f, fo, io_, ln = (_int(v, f"extent of {index.fqn}") for v in r[:4])
+            if not 0 <= f < len(file_sizes) or fo < 0 or not 0 <= io_ <= _MAX_FILE or ln < 0 or fo + ln > file_sizes[f]:
                 raise CheckpointFormatError(
                     f"{index.fqn}: extent (file {f}, offset {fo}, length {ln}) lies outside the data files"
                 )
             crc = _extent_crc(r[4], ln, block, index.fqn) if len(r) == 5 else None
             exts.append(Extent(f, fo, io_, ln, crc))
-        exts.sort(key=lambda e: e.item_offset)
+        if len(exts) > 1:
+            exts.sort(key=lambda e: e.item_offset)
+        if index in extents:
+            raise CheckpointFormatError(f"{index.fqn}: two extent lists for one item")
         extents[index] = exts
     _check_no_overlap(extents)
     layout = StorageLayout(
