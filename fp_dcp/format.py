@@ -310,21 +310,11 @@ def _index_key(index: MetadataIndex) -> list:
     return [index.fqn, None if index.offset is None else list(index.offset)]
 
 
-def _index_from_key(key: Any, sizes: dict[tuple, torch.Size] | None = None) -> MetadataIndex:
-    """``sizes``: offsets already made into ``torch.Size``, shared (most
-    items have the same few offsets, all zeros)."""
+def _index_from_key(key: Any) -> MetadataIndex:
     if not (isinstance(key, list) and len(key) == 2 and isinstance(key[0], str)):
         raise CheckpointFormatError(f"metadata: malformed item key {key!r}")
-    if key[1] is None:
-        return MetadataIndex(key[0], None)
-    offset = _int_list(key[1], "item offset")
-    if sizes is None:
-        return MetadataIndex(key[0], torch.Size(offset))
-    t = tuple(offset)
-    shared = sizes.get(t)
-    if shared is None:
-        shared = sizes[t] = torch.Size(t)
-    return MetadataIndex(key[0], shared)
+    # MetadataIndex makes its own torch.Size of the offset
+    return MetadataIndex(key[0], None if key[1] is None else _int_list(key[1], "item offset"))
 
 
 def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, Any]) -> bytes:
@@ -546,7 +536,7 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
         if type(pair) is not list or len(pair) != 2:
             raise CheckpointFormatError(f"metadata: malformed extents entry {str(pair)[:80]}")
         key, raw_exts = pair
-        index = _index_from_key(key, sizes_seen)
+        index = _index_from_key(key)
         exts = []
         for r in _list(raw_exts, f"extents of {index.fqn}"):
             if type(r) is not list or len(r) not in n_fields:
