@@ -263,6 +263,8 @@ def _dec(value: Any) -> Any:
             if tag == "__size__":
                 return torch.Size(_int_list(inner, "size"))
             if tag == "__tuple__":
+                if type(inner) is list and all(type(v) is str for v in inner):
+                    return tuple(inner)  # DCP's planner data: a path of keys per item
                 return tuple(_dec(v) for v in _list(inner, "tuple"))
             if tag == "__dict__":
                 out = {}
@@ -495,18 +497,29 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
             continue
         if md.get("type") != "tensor":
             raise CheckpointFormatError(f"{fqn}: unknown entry type {md.get('type')!r}")
-        size = _int_list(md["size"], f"{fqn} size")
+        size = md["size"]
+        if not (type(size) is list and all(type(d) is int for d in size)):  # (exact ints: the common case)
+            size = _int_list(size, f"{fqn} size")
         dtype = _dtype_from_name(md["dtype"], fqn)
         if len(size) > 64 or any(d < 0 for d in size) or math.prod(size) * dtype.itemsize > _MAX_FILE:
             raise CheckpointFormatError(f"{fqn}: tensor size {size[:8]} out of range")
         tsize = _shared_size(sizes_seen, size)
         chunks = []
-        for c in _list(md["chunks"], f"{fqn} chunks"):
+        raw_chunks = md["chunks"]
+        for c in raw_chunks if type(raw_chunks) is list else _list(raw_chunks, f"{fqn} chunks"):
             if type(c) is not list or len(c) != 2:
                 raise CheckpointFormatError(f"{fqn}: malformed chunk {str(c)[:80]}")
-            offs, sizes = _int_list(c[0], f"{fqn} chunk offsets"), _int_list(c[1], f"{fqn} chunk sizes")
+            offs, sizes = c
+            if not (type(offs) is list and all(type(o) is int for o in offs)):
+                offs = _int_list(offs, f"{fqn} chunk offsets")
+            if not (type(sizes) is list and all(type(n) is int for n in sizes)):
+                sizes = _int_list(sizes, f"{fqn} chunk sizes")
+            if sizes == size and not any(offs) and len(offs) == len(size):
+                # the whole tensor (sizes checked above)
+                chunks.append(ChunkStorageMetadata(_shared_size(sizes_seen, offs), tsize))
+                continue
             if len(offs) != len(size) or len(sizes) != len(size) or any(
-                o < 0 or s < 0 or o + s > d for o, s, d in zip(offs, sizes, size)
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(offs, sizes, size)
             ):
                 raise CheckpointFormatError(f"{fqn}: chunk {offs}+{sizes} outside tensor {size}")
             chunks.append(ChunkStorageMetadata(_shared_size(sizes_seen, offs), _shared_size(sizes_seen, sizes)))
@@ -549,7 +562,13 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
                 raise CheckpointFormatError(
                     f"{index.fqn}: extent (file {f}, offset {fo}, length {ln}) lies outside the data files"
                 )
-            crc = _extent_crc(r[4], ln, block, index.fqn) if len(r) == 5 else None
+            crc = None
+            if len(r) == 5:
+                crc = r[4]
+                # the common case checked inline; _extent_crc says what is wrong
+                if not (block is not None and type(crc) is str and len(crc) == 8 * (-(-ln // block) or 1)
+                        and _HEX.issuperset(crc)):
+                    crc = _extent_crc(crc, ln, block, index.fqn)
             exts.append(Extent(f, fo, io_, ln, crc))
         if len(exts) > 1:
             exts.sort(key=lambda e: e.item_offset)
