@@ -303,9 +303,12 @@ def whole_chunk_read(sizes, dtype: torch.dtype, offsets, lengths, dest: torch.Te
     into a contiguous CPU target of its dtype, read as the chunk's extents
     whole (so a load with ``verify_checksums`` checks every block of them;
     ``fp_dcp.tiers.restore`` relies on it)."""
-    lengths, sizes = [int(n) for n in lengths], [int(n) for n in sizes]
-    return (math.prod(lengths) * dtype.itemsize <= _MAX_PIECE_BYTES and lengths == sizes and not any(offsets)
-            and dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous() and not dest.is_conj()
+    if type(lengths) is not list:
+        lengths = [int(n) for n in lengths]
+    if type(sizes) is not list:
+        sizes = [int(n) for n in sizes]
+    return (lengths == sizes and not any(offsets) and math.prod(lengths) * dtype.itemsize <= _MAX_PIECE_BYTES
+            and dest.dtype == dtype and dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj()
             and not dest.is_neg())
 
 
