@@ -236,6 +236,8 @@ def _enc(value: Any) -> Any:
     if isinstance(value, torch.Size):
         return {"__size__": list(value)}
     if isinstance(value, tuple):
+        if all(type(v) is str for v in value):  # DCP's planner data: a path of keys per item
+            return {"__tuple__": list(value)}
         return {"__tuple__": [_enc(v) for v in value]}
     if isinstance(value, list):
         return [_enc(v) for v in value]
@@ -261,6 +263,8 @@ def _dec(value: Any) -> Any:
             if tag == "__size__":
                 return torch.Size(_int_list(inner, "size"))
             if tag == "__tuple__":
+                if type(inner) is list and all(type(v) is str for v in inner):
+                    return tuple(inner)  # DCP's planner data: a path of keys per item
                 return tuple(_dec(v) for v in _list(inner, "tuple"))
             if tag == "__dict__":
                 out = {}
@@ -290,7 +294,18 @@ def _int(value: Any, what: str) -> int:
 
 
 def _int_list(value: Any, what: str) -> list[int]:
+    if type(value) is list and all(type(v) is int for v in value):
+        return value  # the common case, checked without a call per element (JSON gives exact ints)
     return [_int(v, what) for v in _list(value, what)]
+
+
+def _shared_size(seen: dict[tuple, torch.Size], values: list[int]) -> torch.Size:
+    """``torch.Size(values)``, one object per distinct value (they are immutable)."""
+    t = tuple(values)
+    out = seen.get(t)
+    if out is None:
+        out = seen[t] = torch.Size(t)
+    return out
 
 
 def _index_key(index: MetadataIndex) -> list:
@@ -300,8 +315,8 @@ def _index_key(index: MetadataIndex) -> list:
 def _index_from_key(key: Any) -> MetadataIndex:
     if not (isinstance(key, list) and len(key) == 2 and isinstance(key[0], str)):
         raise CheckpointFormatError(f"metadata: malformed item key {key!r}")
-    offset = None if key[1] is None else torch.Size(_int_list(key[1], "item offset"))
-    return MetadataIndex(key[0], offset)
+    # MetadataIndex makes its own torch.Size of the offset
+    return MetadataIndex(key[0], None if key[1] is None else _int_list(key[1], "item offset"))
 
 
 def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, Any]) -> bytes:
@@ -324,10 +339,12 @@ def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, 
     block = layout.checksum_block_bytes
     for index, exts in layout.extents.items():
         for e in exts:
-            if e.crc32c is not None and (
-                block is None or not isinstance(e.crc32c, str) or len(e.crc32c) != 8 * checksum_blocks(e.length, block)
+            crc = e.crc32c
+            # 8 hex digits per checksum block (one block when empty: checksum_blocks)
+            if crc is not None and (
+                block is None or type(crc) is not str or len(crc) != 8 * (-(-e.length // block) or 1)
             ):
-                raise ValueError(f"{index.fqn}: extent checksum {e.crc32c!r} does not match its length {e.length}")
+                raise ValueError(f"{index.fqn}: extent checksum {crc!r} does not match its length {e.length}")
     doc = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -468,6 +485,7 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
         raise CheckpointFormatError(f"format version {doc.get('format_version')!r} in body, {version} in header")
     block = _checksum_block(doc, version)
     sd_md: dict[str, Any] = {}
+    sizes_seen: dict[tuple, torch.Size] = {}  # torch.Size objects are immutable: equal ones are shared
     raw_sd = doc["state_dict_metadata"]
     if not isinstance(raw_sd, dict):
         raise CheckpointFormatError("state_dict_metadata is not a mapping")
@@ -479,22 +497,36 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
             continue
         if md.get("type") != "tensor":
             raise CheckpointFormatError(f"{fqn}: unknown entry type {md.get('type')!r}")
-        size = _int_list(md["size"], f"{fqn} size")
+        size = md["size"]
+        if not (type(size) is list and all(type(d) is int for d in size)):  # (exact ints: the common case)
+            size = _int_list(size, f"{fqn} size")
         dtype = _dtype_from_name(md["dtype"], fqn)
         if len(size) > 64 or any(d < 0 for d in size) or math.prod(size) * dtype.itemsize > _MAX_FILE:
             raise CheckpointFormatError(f"{fqn}: tensor size {size[:8]} out of range")
+        tsize = _shared_size(sizes_seen, size)
         chunks = []
-        for c in _list(md["chunks"], f"{fqn} chunks"):
-            offs, sizes = _int_list(c[0], f"{fqn} chunk offsets"), _int_list(c[1], f"{fqn} chunk sizes")
+        raw_chunks = md["chunks"]
+        for c in raw_chunks if type(raw_chunks) is list else _list(raw_chunks, f"{fqn} chunks"):
+            if type(c) is not list or len(c) != 2:
+                raise CheckpointFormatError(f"{fqn}: malformed chunk {str(c)[:80]}")
+            offs, sizes = c
+            if not (type(offs) is list and all(type(o) is int for o in offs)):
+                offs = _int_list(offs, f"{fqn} chunk offsets")
+            if not (type(sizes) is list and all(type(n) is int for n in sizes)):
+                sizes = _int_list(sizes, f"{fqn} chunk sizes")
+            if sizes == size and not any(offs) and len(offs) == len(size):
+                # the whole tensor (sizes checked above)
+                chunks.append(ChunkStorageMetadata(_shared_size(sizes_seen, offs), tsize))
+                continue
             if len(offs) != len(size) or len(sizes) != len(size) or any(
-                o < 0 or s < 0 or o + s > d for o, s, d in zip(offs, sizes, size)
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(offs, sizes, size)
             ):
                 raise CheckpointFormatError(f"{fqn}: chunk {offs}+{sizes} outside tensor {size}")
-            chunks.append(ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
+            chunks.append(ChunkStorageMetadata(_shared_size(sizes_seen, offs), _shared_size(sizes_seen, sizes)))
         props = TensorProperties(
             dtype=dtype, requires_grad=bool(md.get("requires_grad", False))
         )
-        sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+        sd_md[fqn] = TensorStorageMetadata(properties=props, size=tsize, chunks=chunks)
 
     save_id = doc["save_id"]
     if not isinstance(save_id, str) or not _SAVE_ID.fullmatch(save_id):
@@ -511,21 +543,37 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
             raise CheckpointFormatError(f"data file {name!r}: size {size} out of range")
         files.append((name, size))
     extents: dict[MetadataIndex, list[Extent]] = {}
-    for key, raw_exts in _list(doc["extents"], "extents"):
+    file_sizes = [size for _, size in files]
+    n_fields = (4, 5) if version >= 2 else (4,)
+    for pair in _list(doc["extents"], "extents"):
+        if type(pair) is not list or len(pair) != 2:
+            raise CheckpointFormatError(f"metadata: malformed extents entry {str(pair)[:80]}")
+        key, raw_exts = pair
         index = _index_from_key(key)
         exts = []
         for r in _list(raw_exts, f"extents of {index.fqn}"):
-            r = _list(r, f"extent of {index.fqn}")
-            if len(r) not in ((4, 5) if version >= 2 else (4,)):
+            if type(r) is not list or len(r) not in n_fields:
+                r = _list(r, f"extent of {index.fqn}")
                 raise CheckpointFormatError(f"{index.fqn}: an extent has {len(r)} fields")
-            f, fo, io_, ln = (_int(v, f"extent of {index.fqn}") for v in r[:4])
-            if not 0 <= f < len(files) or fo < 0 or not 0 <= io_ <= _MAX_FILE or ln < 0 or fo + ln > files[f][1]:
+            f, fo, io_, ln = r[0], r[1], r[2], r[3]
+            if not (type(f) is int and type(fo) is int and type(io_) is int and type(ln) is int):
+                f, fo, io_, ln = (_int(v, f"extent of {index.fqn}") for v in r[:4])
+            if not 0 <= f < len(file_sizes) or fo < 0 or not 0 <= io_ <= _MAX_FILE or ln < 0 or fo + ln > file_sizes[f]:
                 raise CheckpointFormatError(
                     f"{index.fqn}: extent (file {f}, offset {fo}, length {ln}) lies outside the data files"
                 )
-            crc = _extent_crc(r[4], ln, block, index.fqn) if len(r) == 5 else None
+            crc = None
+            if len(r) == 5:
+                crc = r[4]
+                # the common case checked inline; _extent_crc says what is wrong
+                if not (block is not None and type(crc) is str and len(crc) == 8 * (-(-ln // block) or 1)
+                        and _HEX.issuperset(crc)):
+                    crc = _extent_crc(crc, ln, block, index.fqn)
             exts.append(Extent(f, fo, io_, ln, crc))
-        exts.sort(key=lambda e: e.item_offset)
+        if len(exts) > 1:
+            exts.sort(key=lambda e: e.item_offset)
+        if index in extents:
+            raise CheckpointFormatError(f"{index.fqn}: two extent lists for one item")
         extents[index] = exts
     _check_no_overlap(extents)
     layout = StorageLayout(

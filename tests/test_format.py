@@ -260,3 +260,50 @@ def test_overlapping_extents_are_refused(ckpt):
     _rewrite(path, json.dumps(doc).encode())
     with pytest.raises(fmt.CheckpointFormatError, match="overlap"):
         read_checkpoint_metadata(str(path))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        # exact JSON types only: a bool or a float is not a file index, an offset or a length
+        (lambda doc: doc["extents"][0][1][0].__setitem__(0, True), "is not an integer"),
+        (lambda doc: doc["extents"][0][1][0].__setitem__(1, 0.0), "is not an integer"),
+        (lambda doc: doc["extents"][0][1][0].__setitem__(3, "16"), "is not an integer"),
+        (lambda doc: doc["extents"][0][1].__setitem__(0, {"file": 0}), "is not a list"),
+        (lambda doc: doc["extents"].__setitem__(0, doc["extents"][0][0]), "malformed"),
+        (lambda doc: doc["extents"].append(doc["extents"][0]), "two extent lists"),
+        (lambda doc: next(m for m in doc["state_dict_metadata"].values() if m["type"] == "tensor")
+         .__setitem__("size", [True]), "is not an integer"),
+        (lambda doc: next(m for m in doc["state_dict_metadata"].values() if m["type"] == "tensor")
+         ["chunks"].__setitem__(0, [[0]]), "malformed chunk|outside tensor"),
+        (lambda doc: doc["extents"][0][0].__setitem__(1, [0.5]), "is not an integer"),
+    ],
+)
+def test_malformed_extents_and_sizes_are_refused(ckpt, edit, message):
+    """The decoder's fast paths (exact-type checks over whole lists) refuse
+    what the per-field checks refused, with the same messages."""
+    _, path = ckpt
+    doc = json.loads(open(meta_path(path), "rb").read()[24:])
+    edit(doc)
+    _rewrite(path, json.dumps(doc).encode())
+    with pytest.raises(fmt.CheckpointFormatError, match=message):
+        read_checkpoint_metadata(str(path))
+
+
+def test_decoded_sizes_are_shared_and_equal(ckpt):
+    """Equal chunk offsets and sizes decode to one shared ``torch.Size`` each
+    (they are immutable), equal to what was saved."""
+    sd, path = ckpt
+    md, _, _ = read_checkpoint_metadata(str(path))
+    by_value: dict = {}
+    n = 0
+    for fqn, value in sd.items():
+        if isinstance(value, torch.Tensor):
+            tmd = md.state_dict_metadata[fqn]
+            assert tmd.size == value.shape
+            for c in tmd.chunks:
+                for size in (c.offsets, c.sizes):
+                    assert type(size) is torch.Size
+                    assert by_value.setdefault(tuple(size), size) is size
+                    n += 1
+    assert n > len(by_value)  # some were shared

@@ -157,3 +157,28 @@ def test_device_copy_logic_without_a_device(tmp_path, checksums, monkeypatch, ai
     g = torch.Generator().manual_seed(3)
     _check_write_cuda(tmp_path, [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in _SIZES],
                       checksums)
+
+
+def test_write_results_one_per_item_in_order_with_each_file_size_on_its_first_item():
+    """write_rank's results: one per item written (an item written in parts
+    on two devices has both extents), in item order, each file's size on the
+    result of the first item with bytes in it, the devices' statistics added."""
+    from types import SimpleNamespace
+
+    from fp_dcp.save.execute import _results
+    from fp_dcp.save.results import Written
+
+    items = [SimpleNamespace(index=f"i{k}") for k in range(4)]
+    dev0 = ([(2, "a.fpd", 0, 0, 8, "x"), (0, "a.fpd", 64, 0, 4, "y")], [("a.fpd", 4096)], {"bytes": 12, "requests": 1},
+            "aio", True)
+    dev1 = ([(3, "/d/b.fpd", 0, 0, 5, None), (2, "/d/b.fpd", 64, 8, 8, "z")], [("/d/b.fpd", 8192)],
+            {"bytes": 13, "requests": 2}, "aio", True)
+    stats = {"engine": None, "direct_io": None, "bytes": 0, "requests": 0}
+    results = _results(items, [dev0, dev1], stats)
+    assert [r.index for r in results] == ["i0", "i2", "i3"]
+    assert [r.size_in_bytes for r in results] == [4, 16, 5]
+    assert all(isinstance(r.storage_data, Written) for r in results)
+    assert results[1].storage_data.extents == (("a.fpd", 0, 0, 8, "x"), ("/d/b.fpd", 64, 8, 8, "z"))
+    # a.fpd's first item is i0, b.fpd's is i2 (item 2 precedes item 3)
+    assert [r.storage_data.file_sizes for r in results] == [(("a.fpd", 4096),), (("/d/b.fpd", 8192),), ()]
+    assert (stats["bytes"], stats["requests"], stats["engine"]) == (25, 3, "aio")

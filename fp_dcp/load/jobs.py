@@ -44,7 +44,7 @@ from fp_dcp.load.plan import (
 )
 from fp_dcp.save.layout import check_extents_cover
 
-__all__ = ["Job", "Limits", "ItemPlanner", "storage_bytes", "whole_chunk_read", "MERGE_RUN_MAX_BYTES", "MAX_BATCH_PIECES"]
+__all__ = ["Job", "Limits", "ExtentTable", "ItemPlanner", "storage_bytes", "whole_chunk_read", "MERGE_RUN_MAX_BYTES", "MAX_BATCH_PIECES"]
 
 # Runs at least this long are always read straight into their target: the
 # per-run cost (one memoryview, one engine piece) is negligible beside them,
@@ -102,6 +102,52 @@ class Job:
         self.done.append(fn)
 
 
+class ExtentTable:
+    """Every extent of a layout in one ``(4, n)`` int64 array (item offset,
+    length, file, file offset), made in one pass, with each item's rows and
+    whether its extents tile ``[0, total)`` exactly (item offsets from 0,
+    each where the last one ended), checked for all items at once: an item's
+    planning then takes views instead of building arrays of its extents."""
+
+    def __init__(self, extents: dict[MetadataIndex, list[fmt.Extent]]) -> None:
+        keys = list(extents)
+        counts = np.fromiter((len(v) for v in extents.values()), dtype=np.int64, count=len(keys))
+        n = int(counts.sum())
+        flat = np.fromiter(
+            (x for exts in extents.values() for e in exts for x in (e.item_offset, e.length, e.file, e.file_offset)),
+            dtype=np.int64, count=4 * n,
+        )
+        self.rows = flat.reshape(n, 4).T.copy()  # each column contiguous
+        ends = np.cumsum(counts)
+        starts = ends - counts
+        io_, ln = self.rows[0], self.rows[1]
+        # within an item, each extent starts where the one before it ends;
+        # the first starts at 0 (an item with no extents holds 0 bytes)
+        follows = np.ones(n, dtype=bool)
+        if n > 1:
+            follows[1:] = io_[1:] == io_[:-1] + ln[:-1]
+        nonempty = counts > 0
+        follows[starts[nonempty]] = io_[starts[nonempty]] == 0
+        bad = np.zeros(len(keys), dtype=np.int64)
+        if n:
+            bad[nonempty] = np.add.reduceat((~follows).astype(np.int64), starts[nonempty])
+        totals = np.zeros(len(keys), dtype=np.int64)
+        if n:
+            totals[nonempty] = np.add.reduceat(ln, starts[nonempty])
+        # each item's rows and total bytes (-1: its extents do not tile its range)
+        self._where = dict(zip(keys, zip(starts.tolist(), ends.tolist(), np.where(bad == 0, totals, -1).tolist())))
+
+    def get(self, key: MetadataIndex, nbytes: int) -> tuple[np.ndarray, ...] | None:
+        """The four columns of ``key``'s extents (views), or None when it has
+        none or they do not tile ``[0, nbytes)`` exactly."""
+        where = self._where.get(key)
+        if where is None or where[2] != nbytes:
+            return None
+        a, b, _ = where
+        rows = self.rows
+        return rows[0, a:b], rows[1, a:b], rows[2, a:b], rows[3, a:b]
+
+
 class ItemPlanner:
     """The jobs of a checkpoint's read items (``layout`` and
     ``state_dict_metadata`` of the checkpoint at ``path``, named in errors).
@@ -114,38 +160,39 @@ class ItemPlanner:
         self.path = path
         self.strict_dtype = strict_dtype
         self.allow_pickle = allow_pickle
-        self._ext_cache: dict[MetadataIndex, tuple[np.ndarray, ...]] = {}
+        self._table: ExtentTable | None = None  # made on first use, from layout.extents
 
     def chunk_sizes(self, fqn: str, chunk: Any) -> tuple[list[int], torch.dtype]:
         """The stored chunk's shape and dtype (``chunk``: its offsets, or None)."""
         md = self.state_dict_metadata.get(fqn)
         if not isinstance(md, TensorStorageMetadata):
             raise fmt.CheckpointFormatError(f"{self.path}: {fqn} is not a tensor in the checkpoint")
+        want = None if chunk is None else tuple(chunk)  # torch.Size is a tuple: compared without lists
         for c in md.chunks:
-            if chunk is None or list(c.offsets) == list(chunk):
-                return [int(s) for s in c.sizes], md.properties.dtype
+            if want is None or tuple(c.offsets) == want:
+                return list(c.sizes), md.properties.dtype
         raise fmt.CheckpointFormatError(f"{self.path}: {fqn}: the checkpoint has no chunk at {list(chunk)}")
 
     def extents(self, fqn: str, chunk: Any, nbytes: int, key: MetadataIndex | None = None) -> tuple[np.ndarray, ...]:
-        """The item's extents as arrays (item offsets, lengths, files, file offsets);
-        ``key``: its ``MetadataIndex`` where the caller has it (a read item's)."""
+        """The item's extents as arrays (item offsets, lengths, files, file offsets: views of one
+        table of every extent, :class:`ExtentTable`); ``key``: its ``MetadataIndex`` where the
+        caller has it (a read item's).  Raises unless they tile ``nbytes`` exactly."""
         if key is None:
             key = MetadataIndex(fqn, chunk)
-        cached = self._ext_cache.get(key)
-        if cached is not None:
-            return cached
-        exts = self.layout.extents.get(key)
-        if exts is None:
-            raise fmt.CheckpointFormatError(
-                f"{self.path}: no stored bytes for {fqn}"
-                + ("" if chunk is None else f" (chunk at {list(chunk)})")
-                + "; the checkpoint metadata is inconsistent"
-            )
-        check_extents_cover(fqn, exts, nbytes)
-        # one array, its rows (views) the four columns
-        arrays = tuple(np.array([(e.item_offset, e.length, e.file, e.file_offset) for e in exts],
-                                dtype=np.int64).reshape(len(exts), 4).T)
-        self._ext_cache[key] = arrays
+        table = self._table
+        if table is None:
+            table = self._table = ExtentTable(self.layout.extents)
+        arrays = table.get(key, nbytes)
+        if arrays is None:
+            exts = self.layout.extents.get(key)
+            if exts is None:
+                raise fmt.CheckpointFormatError(
+                    f"{self.path}: no stored bytes for {fqn}"
+                    + ("" if chunk is None else f" (chunk at {list(chunk)})")
+                    + "; the checkpoint metadata is inconsistent"
+                )
+            check_extents_cover(fqn, exts, nbytes)  # raises, naming the gap or overlap
+            raise AssertionError(f"{fqn}: ExtentTable refused extents that check_extents_cover accepts")
         return arrays
 
     def plan_item(self, req: ReadItem, planner: LoadPlanner, limits: Limits) -> list[Job]:
@@ -256,9 +303,12 @@ def whole_chunk_read(sizes, dtype: torch.dtype, offsets, lengths, dest: torch.Te
     into a contiguous CPU target of its dtype, read as the chunk's extents
     whole (so a load with ``verify_checksums`` checks every block of them;
     ``fp_dcp.tiers.restore`` relies on it)."""
-    lengths, sizes = [int(n) for n in lengths], [int(n) for n in sizes]
-    return (math.prod(lengths) * dtype.itemsize <= _MAX_PIECE_BYTES and lengths == sizes and not any(offsets)
-            and dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous() and not dest.is_conj()
+    if type(lengths) is not list:
+        lengths = [int(n) for n in lengths]
+    if type(sizes) is not list:
+        sizes = [int(n) for n in sizes]
+    return (lengths == sizes and not any(offsets) and math.prod(lengths) * dtype.itemsize <= _MAX_PIECE_BYTES
+            and dest.dtype == dtype and dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj()
             and not dest.is_neg())
 
 

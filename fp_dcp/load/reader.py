@@ -436,22 +436,31 @@ class FastPersistReader(StorageReader):
         assert self._items is not None
         plan_item = self._items.plan_item
         limits = run.limits
+        ordered = iter(sorted(items, key=lambda r: r.type != LoadItemType.BYTE_IO))  # stable: objects first
         goal = _PLAN_CHUNK_FIRST_BYTES
-        jobs: list[Job] = []
-        nbytes = 0
-        t0 = time.perf_counter()
-        for req in sorted(items, key=lambda r: r.type != LoadItemType.BYTE_IO):  # stable: objects first
-            new = plan_item(req, planner, limits)
-            jobs.extend(new)
-            nbytes += sum(j.needed for j in new)
-            if nbytes >= goal and req.type != LoadItemType.BYTE_IO:  # every object in the first chunk
-                run.stats["plan_seconds"] += time.perf_counter() - t0
-                yield jobs
-                t0 = time.perf_counter()
-                jobs, nbytes, goal = [], 0, min(2 * goal, _PLAN_CHUNK_MAX_BYTES)
-        run.stats["plan_seconds"] += time.perf_counter() - t0
-        if jobs:
+
+        def chunk() -> list[Job]:
+            jobs: list[Job] = []
+            nbytes = 0
+            # a few objects per item and no cyclic garbage: no collections
+            # walking them while the chunk is planned (the reads go on)
+            with paused():
+                for req in ordered:
+                    new = plan_item(req, planner, limits)
+                    jobs.extend(new)
+                    nbytes += sum(j.needed for j in new)
+                    if nbytes >= goal and req.type != LoadItemType.BYTE_IO:  # every object in the first chunk
+                        break
+            return jobs
+
+        while True:
+            t0 = time.perf_counter()
+            jobs = chunk()
+            run.stats["plan_seconds"] += time.perf_counter() - t0
+            if not jobs:
+                return
             yield jobs
+            goal = min(2 * goal, _PLAN_CHUNK_MAX_BYTES)
 
     def _new_run(self) -> Run:
         """The executor of this load: the engines, the data files, the

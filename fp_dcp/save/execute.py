@@ -34,6 +34,7 @@ from fp_dcp import _native
 from fp_dcp import format as fmt
 from fp_dcp.checksums import crc_hex, piece_checksums
 from fp_dcp.engine import IOSession, tensor_bytes
+from fp_dcp.gc_freeze import paused
 from fp_dcp.options import FastPersistOptions
 from fp_dcp.save import balance
 from fp_dcp.save.commit import sync_directory
@@ -75,18 +76,23 @@ def write_rank(
 
     # device -> ([(item, item_offset, host bytes)], [(item, item_offset, CUDA bytes)])
     by_device: dict[int, tuple[list, list]] = {}
-    for li, off, length, dev in zip(
-        pieces.local.tolist(), pieces.offset.tolist(), pieces.length.tolist(), pieces.device.tolist()
-    ):
-        kind, buf = sources.get(li)
-        n = len(buf) if kind == "cpu" else int(buf.numel())
-        if length == balance.UNSIZED:
-            off, length = 0, n
-        if off + length > n:
-            raise RuntimeError(
-                f"{item_name(items[li])}: the plan assigns bytes {off}..{off + length} of an item of {n} bytes"
-            )
-        by_device.setdefault(dev, ([], []))[0 if kind == "cpu" else 1].append((li, off, buf[off : off + length]))
+    with paused():  # a few objects per item, no cyclic garbage: no collections walking them
+        for li, off, length, dev in zip(
+            pieces.local.tolist(), pieces.offset.tolist(), pieces.length.tolist(), pieces.device.tolist()
+        ):
+            kind, buf = sources.get(li)
+            n = len(buf) if kind == "cpu" else int(buf.numel())
+            if length == balance.UNSIZED:
+                off, length = 0, n
+            if off + length > n:
+                raise RuntimeError(
+                    f"{item_name(items[li])}: the plan assigns bytes {off}..{off + length} of an item of {n} bytes"
+                )
+            group = by_device.get(dev)
+            if group is None:
+                group = by_device[dev] = ([], [])
+            # a whole item is passed as it is (no slice object to make)
+            group[0 if kind == "cpu" else 1].append((li, off, buf if off == 0 and length == n else buf[off : off + length]))
     resolve_s = time.perf_counter() - t0
 
     devices = sorted(by_device)
@@ -113,26 +119,8 @@ def write_rank(
 
     stats: dict[str, Any] = {"engine": None, "direct_io": None, "bytes": 0, "requests": 0,
                              "staged_checksum_bytes": 0}
-    per_item: dict[int, list[tuple[str, int, int, int]]] = {}
-    size_of: dict[str, int] = {}
-    sizes_on: dict[int, list[tuple[str, int]]] = {}
-    for extents, file_sizes, s, kind, direct in done:
-        stats["engine"], stats["direct_io"] = kind, direct
-        add_stats(stats, s)
-        size_of.update(file_sizes)
-        for li, fname, fo, io_, n, crc in extents:
-            per_item.setdefault(li, []).append((fname, fo, io_, n, crc))
-    for fname in size_of:  # each file's size travels with one result
-        li = min(li for li, exts in per_item.items() if any(e[0] == fname for e in exts))
-        sizes_on.setdefault(li, []).append((fname, size_of[fname]))
-    results = [
-        WriteResult(
-            index=items[li].index,
-            size_in_bytes=sum(e[3] for e in exts),
-            storage_data=Written(extents=tuple(exts), file_sizes=tuple(sizes_on.get(li, ()))),
-        )
-        for li, exts in sorted(per_item.items())
-    ]
+    with paused():  # one result per item, no cyclic garbage
+        results = _results(items, done, stats)
     if stats["engine"] is None:  # nothing to write on this rank
         session = session_for(dirs[0][0])
         stats["engine"], stats["direct_io"] = session.kind, session.direct
@@ -141,11 +129,42 @@ def write_rank(
         seconds=seconds,
         resolve_seconds=resolve_s,
         gbps=stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
-        items=len(per_item),
+        items=len(results),
         pieces=len(pieces),
         devices=len(devices),
     )
     return results, stats
+
+
+def _results(items: list[WriteItem], done: list[tuple], stats: dict[str, Any]) -> list[WriteResult]:
+    """DCP's write results, one per item written, in item order, from each
+    device's extents; adds each device's statistics to ``stats``."""
+    per_item: dict[int, list[tuple[str, int, int, int, str | None]]] = {}
+    first_item: dict[str, int] = {}  # file -> the first item with bytes in it
+    size_of: dict[str, int] = {}
+    for extents, file_sizes, s, kind, direct in done:
+        stats["engine"], stats["direct_io"] = kind, direct
+        add_stats(stats, s)
+        size_of.update(file_sizes)
+        for li, fname, fo, io_, n, crc in extents:
+            exts = per_item.get(li)
+            if exts is None:
+                per_item[li] = [(fname, fo, io_, n, crc)]
+            else:
+                exts.append((fname, fo, io_, n, crc))
+            if first_item.get(fname, li) >= li:
+                first_item[fname] = li
+    sizes_on: dict[int, list[tuple[str, int]]] = {}
+    for fname, size in size_of.items():  # each file's size travels with one result
+        sizes_on.setdefault(first_item[fname], []).append((fname, size))
+    return [
+        WriteResult(
+            index=items[li].index,
+            size_in_bytes=sum(e[3] for e in exts),
+            storage_data=Written(extents=tuple(exts), file_sizes=tuple(sizes_on.get(li, ()))),
+        )
+        for li, exts in sorted(per_item.items())
+    ]
 
 
 class _Sources:

@@ -52,7 +52,7 @@ from fp_dcp import format as fmt
 from fp_dcp.engine import IOSession
 from fp_dcp.options import FastPersistOptions
 from fp_dcp.save import commit, directories, execute
-from fp_dcp.gc_freeze import GcFreeze
+from fp_dcp.gc_freeze import GcFreeze, paused
 from fp_dcp.save.plan import (
     Assignment, GlobalRecord, RankHoldings, assign, assignment_items, describe_rank, keep_global_record,
 )
@@ -231,19 +231,20 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         t0 = time.perf_counter()
         directory = self._directory()
         try:
-            layout = layout_from_results(results, self.save_id, self._engine().alignment)
-            check_layout_covers(metadata, layout)
-            metadata.storage_meta = self.storage_meta()
-            blob = fmt.encode_metadata(
-                metadata,
-                layout,
-                {
-                    "writer": f"fp_dcp {fp_dcp.__version__}",
-                    "torch_version": torch.__version__,
-                    "created": time.time(),
-                    "world_size": len(results),
-                },
-            )
+            with paused():  # thousands of objects (extents, the JSON document), no cyclic garbage
+                layout = layout_from_results(results, self.save_id, self._engine().alignment)
+                check_layout_covers(metadata, layout)
+                metadata.storage_meta = self.storage_meta()
+                blob = fmt.encode_metadata(
+                    metadata,
+                    layout,
+                    {
+                        "writer": f"fp_dcp {fp_dcp.__version__}",
+                        "torch_version": torch.__version__,
+                        "created": time.time(),
+                        "world_size": len(results),
+                    },
+                )
             files = [name for name, _ in layout.files]
             commit.commit_metadata(directory, blob, layout.save_id, files, self.options.sync_files)
             commit.remove_superseded(directory, self._data_directories(), files)
