@@ -462,6 +462,28 @@ def _extent_crc(value: Any, length: int, block: int | None, where: str) -> str:
     return value
 
 
+def _check_items_known(extents: dict[MetadataIndex, list[Extent]], sd_md: dict[str, Any]) -> None:
+    """Every extent list belongs to an item the metadata describes: a
+    chunk of a tensor (its offset) or a bytes item (no offset)."""
+    offsets: dict[str, set] = {}
+    for index in extents:
+        md = sd_md.get(index.fqn)
+        if isinstance(md, BytesStorageMetadata):
+            known = index.offset is None
+        elif md is None or index.offset is None:
+            known = False
+        else:
+            chunks = offsets.get(index.fqn)
+            if chunks is None:
+                chunks = offsets[index.fqn] = {tuple(c.offsets) for c in md.chunks}
+            known = tuple(index.offset) in chunks
+        if not known:
+            raise CheckpointFormatError(
+                f"extents for {index.fqn!r} at offset {None if index.offset is None else list(index.offset)[:8]}, "
+                f"which the metadata does not list: the checkpoint metadata is corrupt"
+            )
+
+
 def _check_no_overlap(extents: dict[MetadataIndex, list[Extent]]) -> None:
     """No two extents share a byte of a file: a layout where they do was not
     written by fp_dcp (and would let one item's bytes pass for another's)."""
@@ -575,6 +597,7 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
         if index in extents:
             raise CheckpointFormatError(f"{index.fqn}: two extent lists for one item")
         extents[index] = exts
+    _check_items_known(extents, sd_md)
     _check_no_overlap(extents)
     layout = StorageLayout(
         save_id=save_id,

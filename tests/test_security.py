@@ -204,6 +204,19 @@ def test_convert_of_a_stock_checkpoint_stays_inside_it(tmp_path):
 # ------------------------------------------------------------ confined files
 
 
+@pytest.mark.parametrize("key", [["a", [10**30]], ["a", [-5]], ["a", [3]], ["zz", None], ["a", None]])
+def test_extents_of_an_item_the_metadata_does_not_list_are_refused(tmp_path, key):
+    """An extent list keyed by no tensor chunk or bytes item (a crafted
+    offset, an unknown name) is refused by name, not silently ignored."""
+    sd = {"a": torch.arange(10.0), "b": torch.arange(4.0)}
+    save(sd, tmp_path / "c")
+    doc = _doc(tmp_path / "c")
+    doc["extents"].append([key, [[0, 1024, 0, 40]]])  # in the file's padding: no overlap
+    _write_doc(tmp_path / "c", doc)
+    with pytest.raises(BaseException, match=f"extents for '{key[0]}'.*does not list"):
+        load({"a": torch.zeros(10), "b": torch.zeros(4)}, tmp_path / "c")
+
+
 def _with_data_dirs(tmp_path, name="c"):
     dd = tmp_path / "dd"
     sd = {"w": torch.arange(4096, dtype=torch.float32), "step": 1}
