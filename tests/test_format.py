@@ -67,6 +67,15 @@ def test_version_1_checkpoints_still_load(ckpt):
     assert_sd_equal(sd, target)
 
 
+def _refused_after(path, edit, message) -> None:
+    """``edit`` the metadata document; its decoding must refuse it with ``message``."""
+    doc = json.loads(open(meta_path(path), "rb").read()[24:])
+    edit(doc)
+    _rewrite(path, json.dumps(doc).encode())
+    with pytest.raises(fmt.CheckpointFormatError, match=message):
+        read_checkpoint_metadata(str(path))
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -79,12 +88,7 @@ def test_version_1_checkpoints_still_load(ckpt):
     ],
 )
 def test_malformed_checksums_in_metadata_are_refused(ckpt, edit, message):
-    _, path = ckpt
-    doc = json.loads(open(meta_path(path), "rb").read()[24:])
-    edit(doc)
-    _rewrite(path, json.dumps(doc).encode())
-    with pytest.raises(fmt.CheckpointFormatError, match=message):
-        read_checkpoint_metadata(str(path))
+    _refused_after(ckpt[1], edit, message)
 
 
 def test_checksums_in_a_version_1_body_are_refused(ckpt):
@@ -282,12 +286,7 @@ def test_overlapping_extents_are_refused(ckpt):
 def test_malformed_extents_and_sizes_are_refused(ckpt, edit, message):
     """The decoder's fast paths (exact-type checks over whole lists) refuse
     what the per-field checks refused, with the same messages."""
-    _, path = ckpt
-    doc = json.loads(open(meta_path(path), "rb").read()[24:])
-    edit(doc)
-    _rewrite(path, json.dumps(doc).encode())
-    with pytest.raises(fmt.CheckpointFormatError, match=message):
-        read_checkpoint_metadata(str(path))
+    _refused_after(ckpt[1], edit, message)
 
 
 def test_decoded_sizes_are_shared_and_equal(ckpt):
