@@ -270,7 +270,7 @@ def sim_holdings(scenario: str, world: int, tp: int, per_node: int, n_dirs: int)
     return out, time.perf_counter() - t0
 
 
-def stock_dedup_loads(holdings) -> "np.ndarray":
+def stock_dedup_loads(holdings):
     """Per-rank bytes under DCP's own dedup (each item whole, to the holder
     with the smallest plan so far, in plan order): the stock figure."""
     import numpy as np

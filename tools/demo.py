@@ -270,7 +270,7 @@ def _run(args, size: int, root: str, scratch: str, keep: bool, t_start: float) -
     nbytes = sum(t.numel() * t.element_size() for t in model.values())
     out(f"fp_dcp {fp_dcp.__version__} demo: a {format_size(nbytes)} model ({len(model)} tensors + 1 other item), "
         f"under {root}")
-    out(f"GB/s = 10^9 bytes of tensors per second; ratios: against the raw device and the stock writer/reader\n")
+    out("GB/s = 10^9 bytes of tensors per second; ratios: against the raw device and the stock writer/reader\n")
 
     # 1. the device
     raw = measure_raw(scratch, min(nbytes, RAW_MAX_BYTES))
@@ -316,7 +316,7 @@ def _run(args, size: int, root: str, scratch: str, keep: bool, t_start: float) -
             out(f"  {label:<34} {sec:6.2f} s  {gbps:6.2f} GB/s  {_ratio(gbps, raw_w)} raw write")
             if name == "stock":
                 out(f"  fp_dcp saves at {_ratio(saves['stock'], saves['fp_dcp'])} the stock writer's speed")
-                out(f"\ndcp.async_save with fp_dcp (staging=eager), in the order run:")
+                out("\ndcp.async_save with fp_dcp (staging=eager), in the order run:")
         elif msg[0] == "async":
             _, which, total, marks = msg
             note = "  (allocates the staging memory: once per writer)" if which == "first" else ""
