@@ -129,10 +129,9 @@ class ExtentTable:
         nonempty = counts > 0
         follows[starts[nonempty]] = io_[starts[nonempty]] == 0
         bad = np.zeros(len(keys), dtype=np.int64)
-        if n:
-            bad[nonempty] = np.add.reduceat((~follows).astype(np.int64), starts[nonempty])
         totals = np.zeros(len(keys), dtype=np.int64)
         if n:
+            bad[nonempty] = np.add.reduceat((~follows).astype(np.int64), starts[nonempty])
             totals[nonempty] = np.add.reduceat(ln, starts[nonempty])
         # each item's rows and total bytes (-1: its extents do not tile its range)
         self._where = dict(zip(keys, zip(starts.tolist(), ends.tolist(), np.where(bad == 0, totals, -1).tolist())))

@@ -81,7 +81,6 @@ class DrainIO:
         self._src: FileIO | None = None
         self._dst: FileIO | None = None
 
-
     def copy(self, src: str, dst: str, layout: fmt.StorageLayout, fid: int, sync: bool) -> int:
         """Copy data file ``fid`` of ``layout`` from ``src`` to ``dst``;
         returns its bytes.  :class:`~fp_dcp.tiers.integrity.IntegrityError`
