@@ -355,6 +355,38 @@ def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatc
     assert calls == ["fp_dcp-reader-setup", "MainThread"], calls
 
 
+def test_engines_set_up_from_set_up_storage_reader_when_no_plan_can_share(tmp_path):
+    """Without a process group (nothing can be shared, whatever the plan)
+    the engines' set-up starts in set_up_storage_reader, so that it overlaps
+    the planner's create_local_plan; prepare_local_plan then starts no
+    second one.  With a sharing option it waits for prepare_local_plan,
+    which knows the plan."""
+    sd = mixed_state_dict(3)
+    path = tmp_path / "ckpt"
+    save(sd, path, "fp_dcp")
+    reader = FastPersistReader(path)
+    reader.reset(path)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    started = reader._setting_up
+    assert started is not None and started.name == "fp_dcp-reader-setup"
+    reader.prepare_local_plan(LoadPlan([]))
+    assert reader._setting_up is started
+    reader._engines_set_up()
+    assert reader._session is not None and reader._twins == []
+    target = zeros_like_sd(sd)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert_sd_equal(sd, target)
+    reader.close()
+
+    sharing = FastPersistReader(path, share_replicated_reads=True)
+    sharing.reset(path)
+    sharing.set_up_storage_reader(sharing.read_metadata(), True)
+    assert sharing._setting_up is None
+    sharing.prepare_local_plan(LoadPlan([]))
+    assert sharing._setting_up is not None
+    sharing.close()
+
+
 def test_fragmented_items_are_what_interleaved_reads_are_for(tmp_path):
     """The local check that starts the second engine early for the default
     (auto) interleaved reads: a column band of several rows is fragmented;

@@ -116,9 +116,12 @@ class FastPersistReader(StorageReader):
     (``queue_depth + 1`` blocks, page-locked), kept with the reader as the
     first engine is, until :meth:`close`.
 
-    The engines are set up on a thread of their own from
-    ``prepare_local_plan`` on, while DCP exchanges the plans, not when the
-    first read needs them.
+    The engines are set up on a thread of their own while DCP plans, not
+    when the first read needs them: from ``set_up_storage_reader`` on when
+    no plan can share reads (no option asks for it and no process group
+    moves tensors on the CPU), so that it overlaps the planner's
+    ``create_local_plan``; otherwise from ``prepare_local_plan`` on, which
+    knows whether the plan shares.
     """
 
     def __init__(
@@ -192,6 +195,11 @@ class FastPersistReader(StorageReader):
         self._items = ItemPlanner(self.layout, self.state_dict_metadata, str(self.path),
                                   strict_dtype=self.options.strict_dtype, allow_pickle=self.options.allow_pickle)
         self._verifier = None
+        if not self._may_share():
+            # no plan can share reads: the engines' set-up (bounce buffers
+            # faulted in and locked, without the GIL) need not wait for
+            # prepare_local_plan; it overlaps the planner's create_local_plan
+            self._set_up_engines_early(False)
         if self.options.freeze_gc_during_load:
             self._gc.freeze()  # until the end of read_data (gc_freeze)
 
@@ -270,6 +278,14 @@ class FastPersistReader(StorageReader):
         if not (self._use_collectives and dist.is_available() and dist.is_initialized()):
             return False
         return transfer_device(self.process_group).type == "cpu"
+
+    def _may_share(self) -> bool:
+        """Whether some plan could share reads (``_prepare_local_plan``'s
+        ``may_share`` for its most fragmented plan): False when no option
+        asks for it and interleaved reads are off (no process group moving
+        tensors on the CPU), whatever the plan."""
+        opts = self.options
+        return self._use_collectives and (opts.share_replicated_reads or self._interleave_wanted())
 
     def _fragmented(self, req: ReadItem) -> bool:
         """Whether the item needs many runs of its stored chunk (a dimension
