@@ -172,6 +172,7 @@ def _child(spec: dict) -> dict:
     for t in sd.values():
         (t.to_local() if hasattr(t, "to_local") else t).zero_()
     reader = make_reader()
+    marks = _phase_marks(reader)
     dist.barrier()
     print("READY", flush=True)
     if sys.stdin.readline().strip() != "GO":
@@ -190,12 +191,49 @@ def _child(spec: dict) -> dict:
         box = _local_box((rows, COLS), mesh, pl) if spec["placement"] != "rep" else [slice(0, rows), slice(0, COLS)]
         if not torch.equal(local.view(torch.int32), _pattern(k, box[0], box[1], COLS).view(torch.int32)):
             errors.append(name)
-    result = {"ok": not errors, "errors": errors, "t0": t0, "t1": t1, "needed": needed}
+    result = {"ok": not errors, "errors": errors, "t0": t0, "t1": t1, "needed": needed,
+              "phases": _phases(marks, t0, t1)}
     if spec["reader"].startswith("fp_dcp"):
         result["stats"] = {k: v for k, v in reader.last_stats.items() if isinstance(v, (int, float, str))}
         result["runs"], result["touched"] = _runs_and_blocks(spec["fp_path"], planner.items)
     dist.destroy_process_group()
     return result
+
+
+_PHASES = ("read_metadata", "set_up_storage_reader", "prepare_local_plan", "prepare_global_plan", "read_data")
+
+
+def _phase_marks(reader) -> list[tuple[str, float, float]]:
+    """Wrap the reader's DCP methods so that each call records (name, start,
+    end) in the returned list (time.monotonic, as the load's t0/t1)."""
+    marks: list[tuple[str, float, float]] = []
+    for name in _PHASES:
+        fn = getattr(reader, name)
+
+        def timed(*a, _fn=fn, _name=name, **k):
+            s = time.monotonic()
+            try:
+                return _fn(*a, **k)
+            finally:
+                marks.append((_name, s, time.monotonic()))
+
+        setattr(reader, name, timed)
+    return marks
+
+
+def _phases(marks, t0: float, t1: float) -> dict:
+    """Seconds of the load per phase on this rank: each reader method's own
+    time, and the gaps DCP spends between them (its planner, its collectives:
+    the all-gather of the local plans, the scatter of the global plan, the
+    final barrier), named after the phase they come before."""
+    out: dict[str, float] = {}
+    prev = t0
+    for name, s, e in sorted(marks, key=lambda m: m[1]):
+        out["before_" + name] = out.get("before_" + name, 0.0) + (s - prev)
+        out[name] = out.get(name, 0.0) + (e - s)
+        prev = e
+    out["after_read_data"] = t1 - prev
+    return out
 
 
 def _recording_planner():
@@ -245,6 +283,27 @@ def _read_bytes(pid: int) -> int:
     raise RuntimeError(f"/proc/{pid}/io has no read_bytes")
 
 
+def _disk_stat(path: str) -> list[int] | None:
+    """The fields of /sys/block/<disk>/stat of the disk under ``path``."""
+    dev = C.disk_dev_of(path)
+    try:
+        return [int(x) for x in Path(f"/sys/block/{dev[1]}/stat").read_text().split()] if dev else None
+    except (OSError, ValueError):
+        return None
+
+
+def _device_delta(a: list[int] | None, b: list[int] | None, seconds: float) -> dict | None:
+    """What the whole disk did between two /sys/block/<disk>/stat readings
+    (every process, so the load's neighbours too): read requests completed,
+    their mean size, and the mean number in flight (the time-weighted queue)."""
+    if a is None or b is None:
+        return None
+    reads, sectors, queue_ms = b[0] - a[0], b[2] - a[2], b[10] - a[10]
+    return {"read_requests": reads, "read_bytes": sectors * 512,
+            "mean_read_request_bytes": sectors * 512 // max(1, reads),
+            "mean_in_flight": queue_ms / 1000 / max(seconds, 1e-9), "seconds": seconds}
+
+
 def _world(spec: dict, ws: int, timeout: float) -> list[dict]:
     """Run ``ws`` children of ``spec``; for loads, bracket the load with
     /proc/<pid>/io readings and a cache drop. Returns their results."""
@@ -265,11 +324,15 @@ def _world(spec: dict, ws: int, timeout: float) -> list[dict]:
                 _expect(p, "READY", log)
             io0 = [_read_bytes(p.pid) for p in procs]
             cold, why = C.drop_caches()
+            dev0 = _disk_stat(spec["fp_path"])
+            w0 = time.monotonic()
             for p in procs:
                 p.stdin.write("GO\n")
                 p.stdin.flush()
             for p, log in zip(procs, logs):
                 _expect(p, "DONE", log)
+            w1 = time.monotonic()
+            dev1 = _disk_stat(spec["fp_path"])
             io1 = [_read_bytes(p.pid) for p in procs]
             for p in procs:
                 p.stdin.write("EXIT\n")
@@ -289,6 +352,7 @@ def _world(spec: dict, ws: int, timeout: float) -> list[dict]:
             if io0 is not None:
                 res["disk_read"] = io1[r] - io0[r]
                 res["cold"] = cold
+                res["device"] = _device_delta(dev0, dev1, w1 - w0)
             results.append(res)
         return results
     finally:
@@ -338,6 +402,8 @@ def run(argv=None) -> int:
     ap.add_argument("--cases", default="4to4,4to3,4to2,s0tos1,rep", help="comma list of " + ", ".join(CASES))
     ap.add_argument("--readers", default="fp_dcp,stock",
                     help="comma list of " + ", ".join(READERS) + " (fp_dcp brings its variants of each case)")
+    ap.add_argument("--no-variants", action="store_true",
+                    help="run only the readers named in --readers (not fp_dcp's variants of each case)")
     ap.add_argument("--rep-tensors", type=int, default=2, help="tensors every rank loads whole in the rep case")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every case (median reported)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per world")
@@ -422,6 +488,8 @@ def _run(args: argparse.Namespace, size: int, bench: C.Bench, prof: "C.DevicePro
             ws = ws or args.save_ranks
             case_names = names[: args.rep_tensors] if placement == "rep" else names
             extra = {"rep": ["fp_dcp+share"], "s1": ["fp_dcp+coop-pg", "fp_dcp+nocoop", "fp_dcp+overread"]}.get(placement, [])
+            if args.no_variants:
+                extra = []
             for reader in readers + [r for r in (extra if "fp_dcp" in readers else []) if r not in readers]:
                 before = raw_read()
                 res = _world(dict(base, op="load", names=case_names, placement=placement, reader=reader), ws,
@@ -435,6 +503,8 @@ def _run(args: argparse.Namespace, size: int, bench: C.Bench, prof: "C.DevicePro
                 rec = {"round": rnd, "case": case, "reader": reader, "ws": ws, "seconds": wall,
                        "needed": needed, "disk_read": disk, "cold": res[0]["cold"],
                        "gbps": sum(needed) / wall / 1e9, "raw_around_gbps": [before / 1e9, raw_read() / 1e9]}
+                rec["device"] = res[0]["device"]
+                rec["phases"] = [r["phases"] for r in res]
                 if reader.startswith("fp_dcp"):
                     rec["runs"] = [r["runs"] for r in res]
                     rec["touched"] = [r["touched"] for r in res]
