@@ -768,6 +768,8 @@ def _interleaved_reads(root, rank, ws):
         # on one machine every part is pulled; with the process group, none
         pulled = st["shared_bytes_received"] if transport == "auto" else 0
         assert st["shared_bytes_pulled"] == pulled, (transport, st)
+        phases = [st[f"shared_{k}_seconds"] for k in ("setup", "read_wait", "prepare", "split", "status")]
+        assert all(p >= 0.0 for p in phases) and st["shared_status_seconds"] > 0.0, st  # one all-gather a round
         flows = torch.tensor([st["shared_bytes_sent"], st["shared_bytes_received"]])
         dist.all_reduce(flows)
         assert flows[0] == flows[1]  # every byte sent is received

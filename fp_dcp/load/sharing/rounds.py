@@ -73,7 +73,15 @@ class SharedReads:
     (scattered runs, long runs: None without one), for the rounds read at
     once (engines of their own each); ``items``: the planner of this rank's
     jobs; ``planner``: DCP's, which resolves and commits targets.
-    Call :meth:`run`."""
+    Call :meth:`run`.  Besides the bytes moved, its stats (merged into the
+    reader's ``last_stats``) say where this rank's time went, in seconds:
+    ``shared_setup_seconds`` (this object), ``shared_read_wait_seconds``
+    (waiting for a round's disk reads), ``shared_prepare_seconds``
+    (planning a round), ``shared_split_seconds`` (the owner's own parts
+    into its targets, packing the sent ones), ``shared_status_seconds``
+    (each round's all-gather: mostly waiting for the slowest rank),
+    ``shared_pull_seconds`` (copies out of peers' memory) and
+    ``shared_wait_seconds`` (waiting for sends and receives)."""
 
     def __init__(self, group: Any, share: SharePlan, run: Run | None,
                  twin_session: Callable[[int], tuple[IOSession, IOSession | None]],
@@ -81,6 +89,7 @@ class SharedReads:
                  setup_error: BaseException | None = None) -> None:
         import torch.distributed as dist
 
+        started = time.perf_counter()
         self.group = group
         self.share = share
         self.items = items
@@ -160,8 +169,10 @@ class SharedReads:
         self.faulting: dict[int, Any] = {}  # scratch -> its allocation ahead, by the prefault thread
         self.stats = {"shared_bytes_sent": 0, "shared_bytes_received": 0, "shared_bytes_read": 0,
                       "shared_bytes_pulled": 0, "shared_rounds": len(share.rounds), "shared_wait_seconds": 0.0,
-                      "shared_pull_seconds": 0.0}
+                      "shared_pull_seconds": 0.0, "shared_read_wait_seconds": 0.0, "shared_status_seconds": 0.0,
+                      "shared_split_seconds": 0.0, "shared_prepare_seconds": 0.0}
         self.pull_error: list[BaseException] = []  # a failed pull, raised on every rank at the next status
+        self.stats["shared_setup_seconds"] = time.perf_counter() - started
 
     # ----------------------------------------------------------- targets
 
@@ -413,20 +424,30 @@ class SharedReads:
                 for ri in range(min(n, READ_AHEAD)):
                     rd = self._prepare(ri)
                     reading.append((rd, pool.submit(self._read, rd)))
+                clock = time.perf_counter
+                stats = self.stats
                 for ri in range(n):
                     rd, fut = reading.popleft()
+                    t = clock()
                     try:
                         fut.result()
                     except BaseException as e:  # noqa: BLE001
                         rd.error = rd.error or e
+                    stats["shared_read_wait_seconds"] += clock() - t
                     if pending is not None:  # frees the buffers round ri + READ_AHEAD takes
                         done, pending = pending, None
                         self._complete(done)
                     if ri + READ_AHEAD < n:
+                        t = clock()
                         nxt = self._prepare(ri + READ_AHEAD)
                         reading.append((nxt, pool.submit(self._read, nxt)))
+                        stats["shared_prepare_seconds"] += clock() - t
+                    t = clock()
                     self._split(rd)
+                    stats["shared_split_seconds"] += clock() - t
+                    t = clock()
                     addresses = self._agree(rd)
+                    stats["shared_status_seconds"] += clock() - t
                     read_needed += rd.read_needed
                     my_bytes += rd.my_bytes
                     self._post(rd)
