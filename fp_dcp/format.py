@@ -340,9 +340,9 @@ def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, 
     for index, exts in layout.extents.items():
         for e in exts:
             crc = e.crc32c
-            # 8 hex digits per checksum block (one block when empty: checksum_blocks)
+            # 8 hex digits per checksum block
             if crc is not None and (
-                block is None or type(crc) is not str or len(crc) != 8 * (-(-e.length // block) or 1)
+                block is None or type(crc) is not str or len(crc) != 8 * checksum_blocks(e.length, block)
             ):
                 raise ValueError(f"{index.fqn}: extent checksum {crc!r} does not match its length {e.length}")
     doc = {
@@ -519,9 +519,7 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
             continue
         if md.get("type") != "tensor":
             raise CheckpointFormatError(f"{fqn}: unknown entry type {md.get('type')!r}")
-        size = md["size"]
-        if not (type(size) is list and all(type(d) is int for d in size)):  # (exact ints: the common case)
-            size = _int_list(size, f"{fqn} size")
+        size = _int_list(md["size"], f"{fqn} size")
         dtype = _dtype_from_name(md["dtype"], fqn)
         if len(size) > 64 or any(d < 0 for d in size) or math.prod(size) * dtype.itemsize > _MAX_FILE:
             raise CheckpointFormatError(f"{fqn}: tensor size {size[:8]} out of range")
@@ -531,11 +529,7 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
         for c in raw_chunks if type(raw_chunks) is list else _list(raw_chunks, f"{fqn} chunks"):
             if type(c) is not list or len(c) != 2:
                 raise CheckpointFormatError(f"{fqn}: malformed chunk {str(c)[:80]}")
-            offs, sizes = c
-            if not (type(offs) is list and all(type(o) is int for o in offs)):
-                offs = _int_list(offs, f"{fqn} chunk offsets")
-            if not (type(sizes) is list and all(type(n) is int for n in sizes)):
-                sizes = _int_list(sizes, f"{fqn} chunk sizes")
+            offs, sizes = _int_list(c[0], f"{fqn} chunk offsets"), _int_list(c[1], f"{fqn} chunk sizes")
             if sizes == size and not any(offs) and len(offs) == len(size):
                 # the whole tensor (sizes checked above)
                 chunks.append(ChunkStorageMetadata(_shared_size(sizes_seen, offs), tsize))
@@ -588,7 +582,7 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
             if len(r) == 5:
                 crc = r[4]
                 # the common case checked inline; _extent_crc says what is wrong
-                if not (block is not None and type(crc) is str and len(crc) == 8 * (-(-ln // block) or 1)
+                if not (block is not None and type(crc) is str and len(crc) == 8 * checksum_blocks(ln, block)
                         and _HEX.issuperset(crc)):
                     crc = _extent_crc(crc, ln, block, index.fqn)
             exts.append(Extent(f, fo, io_, ln, crc))
