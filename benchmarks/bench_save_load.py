@@ -96,6 +96,75 @@ def _fsync_tree(path: Path) -> None:
             os.close(fd)
 
 
+def _null_storage():
+    """A writer and a reader that move no bytes: DCP's own work alone.
+
+    ``dcp_floor`` times ``dcp.save`` / ``dcp.load`` through them: the
+    planning, the per-key wrappers and checks DCP does around any storage.
+    No storage can go below it, so ``raw / (raw + floor)`` is the best
+    ratio to the raw device any DCP storage can reach on this machine."""
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
+    from torch.futures import Future
+
+    def done(value):
+        f = Future()
+        f.set_result(value)
+        return f
+
+    class NullWriter(StorageWriter):
+        metadata = None
+
+        def reset(self, checkpoint_id=None):
+            pass
+
+        def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+            pass
+
+        def prepare_local_plan(self, plan):
+            return plan
+
+        def prepare_global_plan(self, plans):
+            return plans
+
+        def write_data(self, plan, planner):
+            return done([])
+
+        def finish(self, metadata, results):
+            self.metadata = metadata
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id):
+            return True
+
+    class NullReader(StorageReader):
+        def __init__(self, metadata):
+            self.metadata = metadata
+
+        def reset(self, checkpoint_id=None):
+            pass
+
+        def read_metadata(self, *args, **kwargs):
+            return self.metadata
+
+        def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+            pass
+
+        def prepare_local_plan(self, plan):
+            return plan
+
+        def prepare_global_plan(self, plans):
+            return plans
+
+        def read_data(self, plan, planner):
+            return done(None)
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id):
+            return True
+
+    return NullWriter, NullReader
+
+
 def _child(spec: dict) -> dict:
     warnings.filterwarnings("ignore")
     kind, op = spec["kind"], spec["op"]
@@ -140,6 +209,11 @@ def _child(spec: dict) -> dict:
 
     engine = spec.get("engine")
     extra: dict = {}
+    if kind == "dcp_floor" and op == "load":
+        NullWriter, NullReader = _null_storage()
+        w = NullWriter()
+        dcp.save(sd, storage_writer=w)  # the metadata of these shapes, outside the clock
+        null_reader = NullReader(w.metadata)
     if op == "save":
         t0 = time.perf_counter()
         if kind == "fp_dcp":
@@ -153,6 +227,8 @@ def _child(spec: dict) -> dict:
             m.save(str(path), {_tc_key(k): v for k, v in sd.items()})
             m.close()
             _fsync_tree(path)  # it does not fsync: the clock stops when its files are durable
+        elif kind == "dcp_floor":
+            dcp.save(sd, storage_writer=_null_storage()[0]())
         elif kind == "torch_save":
             path.mkdir(parents=True, exist_ok=True)
             with open(path / "state_dict.pt", "wb") as f:
@@ -192,6 +268,8 @@ def _child(spec: dict) -> dict:
                     sd[names[k]] = v
         elif kind == "stock":
             dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
+        elif kind == "dcp_floor":
+            dcp.load(sd, storage_reader=null_reader)
         elif kind == "torch_save":
             loaded = torch.load(path / "state_dict.pt", weights_only=True)
             for k, v in loaded.items():  # into the preallocated tensors, like the others
@@ -204,8 +282,8 @@ def _child(spec: dict) -> dict:
             raise ValueError(f"unknown contender kind {kind!r}")
         seconds = time.perf_counter() - t0
         peak = C.peak_rss_bytes()
-        errors = factory.verify(sd, originals)
-        verified = not errors
+        errors = [] if kind == "dcp_floor" else factory.verify(sd, originals)  # it reads nothing
+        verified = None if kind == "dcp_floor" else not errors
     return {
         "ok": not errors, "seconds": seconds, "bytes": nbytes, "verified": verified,
         "errors": errors, "rss_base_bytes": base, "rss_peak_bytes": peak,
@@ -250,6 +328,12 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
             # fp_dcp's own load (alternating), so the device is the same
             cs.append({"name": "fp_dcp[noverify]", "kind": "fp_dcp", "engine": None, "verify": False,
                        "role": "fp_dcp_noverify", "loads_of": "fp_dcp"})
+        if args.again_row:
+            # the same verified reader again, back to back: how far two
+            # identical loads of one checkpoint differ on this machine, the
+            # noise under the verify-off row's comparison
+            cs.append({"name": "fp_dcp[again]", "kind": "fp_dcp", "engine": None,
+                       "role": "fp_dcp_again", "loads_of": "fp_dcp"})
         for e in filter(None, args.engines.split(",")):
             cs.append({"name": f"fp_dcp[{e}]", "kind": "fp_dcp", "engine": e, "role": "fp_dcp_engine"})
         for n in filter(None, args.read_threads.split(",")):
@@ -264,6 +348,8 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
         cs.append({"name": "torch_checkpointing", "kind": "torch_checkpointing", "role": "peer"})
     if "torch.save" in want:
         cs.append({"name": "torch.save", "kind": "torch_save", "role": "torch_save"})
+    if "dcp_floor" in want:
+        cs.append({"name": "dcp_floor", "kind": "dcp_floor", "role": "dcp_floor"})
     if "raw" in want:
         for bs in args.raw_bs.split(","):
             b = parse_size(bs)
@@ -374,11 +460,25 @@ def _summaries(mix_result: dict, contenders: list[dict]) -> dict:
     # verified against unverified, round by round (the two loads of a round
     # read the same checkpoint back to back)
     runs = mix_result["runs"]
-    if "fp_dcp" in out and "fp_dcp[noverify]" in out:
-        pairs = [a["gbps"] / b["gbps"] for a, b in zip(runs["fp_dcp"]["load"], runs["fp_dcp[noverify]"]["load"])
-                 if a.get("ok") and b.get("ok") and a.get("gbps") and b.get("gbps")]
-        out["fp_dcp"]["load"]["vs_noverify"] = C.summarize(pairs) if pairs else None
+    for other, key in (("fp_dcp[noverify]", "vs_noverify"), ("fp_dcp[again]", "vs_again")):
+        if "fp_dcp" in out and other in out:
+            pairs = [a["gbps"] / b["gbps"] for a, b in zip(runs["fp_dcp"]["load"], runs[other]["load"])
+                     if a.get("ok") and b.get("ok") and a.get("gbps") and b.get("gbps")]
+            out["fp_dcp"]["load"][key] = C.summarize(pairs) if pairs else None
     return out
+
+
+def _ceiling(rows: list[dict], name: str, op: str, raw_gbps: float | None, floor_gbps: float | None) -> None:
+    """The best ratio to raw any DCP storage can reach in this run: the raw
+    transfer plus DCP's own time (``dcp_floor``), which no storage can
+    overlap with its I/O (it runs before the storage sees a tensor, or after
+    it has returned).  Both are GB/s of the same payload, so the seconds'
+    ratio is ``raw / (raw + floor)`` = ``1 / (1 + raw_gbps / floor_gbps)``."""
+    if raw_gbps and floor_gbps:
+        cap = 1 / (1 + raw_gbps / floor_gbps)
+        rows.append({"contender": name, "op": op, "baseline": "dcp_floor",
+                     "vs": "ceiling: raw + DCP's own time, any storage", "ratio": cap,
+                     "value": f"{cap:.2f}x of raw", "target": "", "verdict": ""})
 
 
 def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
@@ -392,6 +492,7 @@ def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
             for op in ("save", "load")}
     raw_r, raw_r_name = best("raw", "load")
     stock = {op: summ["stock"][op]["median"] if "stock" in summ else None for op in ("save", "load")}
+    floor = {op: summ["dcp_floor"][op]["median"] if "dcp_floor" in summ else None for op in ("save", "load")}
     tuned_name = next((c["name"] for c in contenders if c["role"] == "stock_tuned"), None)
     tuned = {op: summ[tuned_name][op]["median"] if tuned_name else None for op in ("save", "load")}
     rows = []
@@ -413,9 +514,13 @@ def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
                          "verdict": verdict})
 
         add("save", "raw write", s["save"]["median"], raw_w, raw_w_name, SAVE_VS_RAW[mix])
+        if targets:
+            _ceiling(rows, c["name"], "save", raw_w, floor["save"])
         add("save", "stock default", s["save"]["median"], stock["save"], "stock", SAVE_VS_STOCK)
         add("save", "stock tuned", s["save"]["median"], tuned["save"], tuned_name)
         add("load", "raw read", s["load"]["median"], raw_r, raw_r_name, LOAD_VS_RAW[mix])
+        if targets:
+            _ceiling(rows, c["name"], "load", raw_r, floor["load"])
         pr = s["load"].get("vs_paired_raw")
         if pr:
             rows.append({"contender": c["name"], "op": "load", "baseline": "",
@@ -432,6 +537,13 @@ def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
                              "ratio": vn["min"], "value": f"{vn['min']:.2f}x (median {vn['median']:.2f}x)",
                              "target": f">= {VERIFY_VS_NOVERIFY:.2f}x",
                              "verdict": "PASS" if vn["min"] >= VERIFY_VS_NOVERIFY else "FAIL"})
+            va = s["load"].get("vs_again")
+            if va:  # identical loads: the spread the verify-off comparison cannot resolve
+                worst = min(va["min"], 1 / va["max"])
+                rows.append({"contender": c["name"], "op": "load", "baseline": "fp_dcp[again]",
+                             "vs": "the same verified load again (back to back; worst round)",
+                             "ratio": worst, "value": f"{worst:.2f}x ({va['min']:.2f}-{va['max']:.2f})",
+                             "target": "", "verdict": ""})
             add("save", "torch_checkpointing", s["save"]["median"], peer["save"], "torch_checkpointing", 1.0)
             add("load", "torch_checkpointing", s["load"]["median"], peer["load"], "torch_checkpointing", 1.0)
         for op in ("save", "load"):
@@ -455,7 +567,7 @@ def print_report(mix_result: dict, summ: dict, ratios: list[dict], contenders: l
             status = "ok"
             if s["failed"]:
                 status = f"FAILED {s['failed']}/{s['failed'] + s['n']}"
-            elif c["kind"] != "raw" and op == "load":
+            elif c["kind"] not in ("raw", "dcp_floor") and op == "load":
                 status = "verified" + ("" if s["cold"] else " WARM")
             rows.append([c["name"], op, C.fmt_num(s["median"]), C.fmt_num(s["min"]),
                          C.fmt_num(s["max"]), s["n"],
@@ -501,11 +613,17 @@ def parse_args(argv=None):
                         "tensors of mixed dtypes/shapes (incl. 0-d) plus non-tensor items; both: each")
     p.add_argument("--repeat", type=int, default=3, help="rounds; contenders alternate within a round")
     p.add_argument("--contenders", default="fp_dcp,stock,torch_checkpointing,torch.save,raw",
-                   help="comma list from: fp_dcp, stock, torch_checkpointing, torch.save, raw "
-                        "(torch_checkpointing: pip install -e '.[bench]'; skipped with a message if missing)")
+                   help="comma list from: fp_dcp, stock, torch_checkpointing, torch.save, raw, dcp_floor "
+                        "(torch_checkpointing: pip install -e '.[bench]'; skipped with a message if missing; "
+                        "dcp_floor: dcp.save/dcp.load through a storage that moves no bytes, DCP's own "
+                        "time, which gives the best ratio to raw any storage can reach here)")
     p.add_argument("--no-verify-row", action="store_true",
                    help="leave out fp_dcp[noverify] (the default reader with verify_checksums=False, "
                         "run in the same rounds to show the verifier's cost)")
+    p.add_argument("--again-row", action="store_true",
+                   help="add fp_dcp[again]: the same verified reader loading fp_dcp's checkpoint a second "
+                        "time in each round, back to back with the others: the round-to-round spread of "
+                        "identical loads, against which the verify-off row's 5 %% bound can be read")
     p.add_argument("--engines", default="",
                    help="also run fp_dcp with FastPersistOptions(engine=E) for each E (e.g. aio,uring,threads)")
     p.add_argument("--read-threads", default="",
@@ -528,10 +646,11 @@ def parse_args(argv=None):
     args.size_bytes = parse_size(args.size)
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
-    bad = set(args.contenders.split(",")) - {"fp_dcp", "stock", "torch_checkpointing", "torch.save", "raw"}
+    bad = set(args.contenders.split(",")) - {"fp_dcp", "stock", "torch_checkpointing", "torch.save", "raw",
+                                             "dcp_floor"}
     if bad:
         p.error(f"unknown contenders {sorted(bad)}: choose from fp_dcp, stock, torch_checkpointing, "
-                f"torch.save, raw")
+                f"torch.save, raw, dcp_floor")
     C.check_profiles(p, args.profiles)
     return args
 

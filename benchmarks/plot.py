@@ -62,6 +62,8 @@ def load_profiles(paths: list[str]) -> list[dict[str, Any]]:
                         if v and (raw[op][0] is None or v > raw[op][0]):
                             raw[op] = (v, name)
                     continue
+                if role == "dcp_floor":  # DCP's own time with no storage: a bound, not a contender
+                    continue
                 contenders.append({
                     "name": name,
                     "save": summ["save"].get("median"), "load": summ["load"].get("median"),

@@ -1,0 +1,87 @@
+"""benchmarks/bench_save_load.py's own arithmetic and its two reference rows:
+``dcp_floor`` (DCP's time through a storage that moves no bytes, and the
+ceiling it puts on any storage's ratio to raw) and ``fp_dcp[again]`` (two
+identical verified loads, the spread under the verify-off comparison)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "fp_dcp_bench_save_load", os.path.join(REPO, "benchmarks", "bench_save_load.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.path.remove(os.path.join(REPO, "benchmarks"))
+
+
+def test_dcp_floor_runs_dcp_without_io_and_reports_its_time(bench, tmp_path):
+    """The floor's children run dcp.save / dcp.load through storages that
+    move no bytes: nothing is written, nothing verified, a time comes back."""
+    base = {"kind": "dcp_floor", "path": str(tmp_path / "ck"), "mix": "small",
+            "size_bytes": 2 << 20, "seed": 3}
+    for op in ("save", "load"):
+        r = bench._child({**base, "op": op})
+        assert r["ok"] and r["verified"] is None and r["errors"] == []
+        assert r["seconds"] > 0 and r["bytes"] > 0
+    assert not (tmp_path / "ck").exists()  # the null writer wrote nothing
+
+
+def test_ceiling_is_raw_time_over_raw_plus_floor(bench):
+    rows: list[dict] = []
+    bench._ceiling(rows, "fp_dcp", "load", raw_gbps=4.0, floor_gbps=12.0)  # 1 s of raw + 1/3 s of DCP
+    assert rows[0]["ratio"] == pytest.approx(0.75) and rows[0]["baseline"] == "dcp_floor"
+    bench._ceiling(rows, "fp_dcp", "load", raw_gbps=4.0, floor_gbps=None)  # no floor in this run: no row
+    assert len(rows) == 1
+
+
+def _runs(gbps):
+    return [{"ok": True, "gbps": g, "rss_overhead_bytes": 1, "rss_base_bytes": 1, "cold": True} for g in gbps]
+
+
+def test_again_row_is_the_worst_spread_of_identical_loads(bench):
+    contenders = [{"name": "fp_dcp", "kind": "fp_dcp", "role": "fp_dcp"},
+                  {"name": "fp_dcp[again]", "kind": "fp_dcp", "role": "fp_dcp_again", "loads_of": "fp_dcp"},
+                  {"name": "raw[hugebuf]", "kind": "raw", "role": "raw"},
+                  {"name": "dcp_floor", "kind": "dcp_floor", "role": "dcp_floor"}]
+    res = {"runs": {
+        "fp_dcp": {"save": _runs([1.0, 1.0]), "load": _runs([4.0, 3.0])},
+        "fp_dcp[again]": {"save": [], "load": _runs([4.4, 2.4])},  # round 1: 0.91x, round 2: 1.25x
+        "raw[hugebuf]": {"save": _runs([1.2, 1.2]), "load": _runs([5.0, 5.0])},
+        "dcp_floor": {"save": _runs([8.0, 8.0]), "load": _runs([10.0, 10.0])},
+    }}
+    summ = bench._summaries(res, contenders)
+    assert summ["fp_dcp"]["load"]["vs_again"]["min"] == pytest.approx(4.0 / 4.4)
+    rows = {(r["op"], r["baseline"]): r for r in bench._ratios("large", summ, contenders)
+            if r["contender"] == "fp_dcp"}
+    assert rows[("load", "fp_dcp[again]")]["ratio"] == pytest.approx(2.4 / 3.0)  # the worse of 0.91 and 1/1.25
+    assert rows[("load", "dcp_floor")]["ratio"] == pytest.approx(1 / (1 + 5.0 / 10.0))
+    assert rows[("save", "dcp_floor")]["ratio"] == pytest.approx(1 / (1 + 1.2 / 8.0))
+
+
+def test_plot_leaves_the_floor_out(tmp_path):
+    import json
+    spec = importlib.util.spec_from_file_location("fp_dcp_bench_plot2", os.path.join(REPO, "benchmarks", "plot.py"))
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    s = {"n": 1, "median": 9.0}
+    report = {"benchmark": "save_load", "hardware": {}, "argv": [],
+              "contenders": [{"name": "fp_dcp", "role": "fp_dcp"}, {"name": "dcp_floor", "role": "dcp_floor"}],
+              "mixes": [{"mix": "large", "summary": {"fp_dcp": {"save": {**s, "role": "fp_dcp"}, "load": s},
+                                                      "dcp_floor": {"save": {**s, "role": "dcp_floor"}, "load": s}}}]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    names = [c["name"] for c in plot.load_profiles([str(path)])[0]["contenders"]]
+    assert names == ["fp_dcp"]
