@@ -42,7 +42,7 @@ from fp_dcp.save.device_copy import write_cuda
 from fp_dcp.save.layout import align_up, place_extents
 from fp_dcp.save.plan import Assignment, expected_nbytes, item_name
 from fp_dcp.save.results import Written, add_stats
-from fp_dcp.staging import forget_staged_checksums, staged_checksums
+from fp_dcp.staging import any_staged_checksums, forget_staged_checksums, staged_checksums
 
 __all__ = ["write_rank"]
 
@@ -196,12 +196,12 @@ class _Sources:
                     f"{name}: the planner planned {expected} bytes but resolved a tensor of "
                     f"{actual} bytes ({tuple(data.shape)}, {data.dtype})"
                 )
-            if data.device.type == "cuda":
+            if data.is_cpu:
+                out = ("cpu", tensor_bytes(data, name))
+            elif data.is_cuda:
                 t = data.detach()
                 flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
                 out = ("cuda", flat)
-            elif data.device.type == "cpu":
-                out = ("cpu", tensor_bytes(data, name))
             else:
                 out = ("cpu", tensor_bytes(data.detach().cpu(), name))
         self._sources[li] = out
@@ -243,14 +243,13 @@ def _write_device(
             )
             # The staging copy may have checksummed these bytes already
             # (an async save's arena): then the engine need not read them twice.
-            staged = [
-                _staged_crc_hex(sources.get(li)[1], io_, len(b), used) if options.write_checksums else None
-                for li, io_, b in group
-            ]
-            # ... or most of them: the rest (pickled values, tensors
-            # the staging copy did not checksum) are checksummed here.
-            missing = [i for i, c in enumerate(staged) if c is None]
-            reuse = options.write_checksums and 2 * sum(lengths[i] for i in missing) <= sum(lengths)
+            reuse = options.write_checksums and any_staged_checksums()  # (a save that staged nothing: no look-ups)
+            if reuse:
+                staged = [_staged_crc_hex(sources.get(li)[1], io_, len(b), used) for li, io_, b in group]
+                # ... or most of them: the rest (pickled values, tensors
+                # the staging copy did not checksum) are checksummed here.
+                missing = [i for i, c in enumerate(staged) if c is None]
+                reuse = 2 * sum(lengths[i] for i in missing) <= sum(lengths)
             if reuse:
                 for i in missing:
                     staged[i] = crc_hex(_native.crc32c_blocks(group[i][2], fmt.CHECKSUM_BLOCK_BYTES))
