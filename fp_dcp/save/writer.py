@@ -25,7 +25,11 @@ modules.
 4. coordinator: ``finish`` — merges the ranks' results into the storage
    layout (:mod:`fp_dcp.save.results`), commits the metadata (a temporary
    name and a rename, :mod:`fp_dcp.save.commit`), then removes the data files
-   of the checkpoint it superseded.
+   of the checkpoint it superseded.  In a save of one rank the layout and
+   the metadata's bytes are prepared in ``write_data`` already, while the
+   data files are synced (``while_syncing`` of
+   :func:`fp_dcp.save.execute.write_rank`); ``finish`` uses them when DCP
+   hands it the very metadata and results they were made from.
 
 The objects that exist when a save starts are kept out of the cyclic GC's
 sight until this rank's part of it ends (:mod:`fp_dcp.gc_freeze`).
@@ -108,6 +112,8 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         self._lock = commit.SaveLock()
         self._gc = GcFreeze()
         self._pending_record: GlobalRecord | None = None  # the coordinator's, kept by write_data if the planner caches
+        self._world_size = 0  # the coordinator's, from prepare_global_plan
+        self._prepared: _PreparedCommit | None = None  # the coordinator's, made by write_data for finish
 
     @staticmethod
     def _new_save_id() -> str:
@@ -120,6 +126,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         self._gc.thaw()  # a save that failed part-way left it frozen
         self.save_id = self._new_save_id()
         self.last_stats = {}
+        self._prepared = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -170,6 +177,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
     def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._lock.acquire(self._directory())
+        self._world_size = len(plans)
         for rank, p in enumerate(plans):
             if p.usable and (not isinstance(p.storage_data, RankHoldings) or p.storage_data.holdings is None):
                 raise RuntimeError(
@@ -216,6 +224,23 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         return fut
 
     def _write(self, assignment: Assignment, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        self._prepared = None
+        # A save of one rank: this rank's results are all finish will get,
+        # so the commit is prepared while the data files are synced.
+        metadata = _dcp_hooks.planner_metadata(planner) if self.is_coordinator and self._world_size == 1 else None
+        prepare_seconds = 0.0
+
+        def prepare_commit(results: list[WriteResult]) -> None:
+            nonlocal prepare_seconds
+            t0 = time.perf_counter()
+            try:
+                layout, blob = self._layout_and_metadata(metadata, [results])
+            except Exception:
+                return  # finish does it again, and reports the error
+            self._prepared = _PreparedCommit(metadata, metadata.state_dict_metadata, metadata.planner_data,
+                                             results, layout, blob)
+            prepare_seconds = time.perf_counter() - t0
+
         out, self.last_stats = execute.write_rank(
             assignment,
             items,
@@ -224,27 +249,42 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             session_for=self._engine_for,
             tag_devices=bool(self.data_dirs),
             options=self.options,
+            while_syncing=None if metadata is None else prepare_commit,
         )
+        if metadata is not None:
+            self.last_stats["prepare_commit_seconds"] = prepare_seconds
         return out
+
+    def _layout_and_metadata(
+        self, metadata: Metadata, results: list[list[WriteResult]]
+    ) -> tuple[fmt.StorageLayout, bytes]:
+        """The storage layout of every rank's ``results`` (checked against
+        ``metadata``) and the bytes of the metadata file."""
+        with paused():  # thousands of objects (extents, the JSON document), no cyclic garbage
+            layout = layout_from_results(results, self.save_id, self._engine().alignment)
+            check_layout_covers(metadata, layout)
+            metadata.storage_meta = self.storage_meta()
+            blob = fmt.encode_metadata(
+                metadata,
+                layout,
+                {
+                    "writer": f"fp_dcp {fp_dcp.__version__}",
+                    "torch_version": torch.__version__,
+                    "created": time.time(),
+                    "world_size": len(results),
+                },
+            )
+        return layout, blob
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t0 = time.perf_counter()
         directory = self._directory()
+        prepared, self._prepared = self._prepared, None
         try:
-            with paused():  # thousands of objects (extents, the JSON document), no cyclic garbage
-                layout = layout_from_results(results, self.save_id, self._engine().alignment)
-                check_layout_covers(metadata, layout)
-                metadata.storage_meta = self.storage_meta()
-                blob = fmt.encode_metadata(
-                    metadata,
-                    layout,
-                    {
-                        "writer": f"fp_dcp {fp_dcp.__version__}",
-                        "torch_version": torch.__version__,
-                        "created": time.time(),
-                        "world_size": len(results),
-                    },
-                )
+            if prepared is not None and prepared.serves(metadata, results):
+                layout, blob = prepared.layout, prepared.blob  # metadata.storage_meta set there too
+            else:
+                layout, blob = self._layout_and_metadata(metadata, results)
             files = [name for name, _ in layout.files]
             commit.commit_metadata(directory, blob, layout.save_id, files, self.options.sync_files)
             commit.remove_superseded(directory, self._data_directories(), files)
@@ -302,3 +342,28 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreparedCommit:
+    """The layout and metadata bytes ``write_data`` made for ``finish``, and
+    what they were made from."""
+
+    metadata: Metadata
+    state_dict_metadata: Any
+    planner_data: Any
+    results: list[WriteResult]  # the one rank's
+    layout: fmt.StorageLayout
+    blob: bytes
+
+    def serves(self, metadata: Metadata, results: list[list[WriteResult]]) -> bool:
+        """Whether ``finish(metadata, results)`` is handed the very objects
+        (DCP passes the planner's metadata and the list ``write_data``
+        returned; nothing changes them in between)."""
+        return (
+            metadata is self.metadata
+            and metadata.state_dict_metadata is self.state_dict_metadata
+            and metadata.planner_data is self.planner_data
+            and len(results) == 1
+            and results[0] is self.results
+        )
