@@ -25,11 +25,13 @@ modules.
 4. coordinator: ``finish`` — merges the ranks' results into the storage
    layout (:mod:`fp_dcp.save.results`), commits the metadata (a temporary
    name and a rename, :mod:`fp_dcp.save.commit`), then removes the data files
-   of the checkpoint it superseded.  In a save of one rank the layout and
-   the metadata's bytes are prepared in ``write_data`` already, while the
-   data files are synced (``while_syncing`` of
-   :func:`fp_dcp.save.execute.write_rank`); ``finish`` uses them when DCP
-   hands it the very metadata and results they were made from.
+   of the checkpoint it superseded.  The coordinator prepares what it can
+   in ``write_data`` already, while its data files are synced
+   (``while_syncing`` of :func:`fp_dcp.save.execute.write_rank`): the
+   metadata's structure (:func:`fp_dcp.format.encode_structure`) and, in a
+   save of one rank, the layout and the metadata's bytes; ``finish`` uses
+   them when DCP hands it the very metadata (and results) they were made
+   from.
 
 The objects that exist when a save starts are kept out of the cyclic GC's
 sight until this rank's part of it ends (:mod:`fp_dcp.gc_freeze`).
@@ -225,20 +227,23 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
     def _write(self, assignment: Assignment, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         self._prepared = None
-        # A save of one rank: this rank's results are all finish will get,
-        # so the commit is prepared while the data files are synced.
-        metadata = _dcp_hooks.planner_metadata(planner) if self.is_coordinator and self._world_size == 1 else None
+        # The coordinator prepares the commit while the data files are synced.
+        metadata = _dcp_hooks.planner_metadata(planner) if self.is_coordinator else None
         prepare_seconds = 0.0
 
         def prepare_commit(results: list[WriteResult]) -> None:
             nonlocal prepare_seconds
             t0 = time.perf_counter()
+            layout = blob = None
             try:
-                layout, blob = self._layout_and_metadata(metadata, [results])
+                with paused():
+                    structure = fmt.encode_structure(metadata)
+                if self._world_size == 1:  # these results are all finish will get
+                    layout, blob = self._layout_and_metadata(metadata, [results], structure)
             except Exception:
                 return  # finish does it again, and reports the error
             self._prepared = _PreparedCommit(metadata, metadata.state_dict_metadata, metadata.planner_data,
-                                             results, layout, blob)
+                                             structure, results, layout, blob)
             prepare_seconds = time.perf_counter() - t0
 
         out, self.last_stats = execute.write_rank(
@@ -256,10 +261,11 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         return out
 
     def _layout_and_metadata(
-        self, metadata: Metadata, results: list[list[WriteResult]]
+        self, metadata: Metadata, results: list[list[WriteResult]], structure: fmt.EncodedStructure | None = None
     ) -> tuple[fmt.StorageLayout, bytes]:
         """The storage layout of every rank's ``results`` (checked against
-        ``metadata``) and the bytes of the metadata file."""
+        ``metadata``) and the bytes of the metadata file (``structure``:
+        ``metadata``'s, encoded already)."""
         with paused():  # thousands of objects (extents, the JSON document), no cyclic garbage
             layout = layout_from_results(results, self.save_id, self._engine().alignment)
             check_layout_covers(metadata, layout)
@@ -273,6 +279,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                     "created": time.time(),
                     "world_size": len(results),
                 },
+                structure,
             )
         return layout, blob
 
@@ -281,10 +288,12 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         directory = self._directory()
         prepared, self._prepared = self._prepared, None
         try:
-            if prepared is not None and prepared.serves(metadata, results):
+            if prepared is None or not prepared.made_from(metadata):
+                layout, blob = self._layout_and_metadata(metadata, results)
+            elif prepared.blob is not None and len(results) == 1 and results[0] is prepared.results:
                 layout, blob = prepared.layout, prepared.blob  # metadata.storage_meta set there too
             else:
-                layout, blob = self._layout_and_metadata(metadata, results)
+                layout, blob = self._layout_and_metadata(metadata, results, prepared.structure)
             files = [name for name, _ in layout.files]
             commit.commit_metadata(directory, blob, layout.save_id, files, self.options.sync_files)
             commit.remove_superseded(directory, self._data_directories(), files)
@@ -346,24 +355,26 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
 @dataclasses.dataclass(frozen=True)
 class _PreparedCommit:
-    """The layout and metadata bytes ``write_data`` made for ``finish``, and
-    what they were made from."""
+    """What the coordinator's ``write_data`` made for ``finish`` and what
+    it was made from: the metadata's structure, and in a save of one rank
+    (``blob`` not None) the layout of its ``results`` and the metadata's
+    bytes."""
 
     metadata: Metadata
     state_dict_metadata: Any
     planner_data: Any
-    results: list[WriteResult]  # the one rank's
-    layout: fmt.StorageLayout
-    blob: bytes
+    structure: fmt.EncodedStructure
+    results: list[WriteResult]  # the coordinator's own
+    layout: fmt.StorageLayout | None
+    blob: bytes | None
 
-    def serves(self, metadata: Metadata, results: list[list[WriteResult]]) -> bool:
-        """Whether ``finish(metadata, results)`` is handed the very objects
-        (DCP passes the planner's metadata and the list ``write_data``
-        returned; nothing changes them in between)."""
+    def made_from(self, metadata: Metadata) -> bool:
+        """Whether ``finish`` is handed the very metadata (DCP passes the
+        planner's; nothing changes it in between).  The layout and bytes
+        serve it only with the very ``results`` list too (``finish``
+        checks)."""
         return (
             metadata is self.metadata
             and metadata.state_dict_metadata is self.state_dict_metadata
             and metadata.planner_data is self.planner_data
-            and len(results) == 1
-            and results[0] is self.results
         )
