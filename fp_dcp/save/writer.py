@@ -79,7 +79,10 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     them at once.
 
     After each save, :attr:`last_stats` holds what happened on this rank:
-    engine, bytes, seconds, throughput; on the coordinator
+    engine, bytes, seconds, throughput, ``sync_seconds`` (the data files'
+    ``fdatasync``) and ``sync_wait_seconds`` (how much of it was left once
+    the results were made; on the coordinator also
+    ``prepare_commit_seconds``, the commit's preparation meanwhile); on the coordinator
     :attr:`last_plan` describes the placement (balance, planning seconds,
     whether it came from the cache).
 
