@@ -55,6 +55,12 @@ The private hooks:
    and DCP calls the writer's later methods for that save on the same
    thread.  This is fp_dcp's own code relying on DCP's call pattern, not a
    private torch name; ``tests/test_async.py`` exercises it.
+7. **The coordinator's global metadata before ``finish``**
+   (:func:`planner_metadata`: ``DefaultSavePlanner.metadata``, the object
+   ``create_global_plan`` returned, which DCP later passes to ``finish``):
+   the coordinator prepares the commit while its files are synced.  Only a
+   speed-up: ``finish`` uses what was prepared only for that very object
+   (and the very results), and does the work itself otherwise.
 
 Plain ``dcp.save(sd, storage_writer=FastPersistWriter(p))`` /
 ``dcp.load(sd, storage_reader=FastPersistReader(p))`` use public interfaces
@@ -371,7 +377,7 @@ def _from_environment() -> None:
     use_as_default()
 
 
-# ----------------------------------------------- plan caching (hook 5)
+# ------------------------------- plan caching (hook 5), the global metadata (hook 7)
 
 
 def planner_cache_key(planner: Any) -> str | None:
@@ -383,9 +389,20 @@ def planner_cache_key(planner: Any) -> str | None:
     return str(getattr(planner, "_cached_plans_key", type(planner).__name__))
 
 
+def planner_metadata(planner: Any) -> Any:
+    """The global metadata ``planner`` made in ``create_global_plan`` (the
+    object DCP passes to the writer's ``finish``), or None where it keeps
+    none (another planner, a rank other than the coordinator)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    md = getattr(planner, "metadata", None)
+    return md if isinstance(md, Metadata) else None
+
+
 def check_planner_hooks() -> None:
     """Check that DefaultSavePlanner still exposes what
-    :func:`planner_cache_key` reads; raise ``RuntimeError`` if not."""
+    :func:`planner_cache_key` and :func:`planner_metadata` read; raise
+    ``RuntimeError`` if not."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     on, off = DefaultSavePlanner(enable_plan_caching=True), DefaultSavePlanner()
@@ -393,6 +410,10 @@ def check_planner_hooks() -> None:
         raise RuntimeError("DefaultSavePlanner no longer records enable_plan_caching as _enable_plan_caching")
     if not isinstance(getattr(on, "_cached_plans_key", None), str):
         raise RuntimeError("DefaultSavePlanner no longer has its plan-cache key in _cached_plans_key")
+    off.set_up_planner({"x": 1}, None, True)
+    _, metadata = off.create_global_plan([off.create_local_plan()])
+    if planner_metadata(off) is not metadata:
+        raise RuntimeError("DefaultSavePlanner no longer keeps create_global_plan's metadata in .metadata")
 
 
 # ------------------------------------------------- 2. the caller of stage()

@@ -61,6 +61,13 @@ def large_read_shape(max_request: int | None, alignment: int) -> tuple[int, int]
 def tensor_bytes(t: torch.Tensor, name: str) -> np.ndarray:
     """A 1-D uint8 numpy view of a CPU tensor's row-major bytes (no copy when
     ``t`` is contiguous; a contiguous copy otherwise)."""
+    # the common case (a plain contiguous CPU tensor) in a few calls: a save
+    # of thousands of small tensors makes one view per tensor
+    if (
+        t.is_cpu and t.layout == torch.strided and not t.requires_grad and t.is_contiguous()
+        and not t.is_conj() and not t.is_neg() and t.numel() > 1  # (one element may have any stride)
+    ):
+        return t.view(-1).view(torch.uint8).numpy()
     if t.layout != torch.strided:
         raise TypeError(
             f"{name}: fp_dcp stores strided tensors only, not {t.layout}; "

@@ -50,6 +50,8 @@ __all__ = [
     "CheckpointFormatError",
     "Extent",
     "StorageLayout",
+    "EncodedStructure",
+    "encode_structure",
     "encode_metadata",
     "decode_metadata",
     "data_file_name",
@@ -319,8 +321,21 @@ def _index_from_key(key: Any) -> MetadataIndex:
     return MetadataIndex(key[0], None if key[1] is None else _int_list(key[1], "item offset"))
 
 
-def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, Any]) -> bytes:
-    """The bytes of the metadata file: header + JSON body."""
+@dataclasses.dataclass(frozen=True)
+class EncodedStructure:
+    """The parts of the metadata document that depend on the checkpoint's
+    structure alone, not on where the bytes went: the JSON text of the
+    state dict's metadata and of the planner's data (most of the document
+    for a state dict of many small items).  :func:`encode_structure` makes
+    it; :func:`encode_metadata` takes it, so a writer can encode it while
+    its data files are written."""
+
+    state_dict_metadata: str
+    planner_data: str
+
+
+def encode_structure(metadata: Metadata) -> EncodedStructure:
+    """The :class:`EncodedStructure` of ``metadata``."""
     sd_md: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -335,6 +350,20 @@ def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, 
             sd_md[fqn] = {"type": "bytes"}
         else:
             raise TypeError(f"{fqn}: unknown storage metadata {type(md).__name__}")
+    return EncodedStructure(_json(sd_md), _json(_enc(metadata.planner_data)))
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def encode_metadata(
+    metadata: Metadata, layout: StorageLayout, extra: dict[str, Any], structure: EncodedStructure | None = None
+) -> bytes:
+    """The bytes of the metadata file: header + JSON body.  ``structure``:
+    :func:`encode_structure` of ``metadata``, made earlier (else made here)."""
+    if structure is None:
+        structure = encode_structure(metadata)
     sm = metadata.storage_meta
     block = layout.checksum_block_bytes
     for index, exts in layout.extents.items():
@@ -345,6 +374,8 @@ def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, 
                 block is None or type(crc) is not str or len(crc) != 8 * checksum_blocks(e.length, block)
             ):
                 raise ValueError(f"{index.fqn}: extent checksum {crc!r} does not match its length {e.length}")
+    # One JSON object, its members' texts joined (the structure's are made
+    # already): the same bytes json.dumps gives for the whole document.
     doc = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -353,7 +384,7 @@ def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, 
         "save_id": layout.save_id,
         "alignment": layout.alignment,
         "files": [[name, size] for name, size in layout.files],
-        "state_dict_metadata": sd_md,
+        "state_dict_metadata": _ENCODED,
         "extents": [
             [
                 _index_key(index),
@@ -366,7 +397,7 @@ def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, 
             for index, exts in layout.extents.items()
         ],
         **({} if block is None else {"checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_bytes": block}}),
-        "planner_data": _enc(metadata.planner_data),
+        "planner_data": _ENCODED,
         "storage_meta": None
         if sm is None
         else {
@@ -375,8 +406,14 @@ def encode_metadata(metadata: Metadata, layout: StorageLayout, extra: dict[str, 
             "modules": list(sm.modules),
         },
     }
-    body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    encoded = {"state_dict_metadata": structure.state_dict_metadata, "planner_data": structure.planner_data}
+    body = (
+        "{" + ",".join(_json(k) + ":" + (encoded[k] if v is _ENCODED else _json(v)) for k, v in doc.items()) + "}"
+    ).encode()
     return _HEADER.pack(_MAGIC, FORMAT_VERSION, zlib.crc32(body), len(body)) + body
+
+
+_ENCODED = object()  # a member of the document whose text the structure holds
 
 
 def read_header(head: bytes, path: str) -> tuple[int, int, int]:

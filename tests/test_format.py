@@ -110,6 +110,25 @@ def test_metadata_round_trip_preserves_dcp_metadata(ckpt):
     assert layout2.extents == layout.extents and layout2.files == layout.files
 
 
+def test_the_structure_encoded_ahead_gives_the_same_metadata_bytes(ckpt):
+    """A writer encodes the metadata's structure while its files are
+    written (encode_structure) and the rest after: the bytes are those of
+    one encoding, also for planner data whose keys and values need the
+    codec's tags (tuples, non-string keys, keys like a tag)."""
+    _, path = ckpt
+    metadata, layout, extra = read_checkpoint_metadata(str(path))
+    for planner_data in (metadata.planner_data, {"a": (1, "x"), 2: [None, 1.5], "__t__": {"k": ("p", "q")}}):
+        metadata.planner_data = planner_data
+        structure = fmt.encode_structure(metadata)
+        blob = fmt.encode_metadata(metadata, layout, extra, structure)
+        assert blob == fmt.encode_metadata(metadata, layout, extra)
+        body = blob[fmt.HEADER_SIZE:]
+        assert body == json.dumps(json.loads(body), separators=(",", ":")).encode()
+        again, layout2, extra2 = fmt.decode_metadata(blob, "x")
+        assert again.planner_data == planner_data and again.state_dict_metadata == metadata.state_dict_metadata
+        assert layout2.extents == layout.extents and extra2 == extra
+
+
 def _rewrite(path, body: bytes, version=fmt.FORMAT_VERSION):
     with open(meta_path(path), "wb") as f:
         f.write(struct.pack("<8sIIQ", b"FPDCP\x00\r\n", version, zlib.crc32(body), len(body)) + body)

@@ -182,3 +182,117 @@ def test_write_results_one_per_item_in_order_with_each_file_size_on_its_first_it
     # a.fpd's first item is i0, b.fpd's is i2 (item 2 precedes item 3)
     assert [r.storage_data.file_sizes for r in results] == [(("a.fpd", 4096),), (("/d/b.fpd", 8192),), ()]
     assert (stats["bytes"], stats["requests"], stats["engine"]) == (25, 3, "aio")
+
+
+def _small_state_dict(n: int = 40) -> dict:
+    g = torch.Generator().manual_seed(5)
+    sd = {f"t{k}": torch.randn(1 + 37 * k, generator=g) for k in range(n)}
+    sd["step"] = 7
+    return sd
+
+
+def test_the_commit_is_prepared_while_the_data_files_are_synced(tmp_path, monkeypatch, aio_no_leaks):
+    """A save of one rank: the coordinator builds the layout and the
+    metadata's bytes while its data files' fdatasync is in flight (the fake
+    fdatasync returns only once they are built), finish commits those bytes
+    without building them again, and the checkpoint loads bit for bit."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistReader
+    from fp_dcp.save import execute, writer
+
+    built = threading.Event()
+    calls = {"layout": 0, "synced_after_build": []}
+    real_layout, real_fdatasync = writer.layout_from_results, os.fdatasync
+
+    def layout(*a, **k):
+        calls["layout"] += 1
+        out = real_layout(*a, **k)
+        built.set()
+        return out
+
+    def fdatasync(fd):
+        calls["synced_after_build"].append(built.wait(30))
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(writer, "layout_from_results", layout)
+    monkeypatch.setattr(execute.os, "fdatasync", fdatasync)
+    sd = _small_state_dict()
+    with FastPersistWriter(tmp_path / "c") as w:
+        dcp.save(sd, storage_writer=w)
+        assert calls == {"layout": 1, "synced_after_build": [True]}
+        assert w.last_stats["prepare_commit_seconds"] > 0 and "finish_seconds" in w.last_stats
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+    dcp.load(out, storage_reader=FastPersistReader(tmp_path / "c"))
+    assert out["step"] == 7
+    assert all(torch.equal(out[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor))
+
+
+def test_finish_builds_the_commit_itself_when_handed_other_results(tmp_path, aio_no_leaks):
+    """What write_data prepared serves only the very metadata and results
+    it was made from: handed a copy of the results, finish builds the
+    layout and metadata again, and commits the same checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import format as fmt
+    from fp_dcp.save.writer import FastPersistWriter as W
+
+    sd = _small_state_dict()
+
+    class CopyingWriter(W):
+        def finish(self, metadata, results):
+            self.prepared_was = self._prepared
+            return super().finish(metadata, [list(r) for r in results])
+
+    metas = []
+    for cls, name in ((W, "a"), (CopyingWriter, "b")):
+        with cls(tmp_path / name) as w:
+            dcp.save(sd, storage_writer=w)
+            if cls is CopyingWriter:
+                assert w.prepared_was is not None  # made, but not for these results
+        with open(tmp_path / name / fmt.METADATA_NAME, "rb") as f:
+            md, layout, _ = fmt.decode_metadata(f.read(), name)
+        metas.append((md.state_dict_metadata, md.planner_data, [(i, e) for i, e in layout.extents.items()]))
+    assert metas[0] == metas[1]
+
+
+def test_a_failed_fdatasync_fails_the_save_names_the_file_and_keeps_the_checkpoint(tmp_path, monkeypatch,
+                                                                                     aio_no_leaks):
+    """The data files' fdatasync runs beside the results' making: its
+    failure still fails write_data (the error names the data file), the new
+    data files are removed and the previous checkpoint stays the one
+    committed."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fp_dcp import FastPersistReader
+    from fp_dcp import format as fmt
+    from fp_dcp.save import execute
+
+    path = tmp_path / "c"
+    sd = _small_state_dict()
+    dcp.save(sd, storage_writer=FastPersistWriter(path))
+    before = sorted(os.listdir(path))
+    with open(path / fmt.METADATA_NAME, "rb") as f:
+        committed = f.read()
+
+    def fdatasync(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(execute.os, "fdatasync", fdatasync)
+    sd2 = {k: v + 1 if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    with pytest.raises((OSError, CheckpointException)) as e:
+        dcp.save(sd2, storage_writer=FastPersistWriter(path))
+    message = str(e.value)
+    assert f"{os.strerror(errno.EIO)} (fdatasync)" in message and f".r0.0{fmt.DATA_SUFFIX}" in message
+    monkeypatch.undo()
+    assert sorted(os.listdir(path)) == before
+    with open(path / fmt.METADATA_NAME, "rb") as f:
+        assert f.read() == committed
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+    dcp.load(out, storage_reader=FastPersistReader(path))
+    assert all(torch.equal(out[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor))

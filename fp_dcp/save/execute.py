@@ -11,6 +11,13 @@ extents aligned so they are written in place, small ones packed
 buffers (:mod:`fp_dcp.save.device_copy`).  It returns DCP's write results
 (:class:`fp_dcp.save.results.Written` records) and the rank's statistics.
 
+Durability: the host files are written without ``fdatasync``, then synced
+on threads of their own while this thread turns the written extents into
+the results and runs the caller's ``while_syncing`` work (the coordinator
+prepares its commit there): on a disk whose ``fdatasync`` waits for the
+host's write-back, that work is off the save's critical path.
+:func:`write_rank` returns only once every file is durable.
+
 Checksums: where a staging copy (an async save's arena) already
 checksummed most of a file's bytes on the checksum grid, those are used and
 only the rest is checksummed here; otherwise the engine checksums what it
@@ -42,7 +49,7 @@ from fp_dcp.save.device_copy import write_cuda
 from fp_dcp.save.layout import align_up, place_extents
 from fp_dcp.save.plan import Assignment, expected_nbytes, item_name
 from fp_dcp.save.results import Written, add_stats
-from fp_dcp.staging import forget_staged_checksums, staged_checksums
+from fp_dcp.staging import any_staged_checksums, forget_staged_checksums, staged_checksums
 
 __all__ = ["write_rank"]
 
@@ -56,13 +63,16 @@ def write_rank(
     session_for: Callable[[str], IOSession],
     tag_devices: bool,
     options: FastPersistOptions,
+    while_syncing: Callable[[list[WriteResult]], None] | None = None,
 ) -> tuple[list[WriteResult], dict[str, Any]]:
     """Write rank ``assignment.rank``'s pieces of ``items`` (resolved by
     ``resolve_data``, DCP's ``SavePlanner.resolve_data``) into ``dirs``
     (``(directory, named by absolute path)`` by device), each through
     ``session_for(directory)``; ``tag_devices``: the data file names carry
-    the device number (``options.data_dirs``).  Returns one result per item
-    written and the statistics."""
+    the device number (``options.data_dirs``).  ``while_syncing``: called
+    with the results once every byte is written, while the files are made
+    durable (what it raises fails the write).  Returns one result per item
+    written and the statistics, once the files are durable."""
     t0 = time.perf_counter()
     rank = assignment.rank
     pieces = assignment.pieces
@@ -100,27 +110,47 @@ def write_rank(
         raise RuntimeError(f"rank {rank}: the plan uses device {max(devices)} but this rank has {len(dirs)}")
 
     used: set[int] = set()  # arenas whose staging checksums this save used
+    unsynced: dict[int, list[tuple[int, str]]] = {d: [] for d in devices}  # device -> its open host files
 
     def write_device(dev: int):
         directory, by_path = dirs[dev]
         return _write_device(
             session_for(directory), directory, by_path, by_device[dev], sources,
-            assignment.save_id, rank, dev if tag_devices else None, options, used,
+            assignment.save_id, rank, dev if tag_devices else None, options, used, unsynced[dev],
         )
-
-    try:
-        if len(devices) > 1:  # one thread per device: the engine releases the GIL
-            with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="fp_dcp-device") as pool:
-                done = list(pool.map(write_device, devices))
-        else:
-            done = [write_device(d) for d in devices]
-    finally:
-        forget_staged_checksums(used)  # they belong to this save only
 
     stats: dict[str, Any] = {"engine": None, "direct_io": None, "bytes": 0, "requests": 0,
                              "staged_checksum_bytes": 0}
-    with paused():  # one result per item, no cyclic garbage
-        results = _results(items, done, stats)
+    try:
+        try:
+            if len(devices) > 1:  # one thread per device: the engine releases the GIL
+                with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="fp_dcp-device") as pool:
+                    done = list(pool.map(write_device, devices))
+            else:
+                done = [write_device(d) for d in devices]
+        finally:
+            forget_staged_checksums(used)  # they belong to this save only
+        # Each device's files are made durable on a thread of its own (the
+        # calls release the GIL) while this thread makes the results.
+        syncs = concurrent.futures.ThreadPoolExecutor(max(1, len(devices)), thread_name_prefix="fp_dcp-sync")
+        with syncs:
+            durable = [
+                syncs.submit(_sync_device, unsynced[d], *dirs[d]) for d in devices if options.sync_files
+            ]
+            try:
+                with paused():  # one result per item, no cyclic garbage
+                    results = _results(items, done, stats)
+                if while_syncing is not None:
+                    while_syncing(results)
+            finally:
+                t_wait = time.perf_counter()
+                concurrent.futures.wait(durable)
+                stats["sync_wait_seconds"] = time.perf_counter() - t_wait
+            stats["sync_seconds"] = max((f.result() for f in durable), default=0.0)  # raises a failed sync
+    finally:
+        for files in unsynced.values():
+            for fd, _ in files:
+                os.close(fd)
     if stats["engine"] is None:  # nothing to write on this rank
         session = session_for(dirs[0][0])
         stats["engine"], stats["direct_io"] = session.kind, session.direct
@@ -196,12 +226,12 @@ class _Sources:
                     f"{name}: the planner planned {expected} bytes but resolved a tensor of "
                     f"{actual} bytes ({tuple(data.shape)}, {data.dtype})"
                 )
-            if data.device.type == "cuda":
+            if data.is_cpu:
+                out = ("cpu", tensor_bytes(data, name))
+            elif data.is_cuda:
                 t = data.detach()
                 flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
                 out = ("cuda", flat)
-            elif data.device.type == "cpu":
-                out = ("cpu", tensor_bytes(data, name))
             else:
                 out = ("cpu", tensor_bytes(data.detach().cpu(), name))
         self._sources[li] = out
@@ -219,13 +249,16 @@ def _write_device(
     tag: int | None,
     options: FastPersistOptions,
     used: set[int],
+    unsynced: list[tuple[int, str]],
 ) -> tuple[list[tuple], list[tuple[str, int]], dict[str, Any], str, bool]:
     """One device's pieces (``groups``: host pieces, CUDA pieces; each
     ``(item, item_offset, bytes)``): a file for each kind in ``directory``.
-    Returns the extents ``(item, file, file_offset, item_offset, length,
-    crc32c)``, the files' sizes, the statistics and the engine's kind and
-    direct-I/O flag.  Records the staging arenas whose checksums it used in
-    ``used``."""
+    The host file is written without ``fdatasync`` and left open: its
+    ``(fd, path)`` is added to ``unsynced`` (the caller syncs and closes
+    it; the CUDA file is synced here).  Returns the extents ``(item, file,
+    file_offset, item_offset, length, crc32c)``, the files' sizes, the
+    statistics and the engine's kind and direct-I/O flag.  Records the
+    staging arenas whose checksums it used in ``used``."""
     cpu, cuda = groups
     extents: list[tuple] = []  # (item, file, file_offset, item_offset, length, crc32c)
     file_sizes: list[tuple[str, int]] = []
@@ -243,23 +276,25 @@ def _write_device(
             )
             # The staging copy may have checksummed these bytes already
             # (an async save's arena): then the engine need not read them twice.
-            staged = [
-                _staged_crc_hex(sources.get(li)[1], io_, len(b), used) if options.write_checksums else None
-                for li, io_, b in group
-            ]
-            # ... or most of them: the rest (pickled values, tensors
-            # the staging copy did not checksum) are checksummed here.
-            missing = [i for i, c in enumerate(staged) if c is None]
-            reuse = options.write_checksums and 2 * sum(lengths[i] for i in missing) <= sum(lengths)
+            reuse = options.write_checksums and any_staged_checksums()  # (a save that staged nothing: no look-ups)
+            if reuse:
+                staged = [_staged_crc_hex(sources.get(li)[1], io_, len(b), used) for li, io_, b in group]
+                # ... or most of them: the rest (pickled values, tensors
+                # the staging copy did not checksum) are checksummed here.
+                missing = [i for i, c in enumerate(staged) if c is None]
+                reuse = 2 * sum(lengths[i] for i in missing) <= sum(lengths)
             if reuse:
                 for i in missing:
                     staged[i] = crc_hex(_native.crc32c_blocks(group[i][2], fmt.CHECKSUM_BLOCK_BYTES))
-            s = session.write(
+            fd = session.engine.open(path, "w", session.direct if session.direct else False)
+            unsynced.append((fd, path))
+            s = session.write_fds(
+                [fd],
                 [path],
                 np.zeros(len(group), dtype=np.int64),
                 np.asarray(offsets, dtype=np.int64),
                 [b for _, _, b in group],
-                sync=options.sync_files,
+                sync=False,  # the caller syncs it while it makes the results
                 checksums=fmt.CHECKSUM_BLOCK_BYTES if options.write_checksums and not reuse else False,
             )
             add_stats(stats, s)
@@ -278,9 +313,22 @@ def _write_device(
             (li, recorded, fo, io_, n, crc)
             for (li, io_, _), fo, n, crc in zip(group, offsets, lengths, crcs)
         ]
-    if by_path and options.sync_files:
-        sync_directory(directory)  # the new files' entries (the coordinator syncs the checkpoint directory)
     return extents, file_sizes, stats, session.kind, session.direct
+
+
+def _sync_device(files: list[tuple[int, str]], directory: str, by_path: bool) -> float:
+    """``fdatasync`` a device's written host files (``(fd, path)``), then,
+    for a data directory, sync its entries (the coordinator syncs the
+    checkpoint directory's).  Returns the seconds it took."""
+    t0 = time.perf_counter()
+    for fd, path in files:
+        try:
+            os.fdatasync(fd)
+        except OSError as e:
+            raise OSError(e.errno, f"{e.strerror} (fdatasync)", path) from None
+    if by_path:
+        sync_directory(directory)  # the new files' entries
+    return time.perf_counter() - t0
 
 
 def _staged_crc_hex(item: Any, offset: int, length: int, used: set[int]) -> str | None:

@@ -25,7 +25,13 @@ modules.
 4. coordinator: ``finish`` — merges the ranks' results into the storage
    layout (:mod:`fp_dcp.save.results`), commits the metadata (a temporary
    name and a rename, :mod:`fp_dcp.save.commit`), then removes the data files
-   of the checkpoint it superseded.
+   of the checkpoint it superseded.  The coordinator prepares what it can
+   in ``write_data`` already, while its data files are synced
+   (``while_syncing`` of :func:`fp_dcp.save.execute.write_rank`): the
+   metadata's structure (:func:`fp_dcp.format.encode_structure`) and, in a
+   save of one rank, the layout and the metadata's bytes; ``finish`` uses
+   them when DCP hands it the very metadata (and results) they were made
+   from.
 
 The objects that exist when a save starts are kept out of the cyclic GC's
 sight until this rank's part of it ends (:mod:`fp_dcp.gc_freeze`).
@@ -73,7 +79,10 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     them at once.
 
     After each save, :attr:`last_stats` holds what happened on this rank:
-    engine, bytes, seconds, throughput; on the coordinator
+    engine, bytes, seconds, throughput, ``sync_seconds`` (the data files'
+    ``fdatasync``) and ``sync_wait_seconds`` (how much of it was left once
+    the results were made; on the coordinator also
+    ``prepare_commit_seconds``, the commit's preparation meanwhile); on the coordinator
     :attr:`last_plan` describes the placement (balance, planning seconds,
     whether it came from the cache).
 
@@ -108,6 +117,8 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         self._lock = commit.SaveLock()
         self._gc = GcFreeze()
         self._pending_record: GlobalRecord | None = None  # the coordinator's, kept by write_data if the planner caches
+        self._world_size = 0  # the coordinator's, from prepare_global_plan
+        self._prepared: _PreparedCommit | None = None  # the coordinator's, made by write_data for finish
 
     @staticmethod
     def _new_save_id() -> str:
@@ -120,6 +131,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         self._gc.thaw()  # a save that failed part-way left it frozen
         self.save_id = self._new_save_id()
         self.last_stats = {}
+        self._prepared = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -170,6 +182,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
     def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._lock.acquire(self._directory())
+        self._world_size = len(plans)
         for rank, p in enumerate(plans):
             if p.usable and (not isinstance(p.storage_data, RankHoldings) or p.storage_data.holdings is None):
                 raise RuntimeError(
@@ -216,6 +229,26 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         return fut
 
     def _write(self, assignment: Assignment, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        self._prepared = None
+        # The coordinator prepares the commit while the data files are synced.
+        metadata = _dcp_hooks.planner_metadata(planner) if self.is_coordinator else None
+        prepare_seconds = 0.0
+
+        def prepare_commit(results: list[WriteResult]) -> None:
+            nonlocal prepare_seconds
+            t0 = time.perf_counter()
+            layout = blob = None
+            try:
+                with paused():
+                    structure = fmt.encode_structure(metadata)
+                if self._world_size == 1:  # these results are all finish will get
+                    layout, blob = self._layout_and_metadata(metadata, [results], structure)
+            except Exception:
+                return  # finish does it again, and reports the error
+            self._prepared = _PreparedCommit(metadata, metadata.state_dict_metadata, metadata.planner_data,
+                                             structure, results, layout, blob)
+            prepare_seconds = time.perf_counter() - t0
+
         out, self.last_stats = execute.write_rank(
             assignment,
             items,
@@ -224,27 +257,46 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             session_for=self._engine_for,
             tag_devices=bool(self.data_dirs),
             options=self.options,
+            while_syncing=None if metadata is None else prepare_commit,
         )
+        if metadata is not None:
+            self.last_stats["prepare_commit_seconds"] = prepare_seconds
         return out
+
+    def _layout_and_metadata(
+        self, metadata: Metadata, results: list[list[WriteResult]], structure: fmt.EncodedStructure | None = None
+    ) -> tuple[fmt.StorageLayout, bytes]:
+        """The storage layout of every rank's ``results`` (checked against
+        ``metadata``) and the bytes of the metadata file (``structure``:
+        ``metadata``'s, encoded already)."""
+        with paused():  # thousands of objects (extents, the JSON document), no cyclic garbage
+            layout = layout_from_results(results, self.save_id, self._engine().alignment)
+            check_layout_covers(metadata, layout)
+            metadata.storage_meta = self.storage_meta()
+            blob = fmt.encode_metadata(
+                metadata,
+                layout,
+                {
+                    "writer": f"fp_dcp {fp_dcp.__version__}",
+                    "torch_version": torch.__version__,
+                    "created": time.time(),
+                    "world_size": len(results),
+                },
+                structure,
+            )
+        return layout, blob
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t0 = time.perf_counter()
         directory = self._directory()
+        prepared, self._prepared = self._prepared, None
         try:
-            with paused():  # thousands of objects (extents, the JSON document), no cyclic garbage
-                layout = layout_from_results(results, self.save_id, self._engine().alignment)
-                check_layout_covers(metadata, layout)
-                metadata.storage_meta = self.storage_meta()
-                blob = fmt.encode_metadata(
-                    metadata,
-                    layout,
-                    {
-                        "writer": f"fp_dcp {fp_dcp.__version__}",
-                        "torch_version": torch.__version__,
-                        "created": time.time(),
-                        "world_size": len(results),
-                    },
-                )
+            if prepared is None or not prepared.made_from(metadata):
+                layout, blob = self._layout_and_metadata(metadata, results)
+            elif prepared.blob is not None and len(results) == 1 and results[0] is prepared.results:
+                layout, blob = prepared.layout, prepared.blob  # metadata.storage_meta set there too
+            else:
+                layout, blob = self._layout_and_metadata(metadata, results, prepared.structure)
             files = [name for name, _ in layout.files]
             commit.commit_metadata(directory, blob, layout.save_id, files, self.options.sync_files)
             commit.remove_superseded(directory, self._data_directories(), files)
@@ -302,3 +354,30 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreparedCommit:
+    """What the coordinator's ``write_data`` made for ``finish`` and what
+    it was made from: the metadata's structure, and in a save of one rank
+    (``blob`` not None) the layout of its ``results`` and the metadata's
+    bytes."""
+
+    metadata: Metadata
+    state_dict_metadata: Any
+    planner_data: Any
+    structure: fmt.EncodedStructure
+    results: list[WriteResult]  # the coordinator's own
+    layout: fmt.StorageLayout | None
+    blob: bytes | None
+
+    def made_from(self, metadata: Metadata) -> bool:
+        """Whether ``finish`` is handed the very metadata (DCP passes the
+        planner's; nothing changes it in between).  The layout and bytes
+        serve it only with the very ``results`` list too (``finish``
+        checks)."""
+        return (
+            metadata is self.metadata
+            and metadata.state_dict_metadata is self.state_dict_metadata
+            and metadata.planner_data is self.planner_data
+        )

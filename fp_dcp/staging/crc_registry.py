@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["remember", "staged_checksums", "forget_staged_checksums"]
+__all__ = ["remember", "staged_checksums", "forget_staged_checksums", "any_staged_checksums"]
 
 # Arenas whose CRCs are kept at most: a writer has one arena (two while a
 # save moves it to shared memory), a checkpoint process serves a few writers;
@@ -58,6 +58,12 @@ def forget_staged_checksums(addresses: Any = None) -> None:
             _STAGED.clear()
         for a in addresses or ():
             _STAGED.pop(a, None)
+
+
+def any_staged_checksums() -> bool:
+    """Whether any staging copy's CRCs are kept (a save that staged nothing
+    need not look each of its items up)."""
+    return bool(_STAGED)
 
 
 def staged_checksums(address: int, nbytes: int) -> tuple[int, np.ndarray] | None:
