@@ -29,8 +29,9 @@ import os
 import re
 import struct
 import zlib
+from collections.abc import Mapping
 from itertools import chain, repeat
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -52,6 +53,7 @@ __all__ = [
     "METADATA_NAME",
     "CheckpointFormatError",
     "Extent",
+    "ExtentColumns",
     "StorageLayout",
     "encode_metadata",
     "decode_metadata",
@@ -188,6 +190,54 @@ class Extent:
     crc32c: str | None = None
 
 
+class ExtentColumns(Mapping):
+    """``StorageLayout.extents`` as the decoder reads it: every extent's
+    fields in columns, the same mapping ``MetadataIndex -> [Extent]`` to
+    whoever reads it as one (the dict is built on first such use, once).
+    The load's planner and read verifier take the columns as they are
+    (``ExtentTable``, ``ReadVerifier``), so a load builds no ``Extent`` or
+    ``MetadataIndex`` per item.  Read-only, like the dict it stands for on
+    a decoded layout.
+
+    ``item_keys[i]``: item ``i``'s ``(fqn, chunk offset tuple or None)``;
+    ``counts[i]``: its number of extents, whose rows follow item ``i - 1``'s,
+    sorted by item offset; ``file``, ``file_offset``, ``item_offset``,
+    ``length`` (int64) and ``crc32c`` (str or None): one per extent row."""
+
+    def __init__(self, item_keys: list[tuple], counts: np.ndarray, file: np.ndarray, file_offset: np.ndarray,
+                 item_offset: np.ndarray, length: np.ndarray, crc32c: list[str | None]) -> None:
+        self.item_keys = item_keys
+        self.counts = counts
+        self.file, self.file_offset, self.item_offset, self.length = file, file_offset, item_offset, length
+        self.crc32c = crc32c
+        self._dict: dict[MetadataIndex, list[Extent]] | None = None
+
+    def _extents(self) -> dict[MetadataIndex, list[Extent]]:
+        if self._dict is None:
+            exts = list(map(Extent, self.file.tolist(), self.file_offset.tolist(), self.item_offset.tolist(),
+                            self.length.tolist(), self.crc32c))
+            ends = np.cumsum(self.counts).tolist()
+            self._dict = {MetadataIndex(fqn, offset): exts[end - count:end]
+                          for (fqn, offset), count, end in zip(self.item_keys, self.counts.tolist(), ends)}
+        return self._dict
+
+    def __getitem__(self, key: MetadataIndex) -> list[Extent]:
+        return self._extents()[key]
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        return iter(self._extents())
+
+    def __len__(self) -> int:
+        return len(self.item_keys)
+
+    def __repr__(self) -> str:
+        return repr(self._extents())
+
+    def __reduce__(self) -> tuple:  # pickled as columns (DCP sends the metadata to every rank)
+        return (ExtentColumns, (self.item_keys, self.counts, self.file, self.file_offset, self.item_offset,
+                                self.length, self.crc32c))
+
+
 @dataclasses.dataclass
 class StorageLayout:
     """``Metadata.storage_data`` of an fp_dcp checkpoint.
@@ -196,13 +246,14 @@ class StorageLayout:
     checkpoint directory or an absolute path (:func:`valid_data_file_name`);
     a reader opens ``os.path.join(checkpoint_dir, name)``.  ``extents[index]`` lists the
     extents of one item, sorted by ``item_offset`` and covering
-    ``[0, item_nbytes)`` exactly once.
+    ``[0, item_nbytes)`` exactly once (a dict, or on a decoded layout the
+    read-only :class:`ExtentColumns`).
     """
 
     save_id: str
     alignment: int
     files: list[tuple[str, int]]
-    extents: dict[MetadataIndex, list[Extent]]
+    extents: Mapping[MetadataIndex, list[Extent]]
     checksum_block_bytes: int | None = None
 
 
@@ -815,22 +866,15 @@ def _extents_columns(raw: Any, file_sizes: list[int], block: int | None, n_field
                 or not _HEX.issuperset("".join(given_crcs))):
             return None
         crcs = [r[4] if len(r) == 5 else None for r in rows]
-    exts = list(map(Extent, f, fo, io_, ln, crcs))
-    if max(counts, default=0) == 1 and min(counts) == 1:
-        grouped = [[e] for e in exts]
-    else:
-        grouped = []
-        at = 0
-        for count in counts:
-            group = exts[at:at + count]
-            if count > 1:
-                group.sort(key=lambda e: e.item_offset)
-            grouped.append(group)
-            at += count
-    extents = dict(zip((MetadataIndex(fqn, o) for fqn, o in zip(fqns, offsets)), grouped))
-    if len(extents) != len(raw):
-        return None  # two extent lists for one item
     item_keys = list(zip(fqns, (None if o is None else tuple(o) for o in offsets)))
+    if len(set(item_keys)) != len(item_keys):
+        return None  # two extent lists for one item
+    counts_ = np.array(counts, dtype=np.int64)
+    if max(counts, default=0) > 1:  # each item's extents sorted by item offset
+        order = np.lexsort((IO, np.repeat(np.arange(len(raw)), counts_)))  # stable, as list.sort
+        F, FO, IO, LN = F[order], FO[order], IO[order], LN[order]
+        crcs = [crcs[k] for k in order.tolist()]
+    extents = ExtentColumns(item_keys, counts_, F, FO, IO, LN, crcs)
     return extents, item_keys, (F, FO, LN)
 
 
