@@ -646,8 +646,10 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
 # ``_*_checked`` is the reference: it walks the items one by one, checks
 # every field and raises naming the item and what is wrong.  ``_*_columns``
 # decodes the same sections with each check done once over a column of
-# every item's values (types with set(map(type, ...)), ranges with numpy):
-# about 5x faster on ~10,000 items.  It returns None at the first thing that
+# every item's values (types with set(map(type, ...)), ranges with numpy);
+# on 9,245 small tensors state_dict_metadata takes 32 ms instead of 46 and
+# the extents 13 ms instead of 42 (kept as columns, :class:`ExtentColumns`,
+# they need no object per item).  It returns None at the first thing that
 # is not plainly valid -- it never raises and never accepts what the
 # reference refuses -- and the caller then runs the reference, which
 # accepts the document or raises the reference's error; what both accept
