@@ -20,6 +20,7 @@ import errno
 from typing import Any, Sequence
 
 import numpy as np
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from fp_dcp import format as fmt
 
@@ -131,22 +132,16 @@ class ReadVerifier:
     def __init__(self, layout: fmt.StorageLayout, paths: Sequence[str]) -> None:
         self.paths = list(paths)
         self.block = layout.checksum_block_bytes
-        rows = []
-        hexes: list[str] = []
-        base = 0
-        self.items: list[Any] = []
-        for index, exts in layout.extents.items():
-            item = len(self.items)
-            self.items.append(index)
-            for e in exts:
-                if e.crc32c is not None and self.block is not None:
-                    rows.append((e.file, e.file_offset, e.length, base, item, e.item_offset))
-                    hexes.append(e.crc32c)
-                    base += len(e.crc32c) // 8
-        self.enabled = bool(rows)
-        if not rows:
+        extents = layout.extents
+        if isinstance(extents, fmt.ExtentColumns):  # a decoded layout: its columns as they are
+            self.items = extents.item_keys
+            a, hexes = self._rows_of_columns(extents)
+        else:
+            self.items = [(index.fqn, None if index.offset is None else tuple(index.offset)) for index in extents]
+            a, hexes = self._rows(extents)
+        self.enabled = len(a) > 0
+        if not self.enabled:
             return
-        a = np.array(rows, dtype=np.int64)
         a = a[np.lexsort((a[:, 1], a[:, 0]))]
         self.e_file, self.e_off, self.e_len, self.e_base, self.e_item, self.e_io = (a[:, k] for k in range(6))
         self.crcs = crc_array("".join(hexes))
@@ -157,6 +152,32 @@ class ReadVerifier:
         self.e_key = (self.e_file << self.shift) + self.e_off
         self.e_end = self.e_key + self.e_len
         self.bounds = np.unique(np.concatenate([self.e_key, self.e_end]))
+
+    def _rows(self, extents: Any) -> tuple[np.ndarray, list[str]]:
+        """One row (file, file offset, length, first CRC, item, item offset)
+        per checksummed extent, in the layout's order, and their CRCs."""
+        rows = []
+        hexes: list[str] = []
+        base = 0
+        for item, exts in enumerate(extents.values()):
+            for e in exts:
+                if e.crc32c is not None and self.block is not None:
+                    rows.append((e.file, e.file_offset, e.length, base, item, e.item_offset))
+                    hexes.append(e.crc32c)
+                    base += len(e.crc32c) // 8
+        return np.array(rows, dtype=np.int64).reshape(-1, 6), hexes
+
+    def _rows_of_columns(self, ext: fmt.ExtentColumns) -> tuple[np.ndarray, list[str]]:
+        """:meth:`_rows` of a decoded layout, column by column."""
+        has = np.fromiter((c is not None for c in ext.crc32c), dtype=bool, count=len(ext.crc32c))
+        if self.block is None or not has.any():
+            return np.zeros((0, 6), dtype=np.int64), []
+        hexes = [c for c in ext.crc32c if c is not None]
+        blocks = np.fromiter(map(len, hexes), dtype=np.int64, count=len(hexes)) // 8
+        item = np.repeat(np.arange(len(ext.counts), dtype=np.int64), ext.counts)
+        cols = [ext.file[has], ext.file_offset[has], ext.length[has], np.cumsum(blocks) - blocks, item[has],
+                ext.item_offset[has]]
+        return np.stack(cols, axis=1), hexes
 
     # ------------------------------------------------------------- planning
 
@@ -268,7 +289,7 @@ class _Check:
             k = idx[b]
             ek = e[k]
             out.append(BadBlock(
-                item_name(v.items[v.e_item[ek]]),
+                item_name(MetadataIndex(*v.items[v.e_item[ek]])),
                 v.paths[int(v.e_file[ek])],
                 int(v.e_off[ek] + start[k]),
                 int(v.e_io[ek] + start[k]),

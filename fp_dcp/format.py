@@ -24,12 +24,16 @@ import dataclasses
 import hashlib
 import json
 import math
+import operator
 import os
 import re
 import struct
 import zlib
-from typing import Any
+from collections.abc import Mapping
+from itertools import chain, repeat
+from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -49,6 +53,7 @@ __all__ = [
     "METADATA_NAME",
     "CheckpointFormatError",
     "Extent",
+    "ExtentColumns",
     "StorageLayout",
     "EncodedStructure",
     "encode_structure",
@@ -187,6 +192,54 @@ class Extent:
     crc32c: str | None = None
 
 
+class ExtentColumns(Mapping):
+    """``StorageLayout.extents`` as the decoder reads it: every extent's
+    fields in columns, the same mapping ``MetadataIndex -> [Extent]`` to
+    whoever reads it as one (the dict is built on first such use, once).
+    The load's planner and read verifier take the columns as they are
+    (``ExtentTable``, ``ReadVerifier``), so a load builds no ``Extent`` or
+    ``MetadataIndex`` per item.  Read-only, like the dict it stands for on
+    a decoded layout.
+
+    ``item_keys[i]``: item ``i``'s ``(fqn, chunk offset tuple or None)``;
+    ``counts[i]``: its number of extents, whose rows follow item ``i - 1``'s,
+    sorted by item offset; ``file``, ``file_offset``, ``item_offset``,
+    ``length`` (int64) and ``crc32c`` (str or None): one per extent row."""
+
+    def __init__(self, item_keys: list[tuple], counts: np.ndarray, file: np.ndarray, file_offset: np.ndarray,
+                 item_offset: np.ndarray, length: np.ndarray, crc32c: list[str | None]) -> None:
+        self.item_keys = item_keys
+        self.counts = counts
+        self.file, self.file_offset, self.item_offset, self.length = file, file_offset, item_offset, length
+        self.crc32c = crc32c
+        self._dict: dict[MetadataIndex, list[Extent]] | None = None
+
+    def _extents(self) -> dict[MetadataIndex, list[Extent]]:
+        if self._dict is None:
+            exts = list(map(Extent, self.file.tolist(), self.file_offset.tolist(), self.item_offset.tolist(),
+                            self.length.tolist(), self.crc32c))
+            ends = np.cumsum(self.counts).tolist()
+            self._dict = {MetadataIndex(fqn, offset): exts[end - count:end]
+                          for (fqn, offset), count, end in zip(self.item_keys, self.counts.tolist(), ends)}
+        return self._dict
+
+    def __getitem__(self, key: MetadataIndex) -> list[Extent]:
+        return self._extents()[key]
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        return iter(self._extents())
+
+    def __len__(self) -> int:
+        return len(self.item_keys)
+
+    def __repr__(self) -> str:
+        return repr(self._extents())
+
+    def __reduce__(self) -> tuple:  # pickled as columns (DCP sends the metadata to every rank)
+        return (ExtentColumns, (self.item_keys, self.counts, self.file, self.file_offset, self.item_offset,
+                                self.length, self.crc32c))
+
+
 @dataclasses.dataclass
 class StorageLayout:
     """``Metadata.storage_data`` of an fp_dcp checkpoint.
@@ -195,19 +248,23 @@ class StorageLayout:
     checkpoint directory or an absolute path (:func:`valid_data_file_name`);
     a reader opens ``os.path.join(checkpoint_dir, name)``.  ``extents[index]`` lists the
     extents of one item, sorted by ``item_offset`` and covering
-    ``[0, item_nbytes)`` exactly once.
+    ``[0, item_nbytes)`` exactly once (a dict, or on a decoded layout the
+    read-only :class:`ExtentColumns`).
     """
 
     save_id: str
     alignment: int
     files: list[tuple[str, int]]
-    extents: dict[MetadataIndex, list[Extent]]
+    extents: Mapping[MetadataIndex, list[Extent]]
     checksum_block_bytes: int | None = None
 
 
-def checksum_blocks(length: int, block_bytes: int) -> int:
-    """How many checksum blocks an extent of ``length`` bytes has."""
-    return max(1, -(-length // block_bytes))
+def checksum_blocks(length: Any, block_bytes: int) -> Any:
+    """How many checksum blocks an extent of ``length`` bytes has (at least
+    one: an empty extent has one block, of CRC 0); ``length`` may be an int
+    or an integer numpy array (one count per element)."""
+    n = -(-length // block_bytes)
+    return np.maximum(n, 1) if isinstance(n, np.ndarray) else max(1, n)
 
 
 # ---------------------------------------------------------------- encoding
@@ -279,8 +336,24 @@ def _dec(value: Any) -> Any:
                     except TypeError:
                         raise CheckpointFormatError("metadata: unhashable dict key") from None
                 return out
+        paths = _key_paths(value)
+        if paths is not None:
+            return paths
         return {k: _dec(v) for k, v in value.items()}
     return value
+
+
+def _key_paths(value: dict) -> dict | None:
+    """``_dec(value)`` when every value is ``{"__tuple__": [str, ...]}``
+    (DCP's planner data: a path of keys per item), decoded at once; None
+    for any other mapping."""
+    inner = list(value.values())
+    if not _all_type(inner, dict) or set(map(len, inner)) != {1}:
+        return None
+    paths = [v.get("__tuple__") for v in inner]
+    if not _all_type(paths, list) or not _all_type(list(chain.from_iterable(paths)), str):
+        return None
+    return dict(zip(value, map(tuple, paths)))
 
 
 def _list(value: Any, what: str) -> list:
@@ -543,11 +616,101 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
     if doc.get("format_version") != version:
         raise CheckpointFormatError(f"format version {doc.get('format_version')!r} in body, {version} in header")
     block = _checksum_block(doc, version)
-    sd_md: dict[str, Any] = {}
-    sizes_seen: dict[tuple, torch.Size] = {}  # torch.Size objects are immutable: equal ones are shared
     raw_sd = doc["state_dict_metadata"]
     if not isinstance(raw_sd, dict):
         raise CheckpointFormatError("state_dict_metadata is not a mapping")
+    columns = _state_dict_md_columns(raw_sd)
+    if columns is None:
+        sd_md = _state_dict_md_checked(raw_sd)
+        stored = _stored_keys(sd_md)
+    else:
+        sd_md, stored = columns
+
+    save_id = doc["save_id"]
+    if not isinstance(save_id, str) or not _SAVE_ID.fullmatch(save_id):
+        raise CheckpointFormatError(f"bad save id {str(save_id)[:80]!r}")
+    files = []
+    seen: set[str] = set()
+    for entry in _list(doc["files"], "files"):
+        name, size = _list(entry, "files entry")
+        if not valid_data_file_name(name, save_id) or name in seen:
+            raise CheckpointFormatError(f"bad data file name {str(name)[:200]!r}")
+        seen.add(name)
+        size = _int(size, f"size of {name}")
+        if not 0 <= size <= _MAX_FILE:
+            raise CheckpointFormatError(f"data file {name!r}: size {size} out of range")
+        files.append((name, size))
+    file_sizes = [size for _, size in files]
+    n_fields = (4, 5) if version >= 2 else (4,)
+    columns = _extents_columns(doc["extents"], file_sizes, block, n_fields)
+    if columns is None:
+        extents = _extents_checked(doc["extents"], file_sizes, block, n_fields)
+        _check_items_known(extents, sd_md)
+        _check_no_overlap(extents)
+    else:
+        extents, keys, spans = columns
+        if not stored.issuperset(keys):
+            _check_items_known(extents, sd_md)  # raises, naming the item
+        if not _no_overlap_columns(*spans):
+            _check_no_overlap(extents)  # raises, naming the two items
+    layout = StorageLayout(
+        save_id=save_id,
+        alignment=_alignment(doc["alignment"]),
+        files=files,
+        extents=extents,
+        checksum_block_bytes=block,
+    )
+    sm_doc = doc.get("storage_meta")
+    storage_meta = None
+    if sm_doc is not None:
+        storage_meta = StorageMeta(
+            checkpoint_id=sm_doc.get("checkpoint_id"),
+            save_id=sm_doc.get("save_id"),
+            modules=list(sm_doc.get("modules") or []),
+        )
+    metadata = Metadata(
+        state_dict_metadata=sd_md,
+        planner_data=_dec(doc.get("planner_data")),
+        storage_data=layout,
+        storage_meta=storage_meta,
+        version=doc.get("dcp_version"),
+    )
+    extra = {k: doc.get(k) for k in ("writer", "torch_version", "created", "world_size")}
+    return metadata, layout, extra
+
+
+# The two decoders of the per-item sections (state_dict_metadata, extents).
+# ``_*_checked`` is the reference: it walks the items one by one, checks
+# every field and raises naming the item and what is wrong.  ``_*_columns``
+# decodes the same sections with each check done once over a column of
+# every item's values (types with set(map(type, ...)), ranges with numpy);
+# on 9,245 small tensors state_dict_metadata takes 32 ms instead of 46 and
+# the extents 13 ms instead of 42 (kept as columns, :class:`ExtentColumns`,
+# they need no object per item).  It returns None at the first thing that
+# is not plainly valid -- it never raises and never accepts what the
+# reference refuses -- and the caller then runs the reference, which
+# accepts the document or raises the reference's error; what both accept
+# they decode to equal objects (tests/test_format.py checks this on
+# mutated documents).
+
+
+def _all_type(values: list, cls: type) -> bool:
+    """Every element of ``values`` is exactly a ``cls`` (a bool is no int)."""
+    return not values or set(map(type, values)) == {cls}
+
+
+def _int64(values: list[int]) -> np.ndarray | None:
+    """``values`` (exact ints) as int64, or None where one does not fit."""
+    try:
+        return np.array(values, dtype=np.int64)
+    except OverflowError:
+        return None
+
+
+def _state_dict_md_checked(raw_sd: dict) -> dict[str, Any]:
+    """``state_dict_metadata`` decoded item by item (the reference)."""
+    sd_md: dict[str, Any] = {}
+    sizes_seen: dict[tuple, torch.Size] = {}  # torch.Size objects are immutable: equal ones are shared
     for fqn, md in raw_sd.items():
         if not isinstance(md, dict):
             raise CheckpointFormatError(f"{fqn}: entry is not a mapping")
@@ -580,25 +743,91 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
             dtype=dtype, requires_grad=bool(md.get("requires_grad", False))
         )
         sd_md[fqn] = TensorStorageMetadata(properties=props, size=tsize, chunks=chunks)
+    return sd_md
 
-    save_id = doc["save_id"]
-    if not isinstance(save_id, str) or not _SAVE_ID.fullmatch(save_id):
-        raise CheckpointFormatError(f"bad save id {str(save_id)[:80]!r}")
-    files = []
-    seen: set[str] = set()
-    for entry in _list(doc["files"], "files"):
-        name, size = _list(entry, "files entry")
-        if not valid_data_file_name(name, save_id) or name in seen:
-            raise CheckpointFormatError(f"bad data file name {str(name)[:200]!r}")
-        seen.add(name)
-        size = _int(size, f"size of {name}")
-        if not 0 <= size <= _MAX_FILE:
-            raise CheckpointFormatError(f"data file {name!r}: size {size} out of range")
-        files.append((name, size))
+
+def _state_dict_md_columns(raw_sd: dict) -> tuple[dict[str, Any], set[tuple]] | None:
+    """``state_dict_metadata`` decoded column by column, with its
+    :func:`_stored_keys`, or None (then :func:`_state_dict_md_checked`
+    decides)."""
+    mds = list(raw_sd.values())
+    if not _all_type(mds, dict):
+        return None
+    kinds = [md.get("type") for md in mds]
+    tensors = [md for md, kind in zip(mds, kinds) if kind == "tensor"]
+    if len(tensors) + kinds.count("bytes") != len(mds):
+        return None
+    try:
+        sizes = [md["size"] for md in tensors]
+        names = [md["dtype"] for md in tensors]
+        chunk_lists = [md["chunks"] for md in tensors]
+    except KeyError:
+        return None
+    if not (_all_type(sizes, list) and _all_type(names, str) and _all_type(chunk_lists, list)):
+        return None
+    dtypes = list(map(_DTYPES.get, names))
+    ndims = list(map(len, sizes))
+    dims = list(chain.from_iterable(sizes))
+    if None in dtypes or max(ndims, default=0) > 64 or not _all_type(dims, int) or min(dims, default=0) < 0:
+        return None
+    if max(map(operator.mul, map(math.prod, sizes), [d.itemsize for d in dtypes]), default=0) > _MAX_FILE:
+        return None
+    # chunks: [offsets, sizes] of the tensor's rank, inside the tensor
+    counts = list(map(len, chunk_lists))
+    chunks = list(chain.from_iterable(chunk_lists))
+    if not _all_type(chunks, list) or (chunks and set(map(len, chunks)) != {2}):
+        return None
+    offs = [c[0] for c in chunks]
+    lens = [c[1] for c in chunks]
+    if not (_all_type(offs, list) and _all_type(lens, list)):
+        return None
+    flat_offs = list(chain.from_iterable(offs))
+    flat_lens = list(chain.from_iterable(lens))
+    if not (_all_type(flat_offs, int) and _all_type(flat_lens, int)):
+        return None
+    rank = np.repeat(np.array(ndims, dtype=np.int64), counts)  # each chunk's tensor's rank
+    if not (np.array_equal(np.fromiter(map(len, offs), np.int64, len(offs)), rank)
+            and np.array_equal(np.fromiter(map(len, lens), np.int64, len(lens)), rank)):
+        return None
+    d, o, n = _int64(dims), _int64(flat_offs), _int64(flat_lens)
+    if d is None or o is None or n is None:
+        return None
+    first = np.repeat(np.cumsum(ndims, dtype=np.int64) - ndims, counts)  # each chunk's tensor's first dim
+    if len(o):
+        ends = np.cumsum(rank)
+        within = np.arange(len(o), dtype=np.int64) - np.repeat(ends - rank, rank)
+        d = d[np.repeat(first, rank) + within]  # the tensor's extent beside each chunk's offset
+        if not ((o >= 0) & (n >= 0) & (o <= d) & (n <= d - o)).all():
+            return None
+    # torch.Size objects are immutable: one per distinct value, as the reference shares them
+    tuples = list(map(tuple, chain(sizes, offs, lens)))
+    unique = list(dict.fromkeys(tuples))
+    shared = list(map(dict(zip(unique, map(torch.Size, unique))).__getitem__, tuples))
+    tsizes, csizes = shared[:len(sizes)], shared[len(sizes):]
+    chunk_md = list(map(ChunkStorageMetadata, csizes[:len(offs)], csizes[len(offs):]))
+    if all(count == 1 for count in counts):
+        grouped = list(map(list, zip(chunk_md)))
+    else:
+        grouped, at = [], 0
+        for count in counts:
+            grouped.append(chunk_md[at:at + count])
+            at += count
+    grads = [bool(md.get("requires_grad", False)) for md in tensors]
+    props = list(map(TensorProperties, dtypes, [torch.strided] * len(dtypes), grads))
+    made = iter(map(TensorStorageMetadata, props, tsizes, grouped))
+    sd_md = {fqn: next(made) if kind == "tensor" else BytesStorageMetadata() for fqn, kind in zip(raw_sd, kinds)}
+    tensor_names = (fqn for fqn, kind in zip(raw_sd, kinds) if kind == "tensor")
+    owners = chain.from_iterable(map(repeat, tensor_names, counts))
+    stored = set(zip(owners, tuples[len(sizes):len(sizes) + len(offs)]))
+    stored.update((fqn, None) for fqn, kind in zip(raw_sd, kinds) if kind == "bytes")
+    return sd_md, stored
+
+
+def _extents_checked(raw: Any, file_sizes: list[int], block: int | None,
+                     n_fields: tuple[int, ...]) -> dict[MetadataIndex, list[Extent]]:
+    """The ``extents`` section decoded item by item (the reference)."""
     extents: dict[MetadataIndex, list[Extent]] = {}
-    file_sizes = [size for _, size in files]
-    n_fields = (4, 5) if version >= 2 else (4,)
-    for pair in _list(doc["extents"], "extents"):
+    for pair in _list(raw, "extents"):
         if type(pair) is not list or len(pair) != 2:
             raise CheckpointFormatError(f"metadata: malformed extents entry {str(pair)[:80]}")
         key, raw_exts = pair
@@ -628,29 +857,82 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
         if index in extents:
             raise CheckpointFormatError(f"{index.fqn}: two extent lists for one item")
         extents[index] = exts
-    _check_items_known(extents, sd_md)
-    _check_no_overlap(extents)
-    layout = StorageLayout(
-        save_id=save_id,
-        alignment=_alignment(doc["alignment"]),
-        files=files,
-        extents=extents,
-        checksum_block_bytes=block,
-    )
-    sm_doc = doc.get("storage_meta")
-    storage_meta = None
-    if sm_doc is not None:
-        storage_meta = StorageMeta(
-            checkpoint_id=sm_doc.get("checkpoint_id"),
-            save_id=sm_doc.get("save_id"),
-            modules=list(sm_doc.get("modules") or []),
-        )
-    metadata = Metadata(
-        state_dict_metadata=sd_md,
-        planner_data=_dec(doc.get("planner_data")),
-        storage_data=layout,
-        storage_meta=storage_meta,
-        version=doc.get("dcp_version"),
-    )
-    extra = {k: doc.get(k) for k in ("writer", "torch_version", "created", "world_size")}
-    return metadata, layout, extra
+    return extents
+
+
+def _extents_columns(raw: Any, file_sizes: list[int], block: int | None, n_fields: tuple[int, ...]):
+    """The ``extents`` section decoded column by column: ``(extents, keys,
+    (files, starts, lengths))`` (``keys``: each item's ``(fqn, offset
+    tuple or None)``; the columns: every extent's), or None (then
+    :func:`_extents_checked` decides)."""
+    if type(raw) is not list or not _all_type(raw, list) or (raw and set(map(len, raw)) != {2}):
+        return None
+    keys = [pair[0] for pair in raw]
+    lists = [pair[1] for pair in raw]
+    if not (_all_type(keys, list) and (not keys or set(map(len, keys)) == {2}) and _all_type(lists, list)):
+        return None
+    fqns = [key[0] for key in keys]
+    offsets = [key[1] for key in keys]
+    given = [o for o in offsets if o is not None]
+    if not (_all_type(fqns, str) and _all_type(given, list) and _all_type(list(chain.from_iterable(given)), int)):
+        return None
+    counts = list(map(len, lists))
+    rows = list(chain.from_iterable(lists))
+    if not _all_type(rows, list):
+        return None
+    widths = list(map(len, rows))
+    if not set(widths) <= set(n_fields):
+        return None
+    f, fo, io_, ln = ([r[k] for r in rows] for k in range(4))
+    if not _all_type(f + fo + io_ + ln, int):
+        return None
+    cols = [_int64(c) for c in (f, fo, io_, ln)]
+    if any(c is None for c in cols):
+        return None
+    F, FO, IO, LN = cols
+    sizes = np.array(file_sizes + [0], dtype=np.int64)
+    known = (F >= 0) & (F < len(file_sizes))
+    room = sizes[np.where(known, F, len(file_sizes))] - FO  # bytes of the file from the extent's start
+    if not (known & (FO >= 0) & (IO >= 0) & (IO <= _MAX_FILE) & (LN >= 0) & (LN <= room)).all():
+        return None
+    crcs: list = [None] * len(rows)
+    if 5 in widths:
+        with_crc = np.array(widths) == 5
+        given_crcs = [r[4] for r in rows if len(r) == 5]
+        if (block is None or not _all_type(given_crcs, str)
+                or not np.array_equal(np.fromiter(map(len, given_crcs), np.int64, len(given_crcs)),
+                                      8 * checksum_blocks(LN[with_crc], block))
+                or not _HEX.issuperset("".join(given_crcs))):
+            return None
+        crcs = [r[4] if len(r) == 5 else None for r in rows]
+    item_keys = list(zip(fqns, (None if o is None else tuple(o) for o in offsets)))
+    if len(set(item_keys)) != len(item_keys):
+        return None  # two extent lists for one item
+    counts_ = np.array(counts, dtype=np.int64)
+    if max(counts, default=0) > 1:  # each item's extents sorted by item offset
+        order = np.lexsort((IO, np.repeat(np.arange(len(raw)), counts_)))  # stable, as list.sort
+        F, FO, IO, LN = F[order], FO[order], IO[order], LN[order]
+        crcs = [crcs[k] for k in order.tolist()]
+    extents = ExtentColumns(item_keys, counts_, F, FO, IO, LN, crcs)
+    return extents, item_keys, (F, FO, LN)
+
+
+def _stored_keys(sd_md: dict[str, Any]) -> set[tuple]:
+    """The items ``sd_md`` describes, as ``(fqn, chunk offset tuple)`` for
+    each chunk of a tensor and ``(fqn, None)`` for a bytes item: the keys
+    :func:`_check_items_known` accepts."""
+    known = {(fqn, None) for fqn, md in sd_md.items() if type(md) is BytesStorageMetadata}
+    known.update((fqn, tuple(c.offsets)) for fqn, md in sd_md.items() if type(md) is TensorStorageMetadata
+                 for c in md.chunks)
+    return known
+
+
+def _no_overlap_columns(files: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> bool:
+    """:func:`_check_no_overlap` over the extents' columns: True, or False
+    (then it decides).  Sorted by start, spans overlap somewhere iff two
+    neighbours do."""
+    keep = lengths > 0
+    files, starts, ends = files[keep], starts[keep], starts[keep] + lengths[keep]
+    order = np.lexsort((ends, starts, files))
+    files, starts, ends = files[order], starts[order], ends[order]
+    return not ((files[1:] == files[:-1]) & (starts[1:] < ends[:-1])).any()

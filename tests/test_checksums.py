@@ -395,3 +395,22 @@ def test_engine_parts_with_checksum_origin_merge_to_the_whole(tmp_path):
             os.close(fd)
     assert merge_block_crcs(parts, block).tolist() == _native.crc32c_blocks(data, block).tolist()
     assert (tmp_path / "f").read_bytes()[: data.size] == data.tobytes()  # (padded to a block)
+
+
+def test_the_verifier_lays_out_a_decoded_layouts_columns_as_its_dict(big_ckpt):
+    """A decoded layout's extents are columns (fmt.ExtentColumns): the
+    verifier's tables from them are those it makes from the same extents as
+    a dict of Extent lists."""
+    _, path = big_ckpt
+    _, layout, _ = read_checkpoint_metadata(str(path))
+    assert isinstance(layout.extents, fmt.ExtentColumns)
+    paths = fmt.data_file_paths(str(path), layout)
+    a = ReadVerifier(layout, paths)
+    as_dict = fmt.StorageLayout(layout.save_id, layout.alignment, layout.files, dict(layout.extents),
+                                layout.checksum_block_bytes)
+    b = ReadVerifier(as_dict, paths)
+    assert a.enabled and b.enabled and a.items == b.items and a.shift == b.shift
+    for name in ("e_file", "e_off", "e_len", "e_base", "e_item", "e_io", "crcs", "bounds"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    unchecked = fmt.StorageLayout(layout.save_id, layout.alignment, layout.files, layout.extents, None)
+    assert not ReadVerifier(unchecked, paths).enabled

@@ -4,6 +4,7 @@ not tile an item refused with the error naming it."""
 
 from __future__ import annotations
 
+import pickle
 from types import SimpleNamespace
 
 import numpy as np
@@ -78,3 +79,40 @@ def test_an_empty_item_has_empty_columns():
     assert [c.size for c in table.get(MetadataIndex("e", None), 0)] == [0, 0, 0, 0]
     assert [c.tolist() for c in table.get(MetadataIndex("f", None), 0)] == [[0], [0], [0], [0]]
     assert ExtentTable({}).get(MetadataIndex("e", None), 0) is None
+
+
+def columns_of(extents) -> fmt.ExtentColumns:
+    """``extents`` (a dict) as the decoder keeps a checkpoint's: columns."""
+    keys = [(k.fqn, None if k.offset is None else tuple(k.offset)) for k in extents]
+    rows = [e for exts in extents.values() for e in exts]
+    counts = np.array([len(v) for v in extents.values()], dtype=np.int64)
+    cols = (np.array([getattr(e, f) for e in rows], dtype=np.int64).reshape(-1)
+            for f in ("file", "file_offset", "item_offset", "length"))
+    return fmt.ExtentColumns(keys, counts, *cols, [e.crc32c for e in rows])
+
+
+@given(layouts())
+@settings(max_examples=100, deadline=None)
+def test_a_decoded_layouts_columns_make_the_same_table(extents):
+    """ExtentTable takes a decoded layout's columns as they are: the same
+    columns and byte counts as from the dict of Extent lists, which the
+    columns also are to any other reader (pickled as columns)."""
+    columns = columns_of(extents)
+    assert columns == extents and list(columns) == list(extents) and len(columns) == len(extents)
+    again = pickle.loads(pickle.dumps(columns))
+    assert again._dict is None and again == extents
+    from_dict, from_columns = ExtentTable(extents), ExtentTable(columns_of(extents))
+    for key, exts in extents.items():
+        total = sum(e.length for e in exts)
+        assert from_columns.nbytes(key) == from_dict.nbytes(key) == total
+        got, want = from_columns.get(key, total), from_dict.get(key, total)
+        assert [c.tolist() for c in got] == [c.tolist() for c in want]
+    assert from_columns.nbytes(MetadataIndex("absent", None)) is None
+
+
+def test_a_table_knows_an_items_bytes_only_where_its_extents_tile_it():
+    key = MetadataIndex("bad", None)
+    for extents in ({key: [Extent(0, 0, 2, 14)]}, {key: [Extent(0, 0, 0, 10), Extent(0, 64, 12, 4)]}):
+        assert ExtentTable(extents).nbytes(key) is None
+        assert ExtentTable(columns_of(extents)).nbytes(key) is None
+    assert ExtentTable({key: []}).nbytes(key) == 0

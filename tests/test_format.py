@@ -325,3 +325,190 @@ def test_decoded_sizes_are_shared_and_equal(ckpt):
                     assert by_value.setdefault(tuple(size), size) is size
                     n += 1
     assert n > len(by_value)  # some were shared
+
+
+# ------------------------------------------------- the column decoders
+# fmt._*_columns decode the per-item sections with checks over whole columns
+# and hand anything not plainly valid to the reference decoders
+# (fmt._*_checked): they must never accept what the reference refuses, and
+# must decode what they accept to equal objects.
+
+_CRC = "0123abcd"
+
+
+def _column_doc() -> dict:
+    """Per-item sections with every shape the writer produces: sharded chunks,
+    an item split over two files (listed out of order), a 0-d and an empty
+    tensor, a 4-field extent, a two-block checksum, a bytes item."""
+    return {
+        "state_dict_metadata": {
+            "w": {"type": "tensor", "dtype": "float32", "requires_grad": False, "size": [4, 6],
+                  "chunks": [[[0, 0], [2, 6]], [[2, 0], [2, 6]]]},
+            "b": {"type": "tensor", "dtype": "bfloat16", "requires_grad": True, "size": [5], "chunks": [[[0], [5]]]},
+            "s": {"type": "tensor", "dtype": "int64", "size": [], "chunks": [[[], []]]},
+            "z": {"type": "tensor", "dtype": "float16", "requires_grad": False, "size": [0, 3],
+                  "chunks": [[[0, 0], [0, 3]]]},
+            "o": {"type": "bytes"},
+        },
+        "extents": [
+            [["w", [0, 0]], [[0, 0, 0, 48, _CRC]]],
+            [["w", [2, 0]], [[0, 64, 24, 24, _CRC], [1, 0, 0, 24, _CRC]]],
+            [["b", [0]], [[0, 128, 0, 10]]],
+            [["s", []], [[0, 192, 0, 8, _CRC]]],
+            [["z", [0, 0]], [[0, 200, 0, 0, _CRC]]],
+            [["o", None], [[1, 4096, 0, (1 << 20) + 5, _CRC * 2]]],
+        ],
+    }
+
+
+_FILE_SIZES = [8192, 1 << 21]
+_BLOCK = 1 << 20
+
+
+def _paths(value, path=()):
+    """Every place in a JSON value: (container path, key or index)."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return
+    for k, v in items:
+        yield path, k
+        yield from _paths(v, path + (k,))
+
+
+_EDGE = (
+    [-1, 0, 1, 2, 6, 24, 48, 8192, (1 << 20) + 5, 1 << 40, (1 << 60) + 1, 1 << 63, -(1 << 63) - 1, 1 << 64,
+     True, False, 0.0, 1.5, None, "", "0", _CRC, _CRC * 2, _CRC[:7], "0123abcG", "float32", "bool", "tensor",
+     "bytes", "w", [], [0], [0, 0], [[0, 0], [2, 6]], {}, {"type": "bytes"}]
+)
+_edge_values = st.sampled_from(_EDGE)
+
+
+def _near(value) -> list:
+    if type(value) is int:
+        return [value - 1, value + 1, -value - 1, value * 2 + 1, float(value), bool(value), str(value), [value]]
+    if type(value) is str:
+        return [value[:-1], value + "0", value.upper() or "A", "G" + value[1:], value[:-1] + "\u0660", None]
+    if type(value) is list:
+        return [value[:-1], value + value[-1:], value[::-1], [value], tuple(value) and None]
+    return [None, [], {}]
+
+
+def _mutated(data, doc):
+    for _ in range(data.draw(st.integers(1, 3))):
+        places = list(_paths(doc))
+        path, key = data.draw(st.sampled_from(places))
+        parent = doc
+        for k in path:
+            parent = parent[k]
+        how = data.draw(st.sampled_from(["tweak", "tweak", "set", "set", "json", "delete", "duplicate"]))
+        if how == "tweak":  # a value near the one there: off by one, another type, one character changed
+            parent[key] = data.draw(st.sampled_from(_near(parent[key])))
+        elif how == "set":
+            parent[key] = data.draw(_edge_values)
+        elif how == "json":
+            parent[key] = data.draw(json_values)
+        elif how == "delete":
+            del parent[key]
+        elif isinstance(parent, list):
+            parent.append(json.loads(json.dumps(parent[key])))
+    return doc
+
+
+def _outcome(fn, *args):
+    try:
+        return "ok", fn(*args)
+    except fmt.CheckpointFormatError as e:
+        return "refused", str(e)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # decode_metadata's "malformed metadata"
+        return "refused", type(e).__name__
+
+
+def test_column_decoders_take_every_shape_the_writer_produces():
+    """The column decoders accept the valid sections (so the agreement test
+    below compares two decodes, not a fallback with itself)."""
+    doc = _column_doc()
+    columns = fmt._state_dict_md_columns(doc["state_dict_metadata"])
+    assert columns is not None
+    sd_md, stored = columns
+    assert sd_md == fmt._state_dict_md_checked(doc["state_dict_metadata"])
+    assert list(sd_md) == list(doc["state_dict_metadata"])
+    assert stored == fmt._stored_keys(sd_md)
+    for n_fields in ((4, 5), (4,)):
+        got = fmt._extents_columns(doc["extents"], _FILE_SIZES, _BLOCK, n_fields)
+        if n_fields == (4,):
+            assert got is None  # a version-1 body has no checksums: the reference refuses it
+            continue
+        extents, keys, spans = got
+        assert extents == fmt._extents_checked(doc["extents"], _FILE_SIZES, _BLOCK, n_fields)
+        assert [e.item_offset for e in extents[fmt.MetadataIndex("w", [2, 0])]] == [0, 24]
+        assert stored.issuperset(keys) and fmt._no_overlap_columns(*spans)
+
+
+def _agree(doc, block=_BLOCK, n_fields=(4, 5)) -> None:
+    """The column decoders accept only what the reference accepts, and decode it to equal objects."""
+    raw_sd = doc.get("state_dict_metadata")
+    if isinstance(raw_sd, dict):
+        columns = fmt._state_dict_md_columns(raw_sd)
+        reference = _outcome(fmt._state_dict_md_checked, raw_sd)
+        if columns is not None:
+            assert reference[0] == "ok", f"the column decoder accepted what the reference refuses: {reference[1]}"
+            assert columns[0] == reference[1] and list(columns[0]) == list(reference[1])
+            assert columns[1] == fmt._stored_keys(reference[1])
+    sd_md = fmt._state_dict_md_checked(_column_doc()["state_dict_metadata"])
+    raw = doc.get("extents")
+    columns = fmt._extents_columns(raw, _FILE_SIZES, block, n_fields)
+    reference = _outcome(fmt._extents_checked, raw, _FILE_SIZES, block, n_fields)
+    if columns is None:
+        return
+    assert reference[0] == "ok", f"the column decoder accepted what the reference refuses: {reference[1]}"
+    extents, keys, spans = columns
+    assert extents == reference[1] and list(extents) == list(reference[1])
+    assert keys == [(i.fqn, None if i.offset is None else tuple(i.offset)) for i in extents]
+    # the cross-item checks: the column forms decide exactly as the reference ones
+    known = _outcome(fmt._check_items_known, extents, sd_md)[0] == "ok"
+    assert fmt._stored_keys(sd_md).issuperset(keys) == known
+    assert fmt._no_overlap_columns(*spans) == (_outcome(fmt._check_no_overlap, extents)[0] == "ok")
+
+
+def test_column_decoders_agree_with_the_reference_on_every_single_edit():
+    """Each place of the sections set to each value near the one there (off
+    by one, another type, a character changed) or to an edge value, deleted,
+    or duplicated."""
+    edits = 0
+    for path, key in list(_paths(_column_doc())):
+        value = _column_doc()
+        for k in path:
+            value = value[k]
+        for new in [*_near(value[key]), *_EDGE, "delete", "duplicate"]:
+            doc = _column_doc()
+            parent = doc
+            for k in path:
+                parent = parent[k]
+            if new == "delete":
+                del parent[key]
+            elif new == "duplicate":
+                if not isinstance(parent, list):
+                    continue
+                parent.append(json.loads(json.dumps(parent[key])))
+            else:
+                parent[key] = new
+            _agree(doc)
+            edits += 1
+    assert edits > 3000
+    # refused only by a check on the tensor's size itself (no chunk to contradict it)
+    for size in ([-1], [1] * 65, [1 << 40, 1 << 40], [True]):
+        doc = _column_doc()
+        doc["state_dict_metadata"]["b"].update(size=size, chunks=[])
+        assert fmt._state_dict_md_columns(doc["state_dict_metadata"]) is None
+        assert _outcome(fmt._state_dict_md_checked, doc["state_dict_metadata"])[0] == "refused"
+
+
+@given(st.data())
+@settings(max_examples=300, deadline=None)
+def test_column_decoders_agree_with_the_reference_on_mutated_documents(data):
+    """Several edits at once, any JSON value, with or without checksums."""
+    doc = _mutated(data, _column_doc())
+    _agree(doc, data.draw(st.sampled_from([_BLOCK, None, 16])), data.draw(st.sampled_from([(4, 5), (4,)])))

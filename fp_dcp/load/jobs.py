@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
@@ -102,22 +103,36 @@ class Job:
         self.done.append(fn)
 
 
+def _key(index: MetadataIndex) -> tuple:
+    """``index`` as :attr:`fp_dcp.format.ExtentColumns.item_keys` hold it."""
+    return index.fqn, None if index.offset is None else tuple(index.offset)
+
+
 class ExtentTable:
     """Every extent of a layout in one ``(4, n)`` int64 array (item offset,
     length, file, file offset), made in one pass, with each item's rows and
     whether its extents tile ``[0, total)`` exactly (item offsets from 0,
     each where the last one ended), checked for all items at once: an item's
-    planning then takes views instead of building arrays of its extents."""
+    planning then takes views instead of building arrays of its extents.
+    A decoded layout's :class:`~fp_dcp.format.ExtentColumns` are taken as
+    they are."""
 
-    def __init__(self, extents: dict[MetadataIndex, list[fmt.Extent]]) -> None:
-        keys = list(extents)
-        counts = np.fromiter((len(v) for v in extents.values()), dtype=np.int64, count=len(keys))
-        n = int(counts.sum())
-        flat = np.fromiter(
-            (x for exts in extents.values() for e in exts for x in (e.item_offset, e.length, e.file, e.file_offset)),
-            dtype=np.int64, count=4 * n,
-        )
-        self.rows = flat.reshape(n, 4).T.copy()  # each column contiguous
+    def __init__(self, extents: Mapping[MetadataIndex, list[fmt.Extent]]) -> None:
+        if isinstance(extents, fmt.ExtentColumns):
+            keys = extents.item_keys
+            counts = extents.counts
+            n = int(counts.sum())
+            self.rows = np.stack([extents.item_offset, extents.length, extents.file, extents.file_offset])
+        else:
+            keys = [_key(index) for index in extents]
+            counts = np.fromiter((len(v) for v in extents.values()), dtype=np.int64, count=len(keys))
+            n = int(counts.sum())
+            flat = np.fromiter(
+                (x for exts in extents.values() for e in exts
+                 for x in (e.item_offset, e.length, e.file, e.file_offset)),
+                dtype=np.int64, count=4 * n,
+            )
+            self.rows = flat.reshape(n, 4).T.copy()  # each column contiguous
         ends = np.cumsum(counts)
         starts = ends - counts
         io_, ln = self.rows[0], self.rows[1]
@@ -136,10 +151,16 @@ class ExtentTable:
         # each item's rows and total bytes (-1: its extents do not tile its range)
         self._where = dict(zip(keys, zip(starts.tolist(), ends.tolist(), np.where(bad == 0, totals, -1).tolist())))
 
+    def nbytes(self, key: MetadataIndex) -> int | None:
+        """The bytes ``key``'s extents hold, or None when it has none or
+        they do not tile a range from 0."""
+        where = self._where.get(_key(key))
+        return None if where is None or where[2] < 0 else where[2]
+
     def get(self, key: MetadataIndex, nbytes: int) -> tuple[np.ndarray, ...] | None:
         """The four columns of ``key``'s extents (views), or None when it has
         none or they do not tile ``[0, nbytes)`` exactly."""
-        where = self._where.get(key)
+        where = self._where.get(_key(key))
         if where is None or where[2] != nbytes:
             return None
         a, b, _ = where
@@ -172,16 +193,18 @@ class ItemPlanner:
                 return list(c.sizes), md.properties.dtype
         raise fmt.CheckpointFormatError(f"{self.path}: {fqn}: the checkpoint has no chunk at {list(chunk)}")
 
+    def _extent_table(self) -> ExtentTable:
+        if self._table is None:
+            self._table = ExtentTable(self.layout.extents)
+        return self._table
+
     def extents(self, fqn: str, chunk: Any, nbytes: int, key: MetadataIndex | None = None) -> tuple[np.ndarray, ...]:
         """The item's extents as arrays (item offsets, lengths, files, file offsets: views of one
         table of every extent, :class:`ExtentTable`); ``key``: its ``MetadataIndex`` where the
         caller has it (a read item's).  Raises unless they tile ``nbytes`` exactly."""
         if key is None:
             key = MetadataIndex(fqn, chunk)
-        table = self._table
-        if table is None:
-            table = self._table = ExtentTable(self.layout.extents)
-        arrays = table.get(key, nbytes)
+        arrays = self._extent_table().get(key, nbytes)
         if arrays is None:
             exts = self.layout.extents.get(key)
             if exts is None:
@@ -198,8 +221,9 @@ class ItemPlanner:
         """The jobs of one read item; the last hands the result to ``planner``."""
         fqn, chunk = req.storage_index.fqn, req.storage_index.offset
         if req.type == LoadItemType.BYTE_IO:
-            exts = self.layout.extents.get(MetadataIndex(fqn, chunk)) or []
-            nbytes = sum(e.length for e in exts)
+            nbytes = self._extent_table().nbytes(req.storage_index)
+            if nbytes is None:  # no extents, or they do not tile: self.extents says what is wrong
+                nbytes = sum(e.length for e in self.layout.extents.get(MetadataIndex(fqn, chunk)) or [])
             arrays = self.extents(fqn, chunk, nbytes)
             buf = np.empty(nbytes, dtype=np.uint8)
             done = lambda: self._load_object(req, planner, buf.tobytes())  # noqa: E731
