@@ -178,10 +178,10 @@ def _child(spec: dict) -> dict:
     if sys.stdin.readline().strip() != "GO":
         return {"ok": False, "error": "parent did not say GO"}
     dist.barrier()
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), time.process_time()
     planner = _recording_planner()
     dcp.load(sd, storage_reader=reader, planner=planner)
-    t1 = time.monotonic()
+    t1, c1 = time.monotonic(), time.process_time()
     print("DONE", flush=True)
     sys.stdin.readline()
     errors = []
@@ -192,7 +192,7 @@ def _child(spec: dict) -> dict:
         if not torch.equal(local.view(torch.int32), _pattern(k, box[0], box[1], COLS).view(torch.int32)):
             errors.append(name)
     result = {"ok": not errors, "errors": errors, "t0": t0, "t1": t1, "needed": needed,
-              "phases": _phases(marks, t0, t1)}
+              "phases": _phases(marks, t0, t1), "cpu_seconds": c1 - c0}
     if spec["reader"].startswith("fp_dcp"):
         result["stats"] = {k: v for k, v in reader.last_stats.items() if isinstance(v, (int, float, str))}
         result["runs"], result["touched"] = _runs_and_blocks(spec["fp_path"], planner.items)
@@ -505,6 +505,7 @@ def _run(args: argparse.Namespace, size: int, bench: C.Bench, prof: "C.DevicePro
                        "gbps": sum(needed) / wall / 1e9, "raw_around_gbps": [before / 1e9, raw_read() / 1e9]}
                 rec["device"] = res[0]["device"]
                 rec["phases"] = [r["phases"] for r in res]
+                rec["cpu_seconds"] = [r["cpu_seconds"] for r in res]
                 if reader.startswith("fp_dcp"):
                     rec["runs"] = [r["runs"] for r in res]
                     rec["touched"] = [r["touched"] for r in res]
