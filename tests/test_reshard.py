@@ -1022,3 +1022,47 @@ def test_cooperative_reads_of_long_runs_use_an_engine_per_thread(tmp_path):
     the engines themselves)."""
     for stats in run_ranks(2, _cooperative_long_runs, str(tmp_path)):
         assert stats["shared_rounds"] >= 2 and stats["large_request_bytes"] > 0, stats
+
+
+def _cooperative_corrupt_block(rank, ws, root):
+    """Shard(0) saved, one byte of it damaged, Shard(1) loaded cooperatively:
+    every rank fails naming the tensor and the file, and no byte of the bad
+    checksum block reaches a target on any rank (the owner checks each block
+    before it copies out of it; the other rank pulls nothing of that round)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fp_dcp import FastPersistReader, FastPersistWriter
+    from fp_dcp.load.reader import read_checkpoint_metadata
+    from tests._sd import flip_byte
+
+    mesh = init_device_mesh("cpu", (ws,))
+    full = torch.arange(4096 * 2048, dtype=torch.float32).reshape(4096, 2048)
+    path = os.path.join(root, "bad")
+    dcp.save({"w": distribute_tensor(full, mesh, [Shard(0)])}, storage_writer=FastPersistWriter(path))
+    _, layout, _ = read_checkpoint_metadata(path)
+    ext = next(exts[0] for index, exts in layout.extents.items() if index.fqn == "w" and not any(index.offset))
+    data_file = os.path.join(path, layout.files[ext.file][0])
+    bad_block = 5  # rows 640..767 of the first stored chunk (8 KiB rows, 1 MiB blocks)
+    dist.barrier()
+    if rank == 0:
+        flip_byte(data_file, ext.file_offset + bad_block * (1 << 20) + 100)
+    dist.barrier()
+    target = {"w": distribute_tensor(torch.zeros(4096, 2048), mesh, [Shard(1)])}
+    reader = FastPersistReader(path, share_interleaved_reads=True, read_buffer_budget_bytes=16 << 20)
+    try:
+        dcp.load(target, storage_reader=reader)
+        raise AssertionError("a damaged block did not fail the cooperative load")
+    except FAILED as e:
+        text = str(e)
+        assert "checksum mismatch" in text and "w: bytes" in text and data_file in text, text
+    local = target["w"].to_local()
+    assert not local[bad_block * 128:(bad_block + 1) * 128].any(), rank
+    return True
+
+
+@pytest.mark.slow  # multi-process
+def test_a_damaged_block_fails_a_cooperative_load_on_every_rank_before_reaching_a_target(tmp_path):
+    assert run_ranks(2, _cooperative_corrupt_block, str(tmp_path)) == [True, True]
