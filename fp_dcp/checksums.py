@@ -132,13 +132,9 @@ class ReadVerifier:
     def __init__(self, layout: fmt.StorageLayout, paths: Sequence[str]) -> None:
         self.paths = list(paths)
         self.block = layout.checksum_block_bytes
-        extents = layout.extents
-        if isinstance(extents, fmt.ExtentColumns):  # a decoded layout: its columns as they are
-            self.items = extents.item_keys
-            a, hexes = self._rows_of_columns(extents)
-        else:
-            self.items = [(index.fqn, None if index.offset is None else tuple(index.offset)) for index in extents]
-            a, hexes = self._rows(extents)
+        columns = fmt.ExtentColumns.of(layout.extents)  # a decoded layout's: as they are
+        self.items = columns.item_keys
+        a, hexes = self._rows(columns)
         self.enabled = len(a) > 0
         if not self.enabled:
             return
@@ -153,22 +149,9 @@ class ReadVerifier:
         self.e_end = self.e_key + self.e_len
         self.bounds = np.unique(np.concatenate([self.e_key, self.e_end]))
 
-    def _rows(self, extents: Any) -> tuple[np.ndarray, list[str]]:
+    def _rows(self, ext: fmt.ExtentColumns) -> tuple[np.ndarray, list[str]]:
         """One row (file, file offset, length, first CRC, item, item offset)
         per checksummed extent, in the layout's order, and their CRCs."""
-        rows = []
-        hexes: list[str] = []
-        base = 0
-        for item, exts in enumerate(extents.values()):
-            for e in exts:
-                if e.crc32c is not None and self.block is not None:
-                    rows.append((e.file, e.file_offset, e.length, base, item, e.item_offset))
-                    hexes.append(e.crc32c)
-                    base += len(e.crc32c) // 8
-        return np.array(rows, dtype=np.int64).reshape(-1, 6), hexes
-
-    def _rows_of_columns(self, ext: fmt.ExtentColumns) -> tuple[np.ndarray, list[str]]:
-        """:meth:`_rows` of a decoded layout, column by column."""
         has = np.fromiter((c is not None for c in ext.crc32c), dtype=bool, count=len(ext.crc32c))
         if self.block is None or not has.any():
             return np.zeros((0, 6), dtype=np.int64), []

@@ -214,6 +214,20 @@ class ExtentColumns(Mapping):
         self.crc32c = crc32c
         self._dict: dict[MetadataIndex, list[Extent]] | None = None
 
+    @classmethod
+    def of(cls, extents: Mapping[MetadataIndex, list[Extent]]) -> ExtentColumns:
+        """``extents`` as columns: itself when it is columns already (a
+        decoded layout), else a dict of ``Extent`` lists (a layout a writer
+        made) laid out the same way."""
+        if isinstance(extents, ExtentColumns):
+            return extents
+        keys = [(index.fqn, None if index.offset is None else tuple(index.offset)) for index in extents]
+        rows = [e for exts in extents.values() for e in exts]
+        counts = np.fromiter(map(len, extents.values()), dtype=np.int64, count=len(keys))
+        flat = np.fromiter((x for e in rows for x in (e.file, e.file_offset, e.item_offset, e.length)),
+                           dtype=np.int64, count=4 * len(rows)).reshape(-1, 4).T
+        return cls(keys, counts, *(np.ascontiguousarray(c) for c in flat), [e.crc32c for e in rows])
+
     def _extents(self) -> dict[MetadataIndex, list[Extent]]:
         if self._dict is None:
             exts = list(map(Extent, self.file.tolist(), self.file_offset.tolist(), self.item_offset.tolist(),

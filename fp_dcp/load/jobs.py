@@ -115,24 +115,13 @@ class ExtentTable:
     each where the last one ended), checked for all items at once: an item's
     planning then takes views instead of building arrays of its extents.
     A decoded layout's :class:`~fp_dcp.format.ExtentColumns` are taken as
-    they are."""
+    they are (a dict of ``Extent`` lists is laid out as columns first)."""
 
     def __init__(self, extents: Mapping[MetadataIndex, list[fmt.Extent]]) -> None:
-        if isinstance(extents, fmt.ExtentColumns):
-            keys = extents.item_keys
-            counts = extents.counts
-            n = int(counts.sum())
-            self.rows = np.stack([extents.item_offset, extents.length, extents.file, extents.file_offset])
-        else:
-            keys = [_key(index) for index in extents]
-            counts = np.fromiter((len(v) for v in extents.values()), dtype=np.int64, count=len(keys))
-            n = int(counts.sum())
-            flat = np.fromiter(
-                (x for exts in extents.values() for e in exts
-                 for x in (e.item_offset, e.length, e.file, e.file_offset)),
-                dtype=np.int64, count=4 * n,
-            )
-            self.rows = flat.reshape(n, 4).T.copy()  # each column contiguous
+        columns = fmt.ExtentColumns.of(extents)
+        keys, counts = columns.item_keys, columns.counts
+        self.rows = np.stack([columns.item_offset, columns.length, columns.file, columns.file_offset])
+        n = self.rows.shape[1]
         ends = np.cumsum(counts)
         starts = ends - counts
         io_, ln = self.rows[0], self.rows[1]
