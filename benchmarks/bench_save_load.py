@@ -111,13 +111,10 @@ def _null_storage():
         f.set_result(value)
         return f
 
-    class NullWriter(StorageWriter):
-        metadata = None
+    class Passive:
+        """What both leave as DCP hands it: no plan changes, any id."""
 
         def reset(self, checkpoint_id=None):
-            pass
-
-        def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
             pass
 
         def prepare_local_plan(self, plan):
@@ -125,6 +122,16 @@ def _null_storage():
 
         def prepare_global_plan(self, plans):
             return plans
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id):
+            return True
+
+    class NullWriter(Passive, StorageWriter):
+        metadata = None
+
+        def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+            pass
 
         def write_data(self, plan, planner):
             return done([])
@@ -132,16 +139,9 @@ def _null_storage():
         def finish(self, metadata, results):
             self.metadata = metadata
 
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id):
-            return True
-
-    class NullReader(StorageReader):
+    class NullReader(Passive, StorageReader):
         def __init__(self, metadata):
             self.metadata = metadata
-
-        def reset(self, checkpoint_id=None):
-            pass
 
         def read_metadata(self, *args, **kwargs):
             return self.metadata
@@ -149,18 +149,8 @@ def _null_storage():
         def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
             pass
 
-        def prepare_local_plan(self, plan):
-            return plan
-
-        def prepare_global_plan(self, plans):
-            return plans
-
         def read_data(self, plan, planner):
             return done(None)
-
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id):
-            return True
 
     return NullWriter, NullReader
 

@@ -192,6 +192,13 @@ class Extent:
     crc32c: str | None = None
 
 
+def item_key(index: MetadataIndex) -> tuple:
+    """``index`` as a plain hashable ``(fqn, chunk offset tuple or None)``:
+    how :class:`ExtentColumns` keys its items (a ``MetadataIndex`` hashes
+    its ``torch.Size`` offset more slowly)."""
+    return index.fqn, None if index.offset is None else tuple(index.offset)
+
+
 class ExtentColumns(Mapping):
     """``StorageLayout.extents`` as the decoder reads it: every extent's
     fields in columns, the same mapping ``MetadataIndex -> [Extent]`` to
@@ -221,7 +228,7 @@ class ExtentColumns(Mapping):
         made) laid out the same way."""
         if isinstance(extents, ExtentColumns):
             return extents
-        keys = [(index.fqn, None if index.offset is None else tuple(index.offset)) for index in extents]
+        keys = list(map(item_key, extents))
         rows = [e for exts in extents.values() for e in exts]
         counts = np.fromiter(map(len, extents.values()), dtype=np.int64, count=len(keys))
         flat = np.fromiter((x for e in rows for x in (e.file, e.file_offset, e.item_offset, e.length)),

@@ -103,11 +103,6 @@ class Job:
         self.done.append(fn)
 
 
-def _key(index: MetadataIndex) -> tuple:
-    """``index`` as :attr:`fp_dcp.format.ExtentColumns.item_keys` hold it."""
-    return index.fqn, None if index.offset is None else tuple(index.offset)
-
-
 class ExtentTable:
     """Every extent of a layout in one ``(4, n)`` int64 array (item offset,
     length, file, file offset), made in one pass, with each item's rows and
@@ -143,13 +138,13 @@ class ExtentTable:
     def nbytes(self, key: MetadataIndex) -> int | None:
         """The bytes ``key``'s extents hold, or None when it has none or
         they do not tile a range from 0."""
-        where = self._where.get(_key(key))
+        where = self._where.get(fmt.item_key(key))
         return None if where is None or where[2] < 0 else where[2]
 
     def get(self, key: MetadataIndex, nbytes: int) -> tuple[np.ndarray, ...] | None:
         """The four columns of ``key``'s extents (views), or None when it has
         none or they do not tile ``[0, nbytes)`` exactly."""
-        where = self._where.get(_key(key))
+        where = self._where.get(fmt.item_key(key))
         if where is None or where[2] != nbytes:
             return None
         a, b, _ = where

@@ -95,7 +95,7 @@ def check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout) -> None:
             check_extents_cover(index.fqn, exts, nbytes)
         except fmt.CheckpointFormatError as e:
             raise RuntimeError(f"fp_dcp wrote an inconsistent layout, refusing to commit it: {e}") from None
-    stored = {(i.fqn, None if i.offset is None else tuple(i.offset)) for i in layout.extents}
+    stored = set(map(fmt.item_key, layout.extents))
     for fqn, md in metadata.state_dict_metadata.items():
         keys = [(fqn, tuple(c.offsets)) for c in md.chunks] if isinstance(md, TensorStorageMetadata) else [(fqn, None)]
         for key in keys:
