@@ -1,14 +1,16 @@
-"""Every place fp_dcp depends on torch internals, in one module, gated by the
-torch version.
+"""Every place fp_dcp depends on torch internals, in one module, each checked
+against the installed torch at its first use.
 
 torch offers public ways for most of what fp_dcp does (``StorageWriter``,
 ``StorageReader``, ``AsyncStager``, ``DTensor.to_local`` /
 ``DTensor.from_local``).  Where it offers none, the dependency is here, and
-:func:`require_tested_torch` refuses, with a message saying what to do, on a
-torch release fp_dcp was not tested with (``TESTED_TORCH``; set
-``FP_DCP_ALLOW_UNTESTED_TORCH=1`` to go on anyway).  ``tests/test_default_storage.py``
-checks each hook against the installed torch, so a torch that moves one
-fails there, loudly, rather than in a user's job.
+it is checked by what it needs (:func:`check_storage_hooks`,
+:func:`check_planner_hooks`, :func:`check_dtensor_hooks`), not by the torch
+version: a torch that moved a hook gets a ``RuntimeError`` naming the hook
+that is missing when a feature needs it, and every other feature still works.
+``tests/test_default_storage.py`` and ``tests/test_compat.py`` run the checks
+against the installed torch, so a torch that moves one fails there, loudly,
+rather than in a user's job.
 
 The private hooks:
 
@@ -34,13 +36,17 @@ The private hooks:
    ``async_save``'s ``checkpoint_id`` to the writer only after staging, but
    staging past ``staging_memory_limit_bytes`` needs a directory for its
    spill file, and the writer must know whether a save will pick the staged
-   dict up; both are read from ``async_save``'s frame.
+   dict up; both are read from ``async_save``'s frame where one is on the
+   stack.  Without such a frame (a torch whose ``async_save`` calls ``stage``
+   another way, or ``stage`` called by the application) staging still works:
+   the spill file goes to ``staging_spill_dir`` or the writer's own path, and
+   ``close()`` waits only for saves that started.
 3. **DTensor internals** (:func:`dtensor_local`, :func:`dtensor_spec`,
    :func:`dtensor_from_spec`): staging rebuilds a ``DTensor`` around its
    host copy; ``DTensor.from_local`` (public) is used when the mesh's device
    type is the copy's, the private constructor (as torch's own staging does)
    when a CUDA mesh's shard is staged on the host.
-4. **A torch 2.13 race** (``fp_dcp.staging.stager._StagingFuture``): ``async_save``
+4. **A race in ``async_save`` (``fp_dcp.staging.stager._StagingFuture``): ``async_save``
    reads a staging future's ``done()`` before attaching its callback; a
    lazy staging that failed in between would read as a success.
 5. **Whether a planner caches plans, and under which key**
@@ -62,73 +68,69 @@ The private hooks:
    speed-up: ``finish`` uses what was prepared only for that very object
    (and the very results), and does the work itself otherwise.
 
+8. **A load that swallows the storage's error** (:func:`logged_metadata_errors`):
+   some releases' ``dcp.load`` (torch 2.11) catch the exception of
+   ``read_metadata``, log it at INFO without the reason, and raise
+   ``AssertionError: metadata is None``.  fp_dcp's reader logs the reason at
+   ERROR through the ``fp_dcp`` logger before raising, on every release, so
+   it reaches the user (Python prints ERROR records to stderr even where no
+   logging is configured).
+
 Plain ``dcp.save(sd, storage_writer=FastPersistWriter(p))`` /
-``dcp.load(sd, storage_reader=FastPersistReader(p))`` use public interfaces
-only and run on any torch the package installs with.
+``dcp.load(sd, storage_reader=FastPersistReader(p))`` and
+``dcp.async_save(sd, storage_writer=FastPersistWriter(p))`` need none of the
+checked hooks (unless the planner caches plans, or the state dict holds
+DTensors and is staged) and run on any torch the package installs with.
 """
 
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import threading
 from typing import Any, Iterator
 
+log = logging.getLogger("fp_dcp")
+_lock = threading.RLock()
+_checked: dict[str, str | None] = {}  # hook -> None (it fits the installed torch) or what is missing
+
 __all__ = [
-    "TESTED_TORCH",
-    "require_tested_torch",
+    "check_storage_hooks",
+    "check_planner_hooks",
+    "check_dtensor_hooks",
     "use_as_default",
     "restore_default",
     "default_storage",
     "is_default",
 ]
 
-# torch releases (major, minor) the private hooks above were tested with.
-TESTED_TORCH: tuple[tuple[int, int], ...] = ((2, 13),)
-ALLOW_ENV = "FP_DCP_ALLOW_UNTESTED_TORCH"
 DEFAULT_STORAGE_ENV = "FP_DCP_DEFAULT_STORAGE"
 
 
-def _torch_release(version: str | None = None) -> tuple[int, int]:
-    if version is None:
+def _require(hook: str, check: Any, feature: str) -> None:
+    """Run ``check`` (one of the ``check_*`` functions) once per process;
+    raise ``RuntimeError`` naming ``feature`` and the missing hook if it
+    failed."""
+    with _lock:
+        if hook not in _checked:
+            try:
+                check()
+            except RuntimeError as e:
+                _checked[hook] = str(e)
+            else:
+                _checked[hook] = None
+        problem = _checked[hook]
+    if problem is not None:
         import torch
 
-        version = torch.__version__
-    parts = str(version).split("+")[0].split(".")
-    try:
-        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
-    except (IndexError, ValueError):
-        raise RuntimeError(f"fp_dcp: cannot read the torch version {version!r}") from None
-
-
-_installed_tested: bool | None = None
-
-
-def require_tested_torch(feature: str, version: str | None = None) -> None:
-    """Raise ``RuntimeError`` if ``feature`` (one of the private hooks) would
-    run on a torch release fp_dcp was not tested with, unless
-    ``FP_DCP_ALLOW_UNTESTED_TORCH=1``.  ``version``: for tests."""
-    global _installed_tested
-    if version is None:
-        if _installed_tested is None:
-            _installed_tested = _torch_release() in TESTED_TORCH
-        if _installed_tested:
-            return
-    elif _torch_release(version) in TESTED_TORCH:
-        return
-    if os.environ.get(ALLOW_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
-        return
-    tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH)
-    import torch
-
-    raise RuntimeError(
-        f"fp_dcp: {feature} relies on torch internals that were tested with torch {tested} only, "
-        f"and this is torch {version or torch.__version__}. Install a tested torch, or set "
-        f"{ALLOW_ENV}=1 to try anyway (then run fp_dcp's tests: tests/test_default_storage.py checks "
-        f"these hooks). Passing storage_writer=FastPersistWriter(path) / "
-        f"storage_reader=FastPersistReader(path) explicitly needs no private hook."
-    )
+        raise RuntimeError(
+            f"fp_dcp: {feature} needs a torch internal that torch {torch.__version__} does not have: {problem}. "
+            f"Use a torch release with it (fp_dcp's tests check each one: tests/test_compat.py), or do "
+            f"without {feature}."
+        )
 
 
 # ----------------------------------------------------- 1. storage selection
@@ -149,7 +151,6 @@ _HOOK_NAMES = (("_storage_utils", "FileSystemWriter"), ("_storage_utils", "FileS
                ("format_utils", "FileSystemWriter"), ("format_utils", "FileSystemReader"),
                ("state_dict_saver", "_ProcessBasedAsyncCheckpointExecutor"),
                ("state_dict_saver", "_ThreadBasedAsyncCheckpointExecutor"))
-_lock = threading.RLock()
 _saved: dict[tuple[str, str], Any] = {}
 _current: dict[str, Any] | None = None  # the options of the switch, None when off
 
@@ -318,7 +319,6 @@ def use_as_default(options: Any = None, **option_kwargs: Any) -> None:
     ``FastPersistWriter`` and ``FastPersistReader``.  A stock checkpoint
     still loads with the stock reader.  Calling it again replaces the options."""
     global _current
-    require_tested_torch("fp_dcp.use_as_default (DCP's storage auto-detection)")
     check_storage_hooks()
     if options is not None or option_kwargs:  # fail now on a bad option, not at the first save
         from fp_dcp.options import FastPersistOptions
@@ -385,7 +385,7 @@ def planner_cache_key(planner: Any) -> str | None:
     (``DefaultSavePlanner(enable_plan_caching=True)``), else None."""
     if not getattr(planner, "_enable_plan_caching", False):
         return None
-    require_tested_torch("FastPersistWriter with DCP's plan caching")
+    _require("DefaultSavePlanner._cached_plans_key", check_planner_hooks, "FastPersistWriter with DCP's plan caching")
     return str(getattr(planner, "_cached_plans_key", type(planner).__name__))
 
 
@@ -421,12 +421,12 @@ def check_planner_hooks() -> None:
 
 def async_save_caller() -> tuple[bool, str | None]:
     """Whether ``stage`` was called by ``dcp.async_save`` (which then hands
-    the staged dict to a save), and that call's ``checkpoint_id``.  Called
-    by ``_Stager.stage``; the search starts two frames up (the writer's
-    ``stage``)."""
+    the staged dict to a save), and that call's ``checkpoint_id``; ``(False,
+    None)`` where no ``async_save`` frame is found (module documentation,
+    hook 2).  Called by ``_Stager.stage``; the search starts two frames up
+    (the writer's ``stage``)."""
     import sys
 
-    require_tested_torch("fp_dcp's async staging (it reads dcp.async_save's checkpoint_id)")
     f = sys._getframe(2)
     for _ in range(8):
         if f is None:
@@ -436,6 +436,31 @@ def async_save_caller() -> tuple[bool, str | None]:
             return True, (os.fspath(cid) if isinstance(cid, (str, os.PathLike)) else None)
         f = f.f_back
     return False, None
+
+
+# ------------------------------------------- 8. errors a load may swallow
+
+
+def logged_metadata_errors(read_metadata: Any) -> Any:
+    """Decorate a reader's ``read_metadata``: its exception is logged at
+    ERROR (``fp_dcp`` logger, once per reader until a read succeeds) and
+    raised as it was."""
+
+    @functools.wraps(read_metadata)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            metadata = read_metadata(self, *args, **kwargs)
+        except Exception as e:
+            key = (type(e), str(e))
+            if getattr(self, "_fp_logged_error", None) != key:
+                self._fp_logged_error = key
+                log.error("fp_dcp cannot load the checkpoint at %s: %s: %s", getattr(self, "path", "?"),
+                          type(e).__name__, e)
+            raise
+        self._fp_logged_error = None
+        return metadata
+
+    return wrapper
 
 
 # ----------------------------------------------------- 3. DTensor internals
@@ -449,8 +474,26 @@ def dtensor_local(t: Any) -> Any:
 def dtensor_spec(t: Any) -> Any:
     """What :func:`dtensor_from_spec` needs to rebuild ``t`` around another
     local tensor (private: ``DTensor._spec``; compared with ``==``)."""
-    require_tested_torch("fp_dcp's async staging of DTensors (it reads DTensor._spec)")
+    _require("DTensor._spec", check_dtensor_hooks, "fp_dcp's staging of DTensors")
     return t._spec
+
+
+def check_dtensor_hooks() -> None:
+    """Check that ``DTensor`` still keeps its spec in ``_spec`` and takes
+    ``(local_tensor, spec, requires_grad=)``; raise ``RuntimeError`` if not."""
+    import inspect
+
+    from torch.distributed.tensor import DTensor
+
+    if "_spec" not in getattr(DTensor, "__slots__", ()) and "_spec" not in getattr(DTensor, "__annotations__", {}):
+        raise RuntimeError("DTensor no longer keeps its placement spec in DTensor._spec")
+    try:
+        params = inspect.signature(DTensor.__new__).parameters
+    except (TypeError, ValueError):  # a C constructor: no signature to read
+        return
+    if params and not {"spec", "requires_grad"} <= set(params) and not any(
+            p.kind is p.VAR_POSITIONAL for p in params.values()):
+        raise RuntimeError("DTensor(local_tensor, spec, requires_grad=) is no longer DTensor's constructor")
 
 
 def dtensor_from_spec(local: Any, spec: Any) -> Any:
