@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from fp_dcp import format as fmt
+from fp_dcp._dcp_hooks import logged_metadata_errors
 from fp_dcp.checksums import ReadVerifier
 from fp_dcp.engine import IOSession
 from fp_dcp.files import read_checkpoint_metadata
@@ -173,6 +174,7 @@ class FastPersistReader(StorageReader):
     def checkpoint_id(self) -> str | None:
         return self.path
 
+    @logged_metadata_errors
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.options.freeze_gc_during_load:
             with paused():  # tens of thousands of objects, none garbage
