@@ -18,12 +18,24 @@ Both thaw in ``reset()`` and ``close()`` if a save or load failed in between
 failure inside DCP between them, another rank's error raised here, leaves it
 frozen until the next save or load, ``close()`` or collection: the frozen
 objects are the long-lived ones of the job).
+
+Where it does nothing: CPython 3.12 (seen on 3.12.1) keeps objects of its
+own in the permanent generation (``gc.get_freeze_count()`` is 375 in a bare
+interpreter) and puts them back there after a ``gc.unfreeze()``; a save that
+froze and thawed there crashed the interpreter in a later collection (fp_dcp's
+fault tests, torch 2.11, Python 3.12.1).  So on an interpreter whose bare start
+count is not 0 (read once per process from a ``python -I -S`` child; known to be
+0 on 3.10, 3.11 and 3.13) ``freeze_gc_during_save`` / ``freeze_gc_during_load``
+do nothing, as they do where the application froze objects itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import subprocess
+import sys
+import threading
 import weakref
 from typing import Iterator
 
@@ -43,6 +55,38 @@ def paused() -> Iterator[None]:
             gc.enable()
 
 
+_start_count: int | None = None
+_start_lock = threading.Lock()
+
+
+_ZERO_AT_START = ((3, 10), (3, 11), (3, 13))  # measured: a bare interpreter's count is 0
+
+
+def interpreter_start_count() -> int:
+    """``gc.get_freeze_count()`` of a bare interpreter of this Python (read
+    once, in a child process, where not known)."""
+    global _start_count
+    with _start_lock:
+        if _start_count is None and sys.version_info[:2] in _ZERO_AT_START:
+            _start_count = 0
+        if _start_count is None:
+            try:
+                out = subprocess.run(
+                    [sys.executable, "-I", "-S", "-c", "import gc; print(gc.get_freeze_count())"],
+                    capture_output=True, text=True, timeout=30, check=True, stdin=subprocess.DEVNULL,
+                )
+                _start_count = int(out.stdout.strip())
+            except (OSError, subprocess.SubprocessError, ValueError):
+                _start_count = -1  # unknown: do not freeze
+        return _start_count
+
+
+def may_freeze() -> bool:
+    """Nothing is frozen, and this interpreter keeps nothing of its own in
+    the permanent generation (module documentation)."""
+    return gc.get_freeze_count() == 0 and interpreter_start_count() == 0
+
+
 class GcFreeze:
     """One save's or load's ``gc.freeze()``, undone once by :meth:`thaw` (or when
     this object is collected), and only if nobody else froze since."""
@@ -51,9 +95,10 @@ class GcFreeze:
         self.frozen = False
 
     def freeze(self) -> None:
-        """Freeze, unless this save already did or something else froze
-        objects (``gc.get_freeze_count()``): those stay as they are."""
-        if not self.frozen and gc.get_freeze_count() == 0:
+        """Freeze, unless this save already did, something else froze
+        objects (``gc.get_freeze_count()``: those stay as they are), or the
+        interpreter keeps objects there itself (module documentation)."""
+        if not self.frozen and may_freeze():
             gc.freeze()
             self.frozen = True
             # made after the freeze: it stays out of the permanent generation

@@ -273,7 +273,7 @@ class FastPersistOptions:
             already frozen objects itself; and if anything else freezes
             objects while the save runs (the permanent generation grew past
             what the save froze), nothing is unfrozen at the end, so the
-            application's own ``gc.freeze()`` is never undone.
+            application's own ``gc.freeze()`` is never undone.  Does nothing on CPython 3.12 (``fp_dcp.gc_freeze``).
         freeze_gc_during_load: the same for a load, from
             ``set_up_storage_reader`` to the end of ``read_data`` (the
             metadata is decoded with the collector paused): a load of
