@@ -1,0 +1,39 @@
+"""benchmarks/gpu_check.py --dry-run: the GPU check's every step, end to end,
+with CPU tensors standing in at small sizes (so the one command prepared for
+a GPU machine keeps working)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_check_dry_run(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    # --no-build: the extension this suite imports is the one in place
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run", "--no-build",
+                        "--out", str(out), "--work", str(work)], capture_output=True, text=True, env=env, timeout=400,
+                       stdin=subprocess.DEVNULL, cwd=str(tmp_path))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    data = json.loads((out / "gpu_check.json").read_text())
+    assert data["dry_run"] and data["device"] == "cpu" and not data["failed"] and not data["skipped"]
+    steps = data["steps"]
+    for name in ("big", "small"):
+        for step in ("make", "copy_ceiling", "save_load", "async"):
+            assert f"{name}.{step}" in steps, (name, step)
+        sl, a = steps[f"{name}.save_load"], steps[f"{name}.async"]
+        assert sl["fp_dcp_load"]["bit_exact"] and sl["stock_load"]["bit_exact"]
+        assert a["eager_load"]["bit_exact"] and a["lazy_load"]["bit_exact"]
+        assert a["lazy"][0]["staged_s"] >= a["lazy"][0]["returned_s"] >= 0
+    assert steps["small.make"]["tensors"] == 200
+    # the CUDA tests were selected (collected only, on the CPU)
+    assert steps["tests"]["returncode"] == 0 and "collected" in steps["tests"]["summary"]
+    assert not steps["tests"]["summary"].startswith("0/")
+    assert steps["disk"]["hugebuf"]["bytes"] > 0
+    assert "fp_dcp save" in r.stdout and "lazy async #1 staged" in r.stdout  # the table
+    assert work.is_dir() and not any(work.iterdir())  # the run's own checkpoints removed, nothing else
