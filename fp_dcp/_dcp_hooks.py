@@ -70,11 +70,16 @@ The private hooks:
 
 8. **A load that swallows the storage's error** (:func:`logged_metadata_errors`):
    some releases' ``dcp.load`` (torch 2.11) catch the exception of
-   ``read_metadata``, log it at INFO without the reason, and raise
-   ``AssertionError: metadata is None``.  fp_dcp's reader logs the reason at
-   ERROR through the ``fp_dcp`` logger before raising, on every release, so
-   it reaches the user (Python prints ERROR records to stderr even where no
-   logging is configured).
+   ``read_metadata``, log it at INFO without the reason, retry with
+   ``read_metadata(rank=...)``, and raise ``AssertionError: metadata is
+   None``.  fp_dcp's reader logs the reason at ERROR through the ``fp_dcp``
+   logger on every release (Python prints ERROR records to stderr even where
+   no logging is configured); and where the retry comes from DCP's load step
+   and that step kept no reference to the first exception (by that, not by
+   the version, a release that will not report it), the retry returns a
+   stand-in metadata whose first use (the reader's ``set_up_storage_reader``)
+   raises the reader's own exception, so the error the user gets carries the
+   reason.
 
 Plain ``dcp.save(sd, storage_writer=FastPersistWriter(p))`` /
 ``dcp.load(sd, storage_reader=FastPersistReader(p))`` and
@@ -444,7 +449,8 @@ def async_save_caller() -> tuple[bool, str | None]:
 def logged_metadata_errors(read_metadata: Any) -> Any:
     """Decorate a reader's ``read_metadata``: its exception is logged at
     ERROR (``fp_dcp`` logger, once per reader until a read succeeds) and
-    raised as it was."""
+    raised as it was, except to a DCP load step that would swallow it
+    (module documentation, hook 8)."""
 
     @functools.wraps(read_metadata)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -456,11 +462,44 @@ def logged_metadata_errors(read_metadata: Any) -> Any:
                 self._fp_logged_error = key
                 log.error("fp_dcp cannot load the checkpoint at %s: %s: %s", getattr(self, "path", "?"),
                           type(e).__name__, e)
+            first = getattr(self, "_fp_first_error", None)
+            self._fp_first_error = e
+            if "rank" in kwargs and first is not None and _swallowed_by_load_step(first):
+                return _UnreadMetadata(e)
             raise
-        self._fp_logged_error = None
+        self._fp_logged_error = self._fp_first_error = None
         return metadata
 
     return wrapper
+
+
+def _swallowed_by_load_step(first: BaseException) -> bool:
+    """Whether the caller of the decorated ``read_metadata`` is DCP's load
+    step and holds no reference to ``first`` (the exception of the read it
+    is retrying), so it cannot report it."""
+    import sys
+
+    f = sys._getframe(2)  # this, the wrapper, the caller
+    if f is None or f.f_code.co_name != "local_step" or not f.f_globals.get("__name__", "").startswith(
+            "torch.distributed.checkpoint.state_dict_loader"):
+        return False
+    return not any(v is first for v in f.f_locals.values())
+
+
+class _UnreadMetadata:
+    """Stands for metadata that could not be read: any use of it raises the
+    reader's exception."""
+
+    __slots__ = ("_fp_error",)
+
+    def __init__(self, error: BaseException) -> None:
+        object.__setattr__(self, "_fp_error", error)
+
+    def __getattr__(self, name: str) -> Any:
+        raise object.__getattribute__(self, "_fp_error")
+
+    def __bool__(self) -> bool:
+        return True
 
 
 # ----------------------------------------------------- 3. DTensor internals

@@ -296,3 +296,75 @@ def test_the_freeze_does_nothing_on_python_3_12():
     assert out.returncode == 0, out.stderr
     bare, start, frozen, during, after = out.stdout.split()
     assert bare == start != "0" and frozen == "False" and during == after == start, out.stdout
+
+
+# a load step shaped as torch 2.11's (the reader's exception swallowed, the
+# read retried with rank=) and as 2.13's (the exception kept and reported)
+_SWALLOWING_STEP = '''
+def local_step(reader):
+    metadata = None
+    try:
+        metadata = reader.read_metadata()
+    except Exception:
+        pass
+    if not metadata:
+        try:
+            metadata = reader.read_metadata(rank=0)
+        except Exception:
+            pass
+    if metadata is None:
+        raise AssertionError("metadata is None")
+    reader.set_up_storage_reader(metadata, True)
+'''
+_REPORTING_STEP = '''
+def local_step(reader):
+    metadata = None
+    first = None
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:
+        first = e
+    if not metadata:
+        try:
+            metadata = reader.read_metadata(rank=0)
+        except Exception:
+            pass
+    if metadata is None:
+        raise AssertionError(f"metadata is None; global metadata read failed: {first}")
+    reader.set_up_storage_reader(metadata, True)
+'''
+
+
+def _step(source):
+    g = {"__name__": "torch.distributed.checkpoint.state_dict_loader"}
+    exec(source, g)
+    return g["local_step"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "crafted"])
+def test_a_load_step_that_swallows_the_error_still_raises_the_reason(tmp_path, damage):
+    path = tmp_path / "c"
+    if damage != "missing":
+        save(_sd(6), path)
+        (_truncate if damage == "truncated" else _craft)(path)
+    with pytest.raises(Exception) as direct:
+        FastPersistReader(path).read_metadata()
+    with pytest.raises(type(direct.value)) as e:
+        _step(_SWALLOWING_STEP)(FastPersistReader(path))
+    assert str(e.value) == str(direct.value) and str(path) in str(e.value)
+    # a step that reports the exception itself gets it as before
+    with pytest.raises(AssertionError, match="global metadata read failed") as e:
+        _step(_REPORTING_STEP)(FastPersistReader(path))
+    assert str(direct.value) in str(e.value)
+    # and a retry from anywhere else raises as usual
+    r = FastPersistReader(path)
+    for kwargs in ({}, {"rank": 0}):
+        with pytest.raises(type(direct.value)):
+            r.read_metadata(**kwargs)
+
+
+def test_dcp_load_of_a_missing_checkpoint_names_it_on_this_torch(tmp_path):
+    path = tmp_path / "absent"
+    with pytest.raises(FAILED) as e:
+        dcp.load({"w": torch.zeros(3)}, storage_reader=FastPersistReader(path))
+    assert str(path) in str(e.value)
