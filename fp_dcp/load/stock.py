@@ -31,6 +31,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from fp_dcp import format as fmt
+from fp_dcp._dcp_hooks import logged_metadata_errors
 from fp_dcp.load import objects
 
 __all__ = ["SafeStockReader"]
@@ -85,6 +86,7 @@ class SafeStockReader(FileSystemReader):
         objects.check_bytes_targets(plan.items, planner, where)  # before any byte is read
         return super().read_data(plan, _RestrictedObjects(planner, where, self.allow_pickle))
 
+    @logged_metadata_errors
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_md.Metadata:
         directory = os.fspath(self.path)
         path = os.path.join(directory, fmt.STOCK_METADATA_NAME)
