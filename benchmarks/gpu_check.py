@@ -313,17 +313,19 @@ def save_and_load(sd: Any, work: Path, device: str, drop: bool) -> dict:
     out = {}
     for kind in ("fp_dcp", "stock"):
         path = work / kind
-        writer = FastPersistWriter(path) if kind == "fp_dcp" else dcp.FileSystemWriter(path)
-        sync(device)
-        t0 = time.perf_counter()
-        dcp.save(sd, storage_writer=writer)
-        out[f"{kind}_save_s"] = time.perf_counter() - t0
-        if hasattr(writer, "close"):
-            writer.close()
-        load = _load_checked(sd, path, kind, device, drop)
-        out[f"{kind}_load_s"] = load.pop("seconds")
-        out[f"{kind}_load"] = load
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            writer = FastPersistWriter(path) if kind == "fp_dcp" else dcp.FileSystemWriter(path)
+            sync(device)
+            t0 = time.perf_counter()
+            dcp.save(sd, storage_writer=writer)
+            out[f"{kind}_save_s"] = time.perf_counter() - t0
+            if hasattr(writer, "close"):
+                writer.close()
+            load = _load_checked(sd, path, kind, device, drop)
+            out[f"{kind}_load_s"] = load.pop("seconds")
+            out[f"{kind}_load"] = load
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
     return out
 
 
@@ -368,6 +370,7 @@ def async_saves(sd: Any, work: Path, device: str, trainer: Trainer, saves: int, 
                 shutil.rmtree(path, ignore_errors=True)
         finally:
             writer.close()
+            shutil.rmtree(work / mode, ignore_errors=True)
         out[mode] = rows
     return out
 

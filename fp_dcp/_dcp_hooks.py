@@ -46,7 +46,7 @@ The private hooks:
    host copy; ``DTensor.from_local`` (public) is used when the mesh's device
    type is the copy's, the private constructor (as torch's own staging does)
    when a CUDA mesh's shard is staged on the host.
-4. **A race in ``async_save`` (``fp_dcp.staging.stager._StagingFuture``): ``async_save``
+4. **A race in async_save** (``fp_dcp.staging.stager._StagingFuture``): ``async_save``
    reads a staging future's ``done()`` before attaching its callback; a
    lazy staging that failed in between would read as a success.
 5. **Whether a planner caches plans, and under which key**
