@@ -30,9 +30,10 @@ _ENV_PREFIX = "FP_DCP_"
 # FP_DCP_* variables that are not options: FP_DCP_DEFAULT_STORAGE and
 # FP_DCP_ALLOW_UNTESTED_TORCH (read by fp_dcp/_dcp_hooks.py), FP_DCP_TUNING_FILE
 # (the per-user record of `fp-dcp tune`, "none" for no record: fp_dcp/tuning.py),
-# FP_DCP_TEST_HOOKS (read by the extension, cython_io/_aio.pyx)
+# FP_DCP_TEST_HOOKS (read by the extension, cython_io/_aio.pyx), FP_DCP_RANKS_PER_NODE
+# (the tiers' node size: fp_dcp/tiers/topology.py)
 _NOT_OPTIONS = frozenset({"FP_DCP_DEFAULT_STORAGE", "FP_DCP_ALLOW_UNTESTED_TORCH", "FP_DCP_TUNING_FILE",
-                          "FP_DCP_TEST_HOOKS"})
+                          "FP_DCP_TEST_HOOKS", "FP_DCP_RANKS_PER_NODE"})
 
 _SIZE_UNITS = {
     "": 1,

@@ -151,3 +151,198 @@ def _damaged_multirank_load(rank, ws, root):
 @pytest.mark.slow  # multi-process
 def test_a_damaged_file_is_named_on_every_rank_of_a_multirank_load(tmp_path):
     assert run_ranks(2, _damaged_multirank_load, str(tmp_path)) == [True, True]
+
+
+# ------------------------------------------------------------ the CLI: one line, every failure
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, "-m", "fp_dcp", *argv], capture_output=True, text=True, env=_ENV,
+                          timeout=300)
+
+
+def _one_line_failure(r, *names):
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for name in names:
+        assert name in lines[0], r.stderr
+    return lines[0]
+
+
+def _fp_dcp_ckpt(path):
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistWriter
+    from fp_dcp.load.reader import read_checkpoint_metadata
+
+    dcp.save({"w": torch.arange(200_000, dtype=torch.float32), "step": 3},
+             storage_writer=FastPersistWriter(str(path)), no_dist=True)
+    _, layout, _ = read_checkpoint_metadata(str(path))
+    return os.path.join(str(path), layout.files[0][0])
+
+
+def test_cli_convert_of_a_damaged_checkpoint_is_one_line(tmp_path):
+    """A checksum mismatch during convert's load reaches the CLI as DCP's
+    CheckpointException (a BaseException): one line naming the file, exit 1."""
+    data_file = _fp_dcp_ckpt(tmp_path / "c")
+    flip_byte(data_file, 100)
+    line = _one_line_failure(_cli("convert", "-q", str(tmp_path / "c"), str(tmp_path / "out.pt")),
+                             data_file, "checksum mismatch")
+    assert line.startswith("fp-dcp convert: ")
+    assert not os.path.exists(tmp_path / "out.pt")
+
+
+def test_cli_convert_of_a_truncated_checkpoint_is_one_line(tmp_path):
+    data_file = _fp_dcp_ckpt(tmp_path / "c")
+    os.truncate(data_file, 1000)
+    _one_line_failure(_cli("convert", "-q", str(tmp_path / "c"), str(tmp_path / "out.pt")), data_file, "truncated")
+
+
+def test_cli_convert_of_a_truncated_stock_checkpoint_names_the_file(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(1000.0), "step": 3}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "s")),
+             no_dist=True)
+    (data,) = [n for n in os.listdir(tmp_path / "s") if n.endswith(".distcp")]
+    os.truncate(tmp_path / "s" / data, 100)
+    _one_line_failure(_cli("convert", "-q", "--from-dcp", str(tmp_path / "s"), str(tmp_path / "o")),
+                      str(tmp_path / "s" / data), "truncated")
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_cli_turns_a_checkpoint_exception_into_its_first_failure(monkeypatch, capsys):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fp_dcp.tools import cli
+
+    err = ChecksumError("checksum mismatch in w at offset 4096 of /ckpt/a.r0.0.fpd", "/ckpt/a.r0.0.fpd", _bad())
+
+    def fail(args):
+        raise CheckpointException("load failed", {1: (ValueError("second"), None), 0: (err, None)})
+
+    monkeypatch.setattr(cli, "_inspect", fail)
+    assert cli.main(["inspect", "/nowhere"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["fp-dcp inspect: /ckpt/a.r0.0.fpd: checksum mismatch in w at offset 4096 of /ckpt/a.r0.0.fpd "
+                     "(2 ranks failed)"], lines
+
+
+# ------------------------------------------------------------ environment names
+
+
+_NOT_OPTION_VALUES = {"FP_DCP_DEFAULT_STORAGE": "0", "FP_DCP_ALLOW_UNTESTED_TORCH": "0",
+                      "FP_DCP_TUNING_FILE": "none", "FP_DCP_TEST_HOOKS": "0", "FP_DCP_RANKS_PER_NODE": "2"}
+
+
+def _documented_env_names() -> set[str]:
+    names: set[str] = set()
+    for doc in [os.path.join(REPO, "README.md")] + [os.path.join(REPO, "docs", n)
+                                                   for n in os.listdir(os.path.join(REPO, "docs"))]:
+        if doc.endswith(".md"):
+            names.update(re.findall(r"FP_DCP_[A-Z][A-Z_]*[A-Z]", open(doc, encoding="utf-8").read()))
+    return names
+
+
+def test_every_environment_name_the_docs_mention_is_accepted(monkeypatch):
+    from fp_dcp.options import _NOT_OPTIONS, FastPersistOptions
+
+    names = _documented_env_names()
+    assert "FP_DCP_RANKS_PER_NODE" in names and "FP_DCP_ENGINE" in names
+    fields = set(FastPersistOptions.field_names())
+    for name in sorted(names):
+        option = name[len("FP_DCP_"):].lower()
+        assert option in fields or name in _NOT_OPTIONS, f"{name} is in the docs but names no option"
+        if name in _NOT_OPTIONS:
+            assert name in _NOT_OPTION_VALUES, f"{name}: add a harmless value to _NOT_OPTION_VALUES"
+            monkeypatch.setenv(name, _NOT_OPTION_VALUES[name])
+            FastPersistOptions.from_env()  # no error
+            monkeypatch.delenv(name)
+
+
+# ------------------------------------------------------------ bounded by the input's honest size
+
+
+def _stock(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "s"
+    dcp.save({"w": torch.arange(8.0), "step": 3}, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    return path
+
+
+def _append_to_metadata(path, junk: bytes) -> None:
+    """Run ``junk`` (pickle opcodes that leave one object, popped) after the
+    metadata object, before STOP: the file still unpickles to the metadata."""
+    meta = path / ".metadata"
+    data = meta.read_bytes()
+    assert data.endswith(b".")
+    meta.write_bytes(data[:-1] + junk + b"0.")  # 0: POP
+
+
+def _memo_put(i):
+    return b"r" + i.to_bytes(4, "little")  # LONG_BINPUT
+
+
+def _memo_get(i):
+    return b"j" + i.to_bytes(4, "little")  # LONG_BINGET
+
+
+def test_a_small_stock_metadata_cannot_expand_through_path_objects(tmp_path):
+    """PosixPath(p, p) of a memoized path doubles it at each level: 20 levels
+    of a few bytes each are a million path parts on the old reader."""
+    from fp_dcp.load.stock import SafeStockReader
+
+    path = _stock(tmp_path)
+    junk = b"cpathlib\nPosixPath\n" + _memo_put(900_000) + b"X\x03\x00\x00\x00abc\x85R" + _memo_put(900_001)
+    for _ in range(20):
+        junk += b"0" + _memo_get(900_000) + _memo_get(900_001) + _memo_get(900_001) + b"\x86R" + _memo_put(900_001)
+    _append_to_metadata(path, junk)
+    assert (path / ".metadata").stat().st_size < 4096
+    with pytest.raises(fmt.CheckpointFormatError, match="refusing this stock DCP metadata.*path"):
+        SafeStockReader(str(path), allow_pickle=False).read_metadata()
+
+
+def test_a_small_stock_metadata_cannot_expand_through_shared_lists(tmp_path):
+    """One memoized list of 20,000 ints handed to torch.Size 400 times: 8
+    million elements from a 50 KB file (refused: an element budget per byte)."""
+    from fp_dcp.load.stock import MetadataBudgetError, SafeStockReader
+
+    path = _stock(tmp_path)
+    junk = b"]" + b"(" + b"K\x07" * 20_000 + b"e" + _memo_put(900_000) + b"0" + b"]"
+    junk += (b"ctorch\nSize\n" + _memo_get(900_000) + b"\x85R" + b"a") * 400
+    _append_to_metadata(path, junk)
+    with pytest.raises(MetadataBudgetError, match="expands to far more objects"):
+        SafeStockReader(str(path), allow_pickle=False).read_metadata()
+
+
+def test_a_stock_metadata_cannot_change_shared_objects(tmp_path):
+    """BUILD on an object the unpickler hands out (the memory-format enum's
+    member) would change it for the whole process."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from fp_dcp.load.stock import SafeStockReader
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    before = dict(vars(member))
+    path = _stock(tmp_path)
+    junk = (b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n" + b"K\x00\x85R"
+            + b"}X\x06\x00\x00\x00_name_X\x05\x00\x00\x00PWNEDsb")
+    _append_to_metadata(path, junk)
+    with pytest.raises(fmt.CheckpointFormatError):
+        SafeStockReader(str(path), allow_pickle=False).read_metadata()
+    assert vars(member) == before and member.name == "TORCH_CONTIGUOUS_FORMAT"
+
+
+def test_a_real_stock_checkpoint_still_loads_through_the_bounded_unpickler(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp.load.stock import SafeStockReader
+
+    sd = {f"layer{i}.w": torch.randn(3, 5) for i in range(300)}
+    sd["step"] = 7
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "s")), no_dist=True)
+    md = SafeStockReader(str(tmp_path / "s"), allow_pickle=False).read_metadata()
+    assert len(md.state_dict_metadata) == 301
+    target = {k: (torch.zeros(3, 5) if k != "step" else 0) for k in sd}
+    dcp.load(target, storage_reader=SafeStockReader(str(tmp_path / "s"), allow_pickle=False), no_dist=True)
+    assert target["step"] == 7 and all(torch.equal(target[k], sd[k]) for k in sd if k != "step")
