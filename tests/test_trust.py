@@ -346,3 +346,106 @@ def test_a_real_stock_checkpoint_still_loads_through_the_bounded_unpickler(tmp_p
     target = {k: (torch.zeros(3, 5) if k != "step" else 0) for k in sd}
     dcp.load(target, storage_reader=SafeStockReader(str(tmp_path / "s"), allow_pickle=False), no_dist=True)
     assert target["step"] == 7 and all(torch.equal(target[k], sd[k]) for k in sd if k != "step")
+
+
+def _meta_doc(path) -> dict:
+    import json
+
+    return json.loads((path / fmt.METADATA_NAME).read_bytes()[fmt.HEADER_SIZE:])
+
+
+def _write_meta_doc(path, doc) -> None:
+    import json
+    import struct
+    import zlib
+
+    body = json.dumps(doc).encode()
+    (path / fmt.METADATA_NAME).write_bytes(
+        struct.pack("<8sIIQ", b"FPDCP\x00\r\n", fmt.FORMAT_VERSION, zlib.crc32(body), len(body)) + body)
+
+
+def _without_chunks(tmp_path):
+    """A checkpoint whose metadata claims a 1 GiB tensor 'ghost' with no chunks."""
+    path = tmp_path / "c"
+    _fp_dcp_ckpt(path)
+    doc = _meta_doc(path)
+    doc["state_dict_metadata"]["ghost"] = {"type": "tensor", "size": [1 << 28], "dtype": "float32", "chunks": []}
+    _write_meta_doc(path, doc)
+    return path
+
+
+def test_a_tensor_claimed_with_no_chunks_is_refused_on_load(tmp_path):
+    from tests._sd import failed_load
+
+    path = _without_chunks(tmp_path)
+    target = {"w": torch.zeros(200_000), "step": 0}
+    err = failed_load(target, path)  # DCP's load re-raises the reader's metadata error in its own words
+    assert "ghost: the metadata describes a tensor of shape [268435456] with no stored chunks" in str(err), err
+    assert fmt.METADATA_NAME in str(err) and not target["w"].any()
+
+
+def test_convert_refuses_a_tensor_claimed_with_no_chunks_instead_of_writing_zeros(tmp_path):
+    path = _without_chunks(tmp_path)
+    r = _cli("convert", "-q", str(path), str(tmp_path / "out.pt"))
+    _one_line_failure(r, "ghost", "no stored chunks")
+    assert not os.path.exists(tmp_path / "out.pt")
+
+
+def test_chunks_that_overlap_or_fall_short_are_refused(tmp_path):
+    path = tmp_path / "c"
+    _fp_dcp_ckpt(path)
+    good = _meta_doc(path)
+    w = good["state_dict_metadata"]["w"]
+    assert w["chunks"] == [[[0], [200_000]]]
+    for chunks, words in (([[[0], [150_000]], [[50_000], [50_000]]], "overlap"),
+                          ([[[0], [100_000]]], "100,000 of its 200,000 elements"),
+                          ([[[0], [200_000]], [[0], [0]], [[10], [5]]], "of its 200,000")):
+        doc = _meta_doc(path)
+        doc["state_dict_metadata"]["w"]["chunks"] = chunks
+        raw = doc["state_dict_metadata"]
+        with pytest.raises(fmt.CheckpointFormatError, match=f"w: .*{words}"):
+            fmt._from_doc(doc, fmt.FORMAT_VERSION)
+        assert fmt._state_dict_md_columns(raw) is None  # the fast decoder defers to the reference
+    fmt._from_doc(good, fmt.FORMAT_VERSION)  # exactly covered: accepted
+
+
+def test_a_sharded_tensor_covered_exactly_is_accepted():
+    chunks = [((r * 4, c * 5), (4, 5)) for r in range(3) for c in range(2)]
+    fmt.check_chunks_cover("w", (12, 10), chunks)
+    fmt.check_chunks_cover("empty", (0, 7), [((0, 0), (0, 7))])
+    fmt.check_chunks_cover("scalar", (), [((), ())])
+    with pytest.raises(fmt.CheckpointFormatError, match="w: .*overlap"):
+        fmt.check_chunks_cover("w", (12, 10), chunks[:-1] + [((4, 5), (4, 5))])
+
+
+def test_a_stock_checkpoint_claiming_a_tensor_without_chunks_is_refused(tmp_path):
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    from fp_dcp.load.stock import SafeStockReader
+
+    path = _stock(tmp_path)
+    md = pickle.loads((path / ".metadata").read_bytes())
+    md.state_dict_metadata["ghost"] = TensorStorageMetadata(TensorProperties(dtype=torch.float32),
+                                                            torch.Size([1 << 28]), [])
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(fmt.CheckpointFormatError, match="ghost: .*no stored chunks"):
+        SafeStockReader(str(path), allow_pickle=False).read_metadata()
+    r = _cli("convert", "-q", "--from-dcp", str(path), str(tmp_path / "o"))
+    _one_line_failure(r, "ghost", "no stored chunks")
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_the_metadata_header_is_checked_against_the_file_size_before_the_body_is_read(tmp_path):
+    path = tmp_path / "c"
+    _fp_dcp_ckpt(path)
+    data = (path / fmt.METADATA_NAME).read_bytes()
+    head = data[:fmt.HEADER_SIZE]
+    assert fmt.check_metadata_header(head, len(data), "m") == len(data) - fmt.HEADER_SIZE
+    with pytest.raises(fmt.CheckpointFormatError, match="m: the metadata file is 2147483648 bytes but its header"):
+        fmt.check_metadata_header(head, 1 << 31, "m")  # a sparse 2 GiB file behind a real header
+    with pytest.raises(fmt.CheckpointFormatError, match="truncated"):
+        fmt.check_metadata_header(head, len(data) - 1, "m")
+    with pytest.raises(fmt.CheckpointFormatError, match="bad magic"):
+        fmt.check_metadata_header(b"\0" * fmt.HEADER_SIZE, 1 << 31, "m")
+    with pytest.raises(fmt.CheckpointFormatError, match="truncated"):
+        fmt.check_metadata_header(head[:5], 1 << 31, "m")

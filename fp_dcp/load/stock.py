@@ -205,6 +205,9 @@ class SafeStockReader(FileSystemReader):
                 raise fmt.CheckpointFormatError(f"{path}: refusing this stock DCP metadata: {e}") from None
         if type(metadata) is not dcp_md.Metadata or not isinstance(metadata.storage_data, dict):
             raise fmt.CheckpointFormatError(f"{path}: not a stock DCP checkpoint's metadata")
+        for fqn, md in metadata.state_dict_metadata.items() if isinstance(metadata.state_dict_metadata, dict) else ():
+            if isinstance(md, dcp_md.TensorStorageMetadata):
+                _check_tensor(path, fqn, md)
         checked: dict[str, int] = {}  # each data file is lstat'ed once, not once per item: its size
         for index, info in metadata.storage_data.items():
             _check_storage_info(directory, index, info, checked)
@@ -239,6 +242,23 @@ def _check_storage_info(directory: str, index: Any, info: Any, checked: dict[str
             f"{where}: data file {os.path.join(directory, name)} is truncated ({checked[name]} bytes, the "
             f"metadata records bytes up to {info.offset + info.length}); the checkpoint is damaged"
         )
+
+
+def _check_tensor(path: str, fqn: Any, md: dcp_md.TensorStorageMetadata) -> None:
+    """A tensor entry whose chunks lie inside it and store it whole."""
+    size, chunks = md.size, md.chunks
+    ok = isinstance(size, torch.Size) and isinstance(chunks, list) and all(
+        isinstance(c, dcp_md.ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
+        and isinstance(c.sizes, torch.Size) and len(c.offsets) == len(c.sizes) == len(size)
+        and all(0 <= o and 0 <= n and o + n <= d for o, n, d in zip(c.offsets, c.sizes, size))
+        for c in chunks
+    )
+    if not ok:
+        raise fmt.CheckpointFormatError(f"{path}: {str(fqn)[:200]!r}: malformed tensor entry (a chunk outside it)")
+    try:
+        fmt.check_chunks_cover(str(fqn), size, [(c.offsets, c.sizes) for c in chunks])
+    except fmt.CheckpointFormatError as e:
+        raise fmt.CheckpointFormatError(f"{path}: {e}") from None
 
 
 class _RestrictedObjects:
