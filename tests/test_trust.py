@@ -449,3 +449,72 @@ def test_the_metadata_header_is_checked_against_the_file_size_before_the_body_is
         fmt.check_metadata_header(b"\0" * fmt.HEADER_SIZE, 1 << 31, "m")
     with pytest.raises(fmt.CheckpointFormatError, match="truncated"):
         fmt.check_metadata_header(head[:5], 1 << 31, "m")
+
+
+# ------------------------------------------------------------ options a machine can meet
+
+
+@pytest.mark.parametrize("env, value", [
+    ("FP_DCP_QUEUE_DEPTH", "4096"),  # 16 GiB of bounce buffers at the default 4 MiB requests
+    ("FP_DCP_QUEUE_DEPTH", "128"),  # 512 MiB
+    ("FP_DCP_BLOCK_SIZE_BYTES", "1GiB"),
+    ("FP_DCP_CUDA_CHUNK_BYTES", "64GiB"),
+    ("FP_DCP_READ_THREADS", "4096"),
+    ("FP_DCP_READ_BUFFER_BUDGET_BYTES", "1TiB"),
+    ("FP_DCP_COALESCE_GAP_BYTES", "16GiB"),
+    ("FP_DCP_PACK_THRESHOLD_BYTES", "16GiB"),
+    ("FP_DCP_ALIGNMENT_BYTES", "1GiB"),
+    ("FP_DCP_MAX_OVERREAD_PERCENT", "1000000"),
+])
+def test_an_option_past_its_upper_bound_is_a_named_error(monkeypatch, env, value):
+    from fp_dcp.options import FastPersistOptions, OptionBoundError
+
+    monkeypatch.setenv(env, value)
+    with pytest.raises(OptionBoundError, match="past") as info:
+        FastPersistOptions.from_env()
+    name = env[len("FP_DCP_"):].lower()
+    assert name in str(info.value) and isinstance(info.value, ValueError)
+
+
+def test_options_within_their_bounds_are_accepted():
+    from fp_dcp.options import MAX_IN_FLIGHT_BYTES, FastPersistOptions
+
+    FastPersistOptions(queue_depth=64, block_size_bytes=4 << 20, read_threads=16, cuda_chunk_bytes=1 << 30,
+                       read_buffer_budget_bytes=64 << 30, coalesce_gap_bytes=64 << 20)
+    FastPersistOptions(queue_depth=1024, block_size_bytes=256 << 10)
+    assert 64 * (4 << 20) == MAX_IN_FLIGHT_BYTES
+
+
+def test_the_option_docs_state_each_upper_bound():
+    from fp_dcp.options import _UPPER, FastPersistOptions
+
+    entries = re.split(r"\n        (?=\w+: )", FastPersistOptions.__doc__)
+    docs = {e.split(":", 1)[0]: " ".join(e.split()) for e in entries}
+    for name in _UPPER:
+        assert re.search(r"(?i)at most [\d,]+|from [\d,]+ (MiB )?to [\d,]+", docs[name]), \
+            f"{name}'s line does not state its upper bound: {docs[name]}"
+
+
+def test_a_tuning_record_past_the_bound_is_ignored(tmp_path, monkeypatch):
+    """A record at the old documented maximum (512 MiB in flight) would take
+    that much for the smallest save; it is ignored with a warning."""
+    import warnings
+
+    from fp_dcp import FastPersistOptions, tuning
+    from fp_dcp.engine import IOSession
+    from fp_dcp.options import MAX_IN_FLIGHT_BYTES
+
+    monkeypatch.setenv("FP_DCP_TUNING_FILE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(tuning, "_warned", set())
+    d = tmp_path / "data"
+    d.mkdir()
+    big = tuning.Shape(8 << 20, 64)
+    tuning.store(str(d), big, tuning.Shape(1 << 20, 4), {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = IOSession(FastPersistOptions(), str(d))
+    try:
+        assert s.tuned is None and s.engine.queue_depth * s.engine.block_size <= MAX_IN_FLIGHT_BYTES
+        assert any(issubclass(w.category, tuning.TuningWarning) for w in caught)
+    finally:
+        s.close()
