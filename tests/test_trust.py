@@ -518,3 +518,133 @@ def test_a_tuning_record_past_the_bound_is_ignored(tmp_path, monkeypatch):
         assert any(issubclass(w.category, tuning.TuningWarning) for w in caught)
     finally:
         s.close()
+
+
+# ------------------------------------------------------------ plain data DCP passes through: io.BytesIO
+
+
+class _TrainState:
+    """PyTorch's end-to-end DCP test's train state (test_e2e_save_and_load.py,
+    TestTrainState): a Stateful whose losses travel as an io.BytesIO."""
+
+    def __init__(self, step=0, current_loss=-1.0, losses=None):
+        self.step, self.current_loss, self.losses = step, current_loss, list(losses or [])
+
+    def state_dict(self):
+        loss_bytes = io.BytesIO()
+        torch.save(self.losses, loss_bytes)
+        return {"step": torch.tensor(self.step, dtype=torch.int32),
+                "current_loss": torch.tensor(self.current_loss, dtype=torch.float32),
+                "losses": loss_bytes}
+
+    def load_state_dict(self, state_dict):
+        self.step = state_dict["step"].item()
+        self.current_loss = state_dict["current_loss"].item()
+        state_dict["losses"].seek(0)
+        self.losses = torch.load(state_dict["losses"])
+
+    def __eq__(self, other):
+        return (self.step, self.current_loss, self.losses) == (other.step, other.current_loss, other.losses)
+
+
+def _trained():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    state = _TrainState()
+    for _ in range(2):
+        model(torch.rand(8, 8)).sum().backward()
+        state.step += 1
+        state.current_loss = float(torch.rand(1).item())
+        state.losses.append(state.current_loss)
+        optim.step()
+        optim.zero_grad()
+    return model, optim, state
+
+
+def _e2e_train_state(tmp_path, writer, reader_of):
+    """Save model, optimizer and train state; load them into fresh ones with
+    no option; the train state (its losses an io.BytesIO) comes back equal."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optim, state = _trained()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optimizer": osd, "train_state": state}, storage_writer=writer, no_dist=True)
+    torch.manual_seed(1)
+    model2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    optim2 = torch.optim.Adam(model2.parameters(), lr=0.2)
+    model2(torch.rand(8, 8)).sum().backward()
+    optim2.step()  # optimizer state to load into
+    msd2, osd2 = get_state_dict(model2, optim2)
+    loaded = _TrainState()
+    dcp.load({"model": msd2, "optimizer": osd2, "train_state": loaded}, storage_reader=reader_of(), no_dist=True)
+    set_state_dict(model2, optim2, model_state_dict=msd2, optim_state_dict=osd2)
+    assert loaded == state and len(loaded.losses) == 2
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+    assert optim2.param_groups[0]["lr"] == 0.1
+    assert not any("BytesIO" in repr(g) for g in torch.serialization.get_safe_globals())  # nothing left behind
+
+
+def test_pytorch_e2e_train_state_with_bytesio_loads_through_fp_dcp_with_no_option(tmp_path, monkeypatch):
+    from fp_dcp import FastPersistReader, FastPersistWriter
+
+    monkeypatch.delenv("FP_DCP_ALLOW_PICKLE", raising=False)
+    path = str(tmp_path / "c")
+    _e2e_train_state(tmp_path, FastPersistWriter(path), lambda: FastPersistReader(path))
+
+
+def test_pytorch_e2e_train_state_with_bytesio_loads_from_a_stock_checkpoint(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp.load.stock import SafeStockReader
+
+    monkeypatch.delenv("FP_DCP_ALLOW_PICKLE", raising=False)
+    path = str(tmp_path / "s")
+    _e2e_train_state(tmp_path, dcp.FileSystemWriter(path), lambda: SafeStockReader(path))
+
+
+def _payload(obj) -> bytes:
+    b = io.BytesIO()
+    torch.save(obj, b)
+    return b.getvalue()
+
+
+def test_a_bytesio_is_rebuilt_from_its_bytes_and_position_only(tmp_path):
+    from fp_dcp.load.objects import UnsafeObjectError, load_object
+
+    stream = io.BytesIO(b"opaque \x00 blob")
+    stream.seek(4)
+    got = load_object(_payload({"blob": stream, "more": [io.BytesIO(b"x")]}), "k", "ckpt", allow_pickle=False)
+    assert type(got["blob"]) is io.BytesIO and got["blob"].getvalue() == b"opaque \x00 blob"
+    assert got["blob"].tell() == 4 and type(got["more"][0]) is io.BytesIO
+    marked = io.BytesIO(b"x")
+    marked.hook = "anything"  # an attribute: not plain data
+    with pytest.raises(UnsafeObjectError, match="'k': a stored io.BytesIO has a state other than"):
+        load_object(_payload(marked), "k", "ckpt", allow_pickle=False)
+    assert load_object(_payload(marked), "k", "ckpt", allow_pickle=True).hook == "anything"
+
+
+def test_a_crafted_bytesio_cannot_run_code(tmp_path):
+    """'_io.BytesIO' called on something that is not bytes (here an object
+    whose rebuilding would run a command) is refused; nothing runs."""
+    import zipfile
+
+    from fp_dcp.load.objects import load_object
+
+    marker = tmp_path / "PWNED"
+    good = _payload(io.BytesIO(b"abc"))
+    with zipfile.ZipFile(io.BytesIO(good)) as z:
+        names = z.namelist()
+        files = {n: z.read(n) for n in names}
+    (pkl,) = [n for n in names if n.endswith("data.pkl")]
+    files[pkl] = (b"\x80\x02c_io\nBytesIO\nq\x00cposix\nsystem\nq\x01X" + len(f"touch {marker}").to_bytes(4, "little")
+                  + f"touch {marker}".encode() + b"\x85R\x85R.")
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for n in names:
+            z.writestr(n, files[n])
+    with pytest.raises(fmt.CheckpointFormatError):
+        load_object(out.getvalue(), "k", "ckpt", allow_pickle=False)
+    assert not marker.exists()
