@@ -648,3 +648,75 @@ def test_a_crafted_bytesio_cannot_run_code(tmp_path):
     with pytest.raises(fmt.CheckpointFormatError):
         load_object(out.getvalue(), "k", "ckpt", allow_pickle=False)
     assert not marker.exists()
+
+
+# ------------------------------------------------------------ no pickle between the ranks of a shared read
+
+
+def test_no_pickled_collective_in_the_load_path():
+    """fp_dcp's own collectives of a load send plain data: no *_object
+    collective (pickle) is called under fp_dcp/load/."""
+    import ast
+
+    pickled = {"all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+               "send_object_list", "recv_object_list"}
+    root = os.path.join(REPO, "fp_dcp", "load")
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                tree = ast.parse(open(path, encoding="utf-8").read())
+                calls = [n.func.attr for n in ast.walk(tree)
+                         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in pickled]
+                assert not calls, f"{os.path.relpath(path, REPO)} calls {calls}: send plain data instead"
+
+
+def test_peer_messages_round_trip_and_malformed_ones_are_named():
+    import struct
+
+    from fp_dcp.load.sharing.messages import (MESSAGE_ROW_BYTES, MESSAGE_TEXT_BYTES, PeerMessageError,
+                                              decode_text, encode_text)
+
+    for text in (None, "", "ChecksumError: w: bytes 0..1048576 of /ckpt/a.r0.0.fpd", "ünïcødé ✓"):
+        row = encode_text(text)
+        assert len(row) == MESSAGE_ROW_BYTES and decode_text(row, 1) == text
+    long = "é" * MESSAGE_TEXT_BYTES  # 2 bytes each: cut at a character boundary
+    assert decode_text(encode_text(long), 1) == "é" * (MESSAGE_TEXT_BYTES // 2)
+    bad = [
+        (struct.pack("<BI", 1, 1 << 30) + bytes(MESSAGE_TEXT_BYTES), "malformed message"),
+        (struct.pack("<BI", 7, 3) + b"abc" + bytes(MESSAGE_TEXT_BYTES - 3), "malformed message"),
+        (struct.pack("<BI", 1, 2) + b"\xff\xfe" + bytes(MESSAGE_TEXT_BYTES - 2), "not UTF-8"),
+        (pickle.dumps(ValueError("x")), "bytes, not"),
+    ]
+    for row, words in bad:
+        with pytest.raises(PeerMessageError, match=f"rank 3 .*{words}"):
+            decode_text(row, 3)
+
+
+def _lying_peer(rank, ws, marker):
+    """Rank 1 sends a pickle (that would create ``marker``) where a text row
+    belongs; rank 0 gets a named error, and nothing runs."""
+    import torch.distributed as dist
+
+    from fp_dcp.load.sharing.messages import MESSAGE_ROW_BYTES, PeerMessageError, gather_texts
+
+    if rank == 1:
+        evil = b"cposix\nsystem\n(X" + len(f"touch {marker}").to_bytes(4, "little") + f"touch {marker}".encode()
+        evil += b"tR."
+        row = torch.zeros(MESSAGE_ROW_BYTES, dtype=torch.uint8)
+        row[:len(evil)] = torch.frombuffer(bytearray(evil), dtype=torch.uint8)
+        dist.all_gather([torch.empty_like(row) for _ in range(ws)], row)
+        return True
+    try:
+        gather_texts("a real error", None, ws, "cpu")
+    except PeerMessageError as e:
+        assert "rank 1" in str(e), e
+        return not os.path.exists(marker)
+    raise AssertionError("a malformed message from a peer was accepted")
+
+
+@pytest.mark.slow  # multi-process
+def test_a_lying_peer_is_a_named_error_not_code(tmp_path):
+    marker = str(tmp_path / "PWNED")
+    assert run_ranks(2, _lying_peer, marker) == [True, True]
+    assert not os.path.exists(marker)
