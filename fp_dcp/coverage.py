@@ -10,7 +10,7 @@ lists; :func:`fp_dcp.format.check_chunks_cover` raises the named error.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
