@@ -410,3 +410,13 @@ def test_a_crafted_bytesio_cannot_run_code(tmp_path):
     with pytest.raises(fmt.CheckpointFormatError):
         load_object(out.getvalue(), "k", "ckpt", allow_pickle=False)
     assert not marker.exists()
+
+
+def test_a_stock_metadata_object_never_filled_in_is_a_named_error(tmp_path):
+    """Metadata created (NEWOBJ) but never given its fields (no BUILD)."""
+    from fp_dcp.load.stock import SafeStockReader
+
+    path = _stock(tmp_path)
+    (path / ".metadata").write_bytes(b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81.")
+    with pytest.raises(fmt.CheckpointFormatError, match="not a stock DCP checkpoint's metadata"):
+        SafeStockReader(str(path), allow_pickle=False).read_metadata()

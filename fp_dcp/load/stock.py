@@ -203,11 +203,18 @@ class SafeStockReader(FileSystemReader):
                 raise MetadataBudgetError(f"{path}: {e}") from None
             except Exception as e:  # noqa: BLE001 - any failure is a refused metadata file
                 raise fmt.CheckpointFormatError(f"{path}: refusing this stock DCP metadata: {e}") from None
-        if type(metadata) is not dcp_md.Metadata or not isinstance(metadata.storage_data, dict):
+        # (an object the pickle machine created but never filled in lacks its fields: refused here)
+        sd_md = getattr(metadata, "state_dict_metadata", None)
+        if type(metadata) is not dcp_md.Metadata or not isinstance(getattr(metadata, "storage_data", None), dict) \
+                or not isinstance(sd_md, dict):
             raise fmt.CheckpointFormatError(f"{path}: not a stock DCP checkpoint's metadata")
-        for fqn, md in metadata.state_dict_metadata.items() if isinstance(metadata.state_dict_metadata, dict) else ():
-            if isinstance(md, dcp_md.TensorStorageMetadata):
+        for fqn, md in sd_md.items():
+            if type(md) is dcp_md.TensorStorageMetadata:
                 _check_tensor(path, fqn, md)
+            elif isinstance(md, dcp_md.BytesStorageMetadata) and not vars(md):
+                sd_md[fqn] = dcp_md.BytesStorageMetadata()  # fieldless: created, never given a state
+            else:
+                raise fmt.CheckpointFormatError(f"{path}: {str(fqn)[:200]!r}: malformed state dict entry")
         checked: dict[str, int] = {}  # each data file is lstat'ed once, not once per item: its size
         for index, info in metadata.storage_data.items():
             _check_storage_info(directory, index, info, checked)
@@ -219,7 +226,7 @@ class SafeStockReader(FileSystemReader):
 
 def _check_storage_info(directory: str, index: Any, info: Any, checked: dict[str, int]) -> None:
     where = f"{directory}: {getattr(index, 'fqn', index)!r}"
-    if not isinstance(info, _StorageInfo):
+    if type(info) is not _StorageInfo or not {"relative_path", "offset", "length"}.issubset(vars(info)):
         raise fmt.CheckpointFormatError(f"{where}: malformed storage entry")
     name = info.relative_path
     if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
@@ -246,9 +253,10 @@ def _check_storage_info(directory: str, index: Any, info: Any, checked: dict[str
 
 def _check_tensor(path: str, fqn: Any, md: dcp_md.TensorStorageMetadata) -> None:
     """A tensor entry whose chunks lie inside it and store it whole."""
-    size, chunks = md.size, md.chunks
-    ok = isinstance(size, torch.Size) and isinstance(chunks, list) and all(
-        isinstance(c, dcp_md.ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
+    size, chunks = getattr(md, "size", None), getattr(md, "chunks", None)
+    ok = type(getattr(md, "properties", None)) is dcp_md.TensorProperties and isinstance(size, torch.Size) \
+        and isinstance(chunks, list) and all(
+        type(c) is dcp_md.ChunkStorageMetadata and len(vars(c)) == 2 and isinstance(c.offsets, torch.Size)
         and isinstance(c.sizes, torch.Size) and len(c.offsets) == len(c.sizes) == len(size)
         and all(0 <= o and 0 <= n and o + n <= d for o, n, d in zip(c.offsets, c.sizes, size))
         for c in chunks
