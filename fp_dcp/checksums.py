@@ -42,6 +42,9 @@ class ChecksumError(OSError):
         self.length = first.length
         self.bad_blocks = bad
 
+    def __reduce__(self) -> tuple:  # whole across ranks (DCP gathers a rank's error by pickle)
+        return type(self), (self.strerror, self.filename, self.bad_blocks), self.__dict__
+
 
 class BadBlock:
     """One checksum block whose bytes do not match."""

@@ -45,6 +45,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from fp_dcp import coverage
+
 __all__ = [
     "FORMAT_VERSION",
     "READABLE_VERSIONS",
@@ -52,6 +54,8 @@ __all__ = [
     "CHECKSUM_BLOCK_BYTES",
     "METADATA_NAME",
     "CheckpointFormatError",
+    "check_chunks_cover",
+    "check_metadata_header",
     "Extent",
     "ExtentColumns",
     "StorageLayout",
@@ -531,6 +535,21 @@ def read_header(head: bytes, path: str) -> tuple[int, int, int]:
     return version, crc, length
 
 
+def check_metadata_header(head: bytes, file_size: int, path: str) -> int:
+    """The body length of a metadata file of ``file_size`` bytes whose first
+    bytes are ``head`` (at least :data:`HEADER_SIZE` of them), checked before
+    the body is read: the magic, the version, and that header and body are
+    exactly the file (a file longer or shorter than its header says is
+    refused without reading it)."""
+    _, _, length = read_header(head, path)
+    if HEADER_SIZE + length != file_size:
+        raise CheckpointFormatError(
+            f"{path}: the metadata file is {file_size} bytes but its header says {HEADER_SIZE + length}: it is "
+            f"truncated or has something else appended; the checkpoint is damaged"
+        )
+    return length
+
+
 def decode_metadata(data: bytes, path: str) -> tuple[Metadata, StorageLayout, dict[str, Any]]:
     """Parse and validate a metadata file's bytes.  Never executes anything."""
     version, crc, length = read_header(data, path)
@@ -763,6 +782,7 @@ def _state_dict_md_checked(raw_sd: dict) -> dict[str, Any]:
         props = TensorProperties(
             dtype=dtype, requires_grad=bool(md.get("requires_grad", False))
         )
+        check_chunks_cover(fqn, size, [(c.offsets, c.sizes) for c in chunks])
         sd_md[fqn] = TensorStorageMetadata(properties=props, size=tsize, chunks=chunks)
     return sd_md
 
@@ -820,6 +840,8 @@ def _state_dict_md_columns(raw_sd: dict) -> tuple[dict[str, Any], set[tuple]] | 
         d = d[np.repeat(first, rank) + within]  # the tensor's extent beside each chunk's offset
         if not ((o >= 0) & (n >= 0) & (o <= d) & (n <= d - o)).all():
             return None
+    if not coverage.all_covered(sizes, offs, lens, counts):
+        return None
     # torch.Size objects are immutable: one per distinct value, as the reference shares them
     tuples = list(map(tuple, chain(sizes, offs, lens)))
     unique = list(dict.fromkeys(tuples))
@@ -842,6 +864,19 @@ def _state_dict_md_columns(raw_sd: dict) -> tuple[dict[str, Any], set[tuple]] | 
     stored = set(zip(owners, tuples[len(sizes):len(sizes) + len(offs)]))
     stored.update((fqn, None) for fqn, kind in zip(raw_sd, kinds) if kind == "bytes")
     return sd_md, stored
+
+
+def check_chunks_cover(fqn: str, size: Any, chunks: list[tuple[Any, Any]]) -> None:
+    """Raise :class:`CheckpointFormatError` unless the ``(offsets, sizes)``
+    chunks (each inside the tensor of shape ``size``) store every element of
+    it exactly once.  A tensor the metadata claims but does not store would
+    otherwise load, or convert, as zeros of any size."""
+    what = coverage.uncovered(size, chunks)
+    if what is not None:
+        raise CheckpointFormatError(
+            f"{fqn}: the metadata describes a tensor of shape {list(size)[:8]} with {what}; every element of "
+            f"a tensor must be stored exactly once, so the checkpoint metadata is corrupt or was not written by DCP"
+        )
 
 
 def _extents_checked(raw: Any, file_sizes: list[int], block: int | None,

@@ -24,15 +24,39 @@ import re
 import typing
 from typing import Any, Iterator
 
-__all__ = ["FastPersistOptions", "format_size", "override", "parse_size", "plural"]
+__all__ = ["FastPersistOptions", "OptionBoundError", "MAX_IN_FLIGHT_BYTES", "format_size", "override", "parse_size",
+           "plural"]
+
+# The most memory one engine's bounce buffers may take: queue_depth x
+# block_size_bytes, each unset one counted at the engine's default (8
+# requests, 4 MiB); eight times the built-in 32 MiB.
+MAX_IN_FLIGHT_BYTES = 256 << 20
+_DEFAULT_QUEUE_DEPTH = 8
+_DEFAULT_BLOCK_BYTES = 4 << 20
+# Upper bounds: each a size or count a real machine can meet (the memory an
+# option implies is bounded; the docs state each bound in the field's line).
+_UPPER = {
+    "queue_depth": 1024,
+    "block_size_bytes": 64 << 20,
+    "alignment_bytes": 1 << 20,
+    "pack_threshold_bytes": 64 << 20,
+    "pack_alignment_bytes": 1 << 20,
+    "coalesce_gap_bytes": 64 << 20,
+    "cuda_chunk_bytes": 1 << 30,
+    "split_alignment_bytes": 1 << 30,
+    "read_buffer_budget_bytes": 64 << 30,
+    "read_threads": 16,
+    "max_overread_percent": 1000,
+}
 
 _ENV_PREFIX = "FP_DCP_"
 # FP_DCP_* variables that are not options: FP_DCP_DEFAULT_STORAGE and
 # FP_DCP_ALLOW_UNTESTED_TORCH (read by fp_dcp/_dcp_hooks.py), FP_DCP_TUNING_FILE
 # (the per-user record of `fp-dcp tune`, "none" for no record: fp_dcp/tuning.py),
-# FP_DCP_TEST_HOOKS (read by the extension, cython_io/_aio.pyx)
+# FP_DCP_TEST_HOOKS (read by the extension, cython_io/_aio.pyx), FP_DCP_RANKS_PER_NODE
+# (the tiers' node size: fp_dcp/tiers/topology.py)
 _NOT_OPTIONS = frozenset({"FP_DCP_DEFAULT_STORAGE", "FP_DCP_ALLOW_UNTESTED_TORCH", "FP_DCP_TUNING_FILE",
-                          "FP_DCP_TEST_HOOKS"})
+                          "FP_DCP_TEST_HOOKS", "FP_DCP_RANKS_PER_NODE"})
 
 _SIZE_UNITS = {
     "": 1,
@@ -97,6 +121,11 @@ def format_size(n: float, digits: int = 2) -> str:
     return f"{n:.{digits}f} TiB"
 
 
+class OptionBoundError(ValueError):
+    """An option past its upper bound: it would take more memory (or
+    threads) than a machine can give a checkpoint."""
+
+
 @dataclasses.dataclass(frozen=True)
 class FastPersistOptions:
     """Options of :class:`~fp_dcp.FastPersistWriter` and :class:`~fp_dcp.FastPersistReader`.
@@ -112,7 +141,9 @@ class FastPersistOptions:
             system allows it and buffered otherwise; ``True`` requires
             ``O_DIRECT`` (an error where it is refused); ``False`` never uses it.
         queue_depth: requests kept in flight; ``None`` takes the engine's
-            tuned default.
+            tuned default.  At most 1024, and ``queue_depth x
+            block_size_bytes`` at most 256 MiB (an unset one counted as 8
+            requests / 4 MiB): the bounce buffers of each engine.
         block_size_bytes: size of one request and of one bounce buffer;
             ``None`` takes the engine's tuned default.  A multiple of the
             file system's direct-I/O alignment.  With both ``None`` the
@@ -125,17 +156,19 @@ class FastPersistOptions:
             shape for saves, its read shape for long runs; the record file is
             ``$FP_DCP_TUNING_FILE``, else ``~/.cache/fp_dcp/tuning.json``;
             ``FP_DCP_TUNING_FILE=none`` ignores records).
-            Setting either one gives every request that one shape.
+            Setting either one gives every request that one shape.  At most
+            64 MiB (and see ``queue_depth``).
         alignment_bytes: alignment of offsets, lengths and memory for direct
             I/O; ``None`` asks the file system (``statx`` ``STATX_DIOALIGN``,
-            else 4096).
+            else 4096).  At most 1 MiB.
         pack_threshold_bytes: extents smaller than this are packed back to
             back (at ``pack_alignment_bytes``) instead of each starting on an
             aligned block, so thousands of small tensors do not waste a block
             each.  Larger extents start aligned, so they are written and read
-            without a copy.
+            without a copy.  At most 64 MiB.
         pack_alignment_bytes: alignment of packed small extents in the file
             (keeps every element naturally aligned when viewed in place).
+            A power of two, at most 1 MiB.
         sync_files: make a save durable before it is reported: each rank
             runs ``fdatasync`` on its data files (and ``fsync`` on its
             sub-directory of each data directory); the coordinator runs
@@ -145,10 +178,10 @@ class FastPersistOptions:
             (docs/FORMAT.md, "Commit protocol").  Turning it off makes a crash
             able to lose a checkpoint that was reported as saved.
         coalesce_gap_bytes: on load, two byte runs of one file closer than
-            this are read by one request (bounded over-read).
+            this are read by one request (bounded over-read).  At most 64 MiB.
         cuda_chunk_bytes: size of each of the two page-locked buffers through
             which CUDA tensors are copied to the host while the previous chunk
-            is being written.
+            is being written.  From 1 MiB to 1 GiB.
         overwrite: allow saving into a directory that holds a committed
             checkpoint.  The old checkpoint stays loadable until the new one
             commits.
@@ -165,8 +198,8 @@ class FastPersistOptions:
         split_alignment_bytes: replicated items are divided among the ranks
             that hold them by byte range; split points lie at multiples of
             this (raised to the direct-I/O alignment) from the item's start.
-            A power of two.  Items smaller than ``pack_threshold_bytes`` are
-            never split.
+            A power of two, at most 1 GiB.  Items smaller than
+            ``pack_threshold_bytes`` are never split.
         staging: how ``dcp.async_save`` stages (copies) the state dict into
             the writer's host arena (``fp_dcp.staging.stager``): ``"eager"`` copies
             before ``async_save`` returns; ``"lazy"`` returns at once and
@@ -202,7 +235,7 @@ class FastPersistOptions:
             copy, the boxes and parts of the ``share_*`` options: a quarter
             of it per round, at most four rounds alive at once, so larger budgets
             mean fewer, larger rounds); a stored chunk is never read whole
-            to be sliced.  At least 1 MiB.
+            to be sliced.  From 1 MiB to 64 GiB.
         read_threads: on load, engines of large requests that read the long
             runs (large tensors, packed small ones) at the same time, each on
             its own thread, which copies its requests out of its bounce
@@ -211,11 +244,13 @@ class FastPersistOptions:
             by the built-in rule).  For a device that reads faster than one
             core copies; on this project's VM (4.5 GB/s disk, 2 cores) two
             were no faster than one (docs/NATIVE.md, "Request sizes").
+            From 1 to 16.
         max_overread_percent: on load, bytes read beyond those the targets
             need, in percent of them, that the reader may spend to merge
             nearby pieces into fewer requests (gaps of at most
             ``coalesce_gap_bytes``).  Gaps that hold no whole alignment
             block are always read through (their blocks are read anyway).
+            From 0 to 1000.
         strict_dtype: on load, a target tensor whose dtype differs from the
             stored one is an error naming the tensor, instead of being cast
             as the stock reader does.
@@ -372,6 +407,26 @@ class FastPersistOptions:
             )
         if self.max_overread_percent < 0:
             raise ValueError(f"FastPersistOptions.max_overread_percent must be >= 0, got {self.max_overread_percent}")
+        self._check_upper_bounds()
+
+    def _check_upper_bounds(self) -> None:
+        for name, most in _UPPER.items():
+            value = getattr(self, name)
+            if value is not None and value > most:
+                shown = format_size(most) if name.endswith("_bytes") else f"{most:,}"
+                raise OptionBoundError(
+                    f"FastPersistOptions.{name}={value:,} is past its upper bound {shown}; "
+                    f"lower it (environment {_ENV_PREFIX}{name.upper()})"
+                )
+        depth = self.queue_depth or _DEFAULT_QUEUE_DEPTH
+        block = self.block_size_bytes or _DEFAULT_BLOCK_BYTES
+        if depth * block > MAX_IN_FLIGHT_BYTES:
+            raise OptionBoundError(
+                f"FastPersistOptions queue_depth={depth} x block_size_bytes={format_size(block)} is "
+                f"{format_size(depth * block)} of bounce buffers per engine, past the bound of "
+                f"{format_size(MAX_IN_FLIGHT_BYTES)}; lower queue_depth or block_size_bytes "
+                f"(unset: {_DEFAULT_QUEUE_DEPTH} requests of {format_size(_DEFAULT_BLOCK_BYTES)})"
+            )
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -37,7 +37,7 @@ VERSION = 1
 # or written by a newer fp_dcp, must not allocate gigabytes of bounce buffers)
 MAX_BLOCK_BYTES = 64 << 20
 MAX_QUEUE_DEPTH = 1024
-MAX_IN_FLIGHT_BYTES = 512 << 20
+MAX_IN_FLIGHT_BYTES = 256 << 20  # = fp_dcp.options.MAX_IN_FLIGHT_BYTES, the bound of the options
 
 # sysfs files that name a disk, relative to /sys/block/<disk>/
 _IDENTITY = (("model", "device/model"), ("vendor", "device/vendor"), ("serial", "serial"),

@@ -10,7 +10,10 @@ items, so a crafted checkpoint could run code through any key.
 fp_dcp hands DCP's planner only objects that torch's restricted unpickler
 (``torch.load(weights_only=True)``: tensors, ``torch.Size``, dtypes, plain
 containers and scalars, and what ``torch.serialization.add_safe_globals``
-allows) has rebuilt.  A payload that needs anything else is refused with
+allows) has rebuilt, and the plain data DCP itself passes through a state
+dict untouched: ``io.BytesIO`` (a blob kept as a stream, as PyTorch's own
+end-to-end DCP test keeps its losses), rebuilt from its bytes and position
+and nothing else.  A payload that needs anything else is refused with
 :class:`UnsafeObjectError`, naming the key, the globals it wants and the two
 ways to accept it.  ``FastPersistOptions(allow_pickle=True)`` (environment
 ``FP_DCP_ALLOW_PICKLE=1``) restores the full unpickler, for checkpoints you
@@ -23,9 +26,12 @@ object.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
-from typing import Any, Iterable
+import re
+import threading
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -40,15 +46,87 @@ class UnsafeObjectError(fmt.CheckpointFormatError):
     """A stored object needs a type that the restricted unpickler does not allow."""
 
 
+class _PlainBytesIO(io.BytesIO):
+    """What a stored ``io.BytesIO`` is rebuilt as inside the restricted
+    unpickler: its bytes and position only (no attributes, nothing called);
+    :func:`load_object` hands out a plain ``io.BytesIO`` in its place."""
+
+    def __init__(self, initial_bytes: Any = b"") -> None:
+        if type(initial_bytes) is not bytes:
+            raise pickle.UnpicklingError("a stored io.BytesIO holds something other than bytes")
+        super().__init__(initial_bytes)
+
+    def __setstate__(self, state: Any) -> None:
+        if (type(state) is not tuple or len(state) != 3 or type(state[0]) is not bytes
+                or type(state[1]) is not int or not 0 <= state[1] <= len(state[0]) or state[2]):
+            raise pickle.UnpicklingError("a stored io.BytesIO has a state other than its bytes and position")
+        super().__setstate__((state[0], state[1], None))
+
+    def plain(self) -> io.BytesIO:
+        out = io.BytesIO(self.getvalue())
+        out.seek(self.tell())
+        return out
+
+
+# "_io.BytesIO" in a payload means _PlainBytesIO, only while fp_dcp loads an
+# object (torch's allow-list is process-wide: it is added to while any load
+# runs and taken out after the last one)
+_PLAIN_DATA = torch.serialization.safe_globals([(_PlainBytesIO, "_io.BytesIO")])
+_plain_data_lock = threading.Lock()
+_plain_data_users = 0
+
+
+@contextlib.contextmanager
+def _plain_data_allowed() -> Iterator[None]:
+    global _plain_data_users
+    with _plain_data_lock:
+        if _plain_data_users == 0:
+            _PLAIN_DATA.__enter__()
+        _plain_data_users += 1
+    try:
+        yield
+    finally:
+        with _plain_data_lock:
+            _plain_data_users -= 1
+            if _plain_data_users == 0:
+                _PLAIN_DATA.__exit__(None, None, None)
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` with every rebuilt stream (in it, or in its dicts, lists and
+    tuples) a plain ``io.BytesIO``."""
+    if isinstance(obj, _PlainBytesIO):
+        return obj.plain()
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            obj[k] = _plain(v)
+    elif isinstance(obj, list):
+        obj[:] = map(_plain, obj)
+    elif type(obj) is tuple:
+        return tuple(map(_plain, obj))
+    return obj
+
+
 def load_object(data: bytes, key: str, where: str, allow_pickle: bool) -> Any:
     """The object stored as ``data`` under ``key`` (``where`` names the
-    checkpoint in errors), rebuilt by torch's restricted unpickler unless
-    ``allow_pickle``."""
+    checkpoint in errors), rebuilt by torch's restricted unpickler (with
+    ``io.BytesIO`` as plain data) unless ``allow_pickle``."""
     try:
-        return torch.load(io.BytesIO(data), weights_only=not allow_pickle)
+        if allow_pickle:
+            return torch.load(io.BytesIO(data), weights_only=False)
+        with _plain_data_allowed():
+            obj = torch.load(io.BytesIO(data), weights_only=True)
+        return _plain(obj) if b"BytesIO" in data else obj
     except pickle.UnpicklingError as e:
         if allow_pickle:
             raise fmt.CheckpointFormatError(f"{where}: the object stored under {key!r} cannot be read: {e}") from None
+        stream = re.search(r"a stored io\.BytesIO [^\n]*", str(e))
+        if stream:  # torch's message wraps _PlainBytesIO's
+            raise UnsafeObjectError(
+                f"{where}: refusing to load the object stored under {key!r}: {stream.group(0)} (fp_dcp reads a "
+                f"stream as plain data: its bytes and position). If you trust this checkpoint, "
+                f"load it with FastPersistReader(path, allow_pickle=True) (environment FP_DCP_ALLOW_PICKLE=1)"
+            ) from None
         wanted = _unsafe_globals(data)
         named = ", ".join(wanted) if wanted else "a type or operation outside the allow-list"
         raise UnsafeObjectError(

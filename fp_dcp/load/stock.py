@@ -34,34 +34,141 @@ from fp_dcp import format as fmt
 from fp_dcp._dcp_hooks import logged_metadata_errors
 from fp_dcp.load import objects
 
-__all__ = ["SafeStockReader"]
+__all__ = ["SafeStockReader", "MetadataBudgetError"]
 
-_ALLOWED = {
-    ("torch.distributed.checkpoint.metadata", name): getattr(dcp_md, name)
-    for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",  # an Enum
-    )
-}
-_ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
-_ALLOWED[("torch", "Size")] = torch.Size
-_ALLOWED[("collections", "OrderedDict")] = __import__("collections").OrderedDict
-# StorageMeta.checkpoint_id may be a path object
-_ALLOWED[("pathlib", "PosixPath")] = pathlib.PosixPath
-_ALLOWED[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
-# how torch pickles a layout: a look-up by name in a table (KeyError otherwise)
-_ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-for _name, _value in vars(torch).items():
-    if isinstance(_value, (torch.dtype, torch.layout, torch.memory_format)):
-        _ALLOWED[("torch", _name)] = _value
+# Every element a constructor of the metadata copies (a torch.Size's
+# dimensions, a mapping's entries, a path's parts, an object's fields) is
+# charged to a budget of this many per byte of the file (plus a floor): the
+# pickle machine can hand one memoized list to any number of constructors, so
+# a small file could otherwise expand without bound.  DCP's own metadata
+# charges less than one per byte.
+_ELEMENTS_PER_BYTE = 4
+_ELEMENTS_FLOOR = 1 << 16
+# A path longer than the system's PATH_MAX names no file.
+_MAX_PATH_CHARS = 4096
+
+
+class MetadataBudgetError(fmt.CheckpointFormatError):
+    """A stock ``.metadata`` would expand far beyond its size on disk."""
+
+
+class _Budget:
+    def __init__(self, elements: int) -> None:
+        self.left = elements
+
+    def charge(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise MetadataBudgetError(
+                "the metadata expands to far more objects than its size on disk holds (a crafted file: "
+                "one list handed to many constructors); refusing to build it"
+            )
+
+
+def _bounded_dataclass(base: type, budget: _Budget) -> type:
+    """``base`` (a DCP metadata dataclass) as the pickle machine builds it:
+    created empty, then given only its own fields (``__setstate__``), then
+    turned into a plain ``base`` object."""
+    fields = frozenset(base.__dataclass_fields__)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise pickle.UnpicklingError(f"the metadata calls {base.__name__}(...) itself, which DCP never writes")
+
+    def __setstate__(self: Any, state: Any) -> None:
+        if hasattr(base, "__setstate__"):  # TensorProperties: a 5-tuple
+            if type(state) is not tuple or len(state) != 5:
+                raise pickle.UnpicklingError(f"malformed {base.__name__} state")
+            budget.charge(len(state))
+            object.__setattr__(self, "__class__", base)
+            base.__setstate__(self, state)
+            return
+        if type(state) is not dict or not all(type(k) is str for k in state) or not fields.issuperset(state):
+            raise pickle.UnpicklingError(f"malformed {base.__name__} state (fields {sorted(fields)})")
+        budget.charge(len(state))
+        object.__setattr__(self, "__class__", base)
+        vars(self).update(state)
+
+    return type(base.__name__, (base,), {"__slots__": (), "__init__": __init__, "__setstate__": __setstate__})
+
+
+class _MemoryFormatCode:
+    """A ``_MEM_FORMAT_ENCODING`` value as ``TensorProperties.__setstate__``
+    compares it, without handing the pickle machine the enum's own (shared,
+    mutable) member."""
+
+    __slots__ = ("member",)
+
+    def __init__(self, member: Any) -> None:
+        self.member = member
+
+    def __eq__(self, other: object) -> bool:
+        return self.member is other
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _allowed(budget: _Budget) -> dict[tuple[str, str], Any]:
+    """What the metadata may name: DCP's metadata classes (bounded), the
+    copying constructors (charged to ``budget``), dtypes and layouts."""
+    allowed: dict[tuple[str, str], Any] = {}
+    dataclasses = [getattr(dcp_md, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                                "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                                "StorageMeta")]
+    for cls in dataclasses + [_StorageInfo]:
+        allowed[(cls.__module__, cls.__name__)] = _bounded_dataclass(cls, budget)
+
+    def counted(*args: Any) -> int:
+        n = len(args)
+        for a in args:
+            if isinstance(a, (list, tuple, dict)):
+                n += len(a)
+        budget.charge(n)
+        return n
+
+    def size(*args: Any) -> torch.Size:
+        counted(*args)
+        return torch.Size(*args)
+
+    def mapping(*args: Any) -> dict:  # an OrderedDict read as a dict (no attributes to set)
+        counted(*args)
+        return dict(*args)
+
+    def path(*parts: Any) -> str:  # StorageMeta.checkpoint_id: a path object read as its text
+        counted(*parts)
+        if not all(type(p) is str for p in parts) or sum(map(len, parts)) > _MAX_PATH_CHARS:
+            raise pickle.UnpicklingError("the metadata holds a path that is not a short text path")
+        return str(pathlib.PurePosixPath(*parts))
+
+    def mem_format(value: Any) -> _MemoryFormatCode:
+        budget.charge(1)
+        return _MemoryFormatCode(dcp_md._MEM_FORMAT_ENCODING(value))
+
+    def layout(name: Any) -> Any:
+        budget.charge(1)
+        return torch.serialization._get_layout(name)
+
+    allowed[("torch", "Size")] = size
+    allowed[("collections", "OrderedDict")] = mapping
+    allowed[("pathlib", "PosixPath")] = allowed[("pathlib", "PurePosixPath")] = path
+    allowed[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")] = mem_format
+    allowed[("torch.serialization", "_get_layout")] = layout  # a look-up by name in a table
+    for name, value in vars(torch).items():
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", name)] = value
+    return allowed
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """The full pickle machine, with globals limited to DCP's metadata types."""
+    """The full pickle machine, with globals limited to DCP's metadata types,
+    and what they build bounded by the file's size (:class:`_Budget`)."""
+
+    def __init__(self, file: Any, size_bytes: int) -> None:
+        super().__init__(file)
+        self._allowed = _allowed(_Budget(_ELEMENTS_FLOOR + _ELEMENTS_PER_BYTE * size_bytes))
 
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return _ALLOWED[(module, name)]
+            return self._allowed[(module, name)]
         except KeyError:
             raise pickle.UnpicklingError(
                 f"the metadata names {module}.{name}, which is not a DCP metadata type"
@@ -93,12 +200,24 @@ class SafeStockReader(FileSystemReader):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as f:
             try:
-                metadata = _MetadataUnpickler(f).load()
+                metadata = _MetadataUnpickler(f, os.fstat(f.fileno()).st_size).load()
+            except MetadataBudgetError as e:
+                raise MetadataBudgetError(f"{path}: {e}") from None
             except Exception as e:  # noqa: BLE001 - any failure is a refused metadata file
                 raise fmt.CheckpointFormatError(f"{path}: refusing this stock DCP metadata: {e}") from None
-        if not isinstance(metadata, dcp_md.Metadata) or not isinstance(metadata.storage_data, dict):
+        # (an object the pickle machine created but never filled in lacks its fields: refused here)
+        sd_md = getattr(metadata, "state_dict_metadata", None)
+        if type(metadata) is not dcp_md.Metadata or not isinstance(getattr(metadata, "storage_data", None), dict) \
+                or not isinstance(sd_md, dict):
             raise fmt.CheckpointFormatError(f"{path}: not a stock DCP checkpoint's metadata")
-        checked: set[str] = set()  # each data file is lstat'ed once, not once per item
+        for fqn, md in sd_md.items():
+            if type(md) is dcp_md.TensorStorageMetadata:
+                _check_tensor(path, fqn, md)
+            elif isinstance(md, dcp_md.BytesStorageMetadata) and not vars(md):
+                sd_md[fqn] = dcp_md.BytesStorageMetadata()  # fieldless: created, never given a state
+            else:
+                raise fmt.CheckpointFormatError(f"{path}: {str(fqn)[:200]!r}: malformed state dict entry")
+        checked: dict[str, int] = {}  # each data file is lstat'ed once, not once per item: its size
         for index, info in metadata.storage_data.items():
             _check_storage_info(directory, index, info, checked)
         if getattr(metadata, "storage_meta", None) is None:
@@ -107,9 +226,9 @@ class SafeStockReader(FileSystemReader):
         return metadata
 
 
-def _check_storage_info(directory: str, index: Any, info: Any, checked: set[str]) -> None:
+def _check_storage_info(directory: str, index: Any, info: Any, checked: dict[str, int]) -> None:
     where = f"{directory}: {getattr(index, 'fqn', index)!r}"
-    if not isinstance(info, _StorageInfo):
+    if type(info) is not _StorageInfo or not {"relative_path", "offset", "length"}.issubset(vars(info)):
         raise fmt.CheckpointFormatError(f"{where}: malformed storage entry")
     name = info.relative_path
     if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
@@ -122,11 +241,34 @@ def _check_storage_info(directory: str, index: Any, info: Any, checked: set[str]
     for field in (info.offset, info.length):
         if not isinstance(field, int) or isinstance(field, bool) or field < 0:
             raise fmt.CheckpointFormatError(f"{where}: malformed offset or length")
-    if name in checked:
-        return
-    if not stat.S_ISREG(os.lstat(os.path.join(directory, name)).st_mode):
-        raise fmt.CheckpointFormatError(f"{where}: data file {name!r} is a symbolic link or not a regular file")
-    checked.add(name)
+    if name not in checked:
+        st = os.lstat(os.path.join(directory, name))
+        if not stat.S_ISREG(st.st_mode):
+            raise fmt.CheckpointFormatError(f"{where}: data file {name!r} is a symbolic link or not a regular file")
+        checked[name] = st.st_size
+    if info.offset + info.length > checked[name]:
+        raise fmt.CheckpointFormatError(
+            f"{where}: data file {os.path.join(directory, name)} is truncated ({checked[name]} bytes, the "
+            f"metadata records bytes up to {info.offset + info.length}); the checkpoint is damaged"
+        )
+
+
+def _check_tensor(path: str, fqn: Any, md: dcp_md.TensorStorageMetadata) -> None:
+    """A tensor entry whose chunks lie inside it and store it whole."""
+    size, chunks = getattr(md, "size", None), getattr(md, "chunks", None)
+    ok = type(getattr(md, "properties", None)) is dcp_md.TensorProperties and isinstance(size, torch.Size) \
+        and isinstance(chunks, list) and all(
+        type(c) is dcp_md.ChunkStorageMetadata and len(vars(c)) == 2 and isinstance(c.offsets, torch.Size)
+        and isinstance(c.sizes, torch.Size) and len(c.offsets) == len(c.sizes) == len(size)
+        and all(0 <= o and 0 <= n and o + n <= d for o, n, d in zip(c.offsets, c.sizes, size))
+        for c in chunks
+    )
+    if not ok:
+        raise fmt.CheckpointFormatError(f"{path}: {str(fqn)[:200]!r}: malformed tensor entry (a chunk outside it)")
+    try:
+        fmt.check_chunks_cover(str(fqn), size, [(c.offsets, c.sizes) for c in chunks])
+    except fmt.CheckpointFormatError as e:
+        raise fmt.CheckpointFormatError(f"{path}: {e}") from None
 
 
 class _RestrictedObjects:

@@ -45,6 +45,9 @@ class IntegrityError(OSError):
         super().__init__(errno.EIO, reason, path)
         self.reason = reason
 
+    def __reduce__(self) -> tuple:  # whole across ranks (pickled by DCP's and the tiers' gathers)
+        return type(self), (self.filename, self.reason), self.__dict__
+
 
 @dataclasses.dataclass(frozen=True)
 class _Piece:

@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import logging
 import os
+import re
 import sys
 from typing import Any, Sequence
 
@@ -104,8 +106,6 @@ def _checkpoints_in(directory: str) -> list[tuple[str, str]]:
 
 def _natural(name: str) -> list[Any]:
     """step9 before step10."""
-    import re
-
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
@@ -387,27 +387,69 @@ def _is_known(e: BaseException) -> bool:
     return False
 
 
+def _one_line(e: BaseException) -> str:
+    """What went wrong, as one line: an fp_dcp error's own message, an
+    ``OSError``'s file and reason, DCP's ``CheckpointException`` (a
+    ``BaseException`` carrying each rank's error and traceback) as the first
+    failed rank's error, anything else as its type and message."""
+    failures = getattr(e, "failures", None)
+    if type(e).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        more = f" ({plural(len(failures), 'rank')} failed)" if len(failures) > 1 else ""
+        return f"{_one_line(inner)}{more}" if isinstance(inner, BaseException) else f"rank {rank} failed{more}"
+    if _is_known(e) or isinstance(e, ImportError):  # ImportError: fp_dcp's own names the fix
+        message = str(e)
+    elif isinstance(e, OSError):
+        where = f"{e.filename}: " if e.filename else ""
+        message = f"{where}{e.strerror or e}"
+    else:
+        message = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        # DCP's load repeats the storage reader's metadata error twice
+        # (global, then rank-local): the reader's own message says it all
+        m = re.fullmatch(r"AssertionError: metadata is None; global metadata read failed: (.*?)"
+                         r"(?:; rank local metadata read failed: .*)?", message, re.S)
+        if m:
+            message = m.group(1)
+    return " ".join(message.split())
+
+
+class _DropDcpTracebacks(logging.Filter):
+    """DCP logs, with its traceback, each metadata read it falls back from
+    (on the root logger); the error reaches the user as fp-dcp's one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "torch/distributed/checkpoint" in record.pathname.replace(os.sep, "/"))
+
+
+def _quiet_logs() -> None:
+    root = logging.getLogger()
+    if not root.handlers:  # otherwise the application configured logging itself
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setLevel(logging.WARNING)
+        handler.addFilter(_DropDcpTracebacks())
+        root.addHandler(handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; every command's errors end here: one line on stderr
-    naming the command, exit 1 (130 on Ctrl-C); with --json also a JSON
-    document ``{"path", "ok": false, "errors"}`` on stdout."""
+    """Run one command; every command's errors end here (DCP's
+    ``CheckpointException`` included): one line on stderr naming the
+    command, exit 1 (130 on Ctrl-C); with --json also a JSON document
+    ``{"path", "ok": false, "errors"}`` on stdout."""
     args = _parser().parse_args(argv)
     import warnings
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    _quiet_logs()
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print(f"\nfp-dcp {args.command}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:
-        if _is_known(e) or isinstance(e, ImportError):  # ImportError: fp_dcp's own names the fix
-            message = str(e)
-        elif isinstance(e, OSError):
-            where = f"{e.filename}: " if e.filename else ""
-            message = f"{where}{e.strerror or e}"
-        else:
-            raise
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - every failure is one line and exit 1
+        message = _one_line(e)
         if getattr(args, "json", False):
             print(json.dumps({"path": getattr(args, "path", None) or getattr(args, "source", None),
                               "ok": False, "errors": [message]}))

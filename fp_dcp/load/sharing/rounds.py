@@ -38,6 +38,7 @@ from fp_dcp.engine import IOSession
 from fp_dcp.load.execute import Run
 from fp_dcp.load.jobs import ItemPlanner, Job, storage_bytes
 from fp_dcp.load.plan import box_runs
+from fp_dcp.load.sharing.messages import gather_texts
 from fp_dcp.load.sharing.plan import READ_AHEAD, Part, SharedUnit, SharePlan, read_key
 from fp_dcp.load.sharing.transport import PeerMemory, Scratch, post_transfers, takes_transfer, transfer_device
 
@@ -342,9 +343,8 @@ class SharedReads:
         dist.all_gather(statuses, status, group=self.group)
         gathered = torch.stack(statuses).cpu()
         if gathered[:, 0].any():
-            errors: list[Any] = [None] * world
-            dist.all_gather_object(errors, error, group=self.group)
-            failed = {r: e for r, e in enumerate(errors) if e is not None}
+            errors = gather_texts(error, self.group, world, self.device)  # plain bytes, no pickle
+            failed = {r: e or "failed without saying why" for r, e in enumerate(errors) if e or gathered[r, 0]}
             first = min(failed)
             raise RuntimeError(
                 f"shared read failed on rank {first}: {failed[first]}"
