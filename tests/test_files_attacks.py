@@ -120,6 +120,32 @@ def test_a_fifo_stock_metadata_is_a_named_error_at_once(tmp_path):
     assert str(meta) in str(e)
 
 
+@pytest.mark.parametrize("planted", [fmt.STOCK_METADATA_NAME, fmt.METADATA_NAME])
+def test_the_default_storage_switch_never_waits_on_a_fifo_metadata(tmp_path, planted):
+    """With fp_dcp's switch on, dcp.load of a checkpoint whose metadata (stock
+    or fp_dcp's) is a FIFO: a named error at once."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    import torch.distributed.checkpoint as dcp
+
+    import fp_dcp
+
+    path = tmp_path / "c"
+    if planted == fmt.STOCK_METADATA_NAME:
+        dcp.save(_sd(), storage_writer=FileSystemWriter(str(path)))
+    else:
+        save(_sd(), path)
+    meta = path / planted
+    os.unlink(meta)
+    os.mkfifo(meta)
+
+    def switched_load():
+        with fp_dcp.default_storage():
+            dcp.load({"w": torch.zeros(4096), "step": 0}, checkpoint_id=str(path))
+
+    kind, e = _bounded(switched_load, [meta])
+    assert kind == "error" and "not a regular file" in str(e) and str(meta) in str(e), e
+
+
 def test_a_fifo_tuning_record_is_ignored_and_every_save_finishes(tmp_path, monkeypatch):
     fifo = tmp_path / "tuning.json"
     os.mkfifo(fifo)
