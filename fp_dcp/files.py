@@ -21,6 +21,8 @@ deletes goes through here, confined beneath a directory it holds open.
   created with ``O_EXCL | O_NOFOLLOW`` under a name unique to the process,
   written, synced, renamed over ``rel``, the directory synced; on failure
   the temporary is removed.
+* ``link_or_copy(rel, dst_root, dst_rel)``: a hard link, or an atomic copy
+  across file systems.
 * ``remove_owned(rel, owns)``: deletion only of what the caller proves is its
   own — ``owns(relpath, kind)`` decides for each entry (links are unlinked,
   never followed); a directory is removed only when nothing else is left in
@@ -441,6 +443,32 @@ class Root:
             view = memoryview(data).cast("B")
             while view:
                 view = view[os.write(fd, view):]
+
+    def link_or_copy(self, rel: str, dst: "Root", dst_rel: str, *, sync: bool = True) -> None:
+        """Make ``dst_rel`` beneath ``dst`` hold regular file ``rel``: a hard
+        link where both lie on one file system, else an atomic copy."""
+        fd, st = self.open_read(rel)
+        try:
+            spfd, sleaf = self._parent(rel)
+            dpfd, dleaf = dst._parent(dst_rel)
+            try:
+                os.link(sleaf, dleaf, src_dir_fd=spfd, dst_dir_fd=dpfd, follow_symlinks=False)
+                return
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP):
+                    raise dst._error(e, dst_rel, "cannot link") from None
+            finally:
+                self._release(spfd)
+                dst._release(dpfd)
+            with dst.atomic_file(dst_rel, sync=sync) as (out, _):
+                done = 0
+                while done < st.st_size:
+                    n = os.sendfile(out, fd, done, min(st.st_size - done, 1 << 30))
+                    if n == 0:
+                        raise OSError(errno.EIO, "the file shrank while it was copied", self.join(rel))
+                    done += n
+        finally:
+            os.close(fd)
 
     # removing
     def remove_owned(self, rel: str, owns: Callable[[str, str], bool]) -> list[str]:

@@ -326,3 +326,24 @@ def test_read_small_file_refuses_a_fifo_and_a_link(tmp_path):
         files.read_small_file(tmp_path / "ln", 1 << 20)
     assert files.read_small_file(canary[0], 1 << 20) == canary[1]
     _assert_canary(canary)
+
+
+def test_link_or_copy_links_or_copies_and_never_follows(tree, resolver, monkeypatch):
+    root, out = tree
+    (root / "dst").mkdir()
+    with files.Root(root) as r, files.Root(root / "dst") as d:
+        r.link_or_copy("a/b/f", d, "linked")
+        assert os.stat(root / "dst" / "linked").st_ino == os.stat(root / "a" / "b" / "f").st_ino
+        real_link = os.link
+        monkeypatch.setattr(files.os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError(18, "cross-device")))
+        r.link_or_copy("a/b/f", d, "copied")
+        monkeypatch.setattr(files.os, "link", real_link)
+        assert (root / "dst" / "copied").read_bytes() == b"inside"
+        assert os.stat(root / "dst" / "copied").st_ino != os.stat(root / "a" / "b" / "f").st_ino
+        os.symlink(out / "f", root / "a" / "ln")
+        with pytest.raises(files.UnsafePathError):
+            r.link_or_copy("a/ln", d, "stolen")
+        os.symlink(out, root / "dst" / "sub")
+        with pytest.raises(files.UnsafePathError):
+            r.link_or_copy("a/b/f", d, "sub/planted")
+    assert sorted(os.listdir(root / "dst")) == ["copied", "linked", "sub"]
