@@ -397,13 +397,15 @@ class Root:
             os.close(fd)
 
     @contextlib.contextmanager
-    def atomic_file(self, rel: str, *, sync: bool = True, tmp_name: str | None = None,
-                    mode: int = 0o644) -> Iterator[tuple[int, str]]:
+    def atomic_file(self, rel: str, *, sync: bool = True, tmp_name: str | None = None, mode: int = 0o644,
+                    sync_rename: bool = True) -> Iterator[tuple[int, str]]:
         """Write a new ``rel`` atomically: yields ``(fd, temporary's path)`` of
         a temporary (``tmp_name``, else ``.<name>.<pid>.<random>.tmp``)
         created with ``O_EXCL | O_NOFOLLOW``; when the block ends it is synced
-        (``sync``), renamed over ``rel`` and the directory synced.  On any
-        failure the temporary is removed and ``rel`` is untouched."""
+        (``sync``), renamed over ``rel`` and the directory synced (``sync``
+        and ``sync_rename``; a caller that must tell a failed rename from a
+        failed sync after it does that last sync itself).  On any failure
+        before the rename the temporary is removed and ``rel`` is untouched."""
         pfd, leaf = self._parent(rel)
         try:
             tmp = tmp_name or f".{leaf}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -431,15 +433,15 @@ class Root:
                 if isinstance(e, OSError) and e.filename is None:  # os.write/fsync name no file
                     raise type(e)(e.errno, f"cannot write: {e.strerror}", self.join(tmp_rel)) from None
                 raise
-            if sync:
+            if sync and sync_rename:
                 os.fsync(pfd)
         finally:
             self._release(pfd)
 
     def replace_bytes(self, rel: str, data: bytes | memoryview, *, sync: bool = True,
-                      tmp_name: str | None = None, mode: int = 0o644) -> None:
+                      tmp_name: str | None = None, mode: int = 0o644, sync_rename: bool = True) -> None:
         """Atomically make ``rel`` hold ``data`` (:meth:`atomic_file`)."""
-        with self.atomic_file(rel, sync=sync, tmp_name=tmp_name, mode=mode) as (fd, _):
+        with self.atomic_file(rel, sync=sync, tmp_name=tmp_name, mode=mode, sync_rename=sync_rename) as (fd, _):
             view = memoryview(data).cast("B")
             while view:
                 view = view[os.write(fd, view):]

@@ -354,3 +354,26 @@ def test_root_refuses_what_a_checkpoint_directory_may_not_be(tmp_path):
     with pytest.raises(UnsafePathError, match="symbolic link"):
         Root(tmp_path / "ln", follow=False)
     assert json.dumps(os.listdir(tmp_path)) == '["ln"]'
+
+
+def test_a_failed_sync_after_the_commit_keeps_the_new_checkpoint(tmp_path, monkeypatch):
+    """The commit point is the rename: a directory sync failing after it
+    reports the error but removes none of the committed checkpoint's files."""
+    from fp_dcp.files import Root
+
+    real_sync = Root.sync
+
+    def failing_sync(self, rel="."):
+        if os.path.exists(os.path.join(self.path, fmt.METADATA_NAME)):
+            raise OSError(5, "Input/output error")
+        return real_sync(self, rel)
+
+    monkeypatch.setattr(Root, "sync", failing_sync)
+    from tests._sd import failed_save
+
+    e = failed_save(_sd(), tmp_path / "c")
+    assert isinstance(e, OSError) and "Input/output error" in str(e), e
+    monkeypatch.undo()
+    target = {"w": torch.zeros(4096), "step": 0}
+    load(target, tmp_path / "c")
+    assert_sd_equal(_sd(), target)

@@ -112,13 +112,15 @@ def commit_metadata(root: files.Root, blob: bytes, save_id: str, data_files: Ite
     names were lost)."""
     tmp = f"{fmt.METADATA_NAME}.{save_id}.tmp"
     try:
-        root.replace_bytes(fmt.METADATA_NAME, blob, sync=sync, tmp_name=tmp)
+        root.replace_bytes(fmt.METADATA_NAME, blob, sync=sync, tmp_name=tmp, sync_rename=False)
     except BaseException as e:
         _abandon_commit(root, data_files)
         if isinstance(e, OSError) and str(e.filename).endswith(tmp) and "cannot write:" in str(e.strerror):
             raise type(e)(e.errno, e.strerror.replace("cannot write:", "cannot write the checkpoint metadata:"),
                           e.filename) from None
         raise
+    if sync:
+        root.sync()  # committed: a failure here must not remove the new checkpoint's files
 
 
 def _abandon_commit(root: files.Root, data_files: Iterable[str]) -> None:
