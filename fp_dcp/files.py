@@ -2,39 +2,33 @@
 deletes goes through here, confined beneath a directory it holds open.
 
 * :class:`Root` ``(path, create=False, follow=True)`` holds a directory
-  descriptor (``follow=False``: the directory itself may not be a link).
-  Relative paths beneath it are resolved following no link in any component
-  (``openat2`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`` where the kernel
-  has it, else a walk with ``O_NOFOLLOW | O_DIRECTORY`` from the held
-  descriptor); ``..``, absolute paths and empty components are refused.
-* ``open_read(rel)`` / ``read_bytes(rel, max_bytes)``: opened non-blocking
-  and checked with ``fstat`` before any read, so a FIFO, device, socket or
-  directory is a :class:`NotRegularFileError` at once, never a hang; a file
-  larger than ``max_bytes`` is a :class:`FileTooLargeError` before reading.
-* ``mkdir(rel)``, ``lstat(rel)``, ``exists(rel)``, ``entries(rel)`` (name,
-  kind from ``lstat``: ``file``/``dir``/``link``/``other``), ``unlink``,
-  ``rmdir``, ``rename`` (``renameat`` within the root), ``sync(rel)``,
-  ``sub(rel, create=False)`` (a :class:`Root` beneath), ``create_exclusive``
-  (``O_CREAT | O_EXCL | O_NOFOLLOW``).
-* ``atomic_file(rel)`` (a context yielding the temporary's descriptor) and
-  ``replace_bytes(rel, data, sync=True)``: atomic replace — a temporary
-  created with ``O_EXCL | O_NOFOLLOW`` under a name unique to the process,
-  written, synced, renamed over ``rel``, the directory synced; on failure
-  the temporary is removed.
-* ``link_or_copy(rel, dst_root, dst_rel)``: a hard link, or an atomic copy
-  across file systems.
-* ``remove_owned(rel, owns)``: deletion only of what the caller proves is its
-  own — ``owns(relpath, kind)`` decides for each entry (links are unlinked,
-  never followed); a directory is removed only when nothing else is left in
-  it.  Returns what was left.  ``rmtree(rel)`` removes everything, by
-  directory descriptors.
+  descriptor (``follow=False``: the directory may not itself be a link).
+  Paths beneath it follow no link in any component (``openat2`` with
+  ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``, else an ``O_NOFOLLOW`` walk from
+  the descriptor); ``..``, absolute paths and empty components are refused.
+* ``open_read(rel)`` / ``read_bytes(rel, max_bytes)``: opened non-blocking,
+  ``fstat`` before any read: a FIFO, device, socket or directory is a
+  :class:`NotRegularFileError` at once; a file over ``max_bytes`` a
+  :class:`FileTooLargeError` before reading.
+* ``mkdir``, ``lstat``, ``exists``, ``entries`` (name and ``lstat`` kind:
+  ``file``/``dir``/``link``/``other``), ``unlink``, ``rmdir``, ``rename``
+  (``renameat``), ``sync``, ``sub`` (a :class:`Root` beneath),
+  ``create_exclusive`` (``O_CREAT | O_EXCL | O_NOFOLLOW``).
+* ``atomic_file(rel)`` (yields the temporary's descriptor) and
+  ``replace_bytes(rel, data)``: a temporary created ``O_EXCL | O_NOFOLLOW``
+  under a per-process name, written, synced, renamed over ``rel``, the
+  directory synced; on failure the temporary is removed.
+* ``link_or_copy(rel, dst_root, dst_rel)``: a hard link, else an atomic copy.
+* ``remove_owned(rel, owns)``: deletes only what ``owns(relpath, kind)``
+  accepts (links unlinked, never followed), a directory only once empty;
+  returns what was left.  ``rmtree(rel)``: everything, by descriptors.
 
-Module functions for checkpoints: :func:`read_metadata_bytes` (magic and
-length checked before the whole file is read), :func:`read_checkpoint_metadata`,
-:func:`lstat_data_file`, :func:`read_small_file` / :func:`open_regular` (one
-bounded regular file named by a full path: a record, a stock ``.metadata``).  Violations are :class:`UnsafePathError`
-(an ``OSError`` naming the path).  Every ``os`` call goes through this
-module's ``os`` (the crash tests replace it).
+For checkpoints: :func:`read_metadata_bytes` (magic and length checked before
+the whole is read), :func:`read_checkpoint_metadata`, :func:`lstat_data_file`,
+:func:`read_small_file` / :func:`open_regular` (one bounded regular file by
+full path).  Violations are :class:`UnsafePathError` (an ``OSError`` naming
+the path).  Every ``os`` call goes through this module's ``os`` (the crash
+tests replace it).
 """
 
 from __future__ import annotations
@@ -108,7 +102,8 @@ def _openat2() -> Any:
             fn = libc.syscall
             fn.restype = ctypes.c_long
             how = _OpenHow(_DIR_FLAGS, 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS)
-            fd = fn(_SYS_OPENAT2, ctypes.c_int(-100), b".", ctypes.byref(how), ctypes.sizeof(how))
+            fd = fn(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(-100), b".", ctypes.byref(how),
+                    ctypes.c_size_t(ctypes.sizeof(how)))
             if fd < 0:
                 fn = None  # ENOSYS, or a filter returning EPERM: walk instead
             else:
@@ -124,8 +119,10 @@ def _open_beneath(dirfd: int, rel: str, flags: int, mode: int = 0) -> int:
     component walk with ``O_NOFOLLOW | O_DIRECTORY``."""
     fn = _openat2()
     if fn is not None:
-        how = _OpenHow(flags, mode if flags & os.O_CREAT else 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
-        fd = fn(_SYS_OPENAT2, ctypes.c_int(dirfd), os.fsencode(rel), ctypes.byref(how), ctypes.sizeof(how))
+        resolve = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+        how = _OpenHow(flags, mode if flags & os.O_CREAT else 0, resolve)
+        fd = fn(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(dirfd), os.fsencode(rel), ctypes.byref(how),
+                ctypes.c_size_t(ctypes.sizeof(how)))
         if fd >= 0:
             return int(fd)
         e = ctypes.get_errno()
