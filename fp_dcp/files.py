@@ -628,12 +628,7 @@ def _read_metadata(root: Root) -> bytes:
             f"{path}: the metadata file is a symbolic link; fp_dcp never writes one and does not "
             f"follow it out of the checkpoint directory") from None
     try:
-        head = os.pread(fd, fmt.HEADER_SIZE, 0)
-        _, _, length = fmt.read_header(head, path)
-        if st.st_size != fmt.HEADER_SIZE + length:
-            raise fmt.CheckpointFormatError(
-                f"{path}: metadata is truncated or has trailing bytes (file {st.st_size} bytes, its "
-                f"header says {fmt.HEADER_SIZE + length}); the checkpoint is incomplete or damaged")
+        length = fmt.check_metadata_header(os.pread(fd, fmt.HEADER_SIZE, 0), st.st_size, path)
         return _read_fd(fd, st.st_size, fmt.HEADER_SIZE + length, path)
     finally:
         os.close(fd)

@@ -544,8 +544,8 @@ def check_metadata_header(head: bytes, file_size: int, path: str) -> int:
     _, _, length = read_header(head, path)
     if HEADER_SIZE + length != file_size:
         raise CheckpointFormatError(
-            f"{path}: the metadata file is {file_size} bytes but its header says {HEADER_SIZE + length}: it is "
-            f"truncated or has something else appended; the checkpoint is damaged"
+            f"{path}: metadata is truncated or has trailing bytes (file {file_size} bytes, its header says "
+            f"{HEADER_SIZE + length}); the checkpoint is incomplete or damaged"
         )
     return length
 
