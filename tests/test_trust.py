@@ -325,3 +325,14 @@ def test_a_lying_peer_is_a_named_error_not_code(tmp_path):
     marker = str(tmp_path / "PWNED")
     assert run_ranks(2, _lying_peer, marker) == [True, True]
     assert not os.path.exists(marker)
+
+
+def test_the_cli_drops_exactly_the_readers_own_error_log():
+    """The CLI prints a failed load's reason once: the reader's ERROR log of it
+    (for torch releases that swallow it) is what its filter recognises."""
+    import inspect
+
+    from fp_dcp import _dcp_hooks
+    from fp_dcp.tools import cli
+
+    assert f'log.error("{cli._READER_ERROR} ' in inspect.getsource(_dcp_hooks.logged_metadata_errors)

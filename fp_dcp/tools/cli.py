@@ -416,10 +416,17 @@ def _one_line(e: BaseException) -> str:
 
 class _DropDcpTracebacks(logging.Filter):
     """DCP logs, with its traceback, each metadata read it falls back from
-    (on the root logger); the error reaches the user as fp-dcp's one line."""
+    (on the root logger), and the reader logs its metadata error for torch
+    releases that swallow it; the error reaches the user as fp-dcp's one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "fp_dcp" and str(record.msg).startswith(_READER_ERROR):
+            return False
         return not (record.exc_info and "torch/distributed/checkpoint" in record.pathname.replace(os.sep, "/"))
+
+
+# what fp_dcp._dcp_hooks.logged_metadata_errors logs (not imported here: --help stays torch-free)
+_READER_ERROR = "fp_dcp cannot load the checkpoint at"
 
 
 def _quiet_logs() -> None:
