@@ -99,3 +99,23 @@ def test_every_readme_block_runs_as_written(tmp_path):
         assert checkpoint_kind(str(tmp_path / ckpt)) == "fp_dcp", ckpt
     assert checkpoint_kind(str(tmp_path / "stock_ckpt")) == "stock"
     assert (tmp_path / "model.safetensors").stat().st_size > 256 * 256 * 4
+
+
+def test_speed_page_is_what_its_generator_makes_of_the_json_in_the_repository(tmp_path):
+    """docs/SPEED.md is never edited by hand: the command it records, run
+    again on the JSON it names (kept in the repository), gives the same page."""
+    import shlex
+    import subprocess
+    import sys
+
+    text = _text("docs/SPEED.md")
+    m = re.search(r"`python tools/speed_report\.py ([^`]+)`", text)
+    assert m, "docs/SPEED.md does not say how it was made"
+    args = shlex.split(m.group(1))
+    for a in args:
+        if a.endswith(".json"):
+            assert os.path.exists(os.path.join(REPO, a)), f"{a}: not in the repository"
+    out = tmp_path / "SPEED.md"
+    subprocess.run([sys.executable, os.path.join(REPO, "tools", "speed_report.py"), *args, "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    assert out.read_text() == text
