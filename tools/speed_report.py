@@ -121,11 +121,13 @@ def page(paths: list[str], notes: list[str], argv: list[str]) -> str:
                 f"Device: {plot.device_label(hw)} ({hw.get('cpu_model', '?')}, "
                 f"{plot._size(hw.get('ram_bytes'))} RAM, torch {hw.get('torch', '?')}); loads "
                 + ("cold (page cache dropped before each)" if report.get("cold_loads") else "WARM (page cache kept)")
-                + f"; {report.get('repeat', '?')} round(s), contenders alternating within a round.", ""]
+                + f"; {report.get('repeat', '?')} round(s), contenders alternating within a round; raw contenders: "
+                + ", ".join(c["name"] for c in report.get("contenders", []) if c.get("role") == "raw")
+                + f" (`--raw {report.get('raw_method', '?')}`).", ""]
         out += [f"Note: {n}" for n in notes] + ([""] if notes else [])
         for mix, prof in zip(report.get("mixes", []), profiles):
             what = (f"{plot.MIX_NAMES.get(mix['mix'], mix['mix'])}: {mix.get('tensors', '?'):,} tensors"
-                    + (f" + {mix['objects']:,} objects" if mix.get("objects") else "")
+                    + (f" + {mix['objects']:,} object{'s' if mix['objects'] != 1 else ''}" if mix.get("objects") else "")
                     + f", {plot._size(mix.get('payload_bytes'))}")
             out += [f"### {what}, profile {_profile_text(report, mix.get('profile', 'bare'))}", ""]
             out += mix_table(mix, prof) + [""]
