@@ -15,8 +15,7 @@ Steps, printed in the order they run (progress on stderr, results on stdout):
    (DTensor) and dcp.save the model: fp_dcp, then stock.  fp_dcp's line is
    split into the bytes' transfer (each rank's write_data, to durable files)
    and the fixed cost of a checkpoint (DCP's planning, the metadata, the
-   commit), which does not grow with the model: at this size it is a large
-   part of the whole, at tens of GiB a small one.
+   commit), which does not grow with the model.
 3. The same processes dcp.async_save with fp_dcp twice: the time until
    async_save returns, until training may change the weights again, and until
    the checkpoint is committed.  The first one also allocates the staging
@@ -256,7 +255,7 @@ def _split(nbytes: int, total: float, moving: float, raw: float, op: str) -> str
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="512MiB",
-                    help="model bytes (default 512MiB: about a minute on 2 cores; rounded up to whole layers)")
+                    help="model bytes (default 512MiB: under a minute on 2 cores; rounded up to whole layers)")
     ap.add_argument("--ranks", type=int, default=2, help="processes saving the sharded model (default 2)")
     ap.add_argument("--dir", default=None,
                     help="write into DIR (created if missing) instead of a new directory under the system's "
