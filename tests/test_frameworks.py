@@ -1,6 +1,7 @@
-"""The README's "Use from a framework" recipes, run: each framework's own
-checkpoint code on 2 gloo ranks on the CPU, with fp_dcp as the storage, and
-every tensor loaded back bit-exact.
+"""The recipes of docs/FRAMEWORKS.md, run exactly as written (each code block
+saved as a file and run with the command on its first line), and each
+framework's own checkpoint code on 2 gloo ranks on the CPU, with fp_dcp as the
+storage, and every tensor loaded back bit-exact:
 
 * Lightning Fabric, ``ModelParallelStrategy`` (FSDP2): ``fabric.save`` /
   ``fabric.load`` — the framework's own code path
@@ -27,16 +28,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import socket
+import subprocess
 
 import pytest
 
+from tests import _docblocks as docs
 from tests._dist import run_ranks
 
 
-def _need(module: str, pip: str):
+def _need(module: str):
     if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed (pip install -e '.[frameworks]', or {pip})")
+        pytest.skip(f"{module} is not installed: {INSTALL} (docs/FRAMEWORKS.md)")
 
 
 def _free_port() -> int:
@@ -177,7 +181,7 @@ def _fabric(rank, world_size, root, port):
 
 @pytest.mark.slow  # multi-process, ~5-10 s: the fast subset stays under 3 minutes
 def test_lightning_fabric_model_parallel(tmp_path):
-    _need("lightning", "pip install lightning")
+    _need("lightning")
     kinds = run_ranks(2, _fabric, str(tmp_path), _free_port(), timeout=300)
     assert kinds == ["fp_dcp", "fp_dcp"]
 
@@ -249,7 +253,7 @@ def _titan(rank, world_size, root, async_mode):
 
     model2, opt2, manager2, state2 = build(1)
     _train(model2, opt2, 1, seed=100 + rank)
-    assert manager2.load(step=2)  # torchtitan's auto-resume (step=-1) looks for .metadata: see README
+    assert manager2.load(step=2)  # torchtitan's auto-resume (step=-1) looks for .metadata: docs/FRAMEWORKS.md
     got = _full_sd({"m": get_model_state_dict(model2), "o": get_optimizer_state_dict(model2, opt2)})
     _assert_same(want, got)
     assert state2.n == 2
@@ -261,11 +265,11 @@ def _titan(rank, world_size, root, async_mode):
 
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_torchtitan_checkpoint_manager(tmp_path, async_mode):
-    _need("torchtitan", "pip install --no-deps torchtitan==0.3.0 tyro==1.0.17 docstring-parser typeguard")
+    _need("torchtitan")
     res = run_ranks(2, _titan, str(tmp_path), async_mode, timeout=300)
     assert [r[0] for r in res] == ["fp_dcp", "fp_dcp"]
     # torchtitan 0.3.0 finds the latest step by a stock .metadata file, so
-    # an fp_dcp checkpoint needs --checkpoint.load_step (README)
+    # an fp_dcp checkpoint needs the hook of docs/FRAMEWORKS.md
     assert [r[1] for r in res] == [-1, -1]
 
 
@@ -337,6 +341,67 @@ def _accelerate(rank, world_size, root):
 
 @pytest.mark.slow  # multi-process, ~5-10 s: the fast subset stays under 3 minutes
 def test_accelerate_fsdp2_calls_reproduced(tmp_path):
-    _need("accelerate", "pip install accelerate")
+    _need("accelerate")
     res = run_ranks(2, _accelerate, str(tmp_path), timeout=300)
     assert res == [("fp_dcp", "fp_dcp")] * 2
+
+
+# ------------------------------------------------ docs/FRAMEWORKS.md, as written
+
+PAGE = "docs/FRAMEWORKS.md"
+BLOCKS = docs.blocks(PAGE)
+INSTALL = 'pip install -e ".[frameworks]" && pip install --no-deps torchtitan==0.3.0'
+RECIPES = {  # script -> (the framework it needs, the checkpoints it leaves)
+    "lightning_trainer.py": ("lightning", ["ckpt/lightning"]),
+    "lightning_fabric.py": ("lightning", ["ckpt/fabric"]),
+    "titan_checkpoint.py": ("torchtitan", ["outputs/checkpoint/step-2", "outputs/checkpoint/step-4"]),
+    "accelerate_dcp.py": ("accelerate", ["ckpt/accelerate"]),
+}
+GPU_MARK = re.compile(r"# needs GPUs; CPU twin: (\w+\.py)\n")
+
+
+def test_every_block_of_the_page_is_run_or_has_a_cpu_twin():
+    scripts = [docs.script(code)[0] for _, code in BLOCKS if docs.script(code)]
+    assert sorted(scripts) == sorted(RECIPES)
+    for lang, code in BLOCKS:
+        if docs.script(code):
+            assert lang == "python"
+            continue
+        if code.strip() == INSTALL:  # the install line: the same as CI's
+            ci = open(os.path.join(docs.REPO, ".ci", "run")).read()
+            assert 'pip install -q -e ".[test,bench,frameworks]"' in ci
+            assert "pip install -q --no-deps torchtitan==0.3.0" in ci
+            continue
+        m = GPU_MARK.match(code)
+        assert m and m.group(1) in RECIPES, f"{PAGE}: a block neither run by a test nor marked: {code[:200]}"
+
+
+@pytest.mark.slow  # 2 processes each, 20-40 s on 2 busy cores
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_runs_as_written(tmp_path, name):
+    module, checkpoints = RECIPES[name]
+    _need(module)
+    code = next(code for _, code in BLOCKS if docs.script(code) and docs.script(code)[0] == name)
+    docs.run_script(code, str(tmp_path))  # the recipe asserts its own bit-exact round trip
+    for ckpt in checkpoints:
+        assert _kinds(str(tmp_path / ckpt)) == "fp_dcp", ckpt
+
+
+def test_titan_command_line_hook_finds_the_newest_fp_dcp_step(tmp_path):
+    """The shell line of the torchtitan section: -1 without checkpoints, then
+    the newest committed fp_dcp step (an uncommitted one is not a checkpoint)."""
+    code = next(code for _, code in BLOCKS if GPU_MARK.match(code))
+    hook = next(ln for ln in code.splitlines() if ln.startswith("STEP="))
+
+    def step():
+        r = subprocess.run(["bash", "-c", hook + '\necho "${STEP:--1}"'], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60, check=True)
+        return int(r.stdout)
+
+    assert step() == -1
+    folder = tmp_path / "outputs" / "checkpoint"
+    for n in (2, 10, 4):
+        (folder / f"step-{n}").mkdir(parents=True)
+        (folder / f"step-{n}" / ".fp_dcp.meta").write_bytes(b"x")
+    (folder / "step-12").mkdir()  # interrupted before its commit
+    assert step() == 10

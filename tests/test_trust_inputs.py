@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pathlib
 import re
 
 import pytest
@@ -248,10 +249,10 @@ def test_options_within_their_bounds_are_accepted():
 
 
 def test_the_option_docs_state_each_upper_bound():
-    from fp_dcp.options import _UPPER, FastPersistOptions
+    from fp_dcp.options import _UPPER
 
-    entries = re.split(r"\n        (?=\w+: )", FastPersistOptions.__doc__)
-    docs = {e.split(":", 1)[0]: " ".join(e.split()) for e in entries}
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "OPTIONS.md").read_text()
+    docs = dict(re.findall(r"^- \*\*`(\w+)`\*\*: (.*)$", text, re.M))
     for name in _UPPER:
         assert re.search(r"(?i)at most [\d,]+|from [\d,]+ (MiB )?to [\d,]+", docs[name]), \
             f"{name}'s line does not state its upper bound: {docs[name]}"

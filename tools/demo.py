@@ -2,7 +2,7 @@
 generated model with fp_dcp beside the stock FileSystemWriter / Reader, in one
 run on this machine, with the ratios.
 
-    python tools/demo.py [--size 512MiB] [--ranks 2] [--keep | --dir DIR]
+    python tools/demo.py [--size 512MiB] [--ranks 2] [--dir DIR] [--keep]
 
 Steps, printed in the order they run (progress on stderr, results on stdout):
 
@@ -12,7 +12,10 @@ Steps, printed in the order they run (progress on stderr, results on stdout):
    reference ("raw") for the ratios.  fio, when on PATH, is run too and counts
    if it is faster.
 2. --ranks gloo processes each hold a Shard(0) slice of every parameter
-   (DTensor) and dcp.save the model: fp_dcp, then stock.
+   (DTensor) and dcp.save the model: fp_dcp, then stock.  fp_dcp's line is
+   split into the bytes' transfer (each rank's write_data, to durable files)
+   and the fixed cost of a checkpoint (DCP's planning, the metadata, the
+   commit), which does not grow with the model.
 3. The same processes dcp.async_save with fp_dcp twice: the time until
    async_save returns, until training may change the weights again, and until
    the checkpoint is committed.  The first one also allocates the staging
@@ -22,10 +25,13 @@ Steps, printed in the order they run (progress on stderr, results on stdout):
    whole tensors (a resharded restart), cold (page cache dropped when run as
    root), fp_dcp then stock, and compares every tensor bit for bit.  fp_dcp
    also checks the CRC-32C of every block it reads; stock checks nothing.
+   fp_dcp's line is split the same way (read_data against the rest).
 
-The checkpoints are kept with --keep (in a new directory under /work or /tmp,
-printed) or --dir DIR (written there and never deleted); without either they
-are removed at the end.  Then try: fp-dcp inspect DIR/fp, fp-dcp verify DIR/fp.
+Everything goes into a new directory under the system's temporary directory
+($TMPDIR, else /tmp), or into --dir DIR; the demo says how much it will write
+before it starts and writes nowhere else.  At the end it deletes all it wrote
+(never anything it did not write) unless --keep: then the four checkpoints
+stay, and you can try fp-dcp inspect DIR/fp, fp-dcp verify DIR/fp.
 """
 
 from __future__ import annotations
@@ -60,25 +66,36 @@ def out(msg: str = "") -> None:
     print(msg, flush=True)
 
 
+CHECKPOINTS = ("fp", "stock", "fp_async_first", "fp_async_steady")
+
+
+def model_shape(total_bytes: int) -> tuple[int, int, int, int]:
+    """(hidden, layers, tensors, bytes) of make_model(total_bytes), without torch."""
+    hidden = 2048
+    while hidden > 64 and 54 * hidden * hidden > total_bytes // 4:
+        hidden //= 2
+    nbytes, layers = 16 * hidden * hidden, 0  # the embedding
+    while nbytes < total_bytes:
+        nbytes += 38 * hidden * hidden + 4 * hidden  # float32 qkv, up, norm; bfloat16 out, down
+        layers += 1
+    return hidden, layers, 1 + 5 * layers, nbytes
+
+
 def make_model(total_bytes: int):
     """A transformer-shaped stack of float32 / bfloat16 parameters, seeded;
     hidden 2048 from 1 GiB up, smaller for small sizes (a quick run)."""
     import torch
 
     g = torch.Generator().manual_seed(1234)
-    hidden = 2048
-    while hidden > 64 and 54 * hidden * hidden > total_bytes // 4:
-        hidden //= 2
+    hidden, layers, _, _ = model_shape(total_bytes)
     sd = {"embed.weight": torch.randn(4 * hidden, hidden, generator=g)}
-    layer = 0
-    while sum(t.numel() * t.element_size() for t in sd.values()) < total_bytes:
+    for layer in range(layers):
         p = f"layers.{layer}."
         sd[p + "attn.qkv.weight"] = torch.randn(3 * hidden, hidden, generator=g)
         sd[p + "attn.out.weight"] = torch.randn(hidden, hidden, generator=g).to(torch.bfloat16)
         sd[p + "mlp.up.weight"] = torch.randn(4 * hidden, hidden, generator=g)
         sd[p + "mlp.down.weight"] = torch.randn(hidden, 4 * hidden, generator=g).to(torch.bfloat16)
         sd[p + "norm.weight"] = torch.ones(hidden)
-        layer += 1
     return sd
 
 
@@ -178,12 +195,14 @@ def _rank_main(rank: int, world: int, init_file: str, size: int, root: str, queu
     writer = FastPersistWriter()
     step(f"dcp.save with fp_dcp ({world} ranks) ...")
     sec = timed(lambda: dcp.save(sd, storage_writer=writer, checkpoint_id=os.path.join(root, "fp")))
+    moving = [0.0] * world  # each rank's write_data: its bytes written and made durable
+    dist.all_gather_object(moving, writer.last_stats.get("seconds", 0.0))
     if rank == 0:
-        queue.put(("save", "fp_dcp", sec, writer.last_stats.get("engine")))
+        queue.put(("save", "fp_dcp", sec, writer.last_stats.get("engine"), max(moving)))
     step(f"dcp.save with the stock FileSystemWriter ({world} ranks) ...")
     sec = timed(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.path.join(root, "stock"))))
     if rank == 0:
-        queue.put(("save", "stock", sec, None))
+        queue.put(("save", "stock", sec, None, None))
 
     marks = {}
 
@@ -216,41 +235,64 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else "-"
 
 
+def _raw_bytes(nbytes: int) -> int:
+    """The raw runs' test file for a model of ``nbytes``."""
+    return -(-min(nbytes, RAW_MAX_BYTES) // max(RAW_REQUESTS)) * max(RAW_REQUESTS)
+
+
+def _planned(nbytes: int) -> int:
+    """What the demo writes at most at once: its four checkpoints and the raw test file."""
+    return 4 * nbytes + _raw_bytes(nbytes)
+
+
+def _split(nbytes: int, total: float, moving: float, raw: float, op: str) -> str:
+    """The bytes' transfer apart from the fixed cost of one checkpoint."""
+    gbps = nbytes / moving / 1e9 if moving > 0 else 0.0
+    return (f"    of which moving the bytes {moving:6.2f} s  {gbps:6.2f} GB/s  {_ratio(gbps, raw)} raw {op}; "
+            f"fixed cost per checkpoint (DCP's planning, metadata, commit) {max(0.0, total - moving):.2f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="512MiB",
-                    help="model bytes (default 512MiB: about 40 s on a 2-core VM; the model rounds up to whole layers)")
+                    help="model bytes (default 512MiB: under a minute on 2 cores; rounded up to whole layers)")
     ap.add_argument("--ranks", type=int, default=2, help="processes saving the sharded model (default 2)")
-    where = ap.add_mutually_exclusive_group()
-    where.add_argument("--dir", default=None,
-                       help="write the checkpoints into DIR (created if missing) and keep them there")
-    where.add_argument("--keep", action="store_true",
-                       help="keep the checkpoints (in a new directory under /work or /tmp, printed)")
+    ap.add_argument("--dir", default=None,
+                    help="write into DIR (created if missing) instead of a new directory under the system's "
+                         "temporary directory")
+    ap.add_argument("--keep", action="store_true", help="keep the four checkpoints at the end")
     args = ap.parse_args(argv)
     size = parse_size(args.size)
+    created = args.dir is None or not os.path.exists(args.dir)
     if args.dir is not None:
         root = os.path.abspath(args.dir)
-        os.makedirs(root, exist_ok=True)
-        clash = [n for n in ("fp", "stock", "fp_async_first", "fp_async_steady") if os.path.exists(os.path.join(root, n))]
+        clash = [n for n in CHECKPOINTS if os.path.lexists(os.path.join(root, n))]
         if clash:
             sys.exit(f"demo: {root} already holds {', '.join(clash)}; give an empty or new --dir "
-                     f"(nothing there is ever deleted by the demo)")
-        keep = True
+                     f"(the demo never deletes what it did not write)")
+        os.makedirs(root, exist_ok=True)
     else:
-        base = "/work" if os.access("/work", os.W_OK) else None
-        root = tempfile.mkdtemp(prefix="fp_dcp_demo_", dir=base)
-        keep = args.keep
+        root = tempfile.mkdtemp(prefix="fp_dcp_demo_")
     t_start = _T0[0]
-    say(f"writing under {root}" + ("" if keep else " (removed at the end; --keep to keep it)"))
+    _, _, _, nbytes = model_shape(size)
+    say(f"writing under {root}: about {format_size(_planned(nbytes))} (4 checkpoints of "
+        f"{format_size(nbytes)} and a {format_size(_raw_bytes(nbytes))} test file), "
+        + ("the checkpoints kept at the end (--keep)" if args.keep else "all removed at the end (--keep keeps them)"))
     # the raw device test file and the ranks' rendezvous: in a directory of
     # the demo's own, on the same file system, always removed
     scratch = tempfile.mkdtemp(prefix=".fp_dcp_demo_scratch_", dir=root)
+    # torch creates a cache directory of its compiler on import (under the
+    # temporary directory): in the scratch directory, unless one is set
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(scratch, "torchinductor"))
     try:
-        return _run(args, size, root, scratch, keep, t_start)
+        return _run(args, size, root, scratch, args.keep, t_start)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        if not keep:
-            shutil.rmtree(root, ignore_errors=True)
+        if not args.keep:
+            for name in CHECKPOINTS:  # only what this run wrote: --dir held none of them
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            if created:
+                shutil.rmtree(root, ignore_errors=True)
 
 
 def _run(args, size: int, root: str, scratch: str, keep: bool, t_start: float) -> int:
@@ -270,10 +312,12 @@ def _run(args, size: int, root: str, scratch: str, keep: bool, t_start: float) -
     nbytes = sum(t.numel() * t.element_size() for t in model.values())
     out(f"fp_dcp {fp_dcp.__version__} demo: a {format_size(nbytes)} model ({len(model)} tensors + 1 other item), "
         f"under {root}")
+    out(f"writes about {format_size(_planned(nbytes))} there, "
+        + ("keeps the checkpoints (--keep)" if keep else "removes it all at the end (--keep keeps the checkpoints)"))
     out("GB/s = 10^9 bytes of tensors per second; ratios: against the raw device and the stock writer/reader\n")
 
     # 1. the device
-    raw = measure_raw(scratch, min(nbytes, RAW_MAX_BYTES))
+    raw = measure_raw(scratch, _raw_bytes(nbytes))
     out(f"raw device, no checkpoint format ({format_size(raw['bytes'])} sequential, "
         f"{'O_DIRECT' if raw['direct'] else 'buffered'}), in the order run:")
     for op in ("write", "read"):
@@ -309,11 +353,13 @@ def _run(args, size: int, root: str, scratch: str, keep: bool, t_start: float) -
         if msg[0] == "done":
             break
         if msg[0] == "save":
-            _, name, sec, engine = msg
+            _, name, sec, engine, moving = msg
             saves[name] = sec
             gbps = nbytes / sec / 1e9
             label = f"fp_dcp FastPersistWriter ({engine})" if name == "fp_dcp" else "stock  FileSystemWriter"
             out(f"  {label:<34} {sec:6.2f} s  {gbps:6.2f} GB/s  {_ratio(gbps, raw_w)} raw write")
+            if moving is not None:
+                out(_split(nbytes, sec, moving, raw_w, "write"))
             if name == "stock":
                 out(f"  fp_dcp saves at {_ratio(saves['stock'], saves['fp_dcp'])} the stock writer's speed")
                 out("\ndcp.async_save with fp_dcp (staging=eager), in the order run:")
@@ -353,6 +399,8 @@ def _run(args, size: int, root: str, scratch: str, keep: bool, t_start: float) -
         checked = "  every block's CRC-32C checked" if name == "fp_dcp" else ""
         out(f"  {label:<34} {sec:6.2f} s  {gbps:6.2f} GB/s  {_ratio(gbps, raw_r)} raw read   "
             f"{'bit-exact' if ok else 'MISMATCH'}{checked}")
+        if name == "fp_dcp":
+            out(_split(nbytes, sec, reader.last_stats.get("seconds", 0.0), raw_r, "read"))
         if not ok:
             return 1
     out(f"  fp_dcp loads at {_ratio(loads['stock'], loads['fp_dcp'])} the stock reader's speed")
@@ -363,7 +411,7 @@ def _run(args, size: int, root: str, scratch: str, keep: bool, t_start: float) -
         out(f"kept: {root} (fp/, stock/, fp_async_first/, fp_async_steady/)")
         out(f"next: fp-dcp inspect {fp_dir}, fp-dcp verify {fp_dir}")
     else:
-        out(f"removed {root}; to look inside a checkpoint, run again with --keep (or --dir DIR), "
+        out(f"removing what it wrote under {root}; to look inside a checkpoint, run again with --keep, "
             f"then: fp-dcp inspect DIR/fp, fp-dcp verify DIR/fp")
     return 0
 

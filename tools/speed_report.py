@@ -1,0 +1,156 @@
+"""docs/SPEED.md from benchmark JSON: every figure beside the command that
+made it, the device, the device profile and the raw reference of that run.
+
+    python tools/speed_report.py docs/speed/save_load-1g.json [--note TEXT] [--out docs/SPEED.md]
+
+Reads bench_save_load.py JSON (one file per run, any mixes and profiles).
+The page is generated: change it by running the benchmark again and this
+script on its JSON, never by hand.  --note adds one sentence about the run
+(the conditions the JSON cannot know, e.g. that the machine was busy); the
+page records this script's command line, notes included, so the same command
+regenerates it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import plot  # noqa: E402  (benchmarks/plot.py: the JSON's per-profile figures)
+
+PROFILE_WORDS = {
+    "bare": "the disk as it is",
+    "throttled": "the same disk limited per operation by a cgroup v1 blkio group",
+}
+
+
+def _rel(path: str) -> str:
+    p = os.path.relpath(os.path.abspath(path), REPO)
+    return p if not p.startswith("..") else path
+
+
+def bench_command(report: dict[str, Any], json_path: str) -> str:
+    """The benchmark's command line, with this JSON's place in the repository
+    as --json and the run's scratch directory left out."""
+    args, out, skip = list(report.get("argv", [])), [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in ("--json", "--dir"):
+            skip = True
+            continue
+        if a.startswith(("--json=", "--dir=")):
+            continue
+        out.append(a)
+    return "python benchmarks/bench_save_load.py " + shlex.join(out + ["--json", _rel(json_path)])
+
+
+def _profile_text(report: dict[str, Any], name: str) -> str:
+    words = PROFILE_WORDS.get(name, name)
+    for p in report.get("profiles") or []:
+        if p.get("profile") == name and p.get("read_iops"):
+            words += f" to {p['read_iops']:,} reads and {p.get('write_iops', p['read_iops']):,} writes per second"
+    return f"`{name}` ({words})"
+
+
+def _ratio_rows(mix: dict[str, Any]) -> dict[tuple[str, str], dict]:
+    return {(r["op"], r["vs"]): r for r in mix.get("ratios", []) if r.get("contender") == "fp_dcp"}
+
+
+def _x(v: float | None) -> str:
+    return f"{v:.2f}x" if v else "-"
+
+
+def mix_table(mix: dict[str, Any], profile: dict[str, Any]) -> list[str]:
+    """One table: each contender's medians and ratios, then the raw reference."""
+    (bw, bw_name), (br, br_name) = profile["raw"]["save"], profile["raw"]["load"]
+    lines = ["| contender | save GB/s | save, x raw write | cold load GB/s | load, x raw read |",
+             "| --- | --- | --- | --- | --- |"]
+    for c in profile["contenders"]:
+        warm = "" if c["cold"] or c["load"] is None else " (warm)"
+        lines.append(f"| {c['name']} | {plot._gbps(c['save'])} | {_x(c['save'] and bw and c['save'] / bw)} | "
+                     f"{plot._gbps(c['load'])}{warm} | {_x(c['load'] and br and c['load'] / br)} |")
+    lines.append(f"| raw reference (write: {bw_name or '-'}; read: {br_name or '-'}) | {plot._gbps(bw)} | 1.00x | "
+                 f"{plot._gbps(br)} | 1.00x |")
+    rows = _ratio_rows(mix)
+    notes = []
+    for op, vs, what in (("save", "stock default", "fp_dcp saves at {} the stock writer's speed"),
+                         ("load", "stock reader", "loads at {} the stock reader's")):
+        r = rows.get((op, vs))
+        if r and r.get("ratio"):
+            notes.append(what.format(_x(r["ratio"])))
+    for op in ("save", "load"):
+        r = rows.get((op, "ceiling: raw + DCP's own time, any storage"))
+        if r and r.get("ratio"):
+            notes.append(f"no DCP storage could {op} faster than {_x(r['ratio'])} of raw in this run "
+                         f"(the raw transfer plus DCP's own time, `dcp_floor`)")
+    for key, what in ((("load", "verify off (same checkpoint, back to back; worst round)"),
+                       "verified loads against unverified ones of the same checkpoint: {}"),):
+        r = rows.get(key)
+        if r and r.get("value"):
+            notes.append(what.format(r["value"]))
+    if notes:
+        lines += ["", "; ".join(notes) + "."]
+    return lines
+
+
+def page(paths: list[str], notes: list[str], argv: list[str]) -> str:
+    out = ["# Speed", "",
+           "Generated from the benchmarks' JSON by `python tools/speed_report.py " + shlex.join(argv) + "`; "
+           "not edited by hand. GB/s = 10^9 bytes of tensors per second, medians over the rounds of each run. "
+           "Ratios compare figures of the same run and device profile only. Raw reference: the fastest raw "
+           "contender of the same run and profile (fio with libaio and `O_DIRECT`, fp_dcp's engine into one "
+           "huge-page buffer, or single-request Python `O_DIRECT` where fio is missing: "
+           "[`benchmarks/README.md`](../benchmarks/README.md)). Stock: DCP's `FileSystemWriter` / "
+           "`FileSystemReader`.", ""]
+    for path in paths:
+        with open(path) as f:
+            report = json.load(f)
+        profiles = plot.load_profiles([path])
+        hw = report.get("hardware", {})
+        out += [f"## `{_rel(path)}`", "",
+                "Command: `flock /tmp/fp_dcp_bench.lock " + bench_command(report, path) + "`", "",
+                f"Device: {plot.device_label(hw)} ({hw.get('cpu_model', '?')}, "
+                f"{plot._size(hw.get('ram_bytes'))} RAM, torch {hw.get('torch', '?')}); loads "
+                + ("cold (page cache dropped before each)" if report.get("cold_loads") else "WARM (page cache kept)")
+                + f"; {report.get('repeat', '?')} round(s), contenders alternating within a round; raw contenders: "
+                + ", ".join(c["name"] for c in report.get("contenders", []) if c.get("role") == "raw")
+                + f" (`--raw {report.get('raw_method', '?')}`).", ""]
+        out += [f"Note: {n}" for n in notes] + ([""] if notes else [])
+        for mix, prof in zip(report.get("mixes", []), profiles):
+            what = (f"{plot.MIX_NAMES.get(mix['mix'], mix['mix'])}: {mix.get('tensors', '?'):,} tensors"
+                    + (f" + {mix['objects']:,} object{'s' if mix['objects'] != 1 else ''}" if mix.get("objects") else "")
+                    + f", {plot._size(mix.get('payload_bytes'))}")
+            out += [f"### {what}, profile {_profile_text(report, mix.get('profile', 'bare'))}", ""]
+            out += mix_table(mix, prof) + [""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", nargs="+", help="bench_save_load.py JSON files, each kept in the repository")
+    ap.add_argument("--note", action="append", default=[], help="a sentence about the runs (repeatable)")
+    ap.add_argument("--out", default=os.path.join(REPO, "docs", "SPEED.md"))
+    args = ap.parse_args(argv)
+    shown = [a for a in argv]
+    if "--out" in shown:  # the page's own place is not part of what it says
+        i = shown.index("--out")
+        del shown[i:i + 2]
+    text = page(args.json, args.note, shown)
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
