@@ -22,6 +22,8 @@ import bisect
 import dataclasses
 import errno
 import os
+import stat
+import uuid
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -192,15 +194,21 @@ def copy_checked(src: str, dst: str | None, layout: fmt.StorageLayout, fid: int,
     size = layout.files[fid][1]
     block = layout.checksum_block_bytes or (1 << 20)
     try:
-        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         raise IntegrityError(src, "missing") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise IntegrityError(src, "a symbolic link; never followed") from None
+        raise
     out = None
-    tmp = None if dst is None else dst + ".tier-tmp"
+    tmp = None if dst is None else f"{dst}.{uuid.uuid4().hex[:12]}.tier-tmp"
     read = 0
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IntegrityError(src, "not a regular file (a FIFO, a device or a directory); never read")
         if tmp is not None:
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             os.ftruncate(out, size)
         buf = np.empty(min(size, max(_PIECE, block)) or 1, dtype=np.uint8)
         for p, _ in _pieces_in(layout, fid, ranges, src):

@@ -51,7 +51,6 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from fp_dcp import FastPersistOptions, FastPersistWriter
 from fp_dcp import format as fmt
-from fp_dcp.files import read_metadata_bytes
 from fp_dcp.save.commit import sync_directory
 from fp_dcp.tiers import drain, integrity, restore as _restore, store
 from fp_dcp.tiers.agree import exchange
@@ -196,8 +195,7 @@ class TierManager:
         if self._closed:
             raise RuntimeError("TierManager is closed")
         self._reap(keep=BEHIND)
-        directory = store.step_dir(self.local_root, step)
-        os.makedirs(directory, exist_ok=True)
+        store.claim_step(self.local_root, step)  # a link or a folder the tiers did not make there: refused
         # What dcp.async_save does, with the save on the manager's own
         # (low-priority) thread: the writer stages (lazy: a future), then
         # dcp.save writes the staged copy; the replicator takes it from there.
@@ -301,7 +299,7 @@ class TierManager:
         # rank 0 (DCP's coordinator) has the committed metadata; a failure to
         # read it reaches every rank now, not as a 30-minute wait (agree)
         blob = exchange(self._repl_group, self.world_size, f"tiers: step {step}: reading the metadata",
-                        lambda: read_metadata_bytes(directory) if self.rank == 0 else None)[0]
+                        lambda: store.read_metadata(directory) if self.rank == 0 else None)[0]
         _, layout, _ = store.decode(blob, os.path.join(directory, fmt.METADATA_NAME))
         clock.lap("metadata")
         stats = self._replicate(step, directory, layout, clock)

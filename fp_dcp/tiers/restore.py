@@ -84,7 +84,6 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from fp_dcp import FastPersistOptions, FastPersistReader
 from fp_dcp import format as fmt
-from fp_dcp.files import read_metadata_bytes
 from fp_dcp.load.jobs import whole_chunk_read
 from fp_dcp.tiers import integrity, store
 from fp_dcp.tiers.agree import TierError, exchange
@@ -330,7 +329,7 @@ class _StepRestore:
             if "_file_io" in self.__dict__:
                 self._file_io.close()
             if self.leader:
-                shutil.rmtree(self.restore_dir, ignore_errors=True)
+                store.remove_owned(self.local_root, None, store.RESTORE_DIR)
 
     def _run(self) -> RestoreResult:
         t = time.perf_counter()
@@ -362,9 +361,9 @@ class _StepRestore:
 
     def _fresh_dir(self) -> None:
         def make() -> None:
-            if self.leader:
-                shutil.rmtree(self.restore_dir, ignore_errors=True)
-                os.makedirs(self.restore_dir)
+            if self.leader:  # the tiers' own, or refused (a link, a folder of the user's)
+                store.remove_owned(self.local_root, None, store.RESTORE_DIR)
+                store.claim_dir(self.local_root, store.RESTORE_DIR, None)
 
         _exchange(self.group, self.world, "restore: preparing the restore directory", make)
 
@@ -376,7 +375,7 @@ class _StepRestore:
         if self.rank == src:
             ours = invs[self.rank].get(s) is not None and invs[self.rank][s][0] == self.save_id
             try:
-                box = [(read_metadata_bytes(store.step_dir(self.local_root if ours else self.persistent_root, s)),
+                box = [(store.read_metadata(store.step_dir(self.local_root if ours else self.persistent_root, s)),
                         None)]
             except Exception as e:  # noqa: BLE001 - every rank learns it
                 box = [(None, f"{type(e).__name__}: {e}")]
@@ -702,10 +701,7 @@ class _StepRestore:
                     self.taken["local"] -= ranges_bytes(need.ranges)
         for need in redo:
             if need.receiver == self.rank:
-                try:
-                    os.unlink(os.path.join(self.restore_dir, need.name))
-                except FileNotFoundError:
-                    pass
+                store.unlink_in(os.path.join(self.restore_dir, need.name))
         dist.barrier(group=self.group)
         return redo
 
