@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 from fp_dcp import format as fmt
 from fp_dcp.options import FastPersistOptions
-from fp_dcp.save.commit import sync_directory
 from fp_dcp.tiers import integrity, store
 from fp_dcp.tiers.replicate import FileIO, file_io_for
 
@@ -138,7 +137,8 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
                 copied += io.copy(os.path.join(local_dir, name), os.path.join(dest, name), layout, fid, sync)
                 _point(f"copied {name}")
             if sync:
-                sync_directory(dest)
+                with store.opened(dest) as d:
+                    d.sync()
     except Exception as e:  # noqa: BLE001 - every rank learns it below
         error = f"rank {rank}: {e}"
     outcomes: list = [None] * dist.get_world_size(group)
@@ -189,11 +189,11 @@ def _tidy(root: str, dest: str, step: int, layout: fmt.StorageLayout, keep: int 
     that died), and committed ones beyond ``keep``.  Only what the tiers own
     (``store``): a user's checkpoint or folder in the root is never touched."""
     names = {name for name, _ in layout.files}
-    with store.opened_dir(dest) as fd:
-        for e in os.scandir(fd):
-            stale = (e.name.endswith(fmt.DATA_SUFFIX) and e.name not in names) or e.name.endswith(store.TMP_SUFFIX)
-            if stale and e.is_file(follow_symlinks=False):
-                os.unlink(e.name, dir_fd=fd)
+    with store.opened(dest) as d:
+        for name, kind in d.entries():
+            stale = (name.endswith(fmt.DATA_SUFFIX) and name not in names) or name.endswith(store.TMP_SUFFIX)
+            if stale and kind == "file":
+                d.unlink(name)
     for s, path in store.owned_steps(root):
         if s < step and not store.has_metadata(path):
             store.remove_owned(root, s)

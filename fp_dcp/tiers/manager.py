@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from fp_dcp import FastPersistOptions, FastPersistWriter
 from fp_dcp import format as fmt
-from fp_dcp.save.commit import sync_directory
+from fp_dcp import files as _files
 from fp_dcp.tiers import drain, integrity, restore as _restore, store
 from fp_dcp.tiers.agree import exchange
 from fp_dcp.tiers.replicate import FileIO, Transfer, file_io_for, run_transfers
@@ -151,7 +151,7 @@ class TierManager:
         if base.data_dirs:
             raise ValueError("TierManager: each node's local root is its data directory; leave data_dirs empty")
         self.options = base
-        os.makedirs(self.local_root, exist_ok=True)
+        _files.Root(self.local_root, create=True).close()
         nice = functools.partial(_lower_priority, background_nice)
         # One gloo group per background thread (and one for the NCCL
         # transport).  They are made on a thread at the background's nice
@@ -383,7 +383,8 @@ class TierManager:
         stats, failed = run_transfers(transfers, self.rank, self._bytes_group, read, receive,
                                       receive_buffer=lambda t: files.buffer(t.size))
         if stats["received_bytes"] and sync:
-            sync_directory(directory)  # the replicas' names
+            with store.opened(directory) as d:
+                d.sync()  # the replicas' names
         for t, why in failed.items():
             self._report(f"step {step}: replica of {t.name} (rank {t.src} -> rank {t.dst}) failed: {why}")
         clock.lap("replicate")

@@ -65,7 +65,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
-import shutil
 import time
 import zlib
 from collections.abc import Mapping
@@ -789,11 +788,29 @@ def _source_key(tier: str, src: int, topology: Topology) -> str:
 
 def _link_or_copy(src: str, dst: str) -> None:
     """``src`` (a scanned regular file of the local tier) at ``dst``: a hard
-    link, else a copy; a link never followed (one swapped in since the scan
-    is linked or copied as a link, which the load then refuses)."""
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except OSError as e:
-        if isinstance(e, FileExistsError):
+    link, else a copy; both directories held open (no link followed in
+    them), the file itself never followed (a link swapped in since the scan
+    is linked as a link, which the load then refuses; copied, refused)."""
+    with store.opened(os.path.dirname(src)) as sdir, store.opened(os.path.dirname(dst)) as ddir:
+        try:
+            os.link(os.path.basename(src), os.path.basename(dst), src_dir_fd=sdir.fd, dst_dir_fd=ddir.fd,
+                    follow_symlinks=False)
+            return
+        except FileExistsError:
             raise
-        shutil.copyfile(src, dst, follow_symlinks=False)
+        except OSError:
+            pass  # another file system, or no hard links: a copy
+        fd, st = sdir.open_read(os.path.basename(src))
+        try:
+            out = ddir.create_exclusive(os.path.basename(dst))
+            try:
+                done = 0
+                while done < st.st_size:
+                    n = os.copy_file_range(fd, out, st.st_size - done, done, done)
+                    if n == 0:
+                        break
+                    done += n
+            finally:
+                os.close(out)
+        finally:
+            os.close(fd)

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import os
 import re
 import stat
 import uuid
 from typing import Iterator
 
+from fp_dcp import files
 from fp_dcp import format as fmt
 
 __all__ = ["TierPathError", "step_dir", "step_name", "parse_step", "node_root", "Holding", "scan", "steps",
@@ -44,7 +44,6 @@ RESTORE_DIR = ".restore"
 MARKER_NAME = ".fp_dcp.tier"
 TMP_SUFFIX = ".tier-tmp"  # a file being written: never taken for a data file
 _MAX_METADATA_BYTES = 1 << 31
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class TierPathError(RuntimeError):
@@ -83,91 +82,101 @@ def _marker_bytes(step: int | None) -> bytes:
     return b'{"fp_dcp_tier": 1, "step": %s}\n' % (b"null" if step is None else str(step).encode())
 
 
-def _kind(mode: int) -> str:
+def _refused(path: str, kind: str) -> TierPathError:
+    return TierPathError(f"{path}: {kind} in a tier directory; the tiers never write one, and neither "
+                         f"follow nor open it: remove it")
+
+
+def _kind(root: files.Root, name: str) -> str:
+    try:
+        mode = root.lstat(name).st_mode
+    except OSError:
+        return "not a regular file"
     return "a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
         "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
         "a directory" if stat.S_ISDIR(mode) else "not a regular file"
 
 
-def _special(path: str, mode: int) -> TierPathError:
-    return TierPathError(f"{path}: {_kind(mode)} in a tier directory; the tiers never write one, and neither "
-                         f"follow nor open it: remove it")
-
-
-def open_dir(path: str, dir_fd: int | None = None) -> int:
-    """A descriptor of the directory ``path`` (relative to ``dir_fd`` when
-    given), the last component not followed: :class:`TierPathError` when it
-    is a link or not a directory."""
+@contextlib.contextmanager
+def opened(path: str, *, user: bool = False) -> Iterator[files.Root]:
+    """The tier directory ``path`` held open (:class:`fp_dcp.files.Root`):
+    no link followed in it, nor, unless ``user`` (a root the caller named),
+    at its last component (:class:`TierPathError`)."""
     try:
-        return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
-            raise _special(path, st.st_mode) from None
-        raise
+        root = files.Root(path, follow=user)
+    except (files.UnsafePathError, NotADirectoryError):
+        raise _refused(path, "a symbolic link or not a directory where a directory belongs") from None
+    with root:
+        yield root
+
+
+@contextlib.contextmanager
+def opened_sub(parent: files.Root, name: str) -> Iterator[files.Root]:
+    """Directory ``name`` of ``parent`` held open, no link followed."""
+    try:
+        root = parent.sub(name)
+    except (files.UnsafePathError, NotADirectoryError):
+        raise _refused(parent.join(name), _kind(parent, name)) from None
+    with root:
+        yield root
+
+
+def read_small(root: files.Root, name: str, limit: int) -> bytes:
+    """Regular file ``name`` of ``root``, whole, at most ``limit`` bytes:
+    opened without following a link and without blocking, its type checked
+    on the open descriptor; anything but a regular file is a
+    :class:`TierPathError` before a byte is read."""
+    try:
+        return root.read_bytes(name, limit)
+    except files.FileTooLargeError as e:
+        raise fmt.CheckpointFormatError(f"{root.join(name)}: {e.strerror}") from None
+    except files.UnsafePathError:
+        raise _refused(root.join(name), _kind(root, name)) from None
+
+
+def _metadata_of(root: files.Root) -> bytes:
+    """``root``'s metadata, its header and length checked before it is read whole."""
+    path = root.join(fmt.METADATA_NAME)
+    try:
+        fd, st = root.open_read(fmt.METADATA_NAME, _MAX_METADATA_BYTES)
+    except files.FileTooLargeError as e:
+        raise fmt.CheckpointFormatError(f"{path}: {e.strerror}") from None
+    except files.UnsafePathError:
+        raise _refused(path, _kind(root, fmt.METADATA_NAME)) from None
+    try:
+        head = os.pread(fd, fmt.HEADER_SIZE, 0)
+    finally:
+        os.close(fd)
+    _, _, length = fmt.read_header(head, path)
+    if st.st_size != fmt.HEADER_SIZE + length:
+        raise fmt.CheckpointFormatError(f"{path}: {st.st_size} bytes, its header says "
+                                        f"{fmt.HEADER_SIZE + length}; the metadata is damaged")
+    return read_small(root, fmt.METADATA_NAME, fmt.HEADER_SIZE + length)
+
+
+def read_metadata(directory: str) -> bytes:
+    """The metadata of a step directory (no link followed at or below it,
+    nothing but a regular file opened, bounded size)."""
+    with opened(directory) as root:
+        return _metadata_of(root)
 
 
 def real_dir(path: str) -> str:
     """``path``, when it is a directory and not a link (else :class:`TierPathError`)."""
-    os.close(open_dir(path))
-    return path
+    with opened(path):
+        return path
 
 
-@contextlib.contextmanager
-def opened_dir(path: str, dir_fd: int | None = None) -> Iterator[int]:
-    fd = open_dir(path, dir_fd)
+def owned(root: files.Root, step: int | None) -> bool:
+    """Whether the directory ``root`` holds the tiers' marker for ``step``."""
     try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def read_small(dir_fd: int, name: str, limit: int, where: str) -> bytes:
-    """The regular file ``name`` of ``dir_fd``, whole: opened without
-    following a link and without blocking, its type checked on the open
-    descriptor (:class:`TierPathError` for anything else), at most ``limit``
-    bytes (a larger one is a :class:`~fp_dcp.format.CheckpointFormatError`)."""
-    path = os.path.join(where, name)
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise _special(path, stat.S_IFLNK) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _special(path, st.st_mode)
-        if st.st_size > limit:
-            raise fmt.CheckpointFormatError(f"{path}: {st.st_size} bytes, more than the {limit} such a file has")
-        out = bytearray()
-        while len(out) <= limit:
-            chunk = os.read(fd, min(1 << 24, limit + 1 - len(out)))
-            if not chunk:
-                break
-            out += chunk
-        if len(out) > limit:
-            raise fmt.CheckpointFormatError(f"{path}: grew past {limit} bytes while read")
-        return bytes(out)
-    finally:
-        os.close(fd)
-
-
-def read_metadata(directory: str) -> bytes:
-    """The metadata of a step directory (no link followed anywhere below
-    its parent, nothing but a regular file opened, bounded size)."""
-    with opened_dir(directory) as fd:
-        return read_small(fd, fmt.METADATA_NAME, _MAX_METADATA_BYTES, directory)
-
-
-def owned(dir_fd: int, step: int | None, where: str) -> bool:
-    """Whether the directory ``dir_fd`` holds the tiers' marker for ``step``."""
-    try:
-        return read_small(dir_fd, MARKER_NAME, 256, where) == _marker_bytes(step)
-    except FileNotFoundError:
+        return read_small(root, MARKER_NAME, 256) == _marker_bytes(step)
+    except (FileNotFoundError, fmt.CheckpointFormatError):
         return False
-    except fmt.CheckpointFormatError:
-        return False
+
+
+def _tmp_name(name: str) -> str:
+    return f"{name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
 
 
 def claim_dir(parent: str, name: str, step: int | None) -> str:
@@ -176,28 +185,28 @@ def claim_dir(parent: str, name: str, step: int | None) -> str:
     non-directory or a directory the tiers did not make there is refused with
     :class:`TierPathError`, before anything is written into it."""
     path = os.path.join(parent, name)
-    with opened_dir(parent) as pfd:
+    with opened(parent, user=True) as p:
         try:
-            os.mkdir(name, 0o755, dir_fd=pfd)
-        except FileExistsError:
-            pass
-        with opened_dir(name, pfd) as fd:
-            if owned(fd, step, path):
+            p.mkdir(name)
+        except files.UnsafePathError:
+            raise _refused(path, _kind(p, name)) from None
+        with opened_sub(p, name) as d:
+            if owned(d, step):
                 return path
-            others = [n for n in os.listdir(fd) if n != MARKER_NAME and not n.startswith(MARKER_NAME + ".")]
+            others = [n for n, _ in d.entries() if not n.startswith(MARKER_NAME)]
             if others:
                 raise TierPathError(
                     f"{path}: a directory of that name is already there and the tiers did not make it (no "
                     f"{MARKER_NAME} marker); they never write into or delete it: move it away, or give the "
                     f"tiers a root of their own")
-            _write_at(fd, MARKER_NAME, _marker_bytes(step), sync=True, where=path)
+            d.replace_bytes(MARKER_NAME, _marker_bytes(step), sync=True, tmp_name=_tmp_name(MARKER_NAME))
     return path
 
 
 def claim_step(root: str, step: int) -> str:
     """Step ``step``'s directory under ``root`` (made when missing: the
     root is the caller's own path), claimed by :func:`claim_dir`."""
-    os.makedirs(root, exist_ok=True)
+    files.Root(root, create=True).close()
     return claim_dir(root, step_name(step), step)
 
 
@@ -205,21 +214,22 @@ def steps(root: str) -> Iterator[tuple[int, str]]:
     """``(step, directory)`` of every directory under ``root`` spelt as a
     step (:func:`step_name`) that is a real directory, owned or not."""
     try:
-        entries = list(os.scandir(root))
+        with opened(root, user=True) as r:
+            entries = r.entries()
     except FileNotFoundError:
         return
-    for e in sorted(entries, key=lambda e: e.name):
-        s = parse_step(e.name)
-        if s is not None and e.is_dir(follow_symlinks=False):
-            yield s, e.path
+    for name, kind in sorted(entries):
+        s = parse_step(name)
+        if s is not None and kind == "dir":
+            yield s, os.path.join(root, name)
 
 
 def owned_steps(root: str) -> Iterator[tuple[int, str]]:
     """The steps of :func:`steps` that carry the tiers' marker."""
     for s, path in steps(root):
         try:
-            with opened_dir(path) as fd:
-                mine = owned(fd, s, path)
+            with opened(path) as d:
+                mine = owned(d, s)
         except FileNotFoundError:
             continue
         if mine:
@@ -254,24 +264,20 @@ def decode(blob: bytes, where: str) -> tuple:
     return metadata, layout, extra
 
 
-def _holding(fd: int, path: str) -> Holding:
-    files = {}
-    for e in os.scandir(fd):
-        st = e.stat(follow_symlinks=False)
-        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
-            raise _special(os.path.join(path, e.name), st.st_mode)  # before anything opens it
-        if e.name.endswith(fmt.DATA_SUFFIX) and stat.S_ISREG(st.st_mode):
-            files[e.name] = st.st_size
+def _holding(root: files.Root) -> Holding:
+    files_: dict[str, int] = {}
+    for name, kind in root.entries():
+        if kind == "other":
+            raise _refused(root.join(name), _kind(root, name))  # before anything opens it
+        if name.endswith(fmt.DATA_SUFFIX) and kind == "file":
+            files_[name] = root.lstat(name).st_size
     save_id = meta_files = None
     try:
-        blob = read_small(fd, fmt.METADATA_NAME, _MAX_METADATA_BYTES, path)
-        _, layout, _ = decode(blob, os.path.join(path, fmt.METADATA_NAME))
+        _, layout, _ = decode(_metadata_of(root), root.join(fmt.METADATA_NAME))
         save_id, meta_files = layout.save_id, [(n, s) for n, s in layout.files]
-    except FileNotFoundError:
-        pass
     except (OSError, fmt.CheckpointFormatError):
-        pass  # a damaged metadata counts as absent
-    return Holding(save_id, meta_files, files)
+        pass  # missing or damaged: counts as absent
+    return Holding(save_id, meta_files, files_)
 
 
 def scan(root: str) -> dict[int, Holding]:
@@ -282,32 +288,11 @@ def scan(root: str) -> dict[int, Holding]:
     out: dict[int, Holding] = {}
     for step, path in owned_steps(root):
         try:
-            with opened_dir(path) as fd:
-                out[step] = _holding(fd, path)
+            with opened(path) as d:
+                out[step] = _holding(d)
         except FileNotFoundError:
             continue
     return out
-
-
-def _write_at(dir_fd: int, name: str, data: bytes | memoryview, sync: bool, where: str) -> None:
-    tmp = f"{name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
-    try:
-        try:
-            view = memoryview(data).cast("B")
-            while view:
-                view = view[os.write(fd, view):]
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        raise
-    if sync:
-        os.fsync(dir_fd)
 
 
 def write_atomic(path: str, data: bytes | memoryview, sync: bool = True) -> None:
@@ -315,8 +300,11 @@ def write_atomic(path: str, data: bytes | memoryview, sync: bool = True) -> None
     new, no link followed), synced, renamed over it, the directory synced.
     The directory must be a real one (:class:`TierPathError` for a link)."""
     directory, name = os.path.split(path)
-    with opened_dir(directory or ".") as fd:
-        _write_at(fd, name, data, sync, directory)
+    with opened(directory) as d:
+        try:
+            d.replace_bytes(name, data, sync=sync, tmp_name=_tmp_name(name))
+        except files.UnsafePathError:
+            raise _refused(path, _kind(d, name)) from None
 
 
 class RangesFile:
@@ -331,9 +319,8 @@ class RangesFile:
     def __init__(self, path: str, size: int) -> None:
         self.path, self.size = path, size
         directory, name = os.path.split(path)
-        with opened_dir(directory) as dfd:
-            self.fd: int | None = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                                          0o644, dir_fd=dfd)
+        with opened(directory) as d:
+            self.fd: int | None = d.create_exclusive(name)
         try:
             os.ftruncate(self.fd, size)
         except BaseException:
@@ -388,10 +375,10 @@ def retain(root: str, keep: int, pinned: set[int] = frozenset(), newest: int | N
 
 def has_metadata(path: str) -> bool:
     try:
-        st = os.stat(os.path.join(path, fmt.METADATA_NAME), follow_symlinks=False)
+        with opened(path) as d:
+            return stat.S_ISREG(d.lstat(fmt.METADATA_NAME).st_mode)
     except FileNotFoundError:
         return False
-    return stat.S_ISREG(st.st_mode)
 
 
 def _ours(name: str) -> bool:
@@ -410,29 +397,22 @@ def remove_owned(root: str, step: int | None, name: str | None = None) -> bool:
     opened; a directory without the marker is left alone.  Returns whether
     the directory is gone."""
     name = step_name(step) if name is None else name
-    with opened_dir(root) as rfd:
+    with opened(root, user=True) as r:
         try:
-            fd = open_dir(name, rfd)
+            with opened_sub(r, name) as d:
+                if not owned(d, step):
+                    return False
+                d.unlink(fmt.METADATA_NAME)
         except FileNotFoundError:
             return True
         except TierPathError:
             return False  # a link or a file there: not the tiers'
+        left = r.remove_owned(name, lambda rel, kind: kind == "file" and rel != MARKER_NAME and _ours(rel))
+        if left != [MARKER_NAME]:
+            return not left  # something that is not the tiers' is in it: the marker keeps it known
+        r.unlink(os.path.join(name, MARKER_NAME))
         try:
-            if not owned(fd, step, os.path.join(root, name)):
-                return False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(fmt.METADATA_NAME, dir_fd=fd)
-            for e in os.scandir(fd):
-                if e.name != MARKER_NAME and _ours(e.name) and e.is_file(follow_symlinks=False):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(e.name, dir_fd=fd)
-            if any(n != MARKER_NAME for n in os.listdir(fd)):
-                return False  # something that is not the tiers' is in it: the marker keeps it known
-            os.unlink(MARKER_NAME, dir_fd=fd)
-        finally:
-            os.close(fd)
-        try:
-            os.rmdir(name, dir_fd=rfd)
+            r.rmdir(name)
         except OSError:
             return False
     return True
@@ -442,6 +422,5 @@ def unlink_in(path: str) -> None:
     """Remove the file ``path`` (a link itself, never its target) from a
     directory that is no link; gone already is fine."""
     directory, name = os.path.split(path)
-    with contextlib.suppress(FileNotFoundError):
-        with opened_dir(directory) as fd:
-            os.unlink(name, dir_fd=fd)
+    with opened(directory) as d:
+        d.unlink(name)
