@@ -29,9 +29,8 @@ import re
 import time
 from typing import Callable
 
-import torch.distributed as dist
-
 from fp_dcp import format as fmt
+from fp_dcp import wire
 from fp_dcp.options import FastPersistOptions
 from fp_dcp.tiers import integrity, store
 from fp_dcp.tiers.replicate import FileIO, file_io_for
@@ -141,8 +140,7 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
                     d.sync()
     except Exception as e:  # noqa: BLE001 - every rank learns it below
         error = f"rank {rank}: {e}"
-    outcomes: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(outcomes, (error, done), group=group)
+    outcomes = wire.gather((error, done), (wire.maybe(str), bool), group, what=f"drain of step {step}: outcomes")
     first = next((e for e, _ in outcomes if e is not None), None)
     done = first is None and all(d for _, d in outcomes)
     if not done:
@@ -159,9 +157,7 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
                 _remove_uncommitted(dest, layout, rank)
             except Exception as e:  # noqa: BLE001 - every rank still meets the broadcast below
                 first = f"{first}; rank {rank}: removing what it copied: {e}"
-        verdict = [first]
-        dist.broadcast_object_list(verdict, group_src=0, group=group)
-        first = verdict[0]
+        first, _ = wire.broadcast(first, wire.maybe(str), 0, group, what=f"drain of step {step}: the commit")
     return DrainResult(step, first is None, copied, time.perf_counter() - t0, first, skipped=done)
 
 

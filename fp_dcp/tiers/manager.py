@@ -49,11 +49,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from fp_dcp import FastPersistOptions, FastPersistWriter
+from fp_dcp import FastPersistOptions, FastPersistWriter, wire
 from fp_dcp import format as fmt
 from fp_dcp import files as _files
 from fp_dcp.tiers import drain, integrity, restore as _restore, store
-from fp_dcp.tiers.agree import exchange
+from fp_dcp.tiers.agree import exchange, share
 from fp_dcp.tiers.replicate import FileIO, Transfer, file_io_for, run_transfers
 from fp_dcp.tiers.topology import Topology, ranks_per_node_from_env
 
@@ -126,8 +126,7 @@ class TierManager:
             if k is not None:
                 topology = Topology.by_ranks_per_node(self.world_size, k)
             else:
-                hosts: list = [None] * self.world_size
-                dist.all_gather_object(hosts, socket.gethostname())
+                hosts = wire.gather(socket.gethostname(), str, what="tiers: host names")
                 topology = Topology.by_host(hosts)
         if topology.world_size != self.world_size:
             raise ValueError(f"the topology places {topology.world_size} ranks; the job has {self.world_size}")
@@ -298,8 +297,8 @@ class TierManager:
         directory = store.step_dir(self.local_root, step)
         # rank 0 (DCP's coordinator) has the committed metadata; a failure to
         # read it reaches every rank now, not as a 30-minute wait (agree)
-        blob = exchange(self._repl_group, self.world_size, f"tiers: step {step}: reading the metadata",
-                        lambda: store.read_metadata(directory) if self.rank == 0 else None)[0]
+        blob = share(self._repl_group, 0, f"tiers: step {step}: reading the metadata",
+                     lambda: store.read_metadata(directory))
         _, layout, _ = store.decode(blob, os.path.join(directory, fmt.METADATA_NAME))
         clock.lap("metadata")
         stats = self._replicate(step, directory, layout, clock)
