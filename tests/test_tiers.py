@@ -777,7 +777,7 @@ def test_a_replica_damaged_in_flight_is_refused_and_never_named(tmp_path):
         d0, d1 = (store.step_dir(os.path.join(root, f"node{n}"), step) for n in (0, 1))
         _, layout, _ = read_checkpoint_metadata(d0)
         r0, r1 = (next(n for n, _ in layout.files if f".r{r}." in n) for r in (0, 1))
-        assert sorted(os.listdir(d1)) == sorted([".fp_dcp.meta", r1])  # no damaged replica, no temporary
+        assert sorted(os.listdir(d1)) == sorted([".fp_dcp.meta", store.MARKER_NAME, r1])  # no damaged replica, no temporary
         # the good replica is the original file, byte for byte (padding included)
         assert pathlib.Path(d0, r1).read_bytes() == pathlib.Path(d1, r1).read_bytes()
         assert pathlib.Path(d1, ".fp_dcp.meta").read_bytes() == pathlib.Path(d0, ".fp_dcp.meta").read_bytes()
