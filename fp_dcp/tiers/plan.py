@@ -82,16 +82,17 @@ def choose(step: int | None, inv: Inventory, excluded: set[int] = frozenset()) -
     """The newest step (or ``step``) not ``excluded`` whose metadata some tier
     holds and each of whose data files some tier holds at its recorded size."""
     tiers = inv.local + [inv.persistent]
-    candidates: dict[tuple[int, str], list[tuple[str, int]]] = {}
+    candidates: dict[tuple[int, str], Candidate] = {}
     for holdings in tiers:
         for s, h in holdings.items():
             if h.save_id is not None and h.meta_files is not None:
-                candidates.setdefault((s, h.save_id), h.meta_files)
-    for (s, sid), files in sorted(candidates.items(), key=lambda kv: kv[0][0], reverse=True):
-        if (step is not None and s != step) or s in excluded:
+                candidates.setdefault((s, h.save_id), Candidate(s, h.save_id, dict(h.meta_files)))
+    for c in sorted(candidates.values(), key=lambda c: c.step, reverse=True):
+        if (step is not None and c.step != step) or c.step in excluded:
             continue
-        if all(any(t.get(s) is not None and t[s].files.get(n) == z for t in tiers) for n, z in files):
-            return Candidate(s, sid, dict(files))
+        if all(any(t.get(c.step) is not None and t[c.step].files.get(n) == z for t in tiers)
+               for n, z in c.sizes.items()):
+            return c
     return None
 
 
@@ -129,7 +130,7 @@ def reads(state_dict: dict, metadata, layout: fmt.StorageLayout, planner, is_coo
             raise fmt.CheckpointFormatError(f"{item.storage_index.fqn}: the checkpoint has no extents for it")
         verified = item.type == LoadItemType.BYTE_IO or _read_whole(item, metadata, planner)
         for e in exts:
-            name = layout.files[e.file][0]
+            name = _file_name(layout, e.file)
             spans.setdefault(name, []).append((e.file_offset, e.length))
             check.setdefault(name, [])
             if not verified:
@@ -237,6 +238,11 @@ class Source(NamedTuple):
 TAKEN_SPEC = ({str: int}, [(int, str, str, int)])
 
 
+def _file_name(layout: fmt.StorageLayout, fid: int) -> str:
+    name, _ = layout.files[fid]
+    return name
+
+
 def subset_layout(layout: fmt.StorageLayout, held: Any) -> fmt.StorageLayout:
     """``layout`` with only the files ``held`` and the items whose extents
     they hold.  ``held``: file names (held whole) or ``{name: ranges}``
@@ -244,17 +250,19 @@ def subset_layout(layout: fmt.StorageLayout, held: Any) -> fmt.StorageLayout:
     ranges: Mapping = held if isinstance(held, Mapping) else {n: None for n in held}
     keep = [fid for fid, (n, _) in enumerate(layout.files) if n in ranges]
     new_id = {old: new for new, old in enumerate(keep)}
-    starts = {fid: [o for o, _ in ranges[layout.files[fid][0]]] for fid in keep
-              if ranges[layout.files[fid][0]] is not None}
+    starts = {fid: [o for o, _ in ranges[_file_name(layout, fid)]] for fid in keep
+              if ranges[_file_name(layout, fid)] is not None}
 
     def inside(e) -> bool:
         if e.file not in new_id:
             return False
         if e.file not in starts:
             return True
-        r = ranges[layout.files[e.file][0]]
         i = bisect.bisect_right(starts[e.file], e.file_offset) - 1
-        return i >= 0 and e.file_offset + e.length <= r[i][0] + r[i][1]
+        if i < 0:
+            return False
+        off, n = ranges[_file_name(layout, e.file)][i]
+        return e.file_offset + e.length <= off + n
 
     extents = {
         idx: [dataclasses.replace(e, file=new_id[e.file]) for e in exts]

@@ -162,7 +162,8 @@ def _inventory(group, world: int, rank: int, local_root: str, persistent_root: s
 
     spec = (tplan.HOLDINGS_SPEC, tplan.HOLDINGS_SPEC)
     gathered = _exchange(group, world, "restore: taking stock of the tiers", scan, spec=spec)
-    return Inventory([tplan.holdings_from_wire(g[0]) for g in gathered], tplan.holdings_from_wire(gathered[0][1]))
+    _, persistent = gathered[0]
+    return Inventory([tplan.holdings_from_wire(local) for local, _ in gathered], tplan.holdings_from_wire(persistent))
 
 
 def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str, persistent_root: str | None,
