@@ -16,7 +16,8 @@ deletes goes through here, confined beneath a directory it holds open.
   ``rmdir``, ``rename`` (``renameat`` within the root), ``sync(rel)``,
   ``sub(rel, create=False)`` (a :class:`Root` beneath), ``create_exclusive``
   (``O_CREAT | O_EXCL | O_NOFOLLOW``).
-* ``replace_bytes(rel, data, sync=True)``: atomic replace — a temporary
+* ``atomic_file(rel)`` (a context yielding the temporary's descriptor) and
+  ``replace_bytes(rel, data, sync=True)``: atomic replace — a temporary
   created with ``O_EXCL | O_NOFOLLOW`` under a name unique to the process,
   written, synced, renamed over ``rel``, the directory synced; on failure
   the temporary is removed.
@@ -28,14 +29,15 @@ deletes goes through here, confined beneath a directory it holds open.
 
 Module functions for checkpoints: :func:`read_metadata_bytes` (magic and
 length checked before the whole file is read), :func:`read_checkpoint_metadata`,
-:func:`lstat_data_file`, :func:`read_small_file` (one bounded file, e.g. a
-JSON record named by the environment).  Violations are :class:`UnsafePathError`
+:func:`lstat_data_file`, :func:`read_small_file` / :func:`open_regular` (one
+bounded regular file named by a full path: a record, a stock ``.metadata``).  Violations are :class:`UnsafePathError`
 (an ``OSError`` naming the path).  Every ``os`` call goes through this
 module's ``os`` (the crash tests replace it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -47,12 +49,13 @@ from fp_dcp import format as fmt
 
 __all__ = [
     "Root", "UnsafePathError", "NotRegularFileError", "FileTooLargeError",
-    "read_metadata_bytes", "read_checkpoint_metadata", "lstat_data_file", "read_small_file", "kind_of",
+    "read_metadata_bytes", "read_checkpoint_metadata", "lstat_data_file", "read_small_file", "open_regular",
+    "kind_of",
 ]
 
 # The largest metadata file read (its header's own bound is larger): a
 # state dict's metadata is some hundred bytes per tensor.
-_MAX_METADATA_BYTES = 1 << 31
+MAX_METADATA_BYTES = 1 << 31
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
@@ -171,6 +174,8 @@ class Root:
                 os.makedirs(self.path, exist_ok=True)
             except FileExistsError:
                 pass  # a link or a file in its place: refused by the open below
+            except OSError as e:
+                raise type(e)(e.errno, f"cannot create the directory: {e.strerror}", self.path) from None
         try:
             self.fd = os.open(self.path, flags)
         except OSError as e:
@@ -389,26 +394,26 @@ class Root:
         finally:
             os.close(fd)
 
-    def replace_bytes(self, rel: str, data: bytes | memoryview, *, sync: bool = True,
-                      tmp_name: str | None = None, mode: int = 0o644) -> None:
-        """Atomically make ``rel`` hold ``data``: a temporary (``tmp_name``,
-        else ``.<name>.<pid>.<random>.tmp``) created with ``O_EXCL |
-        O_NOFOLLOW``, written, synced, renamed over ``rel``, the directory
-        synced (``sync``).  On failure the temporary is removed."""
+    @contextlib.contextmanager
+    def atomic_file(self, rel: str, *, sync: bool = True, tmp_name: str | None = None,
+                    mode: int = 0o644) -> Iterator[tuple[int, str]]:
+        """Write a new ``rel`` atomically: yields ``(fd, temporary's path)`` of
+        a temporary (``tmp_name``, else ``.<name>.<pid>.<random>.tmp``)
+        created with ``O_EXCL | O_NOFOLLOW``; when the block ends it is synced
+        (``sync``), renamed over ``rel`` and the directory synced.  On any
+        failure the temporary is removed and ``rel`` is untouched."""
         pfd, leaf = self._parent(rel)
         try:
             tmp = tmp_name or f".{leaf}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-            tmp_path = self.join(os.path.join(os.path.dirname(rel), tmp))
+            tmp_rel = os.path.join(os.path.dirname(rel), tmp)
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
                              dir_fd=pfd)
             except OSError as e:
-                raise self._error(e, os.path.join(os.path.dirname(rel), tmp), "cannot create") from None
+                raise self._error(e, tmp_rel, "cannot create") from None
             try:
                 try:
-                    view = memoryview(data).cast("B")
-                    while view:
-                        view = view[os.write(fd, view):]
+                    yield fd, self.join(tmp_rel)
                     if sync:
                         os.fsync(fd)
                 finally:
@@ -422,12 +427,20 @@ class Root:
                 except OSError:
                     pass
                 if isinstance(e, OSError) and e.filename is None:  # os.write/fsync name no file
-                    raise type(e)(e.errno, f"cannot write: {e.strerror}", tmp_path) from None
+                    raise type(e)(e.errno, f"cannot write: {e.strerror}", self.join(tmp_rel)) from None
                 raise
             if sync:
                 os.fsync(pfd)
         finally:
             self._release(pfd)
+
+    def replace_bytes(self, rel: str, data: bytes | memoryview, *, sync: bool = True,
+                      tmp_name: str | None = None, mode: int = 0o644) -> None:
+        """Atomically make ``rel`` hold ``data`` (:meth:`atomic_file`)."""
+        with self.atomic_file(rel, sync=sync, tmp_name=tmp_name, mode=mode) as (fd, _):
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
 
     # removing
     def remove_owned(self, rel: str, owns: Callable[[str, str], bool]) -> list[str]:
@@ -544,43 +557,59 @@ def read_small_file(path: str | os.PathLike, max_bytes: int) -> bytes:
         return root.read_bytes(os.path.basename(path), max_bytes)
 
 
-def read_metadata_bytes(directory: str) -> bytes:
+def open_regular(path: str | os.PathLike, max_bytes: int | None = None) -> int:
+    """A descriptor of the regular file at ``path`` (its directory opened as
+    given, the file itself no link), opened non-blocking and checked with
+    ``fstat`` before it is returned; bounded by ``max_bytes``."""
+    path = os.fspath(path)
+    with Root(os.path.dirname(path) or ".") as root:
+        return root.open_read(os.path.basename(path), max_bytes)[0]
+
+
+def read_metadata_bytes(directory: "str | Root") -> bytes:
     """The bytes of ``directory``'s metadata file, opened without following a
     symbolic link, its magic and length checked before the whole is read.
     A missing file is a ``FileNotFoundError`` that says what the directory
     holds instead (a stock checkpoint, an interrupted save, nothing)."""
-    path = os.path.join(directory, fmt.METADATA_NAME)
+    if isinstance(directory, Root):
+        return _read_metadata(directory)
     try:
         root = Root(directory)
     except (FileNotFoundError, NotADirectoryError):
         raise FileNotFoundError(2, "no checkpoint directory here", directory) from None
     with root:
-        try:
-            fd, st = root.open_read(fmt.METADATA_NAME, _MAX_METADATA_BYTES)
-        except FileNotFoundError:
-            _explain_missing(root, directory, path)
-            raise
-        except NotRegularFileError:
+        return _read_metadata(root)
+
+
+def _read_metadata(root: Root) -> bytes:
+    directory = root.path
+    path = os.path.join(directory, fmt.METADATA_NAME)
+    try:
+        fd, st = root.open_read(fmt.METADATA_NAME, MAX_METADATA_BYTES)
+    except FileNotFoundError:
+        _explain_missing(root, directory, path)
+        raise
+    except NotRegularFileError:
+        raise fmt.CheckpointFormatError(
+            f"{path}: the metadata is not a regular file (a FIFO, device or directory); fp_dcp "
+            f"writes a regular file") from None
+    except FileTooLargeError:
+        raise fmt.CheckpointFormatError(f"{path}: metadata file of {root.lstat(fmt.METADATA_NAME).st_size} "
+                                        f"bytes is too large") from None
+    except UnsafePathError:
+        raise fmt.CheckpointFormatError(
+            f"{path}: the metadata file is a symbolic link; fp_dcp never writes one and does not "
+            f"follow it out of the checkpoint directory") from None
+    try:
+        head = os.pread(fd, fmt.HEADER_SIZE, 0)
+        _, _, length = fmt.read_header(head, path)
+        if st.st_size != fmt.HEADER_SIZE + length:
             raise fmt.CheckpointFormatError(
-                f"{path}: the metadata is not a regular file (a FIFO, device or directory); fp_dcp "
-                f"writes a regular file") from None
-        except UnsafePathError:
-            raise fmt.CheckpointFormatError(
-                f"{path}: the metadata file is a symbolic link; fp_dcp never writes one and does not "
-                f"follow it out of the checkpoint directory") from None
-        except FileTooLargeError:
-            raise fmt.CheckpointFormatError(f"{path}: metadata file of {root.lstat(fmt.METADATA_NAME).st_size} "
-                                            f"bytes is too large") from None
-        try:
-            head = os.pread(fd, fmt.HEADER_SIZE, 0)
-            _, _, length = fmt.read_header(head, path)
-            if st.st_size != fmt.HEADER_SIZE + length:
-                raise fmt.CheckpointFormatError(
-                    f"{path}: metadata is truncated or has trailing bytes (file {st.st_size} bytes, its "
-                    f"header says {fmt.HEADER_SIZE + length}); the checkpoint is incomplete or damaged")
-            return _read_fd(fd, st.st_size, fmt.HEADER_SIZE + length, path)
-        finally:
-            os.close(fd)
+                f"{path}: metadata is truncated or has trailing bytes (file {st.st_size} bytes, its "
+                f"header says {fmt.HEADER_SIZE + length}); the checkpoint is incomplete or damaged")
+        return _read_fd(fd, st.st_size, fmt.HEADER_SIZE + length, path)
+    finally:
+        os.close(fd)
 
 
 def _explain_missing(root: Root, directory: str, path: str) -> None:
