@@ -339,3 +339,36 @@ def test_a_fifo_in_the_persistent_step_fails_the_drain_and_close_returns(tmp_pat
     assert not ok and len(errors) == 2, errors
     want = f"{d}/{fmt.METADATA_NAME}: a FIFO" if owned else f"{d}: a directory of that name"
     assert all(want in e for e in errors), errors
+
+
+def _restore_expecting_error_one(rank, world_size, root):
+    from fp_dcp import TierManager
+
+    mgr = TierManager(os.path.join(root, "node{node}"), None, replicas=0, ranks_per_node=1)
+    try:
+        mgr.restore({"w0": _state(0)["w0"].clone(), "step": -1})
+    except Exception as e:  # noqa: BLE001 - the test checks which error
+        return f"{type(e).__name__}: {e}"
+    finally:
+        mgr.close()
+    return "restored"
+
+
+@pytest.mark.parametrize("planted", ["folder", "link"])
+def test_a_restore_folder_that_is_not_the_tiers_is_refused(tmp_path, planted):
+    """``<local root>/.restore`` is a folder of the user's, or a link to
+    one: the restore fails naming it and removes nothing there."""
+    root = str(tmp_path)
+    run_ranks(1, _save_two, root, timeout=120)
+    outside = tmp_path / "outside"
+    _plant(str(outside / "precious.txt"))
+    target = os.path.join(root, "node0", ".restore")
+    if planted == "link":
+        os.symlink(str(outside), target)
+    else:
+        _plant(os.path.join(target, "precious.txt"))
+    before = _snapshot(str(outside), target)
+    message = run_ranks(1, _restore_expecting_error_one, root, timeout=120)[0]
+    assert message.startswith("TierRestoreError: restore: preparing the restore directory failed on rank 0: "
+                              "TierPathError: " + target), message
+    _assert_untouched(before)

@@ -174,9 +174,13 @@ def _remove_uncommitted(dest: str, layout: fmt.StorageLayout, rank: int) -> None
     committed metadata there names them."""
     if _committed_save_id(dest) == layout.save_id:
         return
-    for name in (layout.files[fid][0] for fid in files_of_rank(layout, rank)):
-        for path in (os.path.join(dest, name), os.path.join(dest, name) + store.TMP_SUFFIX):
-            store.unlink_in(path)
+    mine = {name for name, _ in (layout.files[fid] for fid in files_of_rank(layout, rank))}
+    with store.opened(dest) as d:
+        for entry, kind in d.entries():
+            base = entry.split(".", 3)[:3]  # <save_id>.r<rank>.<k>, of a data file or of its temporaries
+            if kind == "file" and (entry in mine or (entry.endswith(store.TMP_SUFFIX)
+                                                     and ".".join(base) + fmt.DATA_SUFFIX in mine)):
+                d.unlink(entry)
 
 
 def _tidy(root: str, dest: str, step: int, layout: fmt.StorageLayout, keep: int | None) -> None:
