@@ -105,7 +105,12 @@ def opened(path: str, *, user: bool = False) -> Iterator[files.Root]:
     try:
         root = files.Root(path, follow=user)
     except (files.UnsafePathError, NotADirectoryError):
-        raise _refused(path, "a symbolic link or not a directory where a directory belongs") from None
+        try:
+            with files.Root(os.path.dirname(path) or ".") as parent:
+                kind = _kind(parent, os.path.basename(path))
+        except OSError:
+            kind = "not a directory"
+        raise _refused(path, kind) from None
     with root:
         yield root
 
