@@ -132,7 +132,7 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
         done = _committed_save_id(dest) == layout.save_id
         if not done:
             for fid in files_of_rank(layout, rank):
-                name = layout.files[fid][0]
+                name, _ = layout.files[fid]
                 copied += io.copy(os.path.join(local_dir, name), os.path.join(dest, name), layout, fid, sync)
                 _point(f"copied {name}")
             if sync:
@@ -163,8 +163,8 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
 
 def _committed_save_id(directory: str) -> str | None:
     try:
-        blob = store.read_metadata(directory)
-        return store.decode(blob, directory)[1].save_id
+        _, layout, _ = store.decode(store.read_metadata(directory), directory)
+        return layout.save_id
     except (OSError, fmt.CheckpointFormatError):
         return None
 

@@ -354,7 +354,7 @@ class TierManager:
         under a temporary name and renamed only then."""
         fid_of = {n: i for i, (n, _) in enumerate(layout.files)}
         transfers = [
-            Transfer(src, dst, layout.files[fid][0], layout.files[fid][1])
+            Transfer(src, dst, *layout.files[fid])  # (name, size)
             for src, dst in self.topology.replication_pairs(self.replicas)
             for fid in drain.files_of_rank(layout, src)
         ]
