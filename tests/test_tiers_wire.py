@@ -56,6 +56,23 @@ def test_decode_checks_shape_and_refuses_what_is_not_plain_json():
         wire.encode(float("nan"))
 
 
+def test_no_pickling_collective_in_the_tiers():
+    """The tiers' modules call none of torch.distributed's ``*_object``
+    collectives (they pickle): every exchange goes through fp_dcp.wire."""
+    import ast
+    import pathlib
+
+    import fp_dcp
+
+    package = pathlib.Path(fp_dcp.__file__).parent
+    found = []
+    for path in sorted((package / "tiers").glob("*.py")) + sorted(package.glob("wire.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and (node.attr.endswith("_object") or node.attr.endswith("_object_list")):
+                found.append(f"{path.name}:{node.lineno}: {node.attr}")
+    assert found == []
+
+
 # ------------------------------------------------------------ two ranks
 
 
