@@ -41,8 +41,12 @@ Short transfers, the corruptions, rotation and the attacks (the tests of
   job drains again and leaves nothing uncommitted behind.
 * attacks: every attack of ``tests/test_security.py`` (pickled payloads,
   metadata naming files outside the checkpoint, planted symbolic links,
-  native-layer overflows, the metadata fuzzer): no code runs, nothing outside
-  the checkpoint is read, written or deleted.
+  native-layer overflows, the metadata fuzzer) and of the tiers
+  (``tests/test_tiers_attacks.py``, ``tests/test_tiers_wire.py``: foreign
+  checkpoints and folders in the tiers' roots, step folders planted as
+  links, second spellings of a step, FIFOs, lying peers): no code runs,
+  nothing outside the checkpoint or not the tiers' is read, written or
+  deleted, and no rank waits on a FIFO or a peer.
 
 ``--bench-checksums`` measures save and load throughput with checksums on and
 off in the same run (alternating, cold cache for loads), through DCP, and
@@ -380,12 +384,40 @@ def attacks(m: Matrix, base: str, quick: bool) -> None:
               for p in ("data", "metadata", "subdir")]
     cases += [(f"test_native_layer_rejects_offsets_that_would_overflow[{o}]",
                ts.test_native_layer_rejects_offsets_that_would_overflow, {"offset": o}) for o in (1 << 62, (1 << 63) - 4096)]
+    cases += _tier_attacks()
     print(f"attacks: {len(cases) + 1} cases", flush=True)
     for name, fn, kw in cases:
         with m.case("attacks", name):
-            fn(Path(tempfile.mkdtemp(dir=base)), **kw)
+            if "tmp_path" in inspect.signature(fn).parameters:
+                kw = {"tmp_path": Path(tempfile.mkdtemp(dir=base)), **kw}
+            fn(**kw)
     with m.case("attacks", "metadata fuzzer (load, inspect, verify, rotation)"):
         ts.test_fuzzed_metadata_never_escapes_the_checkpoint(pristine=ts.make_pristine(Path(tempfile.mkdtemp(dir=base))))
+
+
+def _tier_attacks() -> list:
+    """Every test of tests/test_tiers_attacks.py and tests/test_tiers_wire.py
+    (foreign folders and checkpoints in the tiers' roots, planted links,
+    second spellings of a step, FIFOs, lying peers), each parameter a case."""
+    import inspect
+
+    from tests import test_tiers_attacks, test_tiers_wire
+
+    cases = []
+    for module in (test_tiers_attacks, test_tiers_wire):
+        for name, fn in vars(module).items():
+            if not name.startswith("test_") or set(inspect.signature(fn).parameters) - {"tmp_path", *_params(fn)}:
+                continue
+            grid = [{}]
+            for mark in getattr(fn, "pytestmark", []):
+                if mark.name == "parametrize":
+                    grid = [{**g, mark.args[0]: v} for g in grid for v in mark.args[1]]
+            cases += [(f"{name}[{'-'.join(map(str, g.values()))}]" if g else name, fn, g) for g in grid]
+    return cases
+
+
+def _params(fn) -> list[str]:
+    return [m.args[0] for m in getattr(fn, "pytestmark", []) if m.name == "parametrize"]
 
 
 # ------------------------------------------------------------------ concurrency and rotation

@@ -23,8 +23,6 @@ FORBIDDEN = {
     "builtins": {"open"},
 }
 
-_TIERS_PENDING = "TODO(tiers): the tier stores, drain and restore move onto fp_dcp.files; remove when they have"
-
 # (module, call) -> why it may touch a path itself
 ALLOWED = {
     ("engine.py", "open"): "reads sysfs (queue/max_sectors_kb), not a checkpoint path",
@@ -39,25 +37,8 @@ ALLOWED = {
     ("tools/cli.py", "os.scandir"): "names only, for an error message's hint; opens nothing",
     ("tools/cli.py", "os.listdir"): "names only, for an error message's hint; opens nothing",
     ("tuning.py", "open"): "reads sysfs and /proc/cpuinfo, not a checkpoint path",
-    ("tiers/drain.py", "os.makedirs"): _TIERS_PENDING,
-    ("tiers/drain.py", "os.scandir"): _TIERS_PENDING,
-    ("tiers/drain.py", "os.unlink"): _TIERS_PENDING,
-    ("tiers/integrity.py", "os.open"): _TIERS_PENDING,
-    ("tiers/integrity.py", "os.replace"): _TIERS_PENDING,
-    ("tiers/integrity.py", "os.unlink"): _TIERS_PENDING,
-    ("tiers/manager.py", "os.makedirs"): _TIERS_PENDING,
-    ("tiers/replicate.py", "os.replace"): _TIERS_PENDING,
-    ("tiers/replicate.py", "os.unlink"): _TIERS_PENDING,
-    ("tiers/restore.py", "os.link"): _TIERS_PENDING,
-    ("tiers/restore.py", "shutil.copyfile"): _TIERS_PENDING,
-    ("tiers/restore.py", "shutil.rmtree"): _TIERS_PENDING,
-    ("tiers/restore.py", "os.makedirs"): _TIERS_PENDING,
-    ("tiers/restore.py", "os.unlink"): _TIERS_PENDING,
-    ("tiers/store.py", "os.open"): _TIERS_PENDING,
-    ("tiers/store.py", "os.replace"): _TIERS_PENDING,
-    ("tiers/store.py", "shutil.rmtree"): _TIERS_PENDING,
-    ("tiers/store.py", "os.scandir"): _TIERS_PENDING,
-    ("tiers/store.py", "os.unlink"): _TIERS_PENDING,
+    ("tiers/restore.py", "os.link"): "a hard link between two directories held open (src_dir_fd, "
+                                     "dst_dir_fd), the file itself not followed",
 }
 
 

@@ -205,7 +205,8 @@ def test_a_crafted_metadata_names_nothing_outside_a_step(tmp_path, name):
     blob = fmt.encode_metadata(md, layout, extra)
     with pytest.raises(fmt.CheckpointFormatError, match="^crafted: .*(bad data file name|not a plain file name)"):
         store.decode(blob, "crafted")
-    step.mkdir(parents=True)
+    root.mkdir()
+    store.claim_step(str(root), 7)
     (step / fmt.METADATA_NAME).write_bytes(blob)
     assert store.scan(str(root))[7].save_id is None  # counted as absent: never restored or drained
 
@@ -216,11 +217,10 @@ def test_retention_keeps_newest_committed_and_pinned(tmp_path):
 
     root = str(tmp_path)
     for s in (1, 2, 3, 4, 5):
-        d = store.step_dir(root, s)
-        os.makedirs(d)
+        d = store.claim_step(root, s)  # the tiers' own (marked)
         if s != 5:  # step 5: a save in progress
             open(os.path.join(d, fmt.METADATA_NAME), "wb").close()
-    os.makedirs(store.step_dir(root, 0))  # an old save that never committed
+    store.claim_step(root, 0)  # an old save that never committed
     removed = store.retain(root, 2, pinned={2})
     assert sorted(s for s, _ in store.steps(root)) == [2, 3, 4, 5]
     assert len(removed) == 2
@@ -236,8 +236,7 @@ def test_retention_does_not_count_steps_after_the_newest_replicated(tmp_path):
 
     root = str(tmp_path)
     for s in (1, 2, 3, 4):
-        d = store.step_dir(root, s)
-        os.makedirs(d)
+        d = store.claim_step(root, s)
         open(os.path.join(d, fmt.METADATA_NAME), "wb").close()
     assert len(store.retain(root, 1, newest=3)) == 2
     assert sorted(s for s, _ in store.steps(root)) == [3, 4]
@@ -778,7 +777,7 @@ def test_a_replica_damaged_in_flight_is_refused_and_never_named(tmp_path):
         d0, d1 = (store.step_dir(os.path.join(root, f"node{n}"), step) for n in (0, 1))
         _, layout, _ = read_checkpoint_metadata(d0)
         r0, r1 = (next(n for n, _ in layout.files if f".r{r}." in n) for r in (0, 1))
-        assert sorted(os.listdir(d1)) == sorted([".fp_dcp.meta", r1])  # no damaged replica, no temporary
+        assert sorted(os.listdir(d1)) == sorted([".fp_dcp.meta", store.MARKER_NAME, r1])  # no damaged replica, no temporary
         # the good replica is the original file, byte for byte (padding included)
         assert pathlib.Path(d0, r1).read_bytes() == pathlib.Path(d1, r1).read_bytes()
         assert pathlib.Path(d1, ".fp_dcp.meta").read_bytes() == pathlib.Path(d0, ".fp_dcp.meta").read_bytes()
@@ -835,14 +834,14 @@ def _metadata_unreadable_on_rank0(rank, world_size, root):
     from fp_dcp.tiers.agree import TierError
 
     if rank == 0:
-        read = manager_module.read_metadata_bytes
+        read = manager_module.store.read_metadata
 
         def failing(directory):
             if directory.endswith(os.path.basename(manager_module.store.step_dir("", 2))):
                 raise OSError(f"{directory}: injected read failure")
             return read(directory)
 
-        manager_module.read_metadata_bytes = failing
+        manager_module.store.read_metadata = failing
     mgr = TierManager(os.path.join(root, "node{node}"), None, replicas=1, ranks_per_node=1)
     errors = []
     try:

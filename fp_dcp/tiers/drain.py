@@ -29,15 +29,11 @@ import re
 import time
 from typing import Callable
 
-import torch.distributed as dist
-
 from fp_dcp import format as fmt
-from fp_dcp.files import read_metadata_bytes
+from fp_dcp import wire
 from fp_dcp.options import FastPersistOptions
-from fp_dcp.save.commit import sync_directory
 from fp_dcp.tiers import integrity, store
 from fp_dcp.tiers.replicate import FileIO, file_io_for
-from fp_dcp.tools.rotation import keep_last
 
 __all__ = ["DrainResult", "DrainIO", "drain_step", "files_of_rank"]
 
@@ -124,26 +120,27 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
             io.close()
     t0 = time.perf_counter()
     dest = store.step_dir(persistent_root, step)
-    done = False
+    done = claimed = False
     copied = 0
     error = blob = layout = None
     try:  # any failure here is this rank's outcome: the others must still meet it below
         _point(f"start {step}")
-        blob = read_metadata_bytes(local_dir)
+        blob = store.read_metadata(local_dir)
         _, layout, _ = store.decode(blob, os.path.join(local_dir, fmt.METADATA_NAME))
+        store.claim_step(persistent_root, step)  # a link or a folder the tiers did not make there: refused
+        claimed = True
         done = _committed_save_id(dest) == layout.save_id
         if not done:
-            os.makedirs(dest, exist_ok=True)
             for fid in files_of_rank(layout, rank):
-                name = layout.files[fid][0]
+                name, _ = layout.files[fid]
                 copied += io.copy(os.path.join(local_dir, name), os.path.join(dest, name), layout, fid, sync)
                 _point(f"copied {name}")
             if sync:
-                sync_directory(dest)
+                with store.opened(dest) as d:
+                    d.sync()
     except Exception as e:  # noqa: BLE001 - every rank learns it below
         error = f"rank {rank}: {e}"
-    outcomes: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(outcomes, (error, done), group=group)
+    outcomes = wire.gather((error, done), (wire.maybe(str), bool), group, what=f"drain of step {step}: outcomes")
     first = next((e for e, _ in outcomes if e is not None), None)
     done = first is None and all(d for _, d in outcomes)
     if not done:
@@ -155,18 +152,19 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
                 _tidy(persistent_root, dest, step, layout, keep)
             except Exception as e:  # noqa: BLE001
                 first = f"rank 0: committing {dest}: {e}"
-        elif first is not None and layout is not None:
-            _remove_uncommitted(dest, layout, rank)
-        verdict = [first]
-        dist.broadcast_object_list(verdict, group_src=0, group=group)
-        first = verdict[0]
+        elif first is not None and claimed:
+            try:
+                _remove_uncommitted(dest, layout, rank)
+            except Exception as e:  # noqa: BLE001 - every rank still meets the broadcast below
+                first = f"{first}; rank {rank}: removing what it copied: {e}"
+        first, _ = wire.broadcast(first, wire.maybe(str), 0, group, what=f"drain of step {step}: the commit")
     return DrainResult(step, first is None, copied, time.perf_counter() - t0, first, skipped=done)
 
 
 def _committed_save_id(directory: str) -> str | None:
     try:
-        blob = read_metadata_bytes(directory)
-        return store.decode(blob, directory)[1].save_id
+        _, layout, _ = store.decode(store.read_metadata(directory), directory)
+        return layout.save_id
     except (OSError, fmt.CheckpointFormatError):
         return None
 
@@ -176,24 +174,28 @@ def _remove_uncommitted(dest: str, layout: fmt.StorageLayout, rank: int) -> None
     committed metadata there names them."""
     if _committed_save_id(dest) == layout.save_id:
         return
-    for name in (layout.files[fid][0] for fid in files_of_rank(layout, rank)):
-        for path in (os.path.join(dest, name), os.path.join(dest, name) + store.TMP_SUFFIX):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+    mine = {name for name, _ in (layout.files[fid] for fid in files_of_rank(layout, rank))}
+    with store.opened(dest) as d:
+        for entry, kind in d.entries():
+            base = entry.split(".", 3)[:3]  # <save_id>.r<rank>.<k>, of a data file or of its temporaries
+            if kind == "file" and (entry in mine or (entry.endswith(store.TMP_SUFFIX)
+                                                     and ".".join(base) + fmt.DATA_SUFFIX in mine)):
+                d.unlink(entry)
 
 
 def _tidy(root: str, dest: str, step: int, layout: fmt.StorageLayout, keep: int | None) -> None:
     """After a commit: stale files of ``dest`` (an earlier save of the same
-    step), older step directories that never committed (drains that died),
-    and committed ones beyond ``keep``."""
+    step), older step directories of the tiers' that never committed (drains
+    that died), and committed ones beyond ``keep``.  Only what the tiers own
+    (``store``): a user's checkpoint or folder in the root is never touched."""
     names = {name for name, _ in layout.files}
-    for e in os.scandir(dest):
-        if (e.name.endswith(fmt.DATA_SUFFIX) and e.name not in names) or e.name.endswith(store.TMP_SUFFIX):
-            os.unlink(e.path)
-    for s, path in store.steps(root):
-        if s < step and not os.path.lexists(os.path.join(path, fmt.METADATA_NAME)):
-            store.remove_step(path)
+    with store.opened(dest) as d:
+        for name, kind in d.entries():
+            stale = (name.endswith(fmt.DATA_SUFFIX) and name not in names) or name.endswith(store.TMP_SUFFIX)
+            if stale and kind == "file":
+                d.unlink(name)
+    for s, path in store.owned_steps(root):
+        if s < step and not store.has_metadata(path):
+            store.remove_owned(root, s)
     if keep is not None:
-        keep_last(root, keep)
+        store.retain(root, keep)

@@ -22,13 +22,15 @@ import bisect
 import dataclasses
 import errno
 import os
+import uuid
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from fp_dcp import _native
+from fp_dcp import _native, files
 from fp_dcp import format as fmt
 from fp_dcp.checksums import crc_array, item_name
+from fp_dcp.tiers import store
 
 __all__ = ["IntegrityError", "check_buffer", "check_file", "copy_checked",
            "extent_ranges", "ranges_bytes", "split_ranges"]
@@ -191,48 +193,57 @@ def copy_checked(src: str, dst: str | None, layout: fmt.StorageLayout, fid: int,
     """Copy data file ``fid`` from ``src`` to ``dst`` (a temporary beside it,
     renamed when every piece passed; ``None``: only check), checking every
     piece on the way.  ``ranges``: copy only those (the rest of ``dst`` a
-    hole, its size the recorded one).  Returns the bytes read."""
-    size = layout.files[fid][1]
-    block = layout.checksum_block_bytes or (1 << 20)
+    hole, its size the recorded one).  Returns the bytes read.  Both
+    directories must be real ones and ``src`` a regular file, opened
+    without following a link or blocking (:mod:`fp_dcp.files`)."""
+    with store.opened(os.path.dirname(src)) as sdir:
+        try:
+            fd, _ = sdir.open_read(os.path.basename(src))
+        except FileNotFoundError:
+            raise IntegrityError(src, "missing") from None
+        except files.UnsafePathError:
+            raise IntegrityError(src, "a symbolic link or not a regular file (a FIFO, a device); never read") \
+                from None
     try:
-        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise IntegrityError(src, "missing") from None
-    out = None
-    tmp = None if dst is None else dst + ".tier-tmp"
-    read = 0
-    try:
-        if tmp is not None:
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-            os.ftruncate(out, size)
-        buf = np.empty(min(size, max(_PIECE, block)) or 1, dtype=np.uint8)
-        for p, _ in _pieces_in(layout, fid, ranges, src):
-            view = memoryview(buf)[: p.length]
+        if dst is None:
+            return _copy_pieces(fd, None, src, layout, fid, ranges)
+        with store.opened(os.path.dirname(dst)) as ddir:
+            name = os.path.basename(dst)
+            tmp = f"{name}.{uuid.uuid4().hex[:12]}{store.TMP_SUFFIX}"
+            out = ddir.create_exclusive(tmp)
             try:
-                _pread_full(fd, view, p.offset, src)
-            except IntegrityError:
-                raise IntegrityError(src, f"short: the checkpoint recorded {size} bytes") from None
-            read += p.length
-            _check(p, view, block, src)
-            if out is not None:
-                w = 0
-                while w < p.length:
-                    w += os.pwrite(out, view[w:], p.offset + w)
-        if out is not None:
-            if sync:
-                os.fsync(out)
-            os.close(out)
-            out = None
-            os.replace(tmp, dst)
-        return read
-    except BaseException:
-        if out is not None:
-            os.close(out)
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-        raise
+                try:
+                    os.ftruncate(out, layout.files[fid][1])
+                    read = _copy_pieces(fd, out, src, layout, fid, ranges)
+                    if sync:
+                        os.fsync(out)
+                finally:
+                    os.close(out)
+                ddir.rename(tmp, name)
+            except BaseException:
+                ddir.unlink(tmp)
+                raise
+            return read
     finally:
         os.close(fd)
+
+
+def _copy_pieces(fd: int, out: int | None, src: str, layout: fmt.StorageLayout, fid: int,
+                 ranges: Ranges | None) -> int:
+    size = layout.files[fid][1]
+    block = layout.checksum_block_bytes or (1 << 20)
+    buf = np.empty(min(size, max(_PIECE, block)) or 1, dtype=np.uint8)
+    read = 0
+    for p, _ in _pieces_in(layout, fid, ranges, src):
+        view = memoryview(buf)[: p.length]
+        try:
+            _pread_full(fd, view, p.offset, src)
+        except IntegrityError:
+            raise IntegrityError(src, f"short: the checkpoint recorded {size} bytes") from None
+        read += p.length
+        _check(p, view, block, src)
+        if out is not None:
+            w = 0
+            while w < p.length:
+                w += os.pwrite(out, view[w:], p.offset + w)
+    return read

@@ -49,12 +49,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from fp_dcp import FastPersistOptions, FastPersistWriter
+from fp_dcp import FastPersistOptions, FastPersistWriter, wire
 from fp_dcp import format as fmt
-from fp_dcp.files import read_metadata_bytes
-from fp_dcp.save.commit import sync_directory
+from fp_dcp import files as _files
 from fp_dcp.tiers import drain, integrity, restore as _restore, store
-from fp_dcp.tiers.agree import exchange
+from fp_dcp.tiers.agree import exchange, share
 from fp_dcp.tiers.replicate import FileIO, Transfer, file_io_for, run_transfers
 from fp_dcp.tiers.topology import Topology, ranks_per_node_from_env
 
@@ -127,8 +126,7 @@ class TierManager:
             if k is not None:
                 topology = Topology.by_ranks_per_node(self.world_size, k)
             else:
-                hosts: list = [None] * self.world_size
-                dist.all_gather_object(hosts, socket.gethostname())
+                hosts = wire.gather(socket.gethostname(), str, what="tiers: host names")
                 topology = Topology.by_host(hosts)
         if topology.world_size != self.world_size:
             raise ValueError(f"the topology places {topology.world_size} ranks; the job has {self.world_size}")
@@ -152,7 +150,7 @@ class TierManager:
         if base.data_dirs:
             raise ValueError("TierManager: each node's local root is its data directory; leave data_dirs empty")
         self.options = base
-        os.makedirs(self.local_root, exist_ok=True)
+        _files.Root(self.local_root, create=True).close()
         nice = functools.partial(_lower_priority, background_nice)
         # One gloo group per background thread (and one for the NCCL
         # transport).  They are made on a thread at the background's nice
@@ -196,8 +194,7 @@ class TierManager:
         if self._closed:
             raise RuntimeError("TierManager is closed")
         self._reap(keep=BEHIND)
-        directory = store.step_dir(self.local_root, step)
-        os.makedirs(directory, exist_ok=True)
+        store.claim_step(self.local_root, step)  # a link or a folder the tiers did not make there: refused
         # What dcp.async_save does, with the save on the manager's own
         # (low-priority) thread: the writer stages (lazy: a future), then
         # dcp.save writes the staged copy; the replicator takes it from there.
@@ -300,8 +297,8 @@ class TierManager:
         directory = store.step_dir(self.local_root, step)
         # rank 0 (DCP's coordinator) has the committed metadata; a failure to
         # read it reaches every rank now, not as a 30-minute wait (agree)
-        blob = exchange(self._repl_group, self.world_size, f"tiers: step {step}: reading the metadata",
-                        lambda: read_metadata_bytes(directory) if self.rank == 0 else None)[0]
+        blob = share(self._repl_group, 0, f"tiers: step {step}: reading the metadata",
+                     lambda: store.read_metadata(directory))
         _, layout, _ = store.decode(blob, os.path.join(directory, fmt.METADATA_NAME))
         clock.lap("metadata")
         stats = self._replicate(step, directory, layout, clock)
@@ -357,7 +354,7 @@ class TierManager:
         under a temporary name and renamed only then."""
         fid_of = {n: i for i, (n, _) in enumerate(layout.files)}
         transfers = [
-            Transfer(src, dst, layout.files[fid][0], layout.files[fid][1])
+            Transfer(src, dst, *layout.files[fid])  # (name, size)
             for src, dst in self.topology.replication_pairs(self.replicas)
             for fid in drain.files_of_rank(layout, src)
         ]
@@ -385,7 +382,8 @@ class TierManager:
         stats, failed = run_transfers(transfers, self.rank, self._bytes_group, read, receive,
                                       receive_buffer=lambda t: files.buffer(t.size))
         if stats["received_bytes"] and sync:
-            sync_directory(directory)  # the replicas' names
+            with store.opened(directory) as d:
+                d.sync()  # the replicas' names
         for t, why in failed.items():
             self._report(f"step {step}: replica of {t.name} (rank {t.src} -> rank {t.dst}) failed: {why}")
         clock.lap("replicate")

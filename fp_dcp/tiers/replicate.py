@@ -35,11 +35,11 @@ step pays them every step.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import os
 import stat
+import uuid
 from typing import Callable, Sequence
 
 import numpy as np
@@ -49,6 +49,7 @@ import torch.distributed as dist
 from fp_dcp import _native
 from fp_dcp.engine import IOSession
 from fp_dcp.options import FastPersistOptions
+from fp_dcp.tiers import store
 from fp_dcp.tiers.store import TMP_SUFFIX
 
 __all__ = ["Transfer", "run_transfers", "group_device", "FileIO", "file_io_for"]
@@ -169,50 +170,75 @@ class FileIO:
 
     def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]], role: str = "read") -> np.ndarray:
         """The bytes of ``ranges`` (``(offset, length)`` pairs) of the file
-        ``path`` (no link followed), concatenated, in this role's buffer;
-        OSError when the file ends before them."""
+        ``path`` (no link followed, a regular file), concatenated, in this
+        role's buffer; OSError when the file ends before them."""
         total = sum(n for _, n in ranges)
         data = self.buffer(total, role)
-        st = os.stat(path, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.ELOOP, "not a regular file", path)
-        end = max((o + n for o, n in ranges), default=0)
-        if st.st_size < end:
-            raise OSError(errno.EIO, f"{st.st_size} bytes, the checkpoint recorded at least {end}", path)
-        pieces = [(o, n) for o, n in ranges if n]
-        if pieces:
-            views, at = [], 0
-            for _, n in pieces:
-                views.append(data[at: at + n])
-                at += n
-            self.session.read([path], np.zeros(len(pieces), np.int64), np.array([o for o, _ in pieces], np.int64),
-                              views)
+        fd = self._open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file (a FIFO, a device); never read", path)
+            end = max((o + n for o, n in ranges), default=0)
+            if st.st_size < end:
+                raise OSError(errno.EIO, f"{st.st_size} bytes, the checkpoint recorded at least {end}", path)
+            pieces = [(o, n) for o, n in ranges if n]
+            if pieces:
+                views, at = [], 0
+                for _, n in pieces:
+                    views.append(data[at: at + n])
+                    at += n
+                self.session.engine.read([fd], [path], np.zeros(len(pieces), np.int64),
+                                         np.array([o for o, _ in pieces], np.int64), views,
+                                         coalesce_gap=self.options.coalesce_gap_bytes)
+        finally:
+            os.close(fd)
         return data
 
-    def write(self, path: str, data: np.ndarray, sync: bool) -> None:
-        """``data`` as the whole file ``path`` (created or truncated; no
-        link followed), synced when ``sync``."""
-        with self.session.open_files([path], "w") as fds:
+    def _open(self, path: str, flags: int) -> int:
+        """``path`` opened beneath its directory (a real one, no link
+        followed: :mod:`fp_dcp.files`), with O_DIRECT when the session uses
+        it (buffered where the file system refuses it)."""
+        directory, name = os.path.split(path)
+        with store.opened(directory) as d:
+            if self.session.direct:
+                try:
+                    return d.open_fd(name, flags | os.O_DIRECT)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+            return d.open_fd(name, flags)
+
+    def write(self, path: str, data: np.ndarray, sync: bool, *, new: bool = False) -> None:
+        """``data`` as the whole file ``path`` (created or truncated, or with
+        ``new`` created only where nothing is; no link followed), synced
+        when ``sync``."""
+        fd = self._open(path, os.O_WRONLY | os.O_CREAT | (os.O_EXCL if new else os.O_TRUNC))
+        try:
             if len(data):
-                self.session.write_fds(fds, [path], np.zeros(1, np.int64), np.zeros(1, np.int64), [data],
+                self.session.write_fds([fd], [path], np.zeros(1, np.int64), np.zeros(1, np.int64), [data],
                                        sync=sync)
-            if os.fstat(fds[0]).st_size != len(data):  # O_DIRECT pads the last block to the alignment
-                os.ftruncate(fds[0], len(data))
+            if os.fstat(fd).st_size != len(data):  # O_DIRECT pads the last block to the alignment
+                os.ftruncate(fd, len(data))
                 if sync:
-                    os.fsync(fds[0])
+                    os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def write_named(self, path: str, data: np.ndarray, sync: bool) -> None:
-        """:meth:`write` under a temporary name beside ``path``, renamed over
-        it only when whole (and synced when ``sync``): a reader never takes
-        a half-written file for a data file.  The temporary is removed on
-        failure."""
-        tmp = path + TMP_SUFFIX
+        """:meth:`write` under a new temporary name beside ``path``, renamed
+        over it only when whole (and synced when ``sync``): a reader never
+        takes a half-written file for a data file.  The temporary is removed
+        on failure."""
+        directory, name = os.path.split(path)
+        tmp = f"{name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
         try:
-            self.write(tmp, data, sync)
-            os.replace(tmp, path)
+            self.write(os.path.join(directory, tmp), data, sync, new=True)
+            with store.opened(directory) as d:
+                d.rename(tmp, name)
         except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            with store.opened(directory) as d:
+                d.unlink(tmp)
             raise
 
     def close(self) -> None:

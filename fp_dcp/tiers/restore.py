@@ -60,41 +60,32 @@ leaving the others in a collective until the group's timeout.
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
 import dataclasses
 import functools
 import os
-import shutil
 import time
 import zlib
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Callable
-
-import numpy as np
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType
 
-from fp_dcp import FastPersistOptions, FastPersistReader
+from fp_dcp import FastPersistOptions, FastPersistReader, wire
 from fp_dcp import format as fmt
-from fp_dcp.files import read_metadata_bytes
-from fp_dcp.load.jobs import whole_chunk_read
-from fp_dcp.tiers import integrity, store
-from fp_dcp.tiers.agree import TierError, exchange
-from fp_dcp.tiers.integrity import extent_ranges, ranges_bytes
-from fp_dcp.tiers.replicate import FileIO, Transfer, run_transfers
+from fp_dcp.tiers import integrity, plan as tplan, store
+from fp_dcp.tiers.agree import TierError, exchange, share
+from fp_dcp.tiers.integrity import ranges_bytes
+from fp_dcp.tiers.moves import ReplicaMoves
+from fp_dcp.tiers.plan import TIERS, Candidate, Failure, Inventory, Need, Pick, Source, subset_layout
+from fp_dcp.tiers.replicate import FileIO
 from fp_dcp.tiers.topology import Topology
 
-__all__ = ["RestoreResult", "restore", "TierRestoreError"]
-
-TIERS = ("local", "replica", "persistent")
+__all__ = ["RestoreResult", "restore", "TierRestoreError", "subset_layout"]
 
 #: The most bytes of a replica sent as one part (each part checked on
 #: arrival): the holder reads the next part while this one crosses, the
@@ -106,6 +97,11 @@ CHUNK_BYTES = 32 << 20
 fault_hook: Callable[[str], None] | None = None
 
 
+def _hook(point: str) -> None:
+    if fault_hook is not None:
+        fault_hook(point)
+
+
 class TierRestoreError(TierError):
     """No step is loadable from the tiers, or a rank failed during a restore
     (the message names it, the file and the error)."""
@@ -113,6 +109,12 @@ class TierRestoreError(TierError):
 
 # every phase of a restore ends with every rank's outcome (fp_dcp.tiers.agree)
 _exchange = functools.partial(exchange, error=TierRestoreError)
+
+
+def _failures(group, world: int, what: str, work: Callable[[], list[Failure]]) -> list[Failure]:
+    """Every rank's failed copies of a phase (the same sorted list on every rank)."""
+    rows = _exchange(group, world, what, lambda: tplan.failures_to_wire(work()), spec=tplan.FAILURES_SPEC)
+    return sorted({f for r in rows for f in tplan.failures_from_wire(r)})
 
 
 @dataclasses.dataclass
@@ -125,20 +127,7 @@ class RestoreResult:
     node_bytes_from: dict[str, int] = dataclasses.field(default_factory=dict)  # the whole job's
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds: agree, plan, assemble, load
     #: the whole job's copies loaded: (node, data file, tier, bytes of it the node took)
-    sources: list[tuple[int, str, str, int]] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Need:
-    """What node ``node`` needs of data file ``name``: ``ranges`` (whole
-    extents its ranks read), of which ``check`` the load reads only in part
-    (so will not verify whole).  ``receiver``: the rank that fetches it."""
-
-    node: int
-    name: str
-    receiver: int
-    ranges: tuple[tuple[int, int], ...]
-    check: tuple[tuple[int, int], ...]
+    sources: list[Source] = dataclasses.field(default_factory=list)
 
 
 class _Unloadable(Exception):
@@ -146,91 +135,35 @@ class _Unloadable(Exception):
     raises it alike, from gathered facts)."""
 
 
-def _holding_doc(holdings: dict[int, store.Holding]) -> dict[int, Any]:
-    return {s: (h.save_id, h.meta_files, h.files) for s, h in holdings.items()}
+@dataclasses.dataclass
+class RestoreContext:
+    """What every step's restore attempt on this rank works with."""
+
+    state_dict: dict
+    rank: int
+    world: int
+    topology: Topology
+    local_root: str
+    persistent_root: str | None
+    group: Any  # the restore's own collectives and dcp.load
+    moving: Any  # the replica transfers' collectives (a gloo group the restore made)
+    bytes_group: Any  # the replicas' bytes (``moving``, or an NCCL group)
+    planner: Any
+    options: FastPersistOptions | None
+    inventory: Inventory
 
 
-def _choose(step: int | None, invs: list[dict], pers: dict[int, Any],
-            excluded: set[int] = frozenset()) -> tuple[int, str, list] | None:
-    """The newest step complete somewhere: ``(step, save_id, files)``."""
-    candidates: dict[tuple[int, str], list] = {}
-    for inv in invs + [pers]:
-        for s, (sid, meta_files, _) in inv.items():
-            if sid is not None:
-                candidates.setdefault((s, sid), meta_files)
-    for (s, sid), files in sorted(candidates.items(), key=lambda kv: kv[0][0], reverse=True):
-        if (step is not None and s != step) or s in excluded:
-            continue
-        # every file present at its recorded size in some tier
-        ok = all(any(inv.get(s) and inv[s][2].get(n) == z for inv in invs + [pers]) for n, z in files)
-        if ok:
-            return s, sid, files
-    return None
+def _inventory(group, world: int, rank: int, local_root: str, persistent_root: str | None) -> Inventory:
+    def scan() -> list:
+        pers: dict[int, store.Holding] = {}
+        if rank == 0 and persistent_root is not None:
+            pers = {s: h for s, h in store.scan(persistent_root).items() if h.save_id is not None}
+        return [tplan.holdings_to_wire(store.scan(local_root)), tplan.holdings_to_wire(pers)]
 
-
-def _reads(state_dict: dict, metadata, layout: fmt.StorageLayout, planner, is_coordinator: bool) -> dict[str, tuple]:
-    """The extents this rank's load plan reads, by data file: ``name ->
-    (ranges, check)``, ``check`` the ranges the reader will not verify
-    whole (items read in part, or into a target it reads through a grid)."""
-    planner.set_up_planner(state_dict, metadata, is_coordinator)
-    plan = planner.create_local_plan()
-    out: dict[str, tuple[list, list]] = {}
-    for item in plan.items:
-        idx = MetadataIndex(item.storage_index.fqn, item.storage_index.offset)
-        exts = layout.extents.get(idx)
-        if exts is None:
-            raise fmt.CheckpointFormatError(f"{item.storage_index.fqn}: the checkpoint has no extents for it")
-        verified = item.type == LoadItemType.BYTE_IO or _read_whole(item, metadata, planner)
-        for e in exts:
-            spans, check = out.setdefault(layout.files[e.file][0], ([], []))
-            spans.append((e.file_offset, e.length))
-            if not verified:
-                check.append((e.file_offset, e.length))
-    return {name: (extent_ranges(a), extent_ranges(b)) for name, (a, b) in out.items()}
-
-
-def _read_whole(item, metadata, planner) -> bool:
-    """Whether the reader reads ``item``'s stored chunk as its extents whole
-    (and so checks every block of them)."""
-    md = metadata.state_dict_metadata.get(item.storage_index.fqn)
-    if not isinstance(md, TensorStorageMetadata):
-        return False
-    want = item.storage_index.offset
-    chunk = next((c for c in md.chunks if want is None or list(c.offsets) == list(want)), None)
-    try:
-        dest = planner.resolve_tensor(item)
-    except Exception:  # noqa: BLE001 - a planner that cannot say: check it at assembly
-        return False
-    if chunk is None or not isinstance(dest, torch.Tensor):
-        return False
-    return whole_chunk_read(chunk.sizes, md.properties.dtype, item.storage_offsets, item.lengths, dest.detach())
-
-
-def subset_layout(layout: fmt.StorageLayout, held: Any) -> fmt.StorageLayout:
-    """``layout`` with only the files ``held`` and the items whose extents
-    they hold.  ``held``: file names (held whole) or ``{name: ranges}``
-    (only those ``(offset, length)`` ranges held)."""
-    ranges: Mapping = held if isinstance(held, Mapping) else {n: None for n in held}
-    keep = [fid for fid, (n, _) in enumerate(layout.files) if n in ranges]
-    new_id = {old: new for new, old in enumerate(keep)}
-    starts = {fid: [o for o, _ in ranges[layout.files[fid][0]]] for fid in keep
-              if ranges[layout.files[fid][0]] is not None}
-
-    def inside(e) -> bool:
-        if e.file not in new_id:
-            return False
-        if e.file not in starts:
-            return True
-        r = ranges[layout.files[e.file][0]]
-        i = bisect.bisect_right(starts[e.file], e.file_offset) - 1
-        return i >= 0 and e.file_offset + e.length <= r[i][0] + r[i][1]
-
-    extents = {
-        idx: [dataclasses.replace(e, file=new_id[e.file]) for e in exts]
-        for idx, exts in layout.extents.items()
-        if all(inside(e) for e in exts)
-    }
-    return dataclasses.replace(layout, files=[layout.files[f] for f in keep], extents=extents)
+    spec = (tplan.HOLDINGS_SPEC, tplan.HOLDINGS_SPEC)
+    gathered = _exchange(group, world, "restore: taking stock of the tiers", scan, spec=spec)
+    _, persistent = gathered[0]
+    return Inventory([tplan.holdings_from_wire(local) for local, _ in gathered], tplan.holdings_from_wire(persistent))
 
 
 def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str, persistent_root: str | None,
@@ -243,45 +176,37 @@ def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str,
     default: torch's)."""
     t0 = time.perf_counter()
     world = dist.get_world_size(group)
-
-    def inventory():
-        mine = _holding_doc(store.scan(local_root))
-        pers = {}
-        if rank == 0 and persistent_root is not None:
-            pers = {s: d for s, d in _holding_doc(store.scan(persistent_root)).items() if d[0] is not None}
-        return mine, pers
-
-    # the transfers' gloo group (see _StepRestore), made while the tiers are
-    # scanned, on a thread started here: its threads (gloo's, which move the
-    # bytes) run at the caller's priority, not the manager's background one
+    # the transfers' gloo group, made while the tiers are scanned, on a
+    # thread started here: its threads (gloo's, which move the bytes) run at
+    # the caller's priority, not the manager's background one
     pool = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-restore-group")
     making = pool.submit(dist.new_group, backend="gloo", **({} if timeout is None else {"timeout": timeout}))
     pool.shutdown(wait=False)
     try:
-        gathered = _exchange(group, world, "restore: taking stock of the tiers", inventory)
-        invs = [g[0] for g in gathered]
-        pers = gathered[0][1]
+        inv = _inventory(group, world, rank, local_root, persistent_root)
+        moving = making.result()
+        ctx = RestoreContext(state_dict, rank, world, topology, local_root, persistent_root, group, moving,
+                             moving if bytes_group is None or bytes_group is group else bytes_group,
+                             planner, options, inv)
         passed: list[str] = []  # steps passed over, and why
         excluded: set[int] = set()
         while True:
-            chosen = _choose(step, invs, pers, excluded)
+            chosen = tplan.choose(step, inv, excluded)
             if chosen is None:
                 if passed:
                     raise TierRestoreError("no step is loadable from the tiers: " + "; ".join(passed))
                 if step is not None:
                     raise TierRestoreError(f"step {step} is complete in no tier (local, replicas, persistent)")
                 return None
-            s, save_id, files = chosen
-            attempt = _StepRestore(state_dict, rank, world, topology, local_root, persistent_root, group,
-                                   making.result(), bytes_group, planner, options, invs, pers, s, save_id, files)
+            attempt = _StepRestore(ctx, chosen)
             attempt.phases["agree"] = time.perf_counter() - t0
             try:
                 result = attempt.run()
             except _Unloadable as e:
-                passed.append(f"step {s}: {e}")
-                excluded.add(s)
+                passed.append(f"step {chosen.step}: {e}")
+                excluded.add(chosen.step)
                 if step is not None:
-                    raise TierRestoreError(f"step {s} is not loadable: {e}") from None
+                    raise TierRestoreError(f"step {chosen.step} is not loadable: {e}") from None
                 continue
             result.skipped = [f"passed over {p}" for p in passed] + result.skipped
             result.seconds = time.perf_counter() - t0
@@ -291,25 +216,17 @@ def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str,
 
 
 class _StepRestore:
-    """One attempt at restoring step ``s`` (phases 3 to 5)."""
+    """One attempt at restoring one step (phases 3 to 5)."""
 
-    def __init__(self, state_dict, rank, world, topology: Topology, local_root, persistent_root, group, moving,
-                 bytes_group, planner, options, invs, pers, s, save_id, files) -> None:
-        self.state_dict, self.rank, self.world, self.topology = state_dict, rank, world, topology
-        self.group, self.planner, self.options = group, planner, options
-        # the replicas' transfers run on a thread of their own while the load
-        # runs on this one (group): their collectives go over ``moving``, their
-        # bytes too unless an NCCL group carries them
-        self.moving = moving
-        self.bytes_group = moving if bytes_group is None or bytes_group is group else bytes_group
-        self.invs, self.pers, self.s, self.save_id = invs, pers, s, save_id
-        self.sizes = dict(files)
-        self.node = topology.node_of(rank)
-        self.leader = topology.leader(self.node) == rank
-        self.restore_dir = os.path.join(local_root, store.RESTORE_DIR)
-        self.local_dir = store.step_dir(local_root, s)
-        self.pers_dir = None if persistent_root is None else store.step_dir(persistent_root, s)
-        self.local_root, self.persistent_root = local_root, persistent_root
+    def __init__(self, ctx: RestoreContext, chosen: Candidate) -> None:
+        self.ctx, self.chosen_step = ctx, chosen
+        self.s, self.save_id, self.sizes = chosen.step, chosen.save_id, chosen.sizes
+        self.rank, self.world, self.topology, self.group = ctx.rank, ctx.world, ctx.topology, ctx.group
+        self.node = ctx.topology.node_of(ctx.rank)
+        self.leader = ctx.topology.leader(self.node) == ctx.rank
+        self.restore_dir = os.path.join(ctx.local_root, store.RESTORE_DIR)
+        self.local_dir = store.step_dir(ctx.local_root, self.s)
+        self.pers_dir = None if ctx.persistent_root is None else store.step_dir(ctx.persistent_root, self.s)
         self.phases: dict[str, float] = {}
         self.bad: set[tuple[str, str]] = set()  # (file, source)
         self.skipped: list[str] = []
@@ -317,6 +234,7 @@ class _StepRestore:
         self.taken = {t: 0 for t in TIERS}  # this rank's, of the copies in use
         self.chosen: dict[tuple[int, str], str] = {}  # (node, file) -> tier of the copy in use (every rank knows)
         self.receiving: dict[str, store.RangesFile] = {}  # the replica copies this rank receives this round
+        self._io: FileIO | None = None
 
     # ------------------------------------------------------------ phases
 
@@ -327,18 +245,24 @@ class _StepRestore:
         finally:
             for f in self.receiving.values():  # left by a failure
                 f.discard()
-            if "_file_io" in self.__dict__:
-                self._file_io.close()
+            if self._io is not None:
+                self._io.close()
             if self.leader:
-                shutil.rmtree(self.restore_dir, ignore_errors=True)
+                store.remove_owned(self.ctx.local_root, None, store.RESTORE_DIR)
 
     def _run(self) -> RestoreResult:
         t = time.perf_counter()
         self._metadata()
-        load_planner = self.planner if self.planner is not None else DefaultLoadPlanner()
-        reads = _exchange(self.group, self.world, f"restore: planning the load of step {self.s}",
-                          lambda: _reads(self.state_dict, self.metadata, self.layout, load_planner, self.rank == 0))
-        self.needs = self._node_needs(reads)
+        load_planner = self.ctx.planner if self.ctx.planner is not None else DefaultLoadPlanner()
+        every = _exchange(self.group, self.world, f"restore: planning the load of step {self.s}",
+                          lambda: tplan.reads_to_wire(tplan.reads(self.ctx.state_dict, self.metadata, self.layout,
+                                                                  load_planner, self.rank == 0)),
+                          spec=tplan.READS_SPEC)
+        reads = [tplan.reads_from_wire(r) for r in every]
+        try:
+            self.needs = tplan.node_needs(self.topology, reads, self.sizes, self.s)
+        except ValueError as e:
+            raise TierRestoreError(str(e)) from None
         self.mine = reads[self.rank]
         self.phases["plan"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -352,65 +276,34 @@ class _StepRestore:
                 break
             self._assemble(failed)
         self.phases["load"] = time.perf_counter() - t
-        everyone: list = [None] * self.world
-        mine = [(n.node, n.name, self.chosen[(n.node, n.name)], ranges_bytes(n.ranges)) for n in self.needs
+        mine = [[n.node, n.name, self.chosen[(n.node, n.name)], ranges_bytes(n.ranges)] for n in self.needs
                 if n.receiver == self.rank]
-        dist.all_gather_object(everyone, (self.taken, mine), group=self.group)
-        job = {t: sum(x[0][t] for x in everyone) for t in TIERS}
-        sources = sorted(src for x in everyone for src in x[1])
+        everyone = wire.gather((self.taken, mine), tplan.TAKEN_SPEC, self.group, what="restore: what each rank took")
+        job = {t: sum(taken.get(t, 0) for taken, _ in everyone) for t in TIERS}
+        sources = sorted(Source(*src) for _, srcs in everyone for src in srcs)
         return RestoreResult(self.s, self.save_id, self.taken, self.skipped, 0.0, job, self.phases, sources)
 
     def _fresh_dir(self) -> None:
         def make() -> None:
-            if self.leader:
-                shutil.rmtree(self.restore_dir, ignore_errors=True)
-                os.makedirs(self.restore_dir)
+            if self.leader:  # the tiers' own, or refused (a link, a folder of the user's)
+                store.remove_owned(self.ctx.local_root, None, store.RESTORE_DIR)
+                store.claim_dir(self.ctx.local_root, store.RESTORE_DIR, None)
 
         _exchange(self.group, self.world, "restore: preparing the restore directory", make)
 
     def _metadata(self) -> None:
         """The step's metadata, from one rank that holds it to all."""
-        s, invs = self.s, self.invs
-        src = next((r for r in range(self.world) if invs[r].get(s) and invs[r][s][0] == self.save_id), 0)
-        box: list = [None]
-        if self.rank == src:
-            ours = invs[self.rank].get(s) is not None and invs[self.rank][s][0] == self.save_id
-            try:
-                box = [(read_metadata_bytes(store.step_dir(self.local_root if ours else self.persistent_root, s)),
-                        None)]
-            except Exception as e:  # noqa: BLE001 - every rank learns it
-                box = [(None, f"{type(e).__name__}: {e}")]
-        dist.broadcast_object_list(box, group_src=src, group=self.group)
-        blob, err = box[0]
-        if err is not None:
-            raise TierRestoreError(f"restore: rank {src} could not read step {s}'s metadata: {err}")
+        inv, s = self.ctx.inventory, self.s
+        src = next((r for r in range(self.world) if inv.has_metadata(r, s, self.save_id)), 0)
+        root = self.ctx.local_root if inv.has_metadata(self.rank, s, self.save_id) else self.ctx.persistent_root
+        blob = share(self.group, src, f"restore: reading step {s}'s metadata",
+                     lambda: store.read_metadata(store.step_dir(root, s)), error=TierRestoreError)
         self.metadata, self.layout, self.extra = store.decode(blob, f"step {s} metadata (from rank {src})")
         self.fid_of = {n: i for i, (n, _) in enumerate(self.layout.files)}
 
-    def _node_needs(self, reads: list[dict]) -> list[_Need]:
-        """Every node's needs, from every rank's reads.  A file's receiver
-        is the rank of the node that reads most of it (each rank fetches
-        its own shard's file, so the node's ranks fetch side by side)."""
-        needs = []
-        for node, ranks in enumerate(self.topology.nodes):
-            per: dict[str, tuple[list, list, dict]] = {}
-            for r in ranks:
-                for name, (spans, check) in reads[r].items():
-                    if name not in self.fid_of:
-                        raise TierRestoreError(f"restore: rank {r} asked for {name!r}, not a file of step {self.s}")
-                    a = per.setdefault(name, ([], [], {}))
-                    a[0].extend(spans)
-                    a[1].extend(check)
-                    a[2][r] = ranges_bytes(spans)
-            for name in sorted(per):
-                spans, check, by_rank = per[name]
-                receiver = min(by_rank, key=lambda r: (-by_rank[r], r))
-                needs.append(_Need(node, name, receiver, tuple(extent_ranges(spans)), tuple(extent_ranges(check))))
-        return needs
-
     # ---------------------------------------------------------- assembly
 
-    def _assemble(self, pending: list[_Need], background: bool = False) -> concurrent.futures.Future | None:
+    def _assemble(self, pending: list[Need], background: bool = False) -> concurrent.futures.Future | None:
         """Fetch ``pending`` from the fastest good source of each, in rounds
         (a copy that fails goes to the next source) until every one is in
         its node's restore directory; :class:`_Unloadable` when some need
@@ -420,51 +313,51 @@ class _StepRestore:
         rank's failed copies, :meth:`_start_transfers`), for the load to
         overlap."""
         while pending:
-            plan: list[tuple[_Need, str, int]] = []
+            picks: list[Pick] = []
             missing = []
             sending: dict[int, int] = {}  # bytes each holder sends this round: the next goes to the least busy
             for need in sorted(pending, key=lambda n: (-ranges_bytes(n.ranges), n.node, n.name)):
-                src = self._pick(need, sending)
-                if src is None:
+                pick = self._pick(need, sending)
+                if pick is None:
                     missing.append(need)
                 else:
-                    plan.append((need, *src))
+                    picks.append(pick)
             if missing:
                 names = sorted({m.name for m in missing})
                 raise _Unloadable("no tier holds a good copy of " + ", ".join(
                     f"{n} (tried: {'; '.join(self.tried.get(n, [])) or 'no tier holds it'})" for n in names))
-            plan.sort(key=lambda p: (p[0].node, p[0].name))  # the transfers' global order
-            for need, tier, _ in plan:
-                self.chosen[(need.node, need.name)] = tier
-            local_failures = _exchange(self.group, self.world, f"restore: assembling step {self.s}",
-                                       lambda: self._fetch_here(plan))
-            if background and not any(local_failures):
-                return self._start_transfers(plan)
-            moved = _exchange(self.moving, self.world, f"restore: moving replicas of step {self.s}",
-                              lambda: self._transfers(plan))
-            failed = self._mark_bad(sorted({f for fs in local_failures + moved for f in fs}))
-            pending = [need for need, _, _ in plan if (need.receiver, need.name) in failed]
+            picks.sort(key=lambda p: (p.need.node, p.need.name))  # the transfers' global order
+            for p in picks:
+                self.chosen[(p.need.node, p.need.name)] = p.tier
+            local_failures = _failures(self.group, self.world, f"restore: assembling step {self.s}",
+                                       lambda: self._fetch_here(picks))
+            if background and not local_failures:
+                return self._start_transfers(picks)
+            moved = _failures(self.ctx.moving, self.world, f"restore: moving replicas of step {self.s}",
+                              lambda: self._transfers(picks))
+            failed = self._mark_bad(sorted(set(local_failures) | set(moved)))
+            pending = [p.need for p in picks if (p.need.receiver, p.need.name) in failed]
         return None
 
-    def _start_transfers(self, plan) -> concurrent.futures.Future | None:
-        """The replica copies of ``plan`` on a thread of their own (its
-        collectives on ``self.moving``, none on ``self.group``): a future of
+    def _start_transfers(self, picks: list[Pick]) -> concurrent.futures.Future | None:
+        """The replica copies of ``picks`` on a thread of their own (its
+        collectives on ``ctx.moving``, none on ``self.group``): a future of
         every rank's failed copies, raising :class:`TierRestoreError` on
-        every rank when a transfer raised on some rank.  ``None`` when the
-        plan has no replica copy."""
-        if not any(tier == "replica" for _, tier, _ in plan):
+        every rank when a transfer raised on some rank.  ``None`` when there
+        is no replica copy."""
+        if not any(p.tier == "replica" for p in picks):
             return None
         # the current CUDA device is per thread: the NCCL transport's tensors
         # go on the caller's, not on the new thread's default one
         cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
-        def work():
+        def work() -> list[Failure]:
             if cuda is not None:
                 torch.cuda.set_device(cuda)
             t = time.perf_counter()
             try:
-                return _exchange(self.moving, self.world, f"restore: moving replicas of step {self.s}",
-                                 lambda: self._transfers(plan))
+                return _failures(self.ctx.moving, self.world, f"restore: moving replicas of step {self.s}",
+                                 lambda: self._transfers(picks))
             finally:
                 self.phases["replicas"] = time.perf_counter() - t
 
@@ -474,180 +367,93 @@ class _StepRestore:
         finally:
             pool.shutdown(wait=False)
 
-    def _fetch_here(self, plan) -> list[tuple[str, str, str, int]]:
+    def _fetch_here(self, picks: list[Pick]) -> list[Failure]:
         """This rank's copies from its node's local tier and from the
         persistent tier, and the files of the replica copies it will
         receive, created empty (:meth:`_transfers` fills them; the load,
         whose metadata read wants every file there, reads them only once
         they are whole and checked).  A copy that fails its checks is
-        returned as ``(file, source, why, rank)``; any other error raises."""
+        returned; any other error raises."""
         failures = []
         self.receiving = {}
-        for need, tier, src in plan:
+        for pick in picks:
+            need = pick.need
             if need.receiver != self.rank:
                 continue
-            if tier == "replica":
-                fid = self.fid_of[need.name]
-                self.receiving[need.name] = store.RangesFile(os.path.join(self.restore_dir, need.name),
-                                                             self.layout.files[fid][1])
-                continue
-            fid = self.fid_of[need.name]
             dst = os.path.join(self.restore_dir, need.name)
-            source = _source_key(tier, src, self.topology)
+            fid = self.fid_of[need.name]
+            if pick.tier == "replica":
+                self.receiving[need.name] = store.RangesFile(dst, self.sizes[need.name])
+                continue
+            source = _source_key(pick.tier, pick.src, self.topology)
             try:
                 try:
-                    if fault_hook is not None:
-                        fault_hook(f"{tier} {need.name}")
-                    if tier == "local":
+                    _hook(f"{pick.tier} {need.name}")
+                    if pick.tier == "local":
                         path = os.path.join(self.local_dir, need.name)
                         if need.check:  # what the load will not verify whole
                             integrity.check_file(path, self.layout, fid, need.check)
                         _link_or_copy(path, dst)
                     else:
+                        assert self.pers_dir is not None
                         integrity.copy_checked(os.path.join(self.pers_dir, need.name), dst, self.layout, fid,
                                                sync=False, ranges=need.ranges)
                 except OSError as e:
-                    failures.append((need.name, source, str(e), self.rank))
+                    failures.append(Failure(need.name, source, str(e), self.rank))
                     continue
             except Exception as e:
                 raise TierRestoreError(f"{need.name} from {source}: {type(e).__name__}: {e}") from e
-            self.taken[tier] += ranges_bytes(need.ranges)
+            self.taken[pick.tier] += ranges_bytes(need.ranges)
         return failures
 
-    def _transfers(self, plan) -> list[tuple[str, str, str, int]]:
-        """The replica copies of ``plan`` over ``self.bytes_group``: each
-        holder reads the extents a node needs and sends them, in parts of
-        at most ``CHUNK_BYTES``; the node's receiver checks each part and
-        writes it at its offsets, and names the file when every part
-        arrived good.  Three stages overlap on each side: the holder reads
-        the next part (O_DIRECT, :class:`_ReadAhead`) while this one is
-        sent; the receiver checks and writes a part on a thread of its own
-        while the next one arrives.  This rank's failed copies:
-        ``(file, source, why, rank)``."""
-        parts: dict[tuple[int, str], tuple[_Need, list, int, bool]] = {}  # (receiver, transfer) -> need, ranges, k, last?
-        transfers = []
-        for need, tier, src in plan:
-            if tier != "replica":
-                continue
-            split = integrity.split_ranges(self.layout, self.fid_of[need.name], need.ranges, CHUNK_BYTES)
-            for k, ranges in enumerate(split):
-                t = Transfer(src, need.receiver, f"{need.name}:{k}", ranges_bytes(ranges))
-                parts[(t.dst, t.name)] = (need, ranges, k, k == len(split) - 1)
-                transfers.append(t)
-        sends = [t for t in transfers if t.src == self.rank != t.dst]
-        receives = [t for t in transfers if t.dst == self.rank != t.src]
-        if not sends and not receives:
-            return []  # (receives none: self.receiving is empty)
-        files = self.receiving  # being received, every part so far good (then closed and dropped)
-        arrived: dict[str, int] = {}  # parts received good, by file
-        failures: dict[str, tuple[int, int, str]] = {}  # file -> (part, sender, why) of its first failed part
-        ahead = _ReadAhead(self._file_io if sends else None,
-                           [(os.path.join(self.local_dir, parts[(t.dst, t.name)][0].name), parts[(t.dst, t.name)][1])
-                            for t in sends])
-        # two receive buffers in turn: one being received into, one checked and written
-        size = max((t.size for t in receives), default=0)
-        buffers = [np.empty(size if receives else 0, dtype=np.uint8) for _ in range(2)]
-        jobs: list[concurrent.futures.Future | None] = [None, None]
-        turn = [0]
-        writer = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-restore-write") if receives else None
-
-        def read(t: Transfer) -> Any:
-            data = ahead.take()
-            if fault_hook is not None:
-                fault_hook(f"send {parts[(t.dst, t.name)][0].name}")
-            return data.result()
-
-        def receive_buffer(t: Transfer) -> np.ndarray:
-            slot = turn[0] % 2
-            if jobs[slot] is not None:
-                jobs[slot].result()  # the part received into it two parts ago is written
-            return buffers[slot][: t.size]
-
-        def receive(t: Transfer, data: Any) -> None:
-            slot = turn[0] % 2
-            turn[0] += 1
-            assert writer is not None
-            jobs[slot] = writer.submit(check_and_write, t, data)
-
-        def check_and_write(t: Transfer, data: Any) -> None:
-            need, ranges, k, last = parts[(t.dst, t.name)]
-            if need.name in failures:  # an earlier part failed: the file comes from the next source
-                return
-            if arrived.get(need.name, 0) != k:  # an earlier part never came (its sender failed)
-                failures[need.name] = (k, t.src, f"part {arrived.get(need.name, 0)} did not arrive")
-                return
-            fid = self.fid_of[need.name]
-            try:
-                integrity.check_buffer(data, self.layout, fid, f"{need.name} from rank {t.src}", ranges=ranges)
-                files[need.name].write(ranges, data)
-            except Exception as e:  # noqa: BLE001 - this copy fails; the file comes from the next source
-                failures[need.name] = (k, t.src, str(e))
-                return
-            arrived[need.name] = k + 1
-            if last:
-                files.pop(need.name).close()
-                self.taken["replica"] += ranges_bytes(need.ranges)
-
+    def _transfers(self, picks: list[Pick]) -> list[Failure]:
+        """The replica copies of ``picks`` over ``ctx.bytes_group``
+        (:class:`~fp_dcp.tiers.moves.ReplicaMoves`); this rank's failed copies."""
+        moves = ReplicaMoves(picks, rank=self.rank, layout=self.layout, local_dir=self.local_dir,
+                             receiving=self.receiving, file_io=self._file_io, chunk_bytes=CHUNK_BYTES,
+                             source_of=lambda src: _source_key("replica", src, self.topology), hook=_hook)
         try:
-            _, failed = run_transfers(transfers, self.rank, self.bytes_group, read, receive,
-                                      receive_buffer=receive_buffer)
-            if writer is not None:
-                writer.shutdown(wait=True)  # every part received is checked and written
-            for t, why in failed.items():  # a part that failed in run_transfers (its sender could not read it)
-                if t.dst == self.rank:
-                    need, _, k, _ = parts[(t.dst, t.name)]
-                    if need.name not in failures or failures[need.name][0] > k:
-                        failures[need.name] = (k, t.src, why)
+            return moves.run(self.ctx.bytes_group)
         finally:
-            if writer is not None:
-                writer.shutdown(wait=True)
-            ahead.close()
-            for f in files.values():  # not whole, or not good: removed, never read
-                f.discard()
-            files.clear()
-        return [(name, _source_key("replica", src, self.topology), why, self.rank)
-                for name, (_, src, why) in sorted(failures.items())]
+            self.taken["replica"] += moves.taken
 
-    @functools.cached_property
     def _file_io(self) -> FileIO:
         """How this rank reads the replicas it sends: O_DIRECT into reused buffers."""
-        return FileIO(self.options or FastPersistOptions.from_env(), self.restore_dir)
+        if self._io is None:
+            self._io = FileIO(self.ctx.options or FastPersistOptions.from_env(), self.restore_dir)
+        return self._io
 
-    def _mark_bad(self, failures) -> set[tuple[int, str]]:
+    def _mark_bad(self, failures: list[Failure]) -> set[tuple[int, str]]:
         """Record every rank's failed copies (the same list on every rank);
         returns the ``(receiver, file)`` pairs to fetch again."""
-        for name, source, why, receiver in failures:
-            self.bad.add((name, source))
-            self.skipped.append(f"{name} from {source}, for rank {receiver}: {why}")
-            self.tried.setdefault(name, []).append(f"{source}: {why}")
-        return {(receiver, name) for name, _, _, receiver in failures}
+        for f in failures:
+            self.bad.add((f.name, f.source))
+            self.skipped.append(f"{f.name} from {f.source}, for rank {f.rank}: {f.why}")
+            self.tried.setdefault(f.name, []).append(f"{f.source}: {f.why}")
+        return {(f.rank, f.name) for f in failures}
 
-    def _pick(self, need: _Need, sending: dict[int, int]) -> tuple[str, int] | None:
+    def _pick(self, need: Need, sending: dict[int, int]) -> Pick | None:
         """The fastest good source of a file for a node: its own local tier, a
         replica on another node (the holder with the fewest bytes to send so
         far, ``sending``, which this updates), the persistent tier."""
-        topology, s = self.topology, self.s
-        if self._holds(need.receiver, need.name) \
+        topology, inv, size = self.topology, self.ctx.inventory, self.sizes[need.name]
+        if inv.holds(need.receiver, self.s, need.name, size) \
                 and (need.name, _source_key("local", need.receiver, topology)) not in self.bad:
-            return "local", need.receiver
-        others = [r for r in range(self.world) if topology.node_of(r) != need.node and self._holds(r, need.name)
+            return Pick(need, "local", need.receiver)
+        others = [r for r in range(self.world) if topology.node_of(r) != need.node
+                  and inv.holds(r, self.s, need.name, size)
                   and (need.name, _source_key("replica", r, topology)) not in self.bad]
         if others:
             src = min(others, key=lambda r: (sending.get(r, 0), zlib.crc32(f"{need.node}/{need.name}/{r}".encode())))
             sending[src] = sending.get(src, 0) + ranges_bytes(need.ranges)
-            return "replica", src
-        if self.pers.get(s) and self.pers[s][2].get(need.name) == self.sizes[need.name] \
-                and (need.name, "the persistent tier") not in self.bad:
-            return "persistent", -1
+            return Pick(need, "replica", src)
+        if inv.persistent_holds(self.s, need.name, size) and (need.name, "the persistent tier") not in self.bad:
+            return Pick(need, "persistent", -1)
         return None
-
-    def _holds(self, r: int, name: str) -> bool:
-        h = self.invs[r].get(self.s)
-        return h is not None and h[2].get(name) == self.sizes[name]
 
     # -------------------------------------------------------------- load
 
-    def _load(self, incoming: concurrent.futures.Future | None) -> list[_Need]:
+    def _load(self, incoming: concurrent.futures.Future | None) -> list[Need]:
         """``dcp.load`` of every node's assembled files; ``[]`` when it
         loaded.  ``incoming``: replica transfers still running
         (:meth:`_start_transfers`): the ranks of a node that receives any
@@ -673,7 +479,7 @@ class _StepRestore:
             # disk straight into the state), the others through the page
             # cache (the assembly wrote the fetched files there)
             direct = all(self.chosen[(self.node, name)] == "local" for name in self.mine)
-            opts = (self.options or FastPersistOptions.from_env()).replace(
+            opts = (self.ctx.options or FastPersistOptions.from_env()).replace(
                 share_replicated_reads=False, share_interleaved_reads=False, verify_checksums=True,
                 **({} if direct else {"direct_io": False}))
             waits = incoming is not None and any(self.chosen[(n.node, n.name)] == "replica" for n in node_needs)
@@ -681,31 +487,27 @@ class _StepRestore:
                                      if waits else None)
             load_error = None
             try:  # what raises in here raises on every rank (DCP gathers every rank's outcome)
-                dcp.load(self.state_dict, storage_reader=reader, planner=self.planner, process_group=self.group)
+                dcp.load(self.ctx.state_dict, storage_reader=reader, planner=self.ctx.planner, process_group=self.group)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - below: a copy to fetch again, or raised
                 load_error = e
         finally:
             moved = [] if incoming is None else incoming.result()  # raises on every rank when moving failed on one
-        failed = self._mark_bad(sorted({f for fs in moved for f in fs}))  # never named: fetched again
+        failed = self._mark_bad(moved)  # never named: fetched again
         redo = [need for need in self.needs if (need.receiver, need.name) in failed]
         if not redo and load_error is not None:
-            failures = _exchange(self.group, self.world, f"restore: checking step {self.s}'s local copies after a failed load",
-                                 lambda: self._check_linked(node_needs))
-            flat = sorted({f for fs in failures for f in fs})
+            flat = _failures(self.group, self.world, f"restore: checking step {self.s}'s local copies after a "
+                             f"failed load", lambda: self._check_linked(node_needs))
             if not flat:
                 raise load_error
-            failed = self._mark_bad([(n, src, f"{why} (found after the load failed: {load_error})", r)
-                                     for n, src, why, r in flat])
+            failed = self._mark_bad([dataclasses.replace(f, why=f"{f.why} (found after the load failed: {load_error})")
+                                     for f in flat])
             redo = [need for need in self.needs if (need.receiver, need.name) in failed]
             for need in redo:
                 if need.receiver == self.rank:
                     self.taken["local"] -= ranges_bytes(need.ranges)
         for need in redo:
             if need.receiver == self.rank:
-                try:
-                    os.unlink(os.path.join(self.restore_dir, need.name))
-                except FileNotFoundError:
-                    pass
+                store.unlink_in(os.path.join(self.restore_dir, need.name))
         dist.barrier(group=self.group)
         return redo
 
@@ -717,11 +519,11 @@ class _StepRestore:
             moved = incoming.result()
         finally:
             self.phases["wait"] = time.perf_counter() - t
-        ours = sorted({name for fs in moved for name, _, _, r in fs if self.topology.node_of(r) == self.node})
+        ours = sorted({f.name for f in moved if self.topology.node_of(f.rank) == self.node})
         if ours:
             raise OSError(f"restore: {', '.join(ours)} did not arrive good from a replica; fetching again")
 
-    def _check_linked(self, node_needs: list[_Need]) -> list[tuple[str, str, str, int]]:
+    def _check_linked(self, node_needs: list[Need]) -> list[Failure]:
         failures = []
         for need in node_needs:
             if need.receiver != self.rank or self.chosen[(need.node, need.name)] != "local":
@@ -730,7 +532,7 @@ class _StepRestore:
                 integrity.check_file(os.path.join(self.restore_dir, need.name), self.layout, self.fid_of[need.name],
                                      need.ranges)
             except OSError as e:
-                failures.append((need.name, _source_key("local", self.rank, self.topology), str(e), self.rank))
+                failures.append(Failure(need.name, _source_key("local", self.rank, self.topology), str(e), self.rank))
         return failures
 
 
@@ -751,38 +553,6 @@ class _ArrivingReader(FastPersistReader):
         return super().read_data(plan, planner)
 
 
-class _ReadAhead:
-    """The parts a rank sends, in the order it sends them, each read while
-    the one before is sent: on a thread of its own, with O_DIRECT
-    (:meth:`FileIO.read_ranges`), into two buffers used in turn, so a
-    part's bytes stay valid until the part after it is taken."""
-
-    def __init__(self, io: FileIO | None, parts: list[tuple[str, list[tuple[int, int]]]]) -> None:
-        self.io, self.parts, self.next = io, parts, 0
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-restore-read") if parts else None
-        self.pending = self._start(0)
-
-    def _start(self, k: int) -> concurrent.futures.Future | None:
-        if k >= len(self.parts):
-            return None
-        assert self.pool is not None and self.io is not None
-        path, ranges = self.parts[k]
-        return self.pool.submit(self.io.read_ranges, path, ranges, f"send{k % 2}")
-
-    def take(self) -> concurrent.futures.Future:
-        """The next part's read (its bytes: ``.result()``); starts reading
-        the one after it."""
-        fut = self.pending
-        assert fut is not None, "more parts taken than listed"
-        self.next += 1
-        self.pending = self._start(self.next)
-        return fut
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-
-
 def _source_key(tier: str, src: int, topology: Topology) -> str:
     """A source as failures name it: a file bad on a node is bad for every
     rank of that node (they share its local directory)."""
@@ -793,11 +563,29 @@ def _source_key(tier: str, src: int, topology: Topology) -> str:
 
 def _link_or_copy(src: str, dst: str) -> None:
     """``src`` (a scanned regular file of the local tier) at ``dst``: a hard
-    link, else a copy; a link never followed (one swapped in since the scan
-    is linked or copied as a link, which the load then refuses)."""
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except OSError as e:
-        if isinstance(e, FileExistsError):
+    link, else a copy; both directories held open (no link followed in
+    them), the file itself never followed (a link swapped in since the scan
+    is linked as a link, which the load then refuses; copied, refused)."""
+    with store.opened(os.path.dirname(src)) as sdir, store.opened(os.path.dirname(dst)) as ddir:
+        try:
+            os.link(os.path.basename(src), os.path.basename(dst), src_dir_fd=sdir.fd, dst_dir_fd=ddir.fd,
+                    follow_symlinks=False)
+            return
+        except FileExistsError:
             raise
-        shutil.copyfile(src, dst, follow_symlinks=False)
+        except OSError:
+            pass  # another file system, or no hard links: a copy
+        fd, st = sdir.open_read(os.path.basename(src))
+        try:
+            out = ddir.create_exclusive(os.path.basename(dst))
+            try:
+                done = 0
+                while done < st.st_size:
+                    n = os.copy_file_range(fd, out, st.st_size - done, done, done)
+                    if n == 0:
+                        break
+                    done += n
+            finally:
+                os.close(out)
+        finally:
+            os.close(fd)

@@ -1,42 +1,74 @@
-"""The tiers' directories on disk: where each step lives, what a directory
-holds, atomic small writes, retention.
+"""The tiers' directories on disk: where each step lives, which of them the
+tiers own, what a directory holds, atomic small writes, retention.
 
 Layout (``docs/TIERS.md``)::
 
     <local root of node n>/step_<step>/      one fp_dcp checkpoint directory per step:
+        .fp_dcp.tier                          the tiers' ownership marker (written first)
         .fp_dcp.meta                          the metadata (the commit point), on every node
         <save_id>.r<rank>.0.fpd               data files of node n's own ranks
         <save_id>.r<rank>.0.fpd               ... and replicas of the nodes n holds for
-    <local root>/.restore/                    a restore being assembled (removed after it)
+    <local root>/.restore/                    a restore being assembled (marked, removed after it)
     <persistent root>/step_<step>/            a plain fp_dcp checkpoint (every file of the step)
 
-A step directory is a normal fp_dcp checkpoint directory: the metadata
-and the data files are what ``FastPersistWriter`` wrote; replicas keep the
-writer's names, so ``FastPersistReader``'s confinement rule (only this
-save's names, no links) holds everywhere.
+Ownership: a step directory is the tiers' only when it is a real directory
+(no link) under the one spelling ``step_<9 or more ASCII digits>`` that
+:func:`step_name` gives, holding the marker whose bytes name that step.
+Retention, tidy-ups and restores act on owned directories only, and inside
+one remove only regular files with fp_dcp's own names; whatever else sits in
+a root (a user's checkpoint, another job's, a folder named like a step) is
+never read, written or deleted.  Links are never followed below a root, and
+a FIFO, socket or device in a step directory is a :class:`TierPathError`
+before anything opens it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
-import shutil
+import stat
+import uuid
 from typing import Iterator
 
+from fp_dcp import files
 from fp_dcp import format as fmt
-from fp_dcp.files import read_metadata_bytes
-from fp_dcp.save.commit import sync_directory
 
-__all__ = ["step_dir", "node_root", "Holding", "scan", "write_atomic", "RangesFile", "retain", "RESTORE_DIR"]
+__all__ = ["TierPathError", "step_dir", "step_name", "parse_step", "node_root", "Holding", "scan", "steps",
+           "claim_step", "claim_dir", "owned", "write_atomic", "read_small", "read_metadata", "RangesFile",
+           "retain", "remove_owned", "real_dir", "RESTORE_DIR", "MARKER_NAME"]
 
-_STEP = re.compile(r"step_(\d{1,18})")
+_STEP = re.compile(r"step_([0-9]{9,18})", re.ASCII)
 RESTORE_DIR = ".restore"
+MARKER_NAME = ".fp_dcp.tier"
 TMP_SUFFIX = ".tier-tmp"  # a file being written: never taken for a data file
+_MAX_METADATA_BYTES = 1 << 31
+
+
+class TierPathError(RuntimeError):
+    """A tier directory holds an entry the tiers do not follow, open or
+    delete: a symbolic link where a step directory or file belongs, a FIFO,
+    socket or device, or a directory of a step's name that they did not
+    create (the message names it and the fix)."""
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a directory name spelt as :func:`step_name` spells it
+    (ASCII digits, that exact spelling), else ``None``."""
+    m = _STEP.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_name(step) == name else None
 
 
 def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:09d}")
+    return os.path.join(root, step_name(step))
 
 
 def node_root(template: str, node: int) -> str:
@@ -46,22 +78,174 @@ def node_root(template: str, node: int) -> str:
     return template.replace("{node}", str(node))
 
 
-def steps(root: str) -> Iterator[tuple[int, str]]:
-    """``(step, directory)`` of every step directory under ``root``."""
+def _marker_bytes(step: int | None) -> bytes:
+    return b'{"fp_dcp_tier": 1, "step": %s}\n' % (b"null" if step is None else str(step).encode())
+
+
+def _refused(path: str, kind: str) -> TierPathError:
+    return TierPathError(f"{path}: {kind} in a tier directory; the tiers never write one, and neither "
+                         f"follow nor open it: remove it")
+
+
+def _kind(root: files.Root, name: str) -> str:
     try:
-        entries = list(os.scandir(root))
+        mode = root.lstat(name).st_mode
+    except OSError:
+        return "not a regular file"
+    return "a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+        "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
+        "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+
+
+@contextlib.contextmanager
+def opened(path: str, *, user: bool = False) -> Iterator[files.Root]:
+    """The tier directory ``path`` held open (:class:`fp_dcp.files.Root`):
+    no link followed in it, nor, unless ``user`` (a root the caller named),
+    at its last component (:class:`TierPathError`)."""
+    try:
+        root = files.Root(path, follow=user)
+    except (files.UnsafePathError, NotADirectoryError):
+        try:
+            with files.Root(os.path.dirname(path) or ".") as parent:
+                kind = _kind(parent, os.path.basename(path))
+        except OSError:
+            kind = "not a directory"
+        raise _refused(path, kind) from None
+    with root:
+        yield root
+
+
+@contextlib.contextmanager
+def opened_sub(parent: files.Root, name: str) -> Iterator[files.Root]:
+    """Directory ``name`` of ``parent`` held open, no link followed."""
+    try:
+        root = parent.sub(name)
+    except (files.UnsafePathError, NotADirectoryError):
+        raise _refused(parent.join(name), _kind(parent, name)) from None
+    with root:
+        yield root
+
+
+def read_small(root: files.Root, name: str, limit: int) -> bytes:
+    """Regular file ``name`` of ``root``, whole, at most ``limit`` bytes:
+    opened without following a link and without blocking, its type checked
+    on the open descriptor; anything but a regular file is a
+    :class:`TierPathError` before a byte is read."""
+    try:
+        return root.read_bytes(name, limit)
+    except files.FileTooLargeError as e:
+        raise fmt.CheckpointFormatError(f"{root.join(name)}: {e.strerror}") from None
+    except files.UnsafePathError:
+        raise _refused(root.join(name), _kind(root, name)) from None
+
+
+def _metadata_of(root: files.Root) -> bytes:
+    """``root``'s metadata, its header and length checked before it is read whole."""
+    path = root.join(fmt.METADATA_NAME)
+    try:
+        fd, st = root.open_read(fmt.METADATA_NAME, _MAX_METADATA_BYTES)
+    except files.FileTooLargeError as e:
+        raise fmt.CheckpointFormatError(f"{path}: {e.strerror}") from None
+    except files.UnsafePathError:
+        raise _refused(path, _kind(root, fmt.METADATA_NAME)) from None
+    try:
+        head = os.pread(fd, fmt.HEADER_SIZE, 0)
+    finally:
+        os.close(fd)
+    _, _, length = fmt.read_header(head, path)
+    if st.st_size != fmt.HEADER_SIZE + length:
+        raise fmt.CheckpointFormatError(f"{path}: {st.st_size} bytes, its header says "
+                                        f"{fmt.HEADER_SIZE + length}; the metadata is damaged")
+    return read_small(root, fmt.METADATA_NAME, fmt.HEADER_SIZE + length)
+
+
+def read_metadata(directory: str) -> bytes:
+    """The metadata of a step directory (no link followed at or below it,
+    nothing but a regular file opened, bounded size)."""
+    with opened(directory) as root:
+        return _metadata_of(root)
+
+
+def real_dir(path: str) -> str:
+    """``path``, when it is a directory and not a link (else :class:`TierPathError`)."""
+    with opened(path):
+        return path
+
+
+def owned(root: files.Root, step: int | None) -> bool:
+    """Whether the directory ``root`` holds the tiers' marker for ``step``."""
+    try:
+        return read_small(root, MARKER_NAME, 256) == _marker_bytes(step)
+    except (FileNotFoundError, fmt.CheckpointFormatError):
+        return False
+
+
+def _tmp_name(name: str) -> str:
+    return f"{name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
+
+
+def claim_dir(parent: str, name: str, step: int | None) -> str:
+    """``parent/name`` as a directory the tiers own (made, then marked, when
+    it is not there; several ranks may claim it at once).  A link, a
+    non-directory or a directory the tiers did not make there is refused with
+    :class:`TierPathError`, before anything is written into it."""
+    path = os.path.join(parent, name)
+    with opened(parent, user=True) as p:
+        try:
+            p.mkdir(name)
+        except files.UnsafePathError:
+            raise _refused(path, _kind(p, name)) from None
+        with opened_sub(p, name) as d:
+            if owned(d, step):
+                return path
+            others = [n for n, _ in d.entries() if not n.startswith(MARKER_NAME)]
+            if others:
+                raise TierPathError(
+                    f"{path}: a directory of that name is already there and the tiers did not make it (no "
+                    f"{MARKER_NAME} marker); they never write into or delete it: move it away, or give the "
+                    f"tiers a root of their own")
+            d.replace_bytes(MARKER_NAME, _marker_bytes(step), sync=True, tmp_name=_tmp_name(MARKER_NAME))
+    return path
+
+
+def claim_step(root: str, step: int) -> str:
+    """Step ``step``'s directory under ``root`` (made when missing: the
+    root is the caller's own path), claimed by :func:`claim_dir`."""
+    files.Root(root, create=True).close()
+    return claim_dir(root, step_name(step), step)
+
+
+def steps(root: str) -> Iterator[tuple[int, str]]:
+    """``(step, directory)`` of every directory under ``root`` spelt as a
+    step (:func:`step_name`) that is a real directory, owned or not."""
+    try:
+        with opened(root, user=True) as r:
+            entries = r.entries()
     except FileNotFoundError:
         return
-    for e in entries:
-        m = _STEP.fullmatch(e.name)
-        if m and e.is_dir(follow_symlinks=False):
-            yield int(m.group(1)), e.path
+    for name, kind in sorted(entries):
+        s = parse_step(name)
+        if s is not None and kind == "dir":
+            yield s, os.path.join(root, name)
+
+
+def owned_steps(root: str) -> Iterator[tuple[int, str]]:
+    """The steps of :func:`steps` that carry the tiers' marker."""
+    for s, path in steps(root):
+        try:
+            with opened(path) as d:
+                mine = owned(d, s)
+        except FileNotFoundError:
+            continue
+        if mine:
+            yield s, path
 
 
 @dataclasses.dataclass
 class Holding:
-    """What one directory holds of one step: the metadata's save id and file
-    list (when the metadata is there) and the data files present, by size."""
+    """What one owned step directory holds: the metadata's save id and file
+    list (when the metadata is there and good) and the data files present,
+    by size."""
 
     save_id: str | None
     meta_files: list[tuple[str, int]] | None
@@ -78,65 +262,70 @@ def decode(blob: bytes, where: str) -> tuple:
     through here."""
     metadata, layout, extra = fmt.decode_metadata(blob, where)
     for name, _ in layout.files:
-        if "/" in name or not fmt.valid_data_file_name(name, layout.save_id):
+        if "/" in name or not name.isascii() or not fmt.valid_data_file_name(name, layout.save_id):
             raise fmt.CheckpointFormatError(
                 f"{where}: data file {name!r} is not a plain file name of save {layout.save_id!r}; the tiers hold "
                 f"checkpoints saved by TierManager (no data_dirs): this one was crafted or saved another way")
     return metadata, layout, extra
 
 
+def _holding(root: files.Root) -> Holding:
+    files_: dict[str, int] = {}
+    for name, kind in root.entries():
+        if kind == "other":
+            raise _refused(root.join(name), _kind(root, name))  # before anything opens it
+        if name.endswith(fmt.DATA_SUFFIX) and kind == "file":
+            files_[name] = root.lstat(name).st_size
+    save_id = meta_files = None
+    try:
+        _, layout, _ = decode(_metadata_of(root), root.join(fmt.METADATA_NAME))
+        save_id, meta_files = layout.save_id, [(n, s) for n, s in layout.files]
+    except (OSError, fmt.CheckpointFormatError):
+        pass  # missing or damaged: counts as absent
+    return Holding(save_id, meta_files, files_)
+
+
 def scan(root: str) -> dict[int, Holding]:
-    """Every step directory under ``root``: its metadata (decoded, checked)
-    and its data files.  A damaged metadata counts as absent."""
+    """Every owned step directory under ``root``: its metadata (decoded,
+    checked) and its data files.  A damaged metadata counts as absent; a
+    link where the metadata belongs, or a FIFO, socket or device anywhere in
+    the directory, is a :class:`TierPathError` (nothing opened)."""
     out: dict[int, Holding] = {}
-    for step, path in steps(root):
-        files = {}
-        for e in os.scandir(path):
-            if e.name.endswith(fmt.DATA_SUFFIX) and e.is_file(follow_symlinks=False):
-                files[e.name] = e.stat(follow_symlinks=False).st_size
-        save_id = meta_files = None
+    for step, path in owned_steps(root):
         try:
-            blob = read_metadata_bytes(path)
-            _, layout, _ = decode(blob, os.path.join(path, fmt.METADATA_NAME))
-            save_id, meta_files = layout.save_id, [(n, s) for n, s in layout.files]
-        except (OSError, fmt.CheckpointFormatError):
-            pass
-        out[step] = Holding(save_id, meta_files, files)
+            with opened(path) as d:
+                out[step] = _holding(d)
+        except FileNotFoundError:
+            continue
     return out
 
 
 def write_atomic(path: str, data: bytes | memoryview, sync: bool = True) -> None:
-    """``data`` at ``path``, all or nothing: a temporary beside it, synced,
-    renamed over it, the directory synced."""
-    tmp = path + TMP_SUFFIX
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-    try:
-        view = memoryview(data).cast("B")
-        while view:
-            view = view[os.write(fd, view):]
-        if sync:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        _unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    if sync:
-        sync_directory(os.path.dirname(path) or ".")
+    """``data`` at ``path``, all or nothing: a temporary beside it (created
+    new, no link followed), synced, renamed over it, the directory synced.
+    The directory must be a real one (:class:`TierPathError` for a link)."""
+    directory, name = os.path.split(path)
+    with opened(directory) as d:
+        try:
+            d.replace_bytes(name, data, sync=sync, tmp_name=_tmp_name(name))
+        except files.UnsafePathError:
+            raise _refused(path, _kind(d, name)) from None
 
 
 class RangesFile:
     """A file of ``size`` bytes created at ``path`` (never over an existing
-    entry: a name taken, by a link to a local copy say, is an error), holes
-    everywhere, then written range by range (:meth:`write`); :meth:`close`
-    when every range is written, :meth:`discard` removes it.  Not synced: a
-    restore's scratch, which the restore reads only once every range
-    written was checked (``docs/TIERS.md``)."""
+    entry: a name taken, by a link to a local copy say, is an error; the
+    directory a real one), holes everywhere, then written range by range
+    (:meth:`write`); :meth:`close` when every range is written,
+    :meth:`discard` removes it.  Not synced: a restore's scratch, which the
+    restore reads only once every range written was checked
+    (``docs/TIERS.md``)."""
 
     def __init__(self, path: str, size: int) -> None:
         self.path, self.size = path, size
-        self.fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        directory, name = os.path.split(path)
+        with opened(directory) as d:
+            self.fd: int | None = d.create_exclusive(name)
         try:
             os.ftruncate(self.fd, size)
         except BaseException:
@@ -165,39 +354,78 @@ class RangesFile:
 
     def discard(self) -> None:
         self.close()
-        _unlink(self.path)
+        unlink_in(self.path)
 
 
 def retain(root: str, keep: int, pinned: set[int] = frozenset(), newest: int | None = None) -> list[str]:
-    """Keep the ``keep`` newest steps under ``root`` that have metadata;
-    remove every older step directory (committed or not) except the
-    ``pinned`` ones (a drain still reads them).  Steps newer than the
-    oldest kept one stay, committed or not (a save in progress).  Metadata
-    first, so nothing half removed is ever taken for a step.  ``newest``:
-    steps after it do not count as committed (saved, not yet replicated)."""
+    """Keep the ``keep`` newest owned steps under ``root`` that have
+    metadata; remove every older owned step directory (committed or not)
+    except the ``pinned`` ones (a drain still reads them).  Steps newer than
+    the oldest kept one stay, committed or not (a save in progress).
+    ``newest``: steps after it do not count as committed (saved, not yet
+    replicated).  Directories the tiers do not own are never touched."""
     if keep < 1:
         raise ValueError(f"retention keeps at least 1 step, got {keep}")
-    held = sorted(steps(root))
-    committed = [s for s, p in held if os.path.lexists(os.path.join(p, fmt.METADATA_NAME))
-                 and (newest is None or s <= newest)]
+    held = sorted(owned_steps(root))
+    committed = [s for s, p in held if has_metadata(p) and (newest is None or s <= newest)]
     if len(committed) <= keep:
         return []
     oldest_kept = committed[-keep]
     removed = []
     for step, path in held:
-        if step < oldest_kept and step not in pinned:
-            remove_step(path)
+        if step < oldest_kept and step not in pinned and remove_owned(root, step):
             removed.append(path)
     return removed
 
 
-def remove_step(path: str) -> None:
-    _unlink(os.path.join(path, fmt.METADATA_NAME))
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _unlink(path: str) -> None:
+def has_metadata(path: str) -> bool:
     try:
-        os.unlink(path)
+        with opened(path) as d:
+            return stat.S_ISREG(d.lstat(fmt.METADATA_NAME).st_mode)
     except FileNotFoundError:
-        pass
+        return False
+
+
+def _ours(name: str) -> bool:
+    """A name fp_dcp gives a file of a step directory."""
+    return name.isascii() and (
+        name in (fmt.METADATA_NAME, fmt.LOCK_NAME) or name.endswith(TMP_SUFFIX)
+        or (name.startswith(fmt.METADATA_NAME + ".") and name.endswith(".tmp"))
+        or ("/" not in name and fmt.valid_data_file_name(name)))
+
+
+def remove_owned(root: str, step: int | None, name: str | None = None) -> bool:
+    """Remove the owned directory ``root/<name>`` (default: step ``step``'s):
+    the metadata first (nothing half removed is ever taken for a step),
+    then its regular files with fp_dcp's names, the marker last, then the
+    directory when nothing else is left in it.  Nothing is followed or
+    opened; a directory without the marker is left alone.  Returns whether
+    the directory is gone."""
+    name = step_name(step) if name is None else name
+    with opened(root, user=True) as r:
+        try:
+            with opened_sub(r, name) as d:
+                if not owned(d, step):
+                    return False
+                d.unlink(fmt.METADATA_NAME)
+        except FileNotFoundError:
+            return True
+        except TierPathError:
+            return False  # a link or a file there: not the tiers'
+        left = r.remove_owned(name, lambda rel, kind: kind == "file" and rel != MARKER_NAME and _ours(rel))
+        if left != [MARKER_NAME]:
+            return not left  # something that is not the tiers' is in it: the marker keeps it known
+        r.unlink(os.path.join(name, MARKER_NAME))
+        try:
+            r.rmdir(name)
+        except OSError:
+            return False
+    return True
+
+
+def unlink_in(path: str) -> None:
+    """Remove the file ``path`` (a link itself, never its target) from a
+    directory that is no link; gone already is fine."""
+    directory, name = os.path.split(path)
+    with opened(directory) as d:
+        d.unlink(name)
