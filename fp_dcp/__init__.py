@@ -24,10 +24,11 @@ _EXPORTS = {
     "restore_default": "fp_dcp._dcp_hooks",
     "default_storage": "fp_dcp._dcp_hooks",
     "TierManager": "fp_dcp.tiers.manager",
+    "export_hf": "fp_dcp.tools.export_hf",
 }
 
 __all__ = ["FastPersistWriter", "FastPersistReader", "FastPersistOptions", "__version__",
-           "use_as_default", "restore_default", "default_storage"]
+           "use_as_default", "restore_default", "default_storage", "export_hf"]
 
 
 def __getattr__(name: str):
