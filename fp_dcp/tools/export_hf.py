@@ -530,24 +530,34 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, max_shar
     ``bytes`` (written by this rank), ``seconds``."""
     t0 = time.perf_counter()
     checkpoint, out = os.fspath(checkpoint), os.fspath(out)
-    kind = convert.checkpoint_kind(checkpoint)
-    if kind == "torch":
-        raise ExportError(f"{checkpoint}: a torch.save file, not a checkpoint directory; make it one first "
-                          f"(fp-dcp convert {checkpoint} DIR --to fp_dcp), then export DIR")
     ranks = _Ranks(process_group)
-    tensors, others = _source_tensors(checkpoint, kind)
-    plan = plan_export(tensors, max_shard_size=max_shard_size, dtype=_as_dtype(dtype), strip_prefix=strip_prefix,
-                       key_map=key_map, skipped=others)
+
+    def plan_it() -> tuple[str, ExportPlan]:
+        kind = convert.checkpoint_kind(checkpoint)
+        if kind == "torch":
+            raise ExportError(f"{checkpoint}: a torch.save file, not a checkpoint directory; make it one first "
+                              f"(fp-dcp convert {checkpoint} DIR --to fp_dcp), then export DIR")
+        tensors, others = _source_tensors(checkpoint, kind)
+        return kind, plan_export(tensors, max_shard_size=max_shard_size, dtype=_as_dtype(dtype),
+                                 strip_prefix=strip_prefix, key_map=key_map, skipped=others)
+
+    kind, plan = ranks.step("reading the checkpoint", plan_it)
     ranks.step("preparing the output", lambda: _prepare_out(out, overwrite) if ranks.rank == 0 else None)
-    dfd = _open_out(out)
+    owners = assign_shards([f.size for f in plan.files], ranks.size)
+    mine = [f for f, r in zip(plan.files, owners) if r == ranks.rank]
+    dfds: list[int] = []
+
+    def write_mine() -> dict[str, Any]:
+        dfds.append(_open_out(out))
+        return _write_files(mine, checkpoint, kind, out, dfds[0], direct_io=direct_io, batch_bytes=batch_bytes,
+                            progress=progress)
+
     try:
-        owners = assign_shards([f.size for f in plan.files], ranks.size)
-        mine = [f for f, r in zip(plan.files, owners) if r == ranks.rank]
-        stats = ranks.step("writing the shards", lambda: _write_files(
-            mine, checkpoint, kind, out, dfd, direct_io=direct_io, batch_bytes=batch_bytes, progress=progress))
-        removed = ranks.step("writing the index", lambda: _finish(plan, out, dfd) if ranks.rank == 0 else [])
+        stats = ranks.step("writing the shards", write_mine)
+        removed = ranks.step("writing the index", lambda: _finish(plan, out, dfds[0]) if ranks.rank == 0 else [])
     finally:
-        os.close(dfd)
+        for dfd in dfds:
+            os.close(dfd)
     return {
         "output": out,
         "files": [f.filename for f in plan.files] + ([INDEX_NAME] if plan.sharded else []),
