@@ -289,6 +289,7 @@ def _pipeline(batches: Sequence[_Batch], fill: Callable[[_Batch, int, Any], None
     the slot filled before; ``fill`` gets the previous (batch, slot) too."""
     free: queue.Queue = queue.Queue()
     ready: queue.Queue = queue.Queue()
+    stopping = threading.Event()
     for s in range(slots):
         free.put(s)
 
@@ -297,7 +298,7 @@ def _pipeline(batches: Sequence[_Batch], fill: Callable[[_Batch, int, Any], None
         try:
             for b in batches:
                 s = free.get()
-                if s is None:
+                if s is None or stopping.is_set():
                     return
                 fill(b, s, prev)
                 prev = (b, s)
@@ -315,6 +316,7 @@ def _pipeline(batches: Sequence[_Batch], fill: Callable[[_Batch, int, Any], None
             write(b, s)
             free.put(s)
     finally:
+        stopping.set()
         for _ in range(slots):
             free.put(None)
         thread.join()
@@ -331,7 +333,8 @@ def _write_files(files: Sequence[ShardFile], src: str, kind: str, out: str, dfd:
 
     if not files:
         return {"bytes": 0, "direct": None}
-    session = IOSession(FastPersistOptions(direct_io=direct_io), out)
+    options = FastPersistOptions.from_env()
+    session = IOSession(options if direct_io is None else options.replace(direct_io=direct_io), out)
     align = session.alignment
     need = max([batch_bytes] + [len(f.header) for f in files] + [t.nbytes for f in files for t in f.tensors])
     capacity = -(-(need + align) // align) * align
@@ -366,6 +369,7 @@ def _write_files(files: Sequence[ShardFile], src: str, kind: str, out: str, dfd:
 
     try:
         _pipeline(batches, fill, write, len(buffers))
+        os.fsync(dfd)  # this rank's renames
     finally:
         p.close()
         for tmp, fd in opened.values():
@@ -375,7 +379,10 @@ def _write_files(files: Sequence[ShardFile], src: str, kind: str, out: str, dfd:
         session.close()
         del arenas
         for buf in buffers:
-            buf.close()
+            try:
+                buf.close()
+            except BufferError:  # a view still held (by a traceback): freed with it
+                pass
     return {"bytes": done, "direct": session.direct}
 
 
