@@ -216,6 +216,27 @@ def test_existing_output_needs_overwrite_which_removes_stale_model_files_only(tm
     assert all(_same_bits(got[k], v) for k, v in _flat(_state_dict()).items())
 
 
+@pytest.mark.parametrize("after", [0, 4])
+def test_an_io_error_leaves_the_previous_export_whole_and_no_temporary(tmp_path, aio_no_leaks, after):
+    import errno
+
+    from fp_dcp import _native
+
+    ckpt = _save_fp_dcp(tmp_path / "ckpt")
+    out = tmp_path / "hf"
+    export_hf(ckpt, out, max_shard_size="1GB")
+    before = (out / "model.safetensors").read_bytes()
+    _native.testing().set_fault("io", errno.ENOSPC, after)
+    try:
+        with pytest.raises(OSError) as e:
+            export_hf(ckpt, out, overwrite=True, dtype="fp16", batch_bytes=16_384)
+    finally:
+        _native.testing().set_fault("")
+    assert e.value.errno == errno.ENOSPC and e.value.filename
+    assert os.listdir(out) == ["model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == before
+
+
 def test_cli_exports_and_a_truncated_checkpoint_is_one_line(tmp_path, capsys):
     pytest.importorskip("safetensors")
     ckpt = _save_fp_dcp(tmp_path / "ckpt")

@@ -251,8 +251,20 @@ class _Source:
         self._load, self._planner = _load_state_dict, DefaultLoadPlanner
 
     def fill(self, targets: dict[str, torch.Tensor]) -> None:
-        if targets:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        if not targets:
+            return
+        try:
             self._load(targets, storage_reader=self.reader, planner=self._planner(), no_dist=True)
+        except CheckpointException as e:  # one process: its one failure, which names the file
+            failures = list(getattr(e, "failures", {}).values())
+            cause = failures[0] if len(failures) == 1 else None
+            if isinstance(cause, tuple):  # (exception, its stack)
+                cause = cause[0]
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
 
     def close(self) -> None:
         close = getattr(self.reader, "close", None)
