@@ -199,12 +199,14 @@ cdef class Engine:
         direct=None tries O_DIRECT and falls back to buffered on EINVAL;
         True requires it; False never asks. Returns an fd (close it with os.close).
         A symbolic link as the last component is refused (ELOOP): fp_dcp never
-        writes one, and a checkpoint's data file must not lead out of it."""
+        writes one, and a checkpoint's data file must not lead out of it.  The
+        file is opened non-blocking and must be a regular file (a FIFO or a
+        device is refused, never waited on); the fd returned blocks."""
         cdef int flags
         if mode == "w":
-            flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW
+            flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK
         elif mode == "r":
-            flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW
+            flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK
         else:
             raise ValueError(f"mode must be 'w' or 'r', got {mode!r}")
         cdef bytes b = os.fsencode(path)
@@ -227,6 +229,14 @@ cdef class Engine:
                     err = errno
         if fd < 0:
             raise _oserror(err, "open" + (" with O_DIRECT" if direct else ""), path)
+        try:
+            if os.fstat(fd).st_mode & 0o170000 != 0o100000:
+                raise OSError(EINVAL, "not a regular file (a FIFO, device, socket or directory); fp_dcp "
+                              "reads and writes only regular files", os.fsdecode(path))
+            os.set_blocking(fd, True)  # io_uring would answer EAGAIN on a non-blocking file
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
 
     @staticmethod

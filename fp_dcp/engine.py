@@ -125,7 +125,7 @@ def _direct_open_works(directory: str) -> bool:
             if not entry.is_file(follow_symlinks=False):
                 continue
             try:
-                fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+                fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
             except OSError as e:
                 if e.errno == errno.EINVAL:
                     return False

@@ -23,10 +23,11 @@ import json
 import os
 import platform
 import socket
-import tempfile
 import threading
 import warnings
 from typing import Any, NamedTuple
+
+from fp_dcp import files
 
 __all__ = ["Shape", "Tuned", "TuningWarning", "device_identity", "lookup", "record_path", "store"]
 
@@ -38,6 +39,9 @@ VERSION = 1
 MAX_BLOCK_BYTES = 64 << 20
 MAX_QUEUE_DEPTH = 1024
 MAX_IN_FLIGHT_BYTES = 512 << 20
+# the largest record file read (a record is some hundred bytes per device);
+# it must be a regular file, not a link (a FIFO would hang every save)
+MAX_RECORD_FILE_BYTES = 1 << 20
 
 # sysfs files that name a disk, relative to /sys/block/<disk>/
 _IDENTITY = (("model", "device/model"), ("vendor", "device/vendor"), ("serial", "serial"),
@@ -131,8 +135,7 @@ def _warn(message: str) -> None:
 def _load(path: str) -> dict[str, Any] | None:
     """The document at ``path``; None (after one warning) when it does not read."""
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+        doc = json.loads(files.read_small_file(path, MAX_RECORD_FILE_BYTES).decode("utf-8"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -209,7 +212,7 @@ def store(directory: str, write: Shape, read: Shape, measured: dict[str, Any],
         raise ValueError(f"{ENV}=none turns tuning records off; set it to a file to record one")
     ident = device_identity(directory)
     doc = None
-    if os.path.exists(path):
+    if os.path.lexists(path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", TuningWarning)  # replaced below
             doc = _load(path)
@@ -224,15 +227,7 @@ def store(directory: str, write: Shape, read: Shape, measured: dict[str, Any],
         "read": {"block_size_bytes": read.block_size, "queue_depth": read.queue_depth},
         "measured": measured,
     }
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tuning-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with files.Root(os.path.dirname(os.path.abspath(path)), create=True) as folder:
+        # a temporary created exclusively, synced, renamed over the record
+        folder.replace_bytes(os.path.basename(path), (json.dumps(doc, indent=1) + "\n").encode())
     return path

@@ -7,11 +7,12 @@ Shared by ``tests/test_faults.py`` (a sample of points) and
 * ``("engine", k)``: the rank dies at its engine's k-th I/O completion
   (``_native.testing().set_fault("kill")``: requests in flight, data files half written);
 * ``("call", name, k)``: the coordinator dies just before the k-th call of
-  ``os.<name>`` made by ``fp_dcp.save.commit`` — the commit protocol: ``open``
-  (#0 the lock file, #1 the temporary metadata, #2 the directory before the
-  rename, #3 after it), ``write`` / ``fsync`` (#0) of the temporary
-  metadata, ``fsync`` (#1) of the directory, ``replace`` (the commit),
-  ``fsync`` (#2) of the directory again, ``unlink`` of superseded files;
+  ``os.<name>`` made through the file layer ``fp_dcp.files`` — the
+  directories and the lock file opened (``open``, every one before the
+  commit), ``open`` of the temporary metadata (the last ``open``), ``write``
+  / ``fsync`` (#0) of the temporary metadata, ``fsync`` (#1) of the
+  directory, ``replace`` (the commit), ``fsync`` (#2) of the directory
+  again, ``unlink`` of superseded files;
 * ``("after", 0)``: the rank dies right after ``dcp.save`` returned;
 * ``("delay", seconds)``: the parent kills every rank after that delay;
 * ``("pause", name, k, seconds)``: no kill; the coordinator sleeps before
@@ -84,7 +85,7 @@ def same(a: Any, b: Any) -> bool:
 
 
 class _OsProxy:
-    """``fp_dcp.save.commit.os`` in a child: counts the watched calls and dies
+    """``fp_dcp.files.os`` in a child: counts the watched calls and dies
     before the chosen one."""
 
     def __init__(self, real, kill_at: tuple[str, int] | None, pause_at: tuple | None = None) -> None:
@@ -119,7 +120,7 @@ def _child(path: str, seed: int, point: tuple | None, kill_rank: int, world: int
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    import fp_dcp.save.commit as commit_mod
+    import fp_dcp.files as files_mod
     from fp_dcp import FastPersistWriter, _native
 
     torch.set_num_threads(1)
@@ -131,7 +132,7 @@ def _child(path: str, seed: int, point: tuple | None, kill_rank: int, world: int
         mine = point is not None and rank == kill_rank
         proxy = _OsProxy(os, tuple(point[1:]) if mine and point[0] == "call" else None,
                          tuple(point[1:]) if mine and point[0] == "pause" else None)
-        commit_mod.os = proxy
+        files_mod.os = proxy
         if mine and point[0] == "engine":
             _native.testing().set_fault("kill", signal.SIGKILL, after=int(point[1]))  # FP_DCP_TEST_HOOKS=1 inherited
         w = FastPersistWriter(path, **options)
@@ -247,7 +248,7 @@ def committed(point: tuple) -> bool | None:
         if name == "replace":
             return k > 0
         if name == "open":
-            return k >= 3
+            return False  # the directories, the lock, the temporary metadata: all opened before the commit
         if name == "write":
             return False
         if name == "fsync":

@@ -299,7 +299,7 @@ def two_writers(path: str, pauses: tuple[float, float]) -> None:
     results: list = [None, None]
 
     def go(i: int) -> None:
-        results[i] = _crash.run_save(path, 2 + i, ("pause", "open", 1, pauses[i]))
+        results[i] = _crash.run_save(path, 2 + i, ("pause", "write", 0, pauses[i]))
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
     for t in threads:

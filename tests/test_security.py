@@ -608,14 +608,24 @@ def test_every_rank_refuses_and_none_hangs(tmp_path, step_target):
 
 
 def test_commit_syncs_the_directory_before_and_after_the_rename(tmp_path, monkeypatch):
-    from fp_dcp.save import commit
+    import stat
+
+    from fp_dcp import files
 
     events = []
-    real_fsync_dir, real_replace = commit.sync_directory, os.replace
-    monkeypatch.setattr(commit, "sync_directory", lambda d: (events.append(("fsync_dir", os.path.basename(d))),
-                                                              real_fsync_dir(d)))
-    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.path.basename(b))),
-                                                     real_replace(a, b)))
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            events.append(("fsync_dir", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    def replace(a, b, **kw):
+        events.append(("replace", os.path.basename(b)))
+        return real_replace(a, b, **kw)
+
+    monkeypatch.setattr(files.os, "fsync", fsync)
+    monkeypatch.setattr(files.os, "replace", replace)
     save({"v": torch.ones(3)}, tmp_path / "c")
     i = events.index(("replace", fmt.METADATA_NAME))
     assert ("fsync_dir", "c") in events[:i] and events[i + 1] == ("fsync_dir", "c"), events

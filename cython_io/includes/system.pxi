@@ -12,7 +12,7 @@ cdef extern from "<sys/mman.h>" nogil:
 cdef extern from "<fcntl.h>" nogil:
     int c_open "open"(const char *path, int flags, int mode)
     int fcntl(int fd, int cmd)
-    int O_RDONLY, O_WRONLY, O_RDWR, O_CREAT, O_TRUNC, O_EXCL, O_CLOEXEC, O_DIRECT, O_NOFOLLOW
+    int O_RDONLY, O_WRONLY, O_RDWR, O_CREAT, O_TRUNC, O_EXCL, O_CLOEXEC, O_DIRECT, O_NOFOLLOW, O_NONBLOCK
     int F_GETFL
 
 cdef extern from "<unistd.h>" nogil:

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from fp_dcp import files
 from fp_dcp import format as fmt
 from fp_dcp.load import objects
 
@@ -88,7 +89,7 @@ class SafeStockReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_md.Metadata:
         directory = os.fspath(self.path)
         path = os.path.join(directory, fmt.STOCK_METADATA_NAME)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = files.open_regular(path, files.MAX_METADATA_BYTES)  # no link, FIFO or device; bounded
         with os.fdopen(fd, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f).load()

@@ -15,18 +15,22 @@ when the commit itself failed, and :func:`remove_superseded` (after the next
 commit) removes whatever else is left: the data files of earlier saves and
 stale temporary metadata.
 
-Every ``os`` call of the commit protocol goes through this module's ``os``:
-the crash tests (``tests/_crash.py``) replace it to kill the coordinator just
-before the k-th ``open``, ``write``, ``fsync``, ``replace`` or ``unlink``.
+Every file operation goes through :mod:`fp_dcp.files` (nothing beneath the
+checkpoint directory is reached through a link), and so through that
+module's ``os``: the crash tests (``tests/_crash.py``) replace it to kill the
+coordinator just before the k-th ``open``, ``write``, ``fsync``, ``replace``
+or ``unlink``.
 """
 
 from __future__ import annotations
 
 import fcntl
+import stat
 import os
 import weakref
 from typing import Iterable
 
+from fp_dcp import files
 from fp_dcp import format as fmt
 
 __all__ = ["SaveLock", "sync_directory", "commit_metadata", "remove_superseded", "abandon_rank_files"]
@@ -43,20 +47,23 @@ class SaveLock:
     def __init__(self) -> None:
         self.fd: int | None = None
 
-    def acquire(self, directory: str) -> None:
+    def acquire(self, directory: "str | files.Root") -> None:
         if not self.try_acquire(directory):
             raise BlockingIOError(
                 11, "another fp_dcp save into this checkpoint directory is in progress; wait for it "
-                "or save elsewhere", directory
+                "or save elsewhere", getattr(directory, "path", directory)
             )
 
-    def try_acquire(self, directory: str) -> bool:
+    def try_acquire(self, directory: "str | files.Root") -> bool:
         """Take the lock unless another holder has it (then False).  The
-        lock file is never followed if it is a link (``O_NOFOLLOW``)."""
+        lock file is never followed if it is a link, nor is a FIFO opened."""
         if self.fd is not None:
             return True
-        path = os.path.join(directory, fmt.LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        if isinstance(directory, files.Root):
+            fd = _open_lock(directory)
+        else:
+            with files.Root(directory) as root:
+                fd = _open_lock(root)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -78,98 +85,103 @@ class SaveLock:
         return (SaveLock, ())
 
 
+def _open_lock(root: files.Root) -> int:
+    fd = root.open_fd(fmt.LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise files.NotRegularFileError(22, "the lock file is not a regular file; fp_dcp makes a regular "
+                                        "one: remove it", root.join(fmt.LOCK_NAME))
+    return fd
+
+
 def sync_directory(directory: str) -> None:
     """``fsync`` a directory: the entries made or renamed in it reach the disk."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with files.Root(directory) as root:
+        root.sync()
 
 
-def commit_metadata(directory: str, blob: bytes, save_id: str, data_files: Iterable[str], sync: bool) -> None:
-    """Write ``blob`` as the checkpoint's metadata: to a temporary name
-    (``.fp_dcp.meta.<save_id>.tmp``), then renamed over ``.fp_dcp.meta`` (the
-    commit point).  ``data_files`` (names in ``directory``, or absolute paths
-    in data directories) are the new save's data files: if the commit fails
-    before the rename, nothing refers to them or to the temporary file, and
-    both are removed.  ``sync``: fsync the file and the directory."""
-    final = os.path.join(directory, fmt.METADATA_NAME)
-    tmp = f"{final}.{save_id}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+def commit_metadata(root: files.Root, blob: bytes, save_id: str, data_files: Iterable[str], sync: bool) -> None:
+    """Write ``blob`` as the checkpoint's metadata in the checkpoint directory
+    ``root``: to a temporary name (``.fp_dcp.meta.<save_id>.tmp``, created
+    exclusively), then renamed over ``.fp_dcp.meta`` (the commit point).
+    ``data_files`` (names in the directory, or absolute paths in data
+    directories) are the new save's data files: if the commit fails before the
+    rename, nothing refers to them or to the temporary file, and both are
+    removed.  ``sync``: fsync the file and the directory (before the rename
+    too: a crash never leaves a committed metadata file whose data files'
+    names were lost)."""
+    tmp = f"{fmt.METADATA_NAME}.{save_id}.tmp"
     try:
-        view = memoryview(blob)
-        while view:
-            view = view[os.write(fd, view):]
-        if sync:
-            os.fsync(fd)
+        root.replace_bytes(fmt.METADATA_NAME, blob, sync=sync, tmp_name=tmp)
     except BaseException as e:
-        os.close(fd)
-        _abandon_commit(directory, tmp, data_files)
-        if isinstance(e, OSError) and e.filename is None:  # os.write/fsync name no file
-            raise type(e)(e.errno, f"cannot write the checkpoint metadata: {e.strerror}", tmp) from None
+        _abandon_commit(root, data_files)
+        if isinstance(e, OSError) and str(e.filename).endswith(tmp) and "cannot write:" in str(e.strerror):
+            raise type(e)(e.errno, e.strerror.replace("cannot write:", "cannot write the checkpoint metadata:"),
+                          e.filename) from None
         raise
-    os.close(fd)
-    if sync:
-        # the data files' and the temporary metadata's entries reach the
-        # disk before the rename can: a crash never leaves a committed
-        # metadata file whose data files' names were lost
-        sync_directory(directory)
-    try:
-        os.replace(tmp, final)  # the commit point
-    except BaseException:
-        _abandon_commit(directory, tmp, data_files)
-        raise
-    if sync:
-        sync_directory(directory)
 
 
-def _abandon_commit(directory: str, tmp: str, data_files: Iterable[str]) -> None:
-    for name in [tmp] + [os.path.join(directory, n) for n in data_files]:
+def _abandon_commit(root: files.Root, data_files: Iterable[str]) -> None:
+    for name in data_files:
         try:
-            os.unlink(name)
+            if "/" in name:
+                _remove_in(os.path.dirname(name), {os.path.basename(name)}.__contains__)
+            else:
+                root.unlink(name)
         except OSError:
             pass
 
 
-def remove_superseded(directory: str, data_directories: list[tuple[str, bool]], files: list[str]) -> None:
-    """After the commit: remove what the committed checkpoint (its data
-    ``files``, as recorded in the metadata) does not use, in the checkpoint
-    directory and in this checkpoint's sub-directories of the data
-    directories (``data_directories``: ``(directory, named by absolute
-    path)``): data files of earlier saves and leftover temporary metadata
-    (a crash before a commit leaves them)."""
-    _remove_stale(directory, set(files))
+def _remove_in(directory: "str | files.Root", doomed) -> None:
+    """Unlink the entries of ``directory`` (not a link itself when named by
+    path) whose names ``doomed`` accepts; never a directory."""
+    if isinstance(directory, str):
+        with files.Root(directory, follow=False) as root:
+            _remove_in(root, doomed)
+        return
+    for name, kind in directory.entries():
+        if kind != "dir" and doomed(name):
+            try:
+                directory.unlink(name)
+            except OSError:
+                pass
+
+
+def remove_superseded(root: files.Root, data_directories: list[tuple[str, bool]], data_files: list[str]) -> None:
+    """After the commit: remove what the committed checkpoint (its
+    ``data_files``, as recorded in the metadata) does not use, in the
+    checkpoint directory ``root`` and in this checkpoint's sub-directories of
+    the data directories (``data_directories``: ``(directory, named by
+    absolute path)``; one planted as a link is left alone): data files of
+    earlier saves and leftover temporary metadata (a crash before a commit
+    leaves them)."""
+    _remove_in(root, _stale(set(data_files)))
     for data_dir, by_path in data_directories:
-        if by_path and os.path.isdir(data_dir):
-            _remove_stale(data_dir, {os.path.basename(n) for n in files if os.path.dirname(n) == data_dir})
+        if by_path:
+            keep = {os.path.basename(n) for n in data_files if os.path.dirname(n) == data_dir}
+            try:
+                _remove_in(data_dir, _stale(keep))
+            except OSError:
+                pass  # missing, or a link planted in its place: not followed
 
 
-def _remove_stale(directory: str, keep: set[str]) -> None:
-    for entry in os.scandir(directory):
-        n = entry.name
+def _stale(keep: set[str]):
+    def doomed(n: str) -> bool:
         stale_data = n.endswith(fmt.DATA_SUFFIX) and n not in keep
         stale_tmp = n.startswith(fmt.METADATA_NAME + ".") and n.endswith(".tmp")
-        if stale_data or stale_tmp:
-            try:
-                os.unlink(entry.path)
-            except FileNotFoundError:
-                pass
+        return stale_data or stale_tmp
+    return doomed
 
 
 def abandon_rank_files(data_directories: list[tuple[str, bool]], save_id: str, rank: int) -> None:
     """After rank ``rank`` failed to write its part of save ``save_id``:
     remove the data files it created (a full disk gets its space back); the
-    previous checkpoint was never touched."""
+    previous checkpoint was never touched.  A data directory's checkpoint
+    sub-directory planted as a link is not followed."""
     prefix = f"{save_id}.r{rank}."
-    for directory, _ in data_directories:
+    for directory, by_path in data_directories:
         try:
-            entries = list(os.scandir(directory))
+            with files.Root(directory, follow=not by_path) as root:
+                _remove_in(root, lambda n: n.startswith(prefix) and n.endswith(fmt.DATA_SUFFIX))
         except OSError:
             continue
-        for entry in entries:
-            if entry.name.startswith(prefix) and entry.name.endswith(fmt.DATA_SUFFIX):
-                try:
-                    os.unlink(entry.path)
-                except OSError:
-                    pass

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 from typing import Any
 
 from fp_dcp import format as fmt
-from fp_dcp.save.commit import sync_directory
+from fp_dcp.files import Root, UnsafePathError
 
 __all__ = ["parse_data_dirs", "data_directories", "make_checkpoint_directory", "make_data_directory"]
 
@@ -65,33 +64,37 @@ def make_checkpoint_directory(directory: str, overwrite: bool) -> None:
     a directory, and (without ``overwrite``) one that holds a committed
     checkpoint."""
     try:
-        os.makedirs(directory, exist_ok=True)
+        root = Root(directory, create=True)
     except OSError as e:
-        raise type(e)(e.errno, f"cannot create the checkpoint directory: {e.strerror}", directory) from None
-    if not os.path.isdir(directory):
-        raise NotADirectoryError(20, "the checkpoint path exists and is not a directory", directory)
-    if not overwrite and os.path.exists(os.path.join(directory, fmt.METADATA_NAME)):
-        raise FileExistsError(
-            17,
-            "a committed fp_dcp checkpoint is already there and overwrite=False; "
-            "pass another path or FastPersistOptions(overwrite=True)",
-            directory,
-        )
+        why = str(e.strerror)
+        if e.errno == errno.ENOTDIR and not why.startswith("cannot create"):
+            raise NotADirectoryError(20, "the checkpoint path exists and is not a directory", directory) from None
+        why = why.removeprefix("cannot create the directory: ").removeprefix("cannot open the directory: ")
+        raise type(e)(e.errno, f"cannot create the checkpoint directory: {why}", directory) from None
+    with root:
+        if not overwrite and root.exists(fmt.METADATA_NAME):
+            raise FileExistsError(
+                17,
+                "a committed fp_dcp checkpoint is already there and overwrite=False; "
+                "pass another path or FastPersistOptions(overwrite=True)",
+                directory,
+            )
 
 
 def make_data_directory(d: str, by_path: bool, sync: bool) -> None:
     """Create this checkpoint's sub-directory ``d`` of a data directory
     (``by_path``; the checkpoint directory itself needs nothing) and, with
     ``sync``, sync its entry; refuse one that is a link or not a directory."""
+    if not by_path:
+        return
     try:
-        if by_path and not os.path.lexists(d):
-            os.makedirs(d, exist_ok=True)
-            if sync:
-                sync_directory(os.path.dirname(d))
-        if by_path and not stat.S_ISDIR(os.lstat(d).st_mode):
-            # fp_dcp creates this sub-directory: a link planted in its
-            # place would lead the writes and the clean-up elsewhere
-            raise OSError(errno.ENOTDIR, "this checkpoint's sub-directory of a data directory is a "
-                          "symbolic link or not a directory (fp_dcp creates a real one); remove it", d)
+        with Root(os.path.dirname(d), create=True) as parent:
+            # fp_dcp creates this sub-directory: a link planted in its place
+            # would lead the writes and the clean-up elsewhere (refused)
+            if parent.mkdir(os.path.basename(d)) and sync:
+                parent.sync()
     except OSError as e:
+        if isinstance(e, UnsafePathError):
+            raise OSError(errno.ENOTDIR, "this checkpoint's sub-directory of a data directory is a "
+                          "symbolic link or not a directory (fp_dcp creates a real one); remove it", d) from None
         raise type(e)(e.errno, f"cannot use the data directory: {e.strerror}", d) from None

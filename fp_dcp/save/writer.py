@@ -57,6 +57,7 @@ from fp_dcp import _dcp_hooks
 from fp_dcp import format as fmt
 from fp_dcp.engine import IOSession
 from fp_dcp.options import FastPersistOptions
+from fp_dcp.files import Root
 from fp_dcp.save import commit, directories, execute
 from fp_dcp.gc_freeze import GcFreeze, paused
 from fp_dcp.save.plan import (
@@ -298,8 +299,9 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             else:
                 layout, blob = self._layout_and_metadata(metadata, results, prepared.structure)
             files = [name for name, _ in layout.files]
-            commit.commit_metadata(directory, blob, layout.save_id, files, self.options.sync_files)
-            commit.remove_superseded(directory, self._data_directories(), files)
+            with Root(directory) as root:  # one descriptor: commit and clean-up in the same directory
+                commit.commit_metadata(root, blob, layout.save_id, files, self.options.sync_files)
+                commit.remove_superseded(root, self._data_directories(), files)
         finally:
             self._lock.release()
             self._gc.thaw()

@@ -26,9 +26,11 @@ torch.save from a stock DCP checkpoint) need the checkpoint's size in memory;
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import secrets
 import struct
 import sys
 import time
@@ -36,6 +38,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from fp_dcp import files
 from fp_dcp import format as fmt
 from fp_dcp.options import format_size
 
@@ -237,19 +240,23 @@ def _total_bytes(path: str) -> int:
     return d["tensor_bytes"] + sum(o["bytes"] for o in d["objects"])
 
 
-def _atomic_output(out: str, force: bool) -> str:
-    if os.path.exists(out) and not force:
-        raise ConvertError(f"{out}: already exists; remove it or pass --force to replace it")
+@contextlib.contextmanager
+def _atomic_output(out: str, force: bool) -> Iterator[tuple[int, str]]:
+    """``(descriptor, a path that reopens it)`` of the output's temporary,
+    created beside ``out`` with ``O_EXCL | O_NOFOLLOW`` (never through a link
+    planted at its name); renamed over ``out`` when the block ends (a link at
+    ``out`` itself is replaced, not followed), removed if it fails."""
     parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise ConvertError(f"{out}: the directory {parent} does not exist; create it first")
-    return f"{out}.fp_dcp-tmp-{os.getpid()}"
-
-
-def _commit_file(tmp: str, out: str) -> None:
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    try:
+        root = files.Root(parent)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ConvertError(f"{out}: the directory {parent} does not exist; create it first") from None
+    with root:
+        leaf = os.path.basename(out)
+        if root.exists(leaf) and not force:
+            raise ConvertError(f"{out}: already exists; remove it or pass --force to replace it")
+        with root.atomic_file(leaf, tmp_name=f"{leaf}.fp_dcp-tmp-{os.getpid()}-{secrets.token_hex(4)}") as (fd, _):
+            yield fd, f"/proc/self/fd/{fd}"
 
 
 # ------------------------------------------------------------------ conversions
@@ -264,21 +271,17 @@ def to_torch_save(src: str, out: str, *, force: bool = False, progress: bool = T
     kind = checkpoint_kind(src)
     if kind not in ("fp_dcp", "dcp"):
         raise ConvertError(f"{src}: already a torch.save file; nothing to convert")
-    tmp = _atomic_output(out, force)
     t0 = time.perf_counter()
-    try:
+    with _atomic_output(out, force) as (fd, tmp):
         if kind == "fp_dcp":
-            _stream_torch_save(src, tmp, progress)
+            _stream_torch_save(src, fd, tmp, progress)
         else:
-            torch.save(_load_dcp(src), tmp)
-        _commit_file(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+            with os.fdopen(fd, "wb", closefd=False) as f:
+                torch.save(_load_dcp(src), f)
     return {"output": out, "bytes": os.path.getsize(out), "seconds": time.perf_counter() - t0}
 
 
-def _stream_torch_save(src: str, tmp: str, progress: bool) -> None:
+def _stream_torch_save(src: str, fd: int, tmp: str, progress: bool) -> None:
     """Write ``torch.save`` of an fp_dcp checkpoint without holding its bytes:
 
     1. the state dict's skeleton: the non-tensor values loaded, each tensor
@@ -313,8 +316,8 @@ def _stream_torch_save(src: str, tmp: str, progress: bool) -> None:
         allow_pickle = reader.options.allow_pickle  # the objects pass the restricted unpickler unless set
         _load_state_dict(skeleton, storage_reader=reader, planner=only(LoadItemType.BYTE_IO, _EmptyStateDictLoadPlanner),
                          no_dist=True)
-    with torch.serialization.skip_data():
-        torch.save(skeleton, tmp)
+    with torch.serialization.skip_data(), os.fdopen(fd, "wb", closefd=False) as f:
+        torch.save(skeleton, f)
     del skeleton
     p = Progress(f"reading {src}", describe(src)["tensor_bytes"], progress)  # the objects are read already
     with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
@@ -386,12 +389,11 @@ def to_safetensors(src: str, out: str, *, force: bool = False, progress: bool = 
         others += [name for name, dtype, _ in tensors if dtype not in SAFETENSORS_DTYPES]
         tensors = [t for t in tensors if t[1] in SAFETENSORS_DTYPES]
     head, _ = safetensors_header(tensors, {"format": "pt", "converted_by": "fp_dcp"})
-    tmp = _atomic_output(out, force)
     total = sum(math.prod(s) * d.itemsize for _, d, s in tensors)
     p = Progress(f"converting {src}", total, progress)
     t0 = time.perf_counter()
     try:
-        with open(tmp, "wb") as f:
+        with _atomic_output(out, force) as (fd, _), os.fdopen(fd, "wb", closefd=False) as f:
             f.write(head)
             done = 0
             for batch in _batches(tensors, batch_bytes):
@@ -403,11 +405,8 @@ def to_safetensors(src: str, out: str, *, force: bool = False, progress: bool = 
                         f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
                     done += t.numel() * t.element_size()
                 p.update(done)
-        _commit_file(tmp, out)
     finally:
         p.close()
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return {"output": out, "bytes": os.path.getsize(out), "tensors": len(tensors), "skipped": sorted(others),
             "seconds": time.perf_counter() - t0}
 
@@ -441,9 +440,14 @@ def _load_dcp(src: str) -> dict:
 def _save_dir(sd: dict, out: str, writer_factory: Callable[[str], Any], force: bool) -> None:
     from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
-    if os.path.exists(out) and os.listdir(out) and not force:
-        raise ConvertError(f"{out}: exists and is not empty; give a new directory or pass --force")
-    os.makedirs(out, exist_ok=True)
+    try:
+        root = files.Root(out, create=True, follow=False)
+    except files.UnsafePathError:
+        raise ConvertError(f"{out}: is a symbolic link; give a real directory (the checkpoint would be written "
+                           f"wherever it points)") from None
+    with root:
+        if root.entries() and not force:
+            raise ConvertError(f"{out}: exists and is not empty; give a new directory or pass --force")
     _save_state_dict(sd, storage_writer=writer_factory(out), no_dist=True)
 
 

@@ -15,85 +15,113 @@ see why, remove it by hand).  A checkpoint's data files in data directories
 metadata names by the writer's rule in this checkpoint's own sub-directory of
 a data directory (``docs/FORMAT.md``, "Files"): crafted metadata cannot make
 rotation delete anything else.  A symbolic link under ``root`` is never
-followed.
+followed, and only fp_dcp's own files are removed from a checkpoint
+directory: one that holds anything else keeps it.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 
 from fp_dcp import format as fmt
-from fp_dcp.files import lstat_data_file, read_metadata_bytes
+from fp_dcp.files import Root, UnsafePathError, lstat_data_file, read_metadata_bytes
 from fp_dcp.save.commit import SaveLock
 
 __all__ = ["keep_last", "committed_checkpoints"]
 
 
-
 def committed_checkpoints(root: str | os.PathLike) -> list[str]:
     """Committed checkpoint directories directly under ``root``, oldest commit first."""
+    with Root(root) as r:
+        return [os.path.join(os.fspath(root), name) for name in _committed(r)]
+
+
+def _committed(r: Root) -> list[str]:
     found = []
-    with os.scandir(root) as it:
-        for entry in it:
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-            try:
-                st = os.lstat(os.path.join(entry.path, fmt.METADATA_NAME))
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                continue  # fp_dcp writes a regular file: anything else is not one of its checkpoints
-            found.append((st.st_mtime_ns, entry.name, entry.path))
+    for name, kind in r.entries():
+        if kind != "dir":
+            continue  # a link is never followed
+        try:
+            st = r.lstat(f"{name}/{fmt.METADATA_NAME}")
+        except (FileNotFoundError, UnsafePathError):
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue  # fp_dcp writes a regular file: anything else is not one of its checkpoints
+        found.append((st.st_mtime_ns, name))
     found.sort()
-    return [p for _, _, p in found]
+    return [name for _, name in found]
 
 
 def keep_last(root: str | os.PathLike, n: int) -> list[str]:
     """Remove all but the ``n`` newest committed checkpoints under ``root``;
-    returns the directories removed."""
+    returns the directories removed.  Only fp_dcp's own files are removed
+    from a checkpoint directory: one that holds anything else keeps it (and
+    stays, no longer a checkpoint)."""
     if n < 1:
         raise ValueError(f"keep_last needs n >= 1, got {n}")
     removed = []
-    for path in committed_checkpoints(root)[:-n]:
-        if _remove_checkpoint(path):
-            removed.append(path)
+    with Root(root) as r:
+        for name in _committed(r)[:-n]:
+            if _remove_checkpoint(r, name):
+                removed.append(os.path.join(os.fspath(root), name))
     return removed
 
 
-def _remove_checkpoint(path: str) -> bool:
+def _remove_checkpoint(r: Root, name: str) -> bool:
     """Remove one checkpoint under its own lock (skipped while a save holds it)."""
-    lock = SaveLock()
     try:
-        if not lock.try_acquire(path):
-            return False
+        ck = r.sub(name)  # a directory swapped for a link since the listing: refused
     except OSError:
         return False
-    try:
-        meta = os.path.join(path, fmt.METADATA_NAME)
-        external: list[str] = []
+    with ck:
+        lock = SaveLock()
         try:
-            _, layout, _ = fmt.decode_metadata(read_metadata_bytes(path), meta)
-            # only files proven to lie in this checkpoint's own sub-directory
-            # of a data directory (the writer's naming rule, checked here)
-            paths = fmt.data_file_paths(path, layout)  # every name confined, or it raises
-            external = [p for (name, _), p in zip(layout.files, paths) if "/" in name]
-        except (OSError, fmt.CheckpointFormatError):
-            pass  # damaged or crafted metadata: remove only what is in the directory
-        os.unlink(meta)  # no longer committed: nothing will load it half removed
-        for name in external:
+            if not lock.try_acquire(ck):
+                return False
+        except OSError:
+            return False
+        try:
+            external: list[str] = []
+            named: set[str] = set()
             try:
-                lstat_data_file(name)  # a regular file, in a sub-directory that is no link
-                os.unlink(name)
+                _, layout, _ = fmt.decode_metadata(read_metadata_bytes(ck), ck.join(fmt.METADATA_NAME))
+                # only files proven to lie in this checkpoint's own sub-directory
+                # of a data directory (the writer's naming rule, checked here)
+                paths = fmt.data_file_paths(ck.path, layout)  # every name confined, or it raises
+                external = [p for (f, _), p in zip(layout.files, paths) if "/" in f]
+                named = {f for f, _ in layout.files if "/" not in f}
             except (OSError, fmt.CheckpointFormatError):
-                pass
-        for d in {os.path.dirname(name) for name in external}:
-            try:
-                os.rmdir(d)  # the checkpoint's sub-directory of a data directory, when empty
-            except OSError:
-                pass
-        shutil.rmtree(path)
-        return True
-    finally:
-        lock.release()
+                pass  # damaged or crafted metadata: remove only fp_dcp's own names in the directory
+            ck.unlink(fmt.METADATA_NAME)  # no longer committed: nothing will load it half removed
+            _remove_external(external)
+            r.remove_owned(name, lambda rel, kind: kind in ("file", "link") and _own_name(rel, named))
+            return True
+        finally:
+            lock.release()
+
+
+def _own_name(name: str, named: set[str]) -> bool:
+    """A name fp_dcp writes in a checkpoint directory: a data file (this
+    checkpoint's or an earlier save's), the metadata, its temporaries, the lock."""
+    return (name in named or name == fmt.LOCK_NAME or name.startswith(fmt.METADATA_NAME)
+            or fmt.valid_data_file_name(name))
+
+
+def _remove_external(external: list[str]) -> None:
+    """The checkpoint's data files in its sub-directories of data directories
+    (regular files, in a sub-directory that is no link), then each such
+    sub-directory when empty."""
+    for path in external:
+        try:
+            lstat_data_file(path)
+            with Root(os.path.dirname(path), follow=False) as d:
+                d.unlink(os.path.basename(path))
+        except (OSError, fmt.CheckpointFormatError):
+            pass
+    for sub in {os.path.dirname(p) for p in external}:
+        try:
+            with Root(os.path.dirname(sub)) as parent:
+                parent.rmdir(os.path.basename(sub))  # only when empty; a link is not a directory
+        except OSError:
+            pass

@@ -22,12 +22,13 @@ open.
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from fp_dcp import _native, tuning
+from fp_dcp import _native, files, tuning
 from fp_dcp.options import format_size, parse_size
 
 __all__ = ["TuneError", "engine_pass", "fill_random", "parse_grid", "builtin_shapes", "cells", "measure", "choose",
@@ -189,7 +190,10 @@ def measure(directory: str, shapes: list[tuning.Shape], file_bytes: int, *, repe
     runs the shapes in reverse order (a disk that drifts during the run
     favours no end of the grid).  The scratch file is removed at the end (also
     on errors and Ctrl-C)."""
-    path = os.path.join(directory, f".fp_dcp-tune-{os.getpid()}.tmp")
+    root = files.Root(directory)
+    name = f".fp_dcp-tune-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    os.close(root.create_exclusive(name))  # a new regular file: nothing planted at the name is opened
+    path = root.join(name)
     total = 2 * file_bytes * len(shapes) * repeat
     done = 0
     out: dict[str, dict[tuning.Shape, list[float]]] = {"write": {}, "read": {}}
@@ -206,8 +210,8 @@ def measure(directory: str, shapes: list[tuning.Shape], file_bytes: int, *, repe
                         progress(done, total)
     finally:
         buffer.close()
-        if os.path.exists(path):
-            os.unlink(path)
+        with root:
+            root.unlink(name)
     return out
 
 
