@@ -21,7 +21,6 @@ Memory: two batches (``batch_bytes``, at least the largest tensor).
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -35,6 +34,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from fp_dcp.files import Root, UnsafePathError
 from fp_dcp.tools import convert
 
 __all__ = ["export_hf", "ExportError", "parse_shard_size", "plan_export", "assign_shards", "DTYPES"]
@@ -334,9 +334,9 @@ def _pipeline(batches: Sequence[_Batch], fill: Callable[[_Batch, int, Any], None
         thread.join()
 
 
-def _write_files(files: Sequence[ShardFile], src: str, kind: str, out: str, dfd: int, *, direct_io: bool | None,
+def _write_files(files: Sequence[ShardFile], src: str, kind: str, root: Root, *, direct_io: bool | None,
                  batch_bytes: int, progress: bool) -> dict[str, Any]:
-    """Write ``files`` into the directory ``dfd`` (``out``), each through a temporary renamed once synced."""
+    """Write ``files`` into the directory ``root``, each through a temporary renamed once synced."""
     import numpy as np
 
     from fp_dcp import _native
@@ -346,7 +346,7 @@ def _write_files(files: Sequence[ShardFile], src: str, kind: str, out: str, dfd:
     if not files:
         return {"bytes": 0, "direct": None}
     options = FastPersistOptions.from_env()
-    session = IOSession(options if direct_io is None else options.replace(direct_io=direct_io), out)
+    session = IOSession(options if direct_io is None else options.replace(direct_io=direct_io), root.path)
     align = session.alignment
     need = max([batch_bytes] + [len(f.header) for f in files] + [t.nbytes for f in files for t in f.tensors])
     capacity = -(-(need + align) // align) * align
@@ -364,29 +364,29 @@ def _write_files(files: Sequence[ShardFile], src: str, kind: str, out: str, dfd:
     def write(b: _Batch, s: int) -> None:
         nonlocal done
         if b.first:
-            opened[b.file.filename] = _create_temporary(dfd, out, b.file.filename, session.direct)
+            opened[b.file.filename] = _create_temporary(root, b.file.filename, session.direct)
         tmp, fd = opened[b.file.filename]
         n = b.write_end - b.base
         if n:
-            session.write_fds([fd], [os.path.join(out, tmp)], np.zeros(1, np.int64), np.array([b.base], np.int64),
+            session.write_fds([fd], [root.join(tmp)], np.zeros(1, np.int64), np.array([b.base], np.int64),
                               [memoryview(buffers[s])[:n]], sync=False)
         if b.last:
             os.ftruncate(fd, b.file.size)  # the engine wrote up to the aligned end
             os.fsync(fd)
             del opened[b.file.filename]
             os.close(fd)
-            os.rename(tmp, b.file.filename, src_dir_fd=dfd, dst_dir_fd=dfd)
+            root.rename(tmp, b.file.filename)
         done += n
         p.update(done)
 
     try:
         _pipeline(batches, fill, write, len(buffers))
-        os.fsync(dfd)  # this rank's renames
+        root.sync()  # this rank's renames
     finally:
         p.close()
         for tmp, fd in opened.values():
             os.close(fd)
-            os.unlink(tmp, dir_fd=dfd)
+            root.unlink(tmp)
         source.close()
         session.close()
         del arenas
@@ -398,10 +398,10 @@ def _write_files(files: Sequence[ShardFile], src: str, kind: str, out: str, dfd:
     return {"bytes": done, "direct": session.direct}
 
 
-def _create_temporary(dfd: int, out: str, name: str, direct: bool) -> tuple[str, int]:
+def _create_temporary(root: Root, name: str, direct: bool) -> tuple[str, int]:
     tmp = f".{name}.{secrets.token_hex(4)}.fp_dcp-tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-    return tmp, os.open(tmp, flags, 0o644, dir_fd=dfd)
+    # open_fd adds O_NOFOLLOW | O_CLOEXEC
+    return tmp, root.open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0))
 
 
 # ------------------------------------------------------------------ the output directory
@@ -409,54 +409,36 @@ def _create_temporary(dfd: int, out: str, name: str, direct: bool) -> tuple[str,
 
 def _prepare_out(out: str, overwrite: bool) -> None:
     """Create ``out``, or accept it: a real directory, empty unless ``overwrite``."""
-    try:
-        st = os.lstat(out)
-    except FileNotFoundError:
-        os.makedirs(out)
-        return
-    if stat.S_ISLNK(st.st_mode):
-        raise ExportError(f"{out}: a symbolic link; export-hf does not write through one: give the real "
-                          f"directory ({os.path.realpath(out)}) or a new name")
-    if not stat.S_ISDIR(st.st_mode):
-        raise ExportError(f"{out}: exists and is not a directory; give a new directory name")
-    if os.listdir(out) and not overwrite:
-        raise ExportError(f"{out}: exists and is not empty; give a new directory, or pass --overwrite "
-                          f"(overwrite=True) to replace the model files in it")
+    parent, name = os.path.split(os.path.abspath(out))
+    with Root(parent, create=True) as above:
+        try:
+            st = above.lstat(name)
+        except FileNotFoundError:
+            above.mkdir(name)
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise ExportError(f"{out}: a symbolic link; export-hf does not write through one: give the real "
+                              f"directory ({os.path.realpath(out)}) or a new name")
+        if not stat.S_ISDIR(st.st_mode):
+            raise ExportError(f"{out}: exists and is not a directory; give a new directory name")
+        with above.sub(name) as there:
+            if there.entries() and not overwrite:
+                raise ExportError(f"{out}: exists and is not empty; give a new directory, or pass --overwrite "
+                                  f"(overwrite=True) to replace the model files in it")
 
 
-def _open_out(out: str) -> int:
-    try:
-        return os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise ExportError(f"{out}: not a directory (or a symbolic link); give a real directory") from None
-        raise
-
-
-def _finish(plan: ExportPlan, out: str, dfd: int) -> list[str]:
+def _finish(plan: ExportPlan, root: Root) -> list[str]:
     """Remove the model files of an earlier export that this one does not
     replace, write the index (sharded) and sync the directory; the names removed."""
     keep = {f.filename for f in plan.files} | ({INDEX_NAME} if plan.sharded else set())
     removed = []
-    for name in sorted(os.listdir(dfd)):
-        if _HF_FILE.fullmatch(name) and name not in keep:
-            if stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
-                os.unlink(name, dir_fd=dfd)
-                removed.append(name)
+    for name, kind in sorted(root.entries()):
+        if kind == "file" and _HF_FILE.fullmatch(name) and name not in keep:
+            root.unlink(name)
+            removed.append(name)
     if plan.sharded:
-        body = (json.dumps(plan.index(), indent=2, sort_keys=True) + "\n").encode()
-        tmp, fd = _create_temporary(dfd, out, INDEX_NAME, False)
-        try:
-            with os.fdopen(fd, "wb", closefd=False) as f:
-                f.write(body)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp, dir_fd=dfd)
-            raise
-        os.close(fd)
-        os.rename(tmp, INDEX_NAME, src_dir_fd=dfd, dst_dir_fd=dfd)
-    os.fsync(dfd)
+        root.replace_bytes(INDEX_NAME, (json.dumps(plan.index(), indent=2, sort_keys=True) + "\n").encode())
+    root.sync()
     return removed
 
 
@@ -564,19 +546,23 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, max_shar
     ranks.step("preparing the output", lambda: _prepare_out(out, overwrite) if ranks.rank == 0 else None)
     owners = assign_shards([f.size for f in plan.files], ranks.size)
     mine = [f for f, r in zip(plan.files, owners) if r == ranks.rank]
-    dfds: list[int] = []
+    roots: list[Root] = []
 
     def write_mine() -> dict[str, Any]:
-        dfds.append(_open_out(out))
-        return _write_files(mine, checkpoint, kind, out, dfds[0], direct_io=direct_io, batch_bytes=batch_bytes,
+        try:
+            roots.append(Root(out, follow=False))
+        except UnsafePathError as e:
+            raise ExportError(f"{out}: a symbolic link or not a directory ({e.strerror}); give a real "
+                              f"directory") from None
+        return _write_files(mine, checkpoint, kind, roots[0], direct_io=direct_io, batch_bytes=batch_bytes,
                             progress=progress)
 
     try:
         stats = ranks.step("writing the shards", write_mine)
-        removed = ranks.step("writing the index", lambda: _finish(plan, out, dfds[0]) if ranks.rank == 0 else [])
+        removed = ranks.step("writing the index", lambda: _finish(plan, roots[0]) if ranks.rank == 0 else [])
     finally:
-        for dfd in dfds:
-            os.close(dfd)
+        for root in roots:
+            root.close()
     return {
         "output": out,
         "files": [f.filename for f in plan.files] + ([INDEX_NAME] if plan.sharded else []),
