@@ -284,6 +284,14 @@ def test_batches_cover_every_file_byte_once_with_aligned_writes():
             assert [t for b in batches for t in b.tensors] == list(f.tensors)
 
 
+def test_a_dtype_safetensors_lacks_is_an_error_naming_the_tensor():
+    with pytest.raises(ExportError, match=r"^opt\.z: safetensors has no torch\.complex128; leave it out"):
+        plan_export([("w", torch.float32, [2]), ("opt.z", torch.complex128, [3])])
+    plan = plan_export([("w", torch.float32, [2]), ("opt.z", torch.complex128, [3])],
+                       key_map=lambda k: None if k.startswith("opt.") else k)
+    assert plan.skipped == ("opt.z",) and [t.name for f in plan.files for t in f.tensors] == ["w"]
+
+
 def test_shard_assignment_balances_bytes_the_same_on_every_rank():
     sizes = [5, 9, 1, 9, 3, 7, 2]
     owner = assign_shards(sizes, 3)
