@@ -351,7 +351,9 @@ def _write_files(files: Sequence[ShardFile], src: str, kind: str, root: Root, *,
     need = max([batch_bytes] + [len(f.header) for f in files] + [t.nbytes for f in files for t in f.tensors])
     capacity = -(-(need + align) // align) * align
     batches = [b for f in files for b in _batches(f, capacity, align)]
-    buffers = [_native.AlignedBuffer(capacity, align, lock=False) for _ in range(min(2, len(batches)))]
+    # not prefaulted: the reader's first fill faults the pages in, overlapped with the writes
+    buffers = [_native.AlignedBuffer(capacity, align, lock=False, prefault=False)
+               for _ in range(min(2, len(batches)))]
     arenas = [torch.frombuffer(buf, dtype=torch.uint8, count=capacity) for buf in buffers]
     source = _Source(src, kind)
     p = convert.Progress(f"exporting {src}", sum(f.size for f in files), progress)
@@ -510,7 +512,7 @@ def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, max_shard_size: int | str = "5GB",
               dtype: str | torch.dtype | None = None, strip_prefix: str | Sequence[str] | None = None,
               key_map: Callable[[str], str | None] | None = None, overwrite: bool = False,
-              process_group: Any = None, progress: bool = False, batch_bytes: int = 256 << 20,
+              process_group: Any = None, progress: bool = False, batch_bytes: int = 64 << 20,
               direct_io: bool | None = None) -> dict[str, Any]:
     """Write the tensors of ``checkpoint`` (fp_dcp or stock DCP) into ``out`` in
     Hugging Face's layout: safetensors shards of at most ``max_shard_size``
