@@ -24,6 +24,7 @@ _EXPORTS = {
     "restore_default": "fp_dcp._dcp_hooks",
     "default_storage": "fp_dcp._dcp_hooks",
     "TierManager": "fp_dcp.tiers.manager",
+    "export_hf": "fp_dcp.tools.export_hf",
 }
 
 __all__ = ["FastPersistWriter", "FastPersistReader", "FastPersistOptions", "__version__",

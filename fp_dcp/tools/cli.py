@@ -7,6 +7,7 @@ commands:
   fp-dcp convert CKPT model.safetensors   one safetensors file (tensors only)
   fp-dcp convert --to-dcp CKPT OUT_DIR    a stock torch.distributed.checkpoint
   fp-dcp convert --from-dcp DCP_DIR OUT   a stock DCP checkpoint into fp_dcp
+  fp-dcp export-hf CKPT OUT_DIR           Hugging Face layout: safetensors shards + index
   fp-dcp tune DIR [--dry-run] [--json]    measure the disk under DIR, record request sizes for it
   fp-dcp COMMAND --help                   the options of one command
 
@@ -263,6 +264,29 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ export-hf
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    kind = checkpoint_kind(args.source)
+    if kind == "file":
+        raise PathProblem(f"{args.source}: a plain file; export-hf reads a checkpoint directory (fp_dcp or stock "
+                          f"DCP): make one first with fp-dcp convert {args.source} DIR --to fp_dcp")
+    from fp_dcp.tools import export_hf
+
+    r = export_hf.export_hf(args.source, args.output, max_shard_size=args.max_shard_size, dtype=args.dtype,
+                            strip_prefix=args.strip_prefix, overwrite=args.overwrite, progress=not args.quiet)
+    if r["skipped"]:
+        print(f"note: only tensors are exported; skipped {len(r['skipped'])} item(s): "
+              + ", ".join(r["skipped"][:8]) + (" ..." if len(r["skipped"]) > 8 else ""), file=sys.stderr)
+    if args.json:
+        print(json.dumps(r, indent=1))
+    elif not args.quiet:
+        print(f"wrote {r['output']}: {plural(len(r['written']), 'file')}, {plural(r['tensors'], 'tensor')}, "
+              f"{format_size(r['total_size'])} in {r['seconds']:.2f} s", file=sys.stderr)
+    return 0
+
+
 # ------------------------------------------------------------------ tune
 
 
@@ -352,6 +376,23 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--skip-unsupported", action="store_true",
                    help="safetensors: leave out tensors of dtypes it cannot hold (listed on stderr)")
     c.set_defaults(func=_convert)
+
+    e = sub.add_parser("export-hf", parents=[common], help="Hugging Face layout: safetensors shards and their index",
+                       description="Write a checkpoint's tensors (fp_dcp or stock DCP) as Hugging Face does: "
+                                   "model-0000i-of-0000n.safetensors shards and model.safetensors.index.json "
+                                   "(one model.safetensors when all fits in one shard), loadable by safetensors "
+                                   "and transformers' from_pretrained. Items that are not tensors are skipped "
+                                   "(listed on stderr). Parallel export across ranks: fp_dcp.export_hf(..., "
+                                   "process_group=...).")
+    e.add_argument("source", help="fp_dcp or stock DCP checkpoint directory")
+    e.add_argument("output", help="output directory (created; an existing one must be empty unless --overwrite)")
+    e.add_argument("--max-shard-size", default="5GB",
+                   help="largest shard, as Hugging Face spells it: 5GB (10**9 bytes, the default), 500MB, 2GiB")
+    e.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating-point tensors (default: keep)")
+    e.add_argument("--strip-prefix", help="remove this prefix from the keys that start with it (e.g. model.)")
+    e.add_argument("--overwrite", action="store_true", help="replace the model files of an existing directory")
+    e.add_argument("--json", action="store_true", help="print the result as JSON")
+    e.set_defaults(func=_export_hf)
 
     t = sub.add_parser("tune", parents=[common], help="measure the disk under a directory, record request sizes for it",
                        description="Measure the file system under PATH with fp_dcp's engine (O_DIRECT write and "
