@@ -20,7 +20,7 @@ import math
 import os
 import secrets
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ import torch
 from fp_dcp import _native
 
 __all__ = ["machine_key", "machine_id", "transfer_device", "takes_transfer", "Scratch", "PeerMemory",
-           "post_transfers"]
+           "Transfer", "post_transfers"]
 
 _ZERO_START = np.zeros(1, dtype=np.int64)  # one run, from the address given
 # While an owner waits for a puller's progress counter: short, as the puller
@@ -205,10 +205,16 @@ class PeerMemory:
                 time.sleep(_PULL_POLL_SECONDS)
 
 
-def post_transfers(sends: list[tuple[torch.Tensor, int, int]], receives: list[tuple[torch.Tensor, int, int]],
-                   group: Any, device: torch.device) -> list[Any]:
-    """Post a round's sends ``(buffer, to rank, tag)`` and receives
-    ``(buffer, from rank, tag)`` over the process group; their works."""
+class Transfer(NamedTuple):
+    """One point-to-point send or receive: ``buf`` to or from ``peer``."""
+
+    buf: torch.Tensor
+    peer: int
+    tag: int
+
+
+def post_transfers(sends: list[Transfer], receives: list[Transfer], group: Any, device: torch.device) -> list[Any]:
+    """Post a round's sends and receives over the process group; their works."""
     import torch.distributed as dist
 
     works: list[Any] = []
@@ -216,15 +222,15 @@ def post_transfers(sends: list[tuple[torch.Tensor, int, int]], receives: list[tu
         # NCCL runs a pair's sends and receives in order on one stream: a
         # send waits for its receive, so two ranks that both send first
         # would wait on each other.  One group call posts them together.
-        ops = [dist.P2POp(dist.isend, buf, group=group, group_peer=dst, tag=tag % (1 << 30))
-               for buf, dst, tag in sends]
-        ops += [dist.P2POp(dist.irecv, buf, group=group, group_peer=src, tag=tag % (1 << 30))
-                for buf, src, tag in receives]
+        ops = [dist.P2POp(dist.isend, t.buf, group=group, group_peer=t.peer, tag=t.tag % (1 << 30))
+               for t in sends]
+        ops += [dist.P2POp(dist.irecv, t.buf, group=group, group_peer=t.peer, tag=t.tag % (1 << 30))
+                for t in receives]
         if ops:
             works.extend(dist.batch_isend_irecv(ops))
         return works
-    for buf, dst, tag in sends:
-        works.append(dist.isend(buf, group=group, group_dst=dst, tag=tag % (1 << 30)))
-    for buf, src_rank, tag in receives:
-        works.append(dist.irecv(buf, group=group, group_src=src_rank, tag=tag % (1 << 30)))
+    for t in sends:
+        works.append(dist.isend(t.buf, group=group, group_dst=t.peer, tag=t.tag % (1 << 30)))
+    for t in receives:
+        works.append(dist.irecv(t.buf, group=group, group_src=t.peer, tag=t.tag % (1 << 30)))
     return works
