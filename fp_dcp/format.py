@@ -288,6 +288,29 @@ def checksum_blocks(length: Any, block_bytes: int) -> Any:
     return np.maximum(n, 1) if isinstance(n, np.ndarray) else max(1, n)
 
 
+def align_up(value: int, alignment: int) -> int:
+    """``value`` rounded up to a multiple of ``alignment``."""
+    return -(-value // alignment) * alignment
+
+
+def check_extents_cover(name: str, extents: list[Extent], nbytes: int) -> None:
+    """Raise unless ``extents`` (sorted by item_offset) tile ``[0, nbytes)`` exactly."""
+    pos = 0
+    for e in extents:
+        if e.item_offset != pos:
+            what = "overlap" if e.item_offset < pos else "a gap"
+            raise CheckpointFormatError(
+                f"{name}: the stored extents have {what} at byte {min(pos, e.item_offset)} "
+                f"of {nbytes}; the checkpoint metadata is corrupt"
+            )
+        pos += e.length
+    if pos != nbytes:
+        raise CheckpointFormatError(
+            f"{name}: the stored extents hold {pos} bytes, the item has {nbytes}; "
+            f"the checkpoint metadata is corrupt"
+        )
+
+
 # ---------------------------------------------------------------- encoding
 
 

@@ -43,7 +43,6 @@ from fp_dcp.load.plan import (
     strides_non_overlapping,
     unit_starts,
 )
-from fp_dcp.save.layout import check_extents_cover
 
 __all__ = ["Job", "Limits", "ExtentTable", "ItemPlanner", "storage_bytes", "whole_chunk_read", "MERGE_RUN_MAX_BYTES", "MAX_BATCH_PIECES"]
 
@@ -197,7 +196,7 @@ class ItemPlanner:
                     + ("" if chunk is None else f" (chunk at {list(chunk)})")
                     + "; the checkpoint metadata is inconsistent"
                 )
-            check_extents_cover(fqn, exts, nbytes)  # raises, naming the gap or overlap
+            fmt.check_extents_cover(fqn, exts, nbytes)  # raises, naming the gap or overlap
             raise AssertionError(f"{fqn}: ExtentTable refused extents that check_extents_cover accepts")
         return arrays
 

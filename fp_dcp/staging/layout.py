@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fp_dcp import _dcp_hooks
-from fp_dcp.save.layout import align_up
+from fp_dcp.format import align_up
 
 __all__ = ["ARENA", "SPILL", "EMPTY", "Layout", "walk", "build", "meta", "plan", "views"]
 
