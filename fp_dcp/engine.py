@@ -107,7 +107,7 @@ class PinnedBuffer:
     def close(self) -> None:
         if self.raw is None:
             return
-        self.tensor = None
+        self.tensor = torch.empty(0, dtype=torch.uint8)  # drops its view of the buffer
         if self.cuda_registered:
             pinned.cuda_unregister(self.raw.address)
             self.cuda_registered = False

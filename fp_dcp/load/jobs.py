@@ -44,7 +44,8 @@ from fp_dcp.load.plan import (
     unit_starts,
 )
 
-__all__ = ["Job", "Limits", "ExtentTable", "ItemPlanner", "storage_bytes", "whole_chunk_read", "MERGE_RUN_MAX_BYTES", "MAX_BATCH_PIECES"]
+__all__ = ["Job", "Limits", "ExtentTable", "ItemPlanner", "storage_bytes", "whole_chunk_read", "MERGE_RUN_MAX_BYTES",
+           "MAX_BATCH_PIECES"]
 
 # Runs at least this long are always read straight into their target: the
 # per-run cost (one memoryview, one engine piece) is negligible beside them,
@@ -413,14 +414,19 @@ def unit_jobs(grid: Grid, level: int, arrays, limits: Limits, needed: int, copie
         u_off = unit_off[start:end] - base + head[start:end]
         d, c = dst[start:end], cnt[start:end]
         job_needed = int(c.sum()) * runs_per_index * grid.run
-        post = (lambda arena, arena_off, u_off=u_off, d=d, c=c: copier(arena, arena_off, u_off, d, c))
+
+        def post(arena: Any, arena_off: int, u_off: np.ndarray = u_off, d: np.ndarray = d,
+                 c: np.ndarray = c) -> None:
+            copier(arena, arena_off, u_off, d, c)
+
         jobs.append(Job(files[p0:p1], j_offs, j_lens, pos, temp=int(unit_off[end - 1] + sizes[end - 1]) - base,
                         post=post, needed=job_needed, units=end - start))
         start = end
     return jobs
 
 
-def _unit_shape(grid: Grid, level: int, count: int, esize: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+def _unit_shape(grid: Grid, level: int, count: int,
+                esize: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Shape and source / destination strides (units of ``esize`` bytes) of a
     sub-grid over ``level..`` with ``count`` indices of its outer dimension."""
     g = len(grid.counts)

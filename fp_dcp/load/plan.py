@@ -307,7 +307,8 @@ def map_ranges(
     e_end = e_start + np.asarray(ext_lengths, dtype=_I64)[j]
     a = np.maximum(starts[rng], e_start)
     b = np.minimum(ends[rng], e_end)
-    return rng, a - starts[rng], np.asarray(ext_files, dtype=_I64)[j], np.asarray(ext_file_offsets, dtype=_I64)[j] + (a - e_start), b - a
+    return (rng, a - starts[rng], np.asarray(ext_files, dtype=_I64)[j],
+            np.asarray(ext_file_offsets, dtype=_I64)[j] + (a - e_start), b - a)
 
 
 def plan_fillers(
@@ -460,7 +461,7 @@ def interleaved_slabs(
             continue
         lo = tuple(min(o[d] for _, o, _ in active) for d in range(1, ndim))
         hi = tuple(max(o[d] + n[d] for _, o, n in active) for d in range(1, ndim))
-        row = math.prod(h - l for l, h in zip(lo, hi)) * element_size
+        row = math.prod(h - low for low, h in zip(lo, hi)) * element_size
         if row > slab_bytes:
             return []
         read += (b - a) * row
@@ -475,7 +476,7 @@ def interleaved_slabs(
         for s in range(a, b, step):
             n0 = min(step, b - s)
             parts = tuple((i, (s,) + o[1:], (n0,) + n[1:]) for i, o, n in active)
-            slabs.append(CoopSlab((s,) + lo, (n0,) + tuple(h - l for l, h in zip(lo, hi)), n0 * row, parts))
+            slabs.append(CoopSlab((s,) + lo, (n0,) + tuple(h - low for low, h in zip(lo, hi)), n0 * row, parts))
     return slabs
 
 

@@ -54,7 +54,7 @@ import secrets
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -400,8 +400,8 @@ class FastPersistReader(StorageReader):
         try:
             if share is not None:
                 t1 = time.perf_counter()
-                shared = SharedReads(self.process_group, share, run, self._twin, self._items, planner, items,
-                                     setup_error)
+                shared = SharedReads(self.process_group, share, run, self._twin, cast(ItemPlanner, self._items),
+                                     planner, items, setup_error)
                 items = shared.run()
                 assert run is not None
                 run.stats["share_seconds"] = time.perf_counter() - t1

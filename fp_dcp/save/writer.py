@@ -56,11 +56,17 @@ import fp_dcp
 from fp_dcp import _dcp_hooks
 from fp_dcp import format as fmt
 from fp_dcp.engine import EngineSet, IOSession
+from fp_dcp.gc_freeze import GcFreeze, paused
 from fp_dcp.options import FastPersistOptions
 from fp_dcp.save import commit, directories, execute
-from fp_dcp.gc_freeze import GcFreeze, paused
 from fp_dcp.save.plan import (
-    Assignment, GlobalRecord, RankHoldings, assign, assignment_items, describe_rank, keep_global_record,
+    Assignment,
+    GlobalRecord,
+    RankHoldings,
+    assign,
+    assignment_items,
+    describe_rank,
+    keep_global_record,
 )
 from fp_dcp.save.results import check_layout_covers, layout_from_results
 from fp_dcp.staging import AsyncStagingMixin

@@ -77,7 +77,7 @@ class Copier:
             events[d] = ev
         return events
 
-    def copy(self, buf: Any, layout: Layout, views: list[torch.Tensor], leaves, events: dict, spill: Any,
+    def copy(self, buf: Any, layout: Layout, views: list[torch.Tensor | None], leaves, events: dict, spill: Any,
              threads: int, block: int = 0) -> dict[int, tuple[int, np.ndarray]]:
         """Copy the leaves into the arena ``buf`` (``views``: the resident
         tensors viewing it) and the spill file (``spill``, a
@@ -91,12 +91,14 @@ class Copier:
         for i, t in enumerate(leaves):
             if layout.where[i] != ARENA:
                 continue
+            view = views[i]
+            assert view is not None  # every tensor placed in the arena has a view
             if t.device.type == "cuda":
-                cuda.setdefault(t.device, []).append((views[i], t))
+                cuda.setdefault(t.device, []).append((view, t))
                 continue
             b = flat_bytes(t) if t.device.type == "cpu" else None
             if b is None:
-                slow.append((views[i], t))
+                slow.append((view, t))
             else:
                 offsets.append(layout.offset[i])
                 sources.append(b)
@@ -200,8 +202,9 @@ class Copier:
         try:
             for k, start in enumerate(range(0, layout.spill_bytes, slot)):
                 s = k % 2
-                if pending[s] is not None:
-                    pending[s].result()  # back-pressure: the slot is free again
+                fut = pending[s]
+                if fut is not None:
+                    fut.result()  # back-pressure: the slot is free again
                     pending[s] = None
                 stop = min(start + slot, layout.spill_bytes)
                 base = layout.ring_offset + s * slot
@@ -228,8 +231,9 @@ class Copier:
                 view = memoryview(buf)[base : base + (stop - start)]
                 pending[s] = self.ring_pool.submit(spill.write, start, view)
             for k in range(2):
-                if pending[k] is not None:
-                    pending[k].result()
+                fut = pending[k]
+                if fut is not None:
+                    fut.result()
                     pending[k] = None
         finally:
             for p in pending:

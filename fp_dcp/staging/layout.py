@@ -64,7 +64,7 @@ def walk(obj: Any, leaves: list[torch.Tensor], values: list[Any]) -> tuple:
     return ("V", len(values) - 1)
 
 
-def build(node: tuple, tensors: list[torch.Tensor], values: list[Any], root: type | None = None) -> Any:
+def build(node: tuple, tensors: list[torch.Tensor | None], values: list[Any], root: type | None = None) -> Any:
     """The state dict of skeleton ``node`` around ``tensors`` and ``values``;
     a top-level mapping of type ``root`` when given (else the original's).
     A ``DTensor`` is rebuilt around its staged local shard with the same

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, SupportsIndex
 
 import numpy as np
 
@@ -30,7 +30,7 @@ class StagedStateDict(dict):
 
     _fp_snapshot: "Snapshot | None" = None
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         snap = self._fp_snapshot
         if snap is None:
             return (dict, (dict(self),))

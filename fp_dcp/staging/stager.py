@@ -292,7 +292,7 @@ class Stager:
         self.arena: Arena | None = None
         self.spill: Spill | None = None
         self.layout: Layout | None = None
-        self.views: list[torch.Tensor] | None = None  # resident views of (arena, layout)
+        self.views: list[torch.Tensor | None] | None = None  # resident views of (arena, layout)
         self.shared = False  # stage into shared memory (PROCESS mode seen, or asked for)
         self.seq = 0
         self.saves: collections.deque[Save] = collections.deque()
@@ -392,6 +392,7 @@ class Stager:
                 self._layout_key = self._options_key(options)
             grown = self._ensure_arena(layout, alignment, options)
             arena = self.arena
+            assert arena is not None  # made by _ensure_arena
             if any(m[2].type == "cuda" for m in metas):
                 arena.register_cuda()
             if self.layout is not layout or self.views is None:
@@ -406,6 +407,7 @@ class Stager:
         spill_handle = None
         spill_map = None
         tensors = self.views
+        assert tensors is not None
         block = fmt.CHECKSUM_BLOCK_BYTES if options.write_checksums and options.staging_checksums else 0
         if layout.spill_bytes:
             spill = self._spill_file(writer, options)

@@ -31,7 +31,7 @@ from fp_dcp.checksums import BadBlock, ReadVerifier, item_name
 from fp_dcp.engine import IOSession
 from fp_dcp.options import FastPersistOptions, format_size, plural
 
-__all__ = ["verify_checkpoint", "print_report", "VerifyReport", "BadExtent", "main"]
+__all__ = ["verify_checkpoint", "print_report", "VerifyReport", "BadExtent"]
 
 _BATCH_BYTES = 64 << 20
 

@@ -40,8 +40,7 @@ from fp_dcp.load.execute import Run
 from fp_dcp.load.jobs import ItemPlanner, Job, storage_bytes
 from fp_dcp.load.plan import box_runs
 from fp_dcp.load.sharing.plan import READ_AHEAD, Part, SharedUnit, SharePlan, read_key
-from fp_dcp.load.sharing.transport import (PeerMemory, Scratch, Transfer, post_transfers, takes_transfer,
-                                           transfer_device)
+from fp_dcp.load.sharing.transport import PeerMemory, Scratch, Transfer, post_transfers, takes_transfer, transfer_device
 
 __all__ = ["SharedReads"]
 
