@@ -23,9 +23,9 @@ from fp_dcp.options import FastPersistOptions
 __all__ = ["IOSession", "EngineSet", "tensor_bytes", "PinnedBuffer", "device_max_request_bytes",
            "large_read_shape"]
 
-# The reader's engine of large requests (issue 15): one request as large as
-# the device takes in one piece (``max_sectors_kb``), within these bounds, and
-# this many bytes in flight.  Measured in docs/NATIVE.md, "Request sizes".
+# The reader's engine of large requests: one request as large as the device
+# takes in one piece (``max_sectors_kb``), within these bounds, and this many
+# bytes in flight (docs/NATIVE.md, "Request sizes").
 LARGE_REQUEST_MIN_BYTES = 1 << 20
 LARGE_REQUEST_MAX_BYTES = 4 << 20
 LARGE_IN_FLIGHT_BYTES = 32 << 20
@@ -291,6 +291,10 @@ class EngineSet:
         self.more: list[IOSession] = []
         self.twins: list[tuple[IOSession, IOSession | None]] = []
         self.by_directory: dict[str, IOSession] = {}
+
+    def __reduce__(self) -> tuple:
+        # engines stay with the process that made them: a copy starts empty
+        return (EngineSet, ())
 
     def session(self, options: FastPersistOptions, directory: str) -> IOSession:
         """The primary session for ``directory``, made anew (with the sessions
