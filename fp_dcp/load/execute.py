@@ -53,7 +53,7 @@ LONG_RUN_BYTES = 1 << 20
 _MIN_BYTES_PER_THREAD = 64 << 20
 
 
-class Arena:
+class TempBuffer:
     """The load's temporary memory: one aligned buffer, grown when a batch
     needs more (never past the budget, which the caller holds it to) and
     reused, seen as bytes (``np``) and as any dtype (:meth:`typed`)."""
@@ -129,7 +129,7 @@ class Run:
         self.verifier = verifier
         self.progress = progress
         self.fds: dict[int, int] = {}
-        self.arena = Arena(self.alignment)
+        self.arena = TempBuffer(self.alignment)
         self.scratch = np.empty(max(2 * self.alignment, coalesce_gap), dtype=np.uint8)
         self.stats: dict[str, Any] = {
             "engine": session.kind,
