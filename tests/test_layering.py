@@ -111,9 +111,9 @@ def layer_of(module: str) -> tuple[int, int]:
     for li, layer in enumerate(LAYERS):
         for gi, group in enumerate(layer):
             for prefix in group:
-                if module == prefix or module.startswith(prefix + "."):
-                    if best is None or len(prefix) > best[0]:
-                        best = (len(prefix), (li, gi))
+                covers = module == prefix or module.startswith(prefix + ".")
+                if covers and (best is None or len(prefix) > best[0]):
+                    best = (len(prefix), (li, gi))
     assert best is not None, f"{module} is in no layer: add it to LAYERS and docs/ARCHITECTURE.md"
     return best[1]
 
@@ -188,8 +188,8 @@ def test_the_check_sees_imports_inside_functions_relative_and_lazy(source, modul
     for node in ast.walk(ast.parse(source)):
         edges |= _imported(module, False, node, exports)
     assert edges == {bad}
-    assert violations({module: edges}) == [f"{module} imports {bad} ("
-                                           f"{'a sibling group' if module == 'fp_dcp.save.plan' else 'a higher layer'})"]
+    kind = "a sibling group" if module == "fp_dcp.save.plan" else "a higher layer"
+    assert violations({module: edges}) == [f"{module} imports {bad} ({kind})"]
 
 
 def test_a_cycle_is_found():

@@ -307,14 +307,10 @@ class FastPersistReader(StorageReader):
         return False
 
     def _set_up_engines_early(self, twin: bool, bounce: bool = True) -> None:
-        """Start setting the engine up (and, with ``twin``, the second engine
-        of shared reads) on a thread of its own, while DCP plans the load.
-        With ``bounce`` the engine's bounce buffers are faulted in and
-        page-locked there too (tens of ms where the host faults memory in
-        lazily, as on VMs with free-page reporting), which need not wait for
-        the plan; the twin's are left to the first call that needs them
-        (shared reads, into aligned temporaries, do not).  Best effort: a
-        failure here is raised by the set-up ``read_data`` runs."""
+        """Start setting the engines up (with ``twin``, also the second pair
+        of shared reads; with ``bounce``, faulting in and locking the bounce
+        buffers) on a thread of its own while DCP plans the load.  Best
+        effort: ``read_data``'s own set-up raises what failed here."""
         if self._setting_up is not None or self.path is None:
             return
 

@@ -1,51 +1,13 @@
 """The balancer: which rank writes which bytes of which item, on which device.
 
-FastPersist's second technique: a checkpoint's bytes divided evenly over
-every rank and every storage device, so a job writes at the sum of its
-devices' bandwidth instead of at the pace of its most loaded rank.
-
-Inputs are one :class:`Holdings` per rank (what ``prepare_local_plan``
-records: each item this rank holds, keyed by a stable 64-bit hash of its
-``MetadataIndex``, with its byte size, and the rank's host and number of data
-directories).  The output, a :class:`Placement`, gives every rank a list of
-*pieces* ``(local item, item_offset, length, device)``.  The pieces of an
-item, over all ranks, tile ``[0, nbytes)`` exactly once.
-
-The algorithm (all of it deterministic: the same holdings give the same
-placement on any machine):
-
-1. Items are grouped by their *holder set* (the ranks that hold them).  An
-   item held by one rank (a shard) stays with it: its bytes are that rank's
-   fixed load.
-2. Holder sets of two or more ranks (DDP replicas, the replicated dimension
-   of HSDP or of a 2-D mesh) are processed smallest set first.  For each set
-   the balancer *water-fills*: it finds the level ``L`` at which
-   ``sum(max(0, L - load[r]))`` equals the set's bytes, so that the least
-   loaded holders take the most.  For nested or disjoint holder sets (every
-   DCP parallelism: DDP, FSDP, HSDP, TP x DP meshes) this is the optimal
-   max load.
-3. The set's items are laid end to end in a virtual stream which is cut into
-   consecutive segments of the ranks' quotas (ranks in order).  A cut that
-   falls inside an item moves to the nearest multiple of ``granularity``
-   from the item's start (so split items are aligned for direct I/O and
-   keep whole elements); items smaller than ``small_bytes`` are never split:
-   the cut moves to the nearer item boundary.  The bytes actually assigned
-   (after rounding) update the loads, so later sets compensate.
-4. Items whose size is unknown at plan time (bytes items: DCP does not give
-   their size before ``torch.save`` runs) and empty tensors are spread by
-   count: each goes to the holder with the fewest such items so far (then
-   the least bytes, then the lowest rank).
-5. Devices: the ranks of one host, in rank order, form a stream of their
-   bytes; the stream is cut into ``n_dirs`` equal parts (a cut near a rank
-   boundary moves onto it, so that with as many ranks as devices each rank
-   writes to one device; otherwise cuts inside items are aligned as above).
-   Each rank writes the bytes in part ``d`` to data directory ``d``.
-
-:class:`PlanCache` keeps placements by the hash of all ranks' holdings, so
-a second save with the same structure skips the planning.
-
-Nothing here touches a disk, a process group or torch: it is numbers in,
-numbers out, and tested with hypothesis (``tests/test_balance.py``).
+:func:`plan_placement` takes one :class:`Holdings` per rank (each item it
+holds, keyed by a stable 64-bit hash of its ``MetadataIndex``, with its
+size; the rank's host and number of data directories) and returns a
+:class:`Placement`: per rank, pieces ``(local item, item_offset, length,
+device)``; the pieces of an item, over all ranks, tile ``[0, nbytes)``
+exactly once.  Deterministic: the same holdings give the same placement on
+any machine.  :class:`PlanCache` keeps placements by structure.  Pure:
+numbers in, numbers out.
 """
 
 from __future__ import annotations
@@ -296,6 +258,37 @@ def _segments(starts: np.ndarray, sizes: np.ndarray,
 
 
 # ---------------------------------------------------------------- placement
+#
+# The algorithm (FastPersist's second technique: a checkpoint's bytes divided
+# evenly over every rank and every storage device, so a job writes at the sum
+# of its devices' bandwidth instead of at the pace of its most loaded rank):
+#
+# 1. Items are grouped by their holder set (the ranks that hold them).  An
+#    item held by one rank (a shard) stays with it: its bytes are that rank's
+#    fixed load.
+# 2. Holder sets of two or more ranks (DDP replicas, the replicated dimension
+#    of HSDP or of a 2-D mesh) are processed smallest set first.  For each set
+#    the balancer water-fills: it finds the level L at which
+#    sum(max(0, L - load[r])) equals the set's bytes, so that the least loaded
+#    holders take the most.  For nested or disjoint holder sets (every DCP
+#    parallelism: DDP, FSDP, HSDP, TP x DP meshes) this is the optimal max
+#    load.
+# 3. The set's items are laid end to end in a virtual stream cut into
+#    consecutive segments of the ranks' quotas (ranks in order).  A cut inside
+#    an item moves to the nearest multiple of ``granularity`` from the item's
+#    start (split items stay aligned for direct I/O and keep whole elements);
+#    items smaller than ``small_bytes`` are never split: the cut moves to the
+#    nearer item boundary.  The bytes actually assigned update the loads, so
+#    later sets compensate.
+# 4. Items whose size is unknown at plan time (bytes items: DCP does not give
+#    their size before ``torch.save`` runs) and empty tensors are spread by
+#    count: each goes to the holder with the fewest such items so far (then
+#    the least bytes, then the lowest rank).
+# 5. Devices: the ranks of one host, in rank order, form a stream of their
+#    bytes, cut into ``n_dirs`` equal parts (a cut near a rank boundary moves
+#    onto it, so that with as many ranks as devices each rank writes to one
+#    device; otherwise cuts inside items are aligned as above).  Each rank
+#    writes the bytes in part ``d`` to data directory ``d``.
 
 
 @dataclasses.dataclass
@@ -416,7 +409,7 @@ _Parts = list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]  # per rank: (loc
 
 
 def _place_sized(it: _Items, gran: int, small: int) -> tuple[np.ndarray, _Parts]:
-    """Steps 1 to 3 of the module docstring: each rank's load and pieces."""
+    """Steps 1 to 3 of the algorithm: each rank's load and pieces."""
     world = it.world
     loads = np.zeros(world, dtype=np.int64)
     parts: _Parts = [[] for _ in range(world)]
@@ -520,7 +513,7 @@ def _place_devices(holdings: Sequence[Holdings], loads: np.ndarray, parts: _Part
 
 def plan_placement(holdings: Sequence[Holdings]) -> Placement:
     """Balance the bytes of every item over the ranks that hold it and over
-    each host's data directories.  See the module docstring."""
+    each host's data directories."""
     world = len(holdings)
     if world == 0:
         raise ValueError("no ranks")

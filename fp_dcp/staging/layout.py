@@ -1,20 +1,9 @@
-"""Where each staged tensor goes: the state-dict walk and the arena layout (pure).
-
-:func:`walk` takes a state dict apart into a *skeleton* (containers kept,
-comparable with ``==``), its tensors (the leaves to stage) and its other
-values (deep-copied by the stager); :func:`build` puts a staged state dict
-together again from the skeleton and views of the staged tensors.
-
-:func:`plan` places each leaf: in the arena (after its header page; a tensor
-of at least ``pack_threshold_bytes`` on a direct-I/O boundary, smaller ones
-packed at ``pack_alignment_bytes`` — the rule the writer uses in its files,
-so the engine writes the staged tensors straight from the arena), or, past
-``staging_memory_limit_bytes``, in the spill file, streamed through a ring of
-two slots at the end of the arena.  :func:`views` are the tensors that view
-a buffer laid out so.
-
-Nothing here allocates or copies the tensors' bytes.
-"""
+"""Where each staged tensor goes (pure): :func:`walk` takes a state dict
+apart into a skeleton, its tensors and its other values, :func:`build` puts
+it together again; :func:`plan` places each tensor in the arena (the
+writer's alignment rule, so the engine writes straight from it) or, past
+the memory limit, in the spill file; :func:`views` are the tensors that view
+a buffer laid out so."""
 
 from __future__ import annotations
 

@@ -1,27 +1,22 @@
-"""Shared reads on one rank: the rounds of a :class:`~.plan.SharePlan`.
+"""Shared reads on one rank: :class:`SharedReads` runs the rounds of a
+:class:`~.plan.SharePlan` (reads the units this rank owns, hands their parts
+to the ranks that need them) and returns the items left to read from disk."""
 
-:class:`SharedReads` reads the shared units this rank owns, exchanges their
-parts with the ranks that need them, and tells the reader which of its items
-are left to read from disk.
-
-Every rank runs the same collectives in the same order: per round one
-all-gather of a status (and, when a rank failed, of the errors), so a failed
-read raises on every rank in the same round instead of leaving the others
-waiting; then the point-to-point sends and receives of that round's parts.
-Round ``i``'s transfers are in flight while rounds ``i + 1`` and ``i + 2``
-are read from disk (``READ_AHEAD``); a target is committed once all its
-parts have arrived.
-
-With the ``"auto"`` transport, a part whose owner is on the same machine
-(:class:`~.transport.PeerMemory`) is pulled: the status all-gather also
-carries the address of every box the owners read this round, and the rank
-that needs the part copies it from there with one ``process_vm_readv`` into
-its target.  The owner keeps that box untouched until the ranks that pull
-from it have: each keeps a counter of the rounds it has pulled, which the
-owner reads (8 bytes, the same way) before it reads another round into that
-box; one status more ends the load, so no rank frees a box before every rank
-has pulled from it.
-"""
+# Every rank runs the same collectives in the same order: per round one
+# all-gather of a status (and, when a rank failed, of the errors), so a failed
+# read raises on every rank in the same round instead of leaving the others
+# waiting; then the point-to-point sends and receives of that round's parts.
+# Round i's transfers are in flight while rounds i + 1 and i + 2 are read from
+# disk (READ_AHEAD); a target is committed once all its parts have arrived.
+#
+# With the "auto" transport, a part whose owner is on the same machine
+# (PeerMemory) is pulled: the status all-gather also carries the address of
+# every box the owners read this round, and the rank that needs the part
+# copies it from there with one process_vm_readv into its target.  The owner
+# keeps that box untouched until the ranks that pull from it have: each keeps
+# a counter of the rounds it has pulled, which the owner reads (8 bytes, the
+# same way) before it reads another round into that box; one status more ends
+# the load, so no rank frees a box before every rank has pulled from it.
 
 from __future__ import annotations
 
@@ -478,11 +473,10 @@ class SharedReads:
         reading: deque = deque()  # (round, future), in order
         read_needed = my_bytes = 0
         # Memory a process touches for the first time is slow to fault in (on
-        # some VMs, whose host hands out a page only when the guest first writes
-        # it, about 0.4 GB/s for huge pages: 40 ms for one 16 MiB temporary).
+        # VMs whose host hands out a page only when the guest first writes it).
         # The temporaries and packs are faulted in by a thread of their own, in
         # the order the rounds take them, while the first rounds are read, not
-        # by this thread when a round needs one (which stalled the rounds here).
+        # by this thread when a round needs one.
         prefault = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp_dcp-prefault")
         if self.setup_error is None:
             for ri in range(n):

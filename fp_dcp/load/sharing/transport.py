@@ -1,18 +1,7 @@
 """How the parts of shared reads move between ranks, and the memory they
-move through.
-
-* :func:`post_transfers`: the process group's point-to-point sends and
-  receives of one round (gloo, or NCCL in one group call);
-* :class:`PeerMemory`: the ``"auto"`` transport among ranks of one machine,
-  where a rank copies its part straight out of the owner's memory with
-  ``process_vm_readv`` (:func:`fp_dcp._native.pull`), after a probe that
-  proves each peer can be read; the owners reuse a box only once its
-  pullers' progress counters say they are done with it;
-* :class:`Scratch`: reusable aligned memory for a round's temporaries (the
-  rounds cycle through a ring of them);
-* :func:`machine_key` / :func:`machine_id`: which processes may read each
-  other's memory.
-"""
+move through: :func:`post_transfers` (the process group's sends and
+receives), :class:`PeerMemory` (copies straight out of a same-machine peer's
+memory), :class:`Scratch` (a round's reusable temporaries)."""
 
 from __future__ import annotations
 
@@ -140,16 +129,13 @@ class PeerMemory:
         return owner in self.table[rank]
 
     def _probe(self, group: Any, rank: int, device: torch.device) -> None:
-        """``table[r]`` the ranks whose memory rank ``r`` can copy from with
-        ``process_vm_readv``, ``pids[r]`` rank ``r``'s process,
-        ``progress_at[r]`` the address of its progress counter.
-
-        Each rank shows a random token in its memory; every other rank of the
-        same machine key pulls it and keeps the peer only when the token came
-        back, so a refused call (ptrace rules, seccomp), another pid namespace
-        or a reused pid is never trusted.  Two all-gathers of small int64
-        tensors (on ``device``, the group's); every rank learns the whole
-        table, so both ends of a part agree on how it moves."""
+        """Fill ``table[r]`` (the ranks whose memory rank ``r`` can copy from),
+        ``pids`` and ``progress_at`` (each rank's progress counter); every
+        rank learns the whole table (two all-gathers)."""
+        # Each rank shows a random token in its memory; every other rank of the
+        # same machine key pulls it and keeps the peer only when the token came
+        # back, so a refused call (ptrace rules, seccomp), another pid namespace
+        # or a reused pid is never trusted.
         import torch.distributed as dist
 
         world = self.world
