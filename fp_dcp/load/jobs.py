@@ -1,22 +1,16 @@
 """A load's read items turned into jobs: pieces of engine calls, and what to
-do with the bytes once they are read.
+do with the bytes once they are read.  :class:`ItemPlanner` takes one DCP
+``ReadItem`` (or any box of a stored chunk, for shared reads) and returns
+:class:`Job` s; :mod:`fp_dcp.load.execute` runs them.  A job's
+``post(arena, offset)`` receives the executor's temporary buffer (``.np``,
+its bytes; ``.typed(dtype)``, a torch view of it)."""
 
-:class:`ItemPlanner` takes one DCP ``ReadItem`` (or any box of a stored
-chunk, for shared reads) and returns :class:`Job` s, using the pure grid
-functions of :mod:`fp_dcp.load.plan`:
-
-* runs are read straight into the target tensor wherever it is a CPU tensor
-  of the stored dtype (:func:`direct_jobs`);
-* many small runs whose gaps hold no whole alignment block are read as a few
-  ranges into the arena and moved with strided copies (:func:`unit_jobs`);
-* targets of another dtype or device are read into the arena and cast with
-  ``copy_`` (:func:`packed_temp_jobs`, or :func:`unit_jobs` with
-  :func:`torch_copier`).
-
-Nothing here reads a file: the jobs are run by :mod:`fp_dcp.load.execute`.
-A job's ``post(arena, offset)`` receives the executor's arena (``.np``, its
-bytes as a numpy array; ``.typed(dtype)``, a torch view of it).
-"""
+# Runs are read straight into the target tensor wherever it is a CPU tensor
+# of the stored dtype (direct_jobs); many small runs whose gaps hold no whole
+# alignment block are read as a few ranges into the temporary buffer and moved
+# with strided copies (unit_jobs); targets of another dtype or device are read
+# into the temporary buffer and cast with copy_ (packed_temp_jobs, or unit_jobs
+# with torch_copier).
 
 from __future__ import annotations
 
