@@ -236,11 +236,32 @@ def entered(profiles: Sequence["DeviceProfile"], skipped: list[str] | None = Non
 # sizes
 
 
-def fmt_size(n: float) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+def fmt_size(n: float, trim: bool = False) -> str:
+    """``n`` bytes in binary units with two decimals (``trim``: "4 GiB", not "4.00 GiB")."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
+            text = f"{n / scale:.2f} {unit}"
+            return text.replace(".00 ", " ") if trim else text
     return f"{int(n)} B"
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are not None; None when there are none."""
+    v = [x for x in values if x is not None]
+    return statistics.median(v) if v else None
+
+
+def proc_io(pid: int, counter: str) -> int | None:
+    """A counter of ``/proc/<pid>/io`` (``read_bytes``, ``write_bytes``, ...);
+    None where the file cannot be read or has no such counter."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            for line in f:
+                if line.startswith(counter + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
 
 
 # --------------------------------------------------------------------------

@@ -482,11 +482,6 @@ def _ms(x):
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
-def _med(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def _settle() -> None:
     """Before each child: write back what the previous one left dirty (stock
     writes through the page cache) and drop the cache, so that no contender
@@ -548,8 +543,8 @@ def report_blocking(res: dict) -> tuple[str, list[dict]]:
         first, steady = r["saves"][0], r["saves"][1:]
         growth = (steady[-1]["rss"] - steady[0]["rss"]) if len(steady) > 1 else None
         rows.append([kind, _ms(first["return_s"]), _ms(first["staged_s"]), f"{first['upload_s']:.2f}",
-                     _ms(_med([s["return_s"] for s in steady])), _ms(_med([s["staged_s"] for s in steady])),
-                     f"{_med([s['upload_s'] for s in steady]):.2f}",
+                     _ms(C.median([s["return_s"] for s in steady])), _ms(C.median([s["staged_s"] for s in steady])),
+                     f"{C.median([s['upload_s'] for s in steady]):.2f}",
                      f"{r['peak_rss_bytes'] / C.GiB:.2f}",
                      "-" if growth is None else f"{growth / C.MiB:+.0f}"])
     text = [f"async_save blocking time, {C.fmt_size(payload or 0)} state dict "
@@ -559,9 +554,9 @@ def report_blocking(res: dict) -> tuple[str, list[dict]]:
     eager, lazy = res.get("fp_eager", {}), res.get("fp_lazy", {})
     if eager.get("ok"):
         steady = eager["saves"][1:]
-        st_gbps = _med([s["staging_gbps"] for s in steady])
-        same = _med([s["memcpy_sources_gbps"] for s in steady if s.get("memcpy_sources_gbps")])
-        ratio = _med([s["staging_gbps"] / s["memcpy_sources_gbps"] for s in steady if s.get("memcpy_sources_gbps")])
+        st_gbps = C.median([s["staging_gbps"] for s in steady])
+        same = C.median([s["memcpy_sources_gbps"] for s in steady if s.get("memcpy_sources_gbps")])
+        ratio = C.median([s["staging_gbps"] / s["memcpy_sources_gbps"] for s in steady if s.get("memcpy_sources_gbps")])
         verdicts.append({"what": "eager staging / warm memcpy of the same tensors (paired per save, steady)",
                          "value": f"{st_gbps:.1f} / {same:.1f} GB/s" if same else "-",
                          "ratio": ratio, "target": f">= {STAGING_VS_MEMCPY:.2f}x",
@@ -570,7 +565,7 @@ def report_blocking(res: dict) -> tuple[str, list[dict]]:
         verdicts.append({"what": f"eager staging / memcpy huge-page buffer to buffer ({eager['memcpy']['threads']} thr.)",
                          "value": f"{st_gbps:.1f} / {mc:.1f} GB/s", "ratio": st_gbps / mc if st_gbps and mc else None,
                          "target": "", "verdict": ""})
-        zc = _med([s["zero_copy_bytes"] for s in steady])
+        zc = C.median([s["zero_copy_bytes"] for s in steady])
         verdicts.append({"what": "eager: bytes written zero-copy from the arena", "value": C.fmt_size(zc or 0),
                          "ratio": (zc / eager["payload_bytes"]) if zc else None, "target": "", "verdict": ""})
         arena = steady[-1]["arena_bytes"] if steady else None
@@ -586,7 +581,7 @@ def report_blocking(res: dict) -> tuple[str, list[dict]]:
                              "verdict": "PASS" if growth <= RSS_GROWTH_MAX else "FAIL"})
     if lazy.get("ok"):
         steady = lazy["saves"][1:]
-        ret = _med([s["return_s"] for s in steady])
+        ret = C.median([s["return_s"] for s in steady])
         verdicts.append({"what": "lazy async_save return (steady)", "value": f"{_ms(ret)} ms", "ratio": None,
                          "target": f"<= {LAZY_RETURN_MAX_S * 1e3:.0f} ms",
                          "verdict": "PASS" if ret <= LAZY_RETURN_MAX_S else "FAIL"})
@@ -597,8 +592,8 @@ def report_blocking(res: dict) -> tuple[str, list[dict]]:
         b = res.get(base, {})
         for name, r in (("fp_eager", eager), ("fp_lazy", lazy)):
             if b.get("ok") and r.get("ok"):
-                fb = _med([s["staged_s"] for s in b["saves"][1:]])
-                fr = _med([s["staged_s"] for s in r["saves"][1:]])
+                fb = C.median([s["staged_s"] for s in b["saves"][1:]])
+                fr = C.median([s["staged_s"] for s in r["saves"][1:]])
                 verdicts.append({"what": f"{base} / {name}: time the training is held (steady)",
                                  "value": f"{_ms(fb)} / {_ms(fr)} ms", "ratio": fb / fr if fr else None,
                                  "target": "", "verdict": ""})

@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -354,17 +353,6 @@ def child_main(arg: str) -> None:
 # parent side
 
 
-def _write_bytes(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/io") as f:
-            for line in f:
-                if line.startswith("write_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def _read_phase(proc: subprocess.Popen, deadline: float) -> str:
     """The next phase line (or the result) of a child; other output is skipped."""
     while True:
@@ -402,7 +390,7 @@ def run_ranked(args, mode: str, world: int, contender: str, path: Path) -> dict:
                         raise RuntimeError(f"rank {r} failed before {phase}: {results[r].get('error')}")
                     if got != phase:
                         raise RuntimeError(f"rank {r} exited before {phase}")
-                    store[r] = _write_bytes(p.pid)
+                    store[r] = C.proc_io(p.pid, "write_bytes")
                 for p in procs:
                     p.stdin.write("go\n")
                     p.stdin.flush()
@@ -466,11 +454,6 @@ def _balance(written: list) -> float | None:
     return max(written) / mean if mean > 0 else None
 
 
-def _median(v):
-    v = [x for x in v if x is not None]
-    return statistics.median(v) if v else None
-
-
 def run_parallel(args, workdir: Path) -> dict:
     runs: dict[str, list[dict]] = {}
     raws = run_raw(args, workdir / "raw")
@@ -512,11 +495,11 @@ def summarize(args, res: dict) -> tuple[list, list]:
                 if not runs:
                     rows.append([mode, world, contender, "FAILED", "-", "-", "-", "-"])
                     continue
-                gbps = _median([r["gbps"] for r in runs])
+                gbps = C.median([r["gbps"] for r in runs])
                 bal = max((b for b in (_balance(r["rank_write_bytes"]) for r in runs) if b is not None), default=None)
-                mean = _median([sum(r["rank_write_bytes"]) / world for r in runs
+                mean = C.median([sum(r["rank_write_bytes"]) / world for r in runs
                                 if None not in r["rank_write_bytes"]])
-                mx = _median([max(r["rank_write_bytes"]) for r in runs if None not in r["rank_write_bytes"]])
+                mx = C.median([max(r["rank_write_bytes"]) for r in runs if None not in r["rank_write_bytes"]])
                 if contender == "stock":
                     stock_bal = bal
                 rows.append([mode, world, contender, C.fmt_num(gbps),

@@ -276,11 +276,10 @@ def _runs_and_blocks(path: str, items) -> tuple[int, int]:
 
 
 def _read_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/{pid}/io has no read_bytes")
+    n = C.proc_io(pid, "read_bytes")
+    if n is None:
+        raise RuntimeError(f"/proc/{pid}/io has no read_bytes")
+    return n
 
 
 def _disk_stat(path: str) -> list[int] | None:

@@ -30,6 +30,8 @@ import sys
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import _common as C  # noqa: E402
 MIX_NAMES = {"large": "large tensors", "small": "small tensors + objects"}
 
 
@@ -91,13 +93,7 @@ def device_label(hw: dict) -> str:
 
 
 def _size(n: int | None) -> str:
-    if not n:
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}".replace(".00 ", " ")
-        n /= 1024
-    return "?"
+    return C.fmt_size(n, trim=True) if n else "?"
 
 
 def _gbps(v: float | None) -> str:

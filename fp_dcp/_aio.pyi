@@ -4,11 +4,11 @@ docs/NATIVE.md for the engine's semantics."""
 
 import os
 from collections.abc import Sequence
-from typing_extensions import Buffer
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Buffer
 
 _Path = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 _Ints = Sequence[int] | npt.NDArray[np.int64]

@@ -20,11 +20,12 @@ import torch
 from fp_dcp import _native, pinned, tuning
 from fp_dcp.options import FastPersistOptions
 
-__all__ = ["IOSession", "tensor_bytes", "PinnedBuffer", "device_max_request_bytes", "large_read_shape"]
+__all__ = ["IOSession", "EngineSet", "tensor_bytes", "PinnedBuffer", "device_max_request_bytes",
+           "large_read_shape"]
 
-# The reader's engine of large requests (issue 15): one request as large as
-# the device takes in one piece (``max_sectors_kb``), within these bounds, and
-# this many bytes in flight.  Measured in docs/NATIVE.md, "Request sizes".
+# The reader's engine of large requests: one request as large as the device
+# takes in one piece (``max_sectors_kb``), within these bounds, and this many
+# bytes in flight (docs/NATIVE.md, "Request sizes").
 LARGE_REQUEST_MIN_BYTES = 1 << 20
 LARGE_REQUEST_MAX_BYTES = 4 << 20
 LARGE_IN_FLIGHT_BYTES = 32 << 20
@@ -106,7 +107,7 @@ class PinnedBuffer:
     def close(self) -> None:
         if self.raw is None:
             return
-        self.tensor = None
+        self.tensor = torch.empty(0, dtype=torch.uint8)  # drops its view of the buffer
         if self.cuda_registered:
             pinned.cuda_unregister(self.raw.address)
             self.cuda_registered = False
@@ -271,3 +272,81 @@ class IOSession:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+class EngineSet:
+    """The engines a writer or reader keeps across its saves or loads.
+
+    An engine serves one thread at a time, so every thread that reads or
+    writes at the same time as another has a session of its own here:
+    ``primary`` (the checkpoint directory's), ``large`` (long runs, large
+    requests) and ``more`` of its kind, ``twins`` (pairs of primary and
+    large sessions for the threads of shared reads), and one session per
+    other data directory.  The sessions made from the primary one are
+    closed with it when the options or the file system change."""
+
+    def __init__(self) -> None:
+        self.primary: IOSession | None = None
+        self.large: IOSession | None = None
+        self.more: list[IOSession] = []
+        self.twins: list[tuple[IOSession, IOSession | None]] = []
+        self.by_directory: dict[str, IOSession] = {}
+
+    def __reduce__(self) -> tuple:
+        # engines stay with the process that made them: a copy starts empty
+        return (EngineSet, ())
+
+    def session(self, options: FastPersistOptions, directory: str) -> IOSession:
+        """The primary session for ``directory``, made anew (with the sessions
+        made from it) when ``options`` or the file system differ."""
+        if self.primary is None or not self.primary.matches(options, directory):
+            self._close_primary()
+            self.primary = IOSession(options, directory)
+        return self.primary
+
+    def large_session(self, above_bytes: int) -> IOSession | None:
+        """The engine of large requests for long runs (the primary session's
+        :meth:`~IOSession.long_run_shape`); None where that shape's requests
+        are no larger than ``above_bytes``."""
+        assert self.primary is not None, "session() comes first"
+        if self.large is None:
+            block, qd = self.primary.long_run_shape()
+            if block <= above_bytes:
+                return None
+            self.large = self.primary.reshaped(qd, block)
+        return self.large
+
+    def more_large(self, count: int) -> list[IOSession]:
+        """``count`` more engines of large requests, beside ``large``."""
+        assert self.large is not None, "large_session() comes first"
+        while len(self.more) < count:
+            self.more.append(self.large.twin())
+        return self.more[:count]
+
+    def twin(self, i: int) -> tuple[IOSession, IOSession | None]:
+        """The ``i``-th other pair of (primary, large) sessions."""
+        assert self.primary is not None, "session() comes first"
+        while len(self.twins) <= i:
+            self.twins.append((self.primary.twin(), self.large.twin() if self.large is not None else None))
+        return self.twins[i]
+
+    def for_directory(self, options: FastPersistOptions, directory: str) -> IOSession:
+        """A session of its own for another directory (a writer's data directory)."""
+        session = self.by_directory.get(directory)
+        if session is None or not session.matches(options, directory):
+            if session is not None:
+                session.close()
+            session = self.by_directory[directory] = IOSession(options, directory)
+        return session
+
+    def _close_primary(self) -> None:
+        for session in [*(s for pair in self.twins for s in pair), *self.more, self.large, self.primary]:
+            if session is not None:
+                session.close()
+        self.primary, self.twins, self.large, self.more = None, [], None, []
+
+    def close(self) -> None:
+        self._close_primary()
+        for session in self.by_directory.values():
+            session.close()
+        self.by_directory.clear()

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from fp_dcp import FastPersistReader, FastPersistWriter, _native
 from fp_dcp.format import METADATA_NAME
 from tests._dist import run_ranks
-from tests._sd import FAILED, assert_sd_equal, mixed_state_dict, zeros_like_sd
+from tests._sd import FAILED, assert_sd_equal, load, mixed_state_dict, zeros_like_sd
 
 
 hooks = _native.testing()  # fault injection (FP_DCP_TEST_HOOKS=1: tests/conftest.py)
@@ -44,7 +44,7 @@ def _sd(seed: int = 0) -> dict:
 
 def _load(path, like):
     out = zeros_like_sd(like)
-    dcp.load(out, storage_reader=FastPersistReader(path))
+    load(out, path)
     return out
 
 

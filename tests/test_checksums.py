@@ -18,11 +18,17 @@ from hypothesis import strategies as st
 from fp_dcp import FastPersistReader, _native
 from fp_dcp import format as fmt
 from fp_dcp.tools import verify as verify_mod
+from fp_dcp.tools.cli import main as cli_main
 from fp_dcp.checksums import ChecksumError, ReadVerifier, crc_array, crc_hex, merge_block_crcs
 from fp_dcp.load.reader import read_checkpoint_metadata
 from tests._sd import FAILED, assert_sd_equal, flip_byte, load, mixed_state_dict, save, zeros_like_sd
 
 pytestmark = pytest.mark.usefixtures("aio_no_leaks")
+
+
+def verify_cli(argv: list[str]) -> int:
+    """``fp-dcp verify ARGV``: the command line's exit code."""
+    return cli_main(["verify", *argv])
 
 MiB = 1 << 20
 
@@ -166,7 +172,7 @@ def test_verify_a_good_checkpoint(big_ckpt, capsys):
     assert report.ok and report.bad == [] and report.errors == []
     assert report.verified_bytes == report.bytes > 4 * MiB
     assert report.unchecked_extents == 0
-    assert verify_mod.main([str(path)]) == 0
+    assert verify_cli([str(path)]) == 0
     assert "OK" in capsys.readouterr().out
 
 
@@ -184,11 +190,11 @@ def test_verify_lists_every_bad_extent(tmp_path, capsys):
     report = verify_mod.verify_checkpoint(path, workers=3)
     assert not report.ok
     assert sorted((b.tensor, b.path, b.file_offset) for b in report.bad) == sorted(bad)
-    assert verify_mod.main([str(path)]) == 1
+    assert verify_cli([str(path)]) == 1
     out = capsys.readouterr().out
     for name, file, off in bad:
         assert f"BAD {name}: file {file} offset {off}" in out
-    assert verify_mod.main([str(path), "--json"]) == 1
+    assert verify_cli([str(path), "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is False and len(doc["bad"]) == 3
 
@@ -228,16 +234,16 @@ def test_verify_reports_missing_and_truncated_files(tmp_path, capsys):
     assert any("truncated" in e and names[0] in e for e in report.errors)
     assert any(names[1] in e for e in report.errors)
     assert {b.path for b in report.bad} == set(names)
-    assert verify_mod.main([str(path)]) == 1
+    assert verify_cli([str(path)]) == 1
     out = capsys.readouterr().out
     assert "ERROR" in out and "BAD" in out
 
 
 def test_verify_without_metadata_or_on_a_stock_checkpoint(tmp_path, capsys):
-    assert verify_mod.main([str(tmp_path / "nope")]) == 1
+    assert verify_cli([str(tmp_path / "nope")]) == 1
     assert "no checkpoint directory" in capsys.readouterr().err
     dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(tmp_path / "s"))
-    assert verify_mod.main([str(tmp_path / "s")]) == 1
+    assert verify_cli([str(tmp_path / "s")]) == 1
     assert "fp-dcp convert" in capsys.readouterr().err
 
 
@@ -252,7 +258,7 @@ def test_checkpoint_written_without_checksums_loads_and_verifies_unchecked(tmp_p
     assert r.last_stats.get("checksum_verified_bytes", 0) == 0
     report = verify_mod.verify_checkpoint(tmp_path / "c")
     assert report.ok and report.verified_bytes == 0 and report.unchecked_extents == report.extents
-    assert verify_mod.main([str(tmp_path / "c")]) == 0
+    assert verify_cli([str(tmp_path / "c")]) == 0
     assert "written without checksums" in capsys.readouterr().out
 
 

@@ -997,3 +997,38 @@ def test_checksum_skip_feeds_only_wanted_pieces_to_the_crc(kind, tmp_path):
             read_files(eng, [path], layout, dests, checksums=1 << 20, checksum_skip=skip[:2])
         with pytest.raises(ValueError, match="checksum_skip needs"):
             read_files(eng, [path], layout, dests, checksum_skip=skip)
+
+
+def test_engine_set_keeps_one_engine_per_thread_and_replaces_them_together(tmp_path):
+    """EngineSet: the primary session is kept while options and file system
+    match; the sessions made from it (large, more, twins) are distinct
+    engines and are closed with it when the options change; a directory's
+    own session stays; a pickled set is empty."""
+    import pickle
+
+    from fp_dcp.engine import EngineSet
+    from fp_dcp.options import FastPersistOptions
+
+    opts = FastPersistOptions(queue_depth=4, block_size_bytes=1 << 20)
+    other_dir = tmp_path / "d1"
+    other_dir.mkdir()
+    es = EngineSet()
+    first = es.session(opts, str(tmp_path))
+    assert es.session(opts, str(tmp_path)) is first
+    large = es.large_session(above_bytes=0)
+    assert large is not None and large.engine is not first.engine
+    more = es.more_large(2)
+    twin, twin_large = es.twin(0)
+    engines = [s.engine for s in (first, large, *more, twin, twin_large)]
+    assert len({id(e) for e in engines}) == len(engines)  # one engine per reading thread
+    assert es.more_large(2) == more and es.twin(0) == (twin, twin_large)
+    assert es.large_session(above_bytes=1 << 40) is large  # kept once made
+    own = es.for_directory(opts, str(other_dir))
+    assert pickle.loads(pickle.dumps(es)).primary is None
+
+    second = es.session(opts.replace(queue_depth=8), str(tmp_path))
+    assert second is not first and es.large is None and es.more == [] and es.twins == []
+    assert all(s.engine is None for s in (first, large, *more, twin, twin_large))
+    assert es.for_directory(opts, str(other_dir)) is own and own.engine is not None
+    es.close()
+    assert second.engine is None and own.engine is None and es.primary is None

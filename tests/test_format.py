@@ -19,7 +19,7 @@ from fp_dcp import FastPersistReader, FastPersistWriter
 from fp_dcp import format as fmt
 from tests._sd import FAILED
 from fp_dcp.load.reader import read_checkpoint_metadata
-from tests._sd import assert_sd_equal, mixed_state_dict, zeros_like_sd
+from tests._sd import assert_sd_equal, load, mixed_state_dict, zeros_like_sd
 
 
 @pytest.fixture()
@@ -135,8 +135,7 @@ def _rewrite(path, body: bytes, version=fmt.FORMAT_VERSION):
 
 
 def _load(path):
-    target = {"step": 0}
-    dcp.load(target, storage_reader=FastPersistReader(path))
+    load({"step": 0}, path)
 
 
 @pytest.mark.parametrize(

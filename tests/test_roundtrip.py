@@ -324,7 +324,7 @@ def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatc
     second one) on a thread while DCP plans; the load uses those sessions, a
     second load keeps them, close() closes both.  A set-up that fails on that
     thread is tried again, and raised, by the read itself."""
-    import fp_dcp.load.reader as reader_mod
+    import fp_dcp.engine as engine_mod
 
     sd = mixed_state_dict(3)
     path = tmp_path / "ckpt"
@@ -335,7 +335,8 @@ def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatc
     reader.prepare_local_plan(LoadPlan([]))
     assert reader._setting_up is not None
     reader._engines_set_up()
-    first, large, ((twin, twin_large),) = reader._session, reader._large, reader._twins
+    engines = reader._engines
+    first, large, ((twin, twin_large),) = engines.primary, engines.large, engines.twins
     assert first is not None and twin is not None and twin.engine is not first.engine
     # the second reading thread has its own engine of large requests too: an
     # engine serves one thread at a time
@@ -346,9 +347,9 @@ def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatc
         target = zeros_like_sd(sd)
         dcp.load(target, storage_reader=reader, no_dist=True)
         assert_sd_equal(sd, target)
-        assert reader._session is first and reader._twins == [(twin, twin_large)]
+        assert engines.primary is first and engines.twins == [(twin, twin_large)]
     reader.close()
-    assert all(s.engine is None for s in (first, twin, large, twin_large)) and reader._session is None
+    assert all(s.engine is None for s in (first, twin, large, twin_large)) and engines.primary is None
 
     calls = []
 
@@ -356,7 +357,7 @@ def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatc
         calls.append(threading.current_thread().name)
         raise OSError(errno.ENOSPC, "no engine today", str(path))
 
-    monkeypatch.setattr(reader_mod, "IOSession", refused)
+    monkeypatch.setattr(engine_mod, "IOSession", refused)
     with pytest.raises(FAILED) as failed:
         dcp.load(zeros_like_sd(sd), storage_reader=FastPersistReader(path), no_dist=True)
     err = root_error(failed.value)
@@ -381,7 +382,7 @@ def test_engines_set_up_from_set_up_storage_reader_when_no_plan_can_share(tmp_pa
     reader.prepare_local_plan(LoadPlan([]))
     assert reader._setting_up is started
     reader._engines_set_up()
-    assert reader._session is not None and reader._twins == []
+    assert reader._engines.primary is not None and reader._engines.twins == []
     target = zeros_like_sd(sd)
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert_sd_equal(sd, target)

@@ -1,15 +1,12 @@
-"""Running a load's jobs (:mod:`fp_dcp.load.jobs`) through the engine.
+"""Running a load's jobs (:mod:`fp_dcp.load.jobs`) through the engine:
+:class:`Run` is one load on one rank (the open files, the temporary buffer,
+the over-read budget, the stats); it is given the sessions, the verifier and
+the progress callback, and knows nothing of DCP or of the reader."""
 
-:class:`Run` is the state of one load on one rank: the open files, the arena
-(one aligned buffer for the jobs' temporaries, reused for the whole load),
-the over-read budget and the stats.  :meth:`Run.execute` batches jobs into
-engine calls within the buffer budget, lets the planner's
-:func:`~fp_dcp.load.plan.plan_fillers` read through the gaps it may, checks
-checksums through the verifier it was given, sends long runs to the engine
-of large requests, then runs each job's copies and callbacks and reports
-progress.  It is given everything it needs (sessions, verifier, progress
-callback); it knows nothing of DCP or of the reader.
-"""
+# Run.execute batches jobs into engine calls within the buffer budget, lets
+# the planner's plan_fillers read through the gaps it may, checks checksums
+# through the verifier, sends long runs to the engine of large requests, then
+# runs each job's copies and callbacks and reports progress.
 
 from __future__ import annotations
 
@@ -53,7 +50,7 @@ LONG_RUN_BYTES = 1 << 20
 _MIN_BYTES_PER_THREAD = 64 << 20
 
 
-class Arena:
+class TempBuffer:
     """The load's temporary memory: one aligned buffer, grown when a batch
     needs more (never past the budget, which the caller holds it to) and
     reused, seen as bytes (``np``) and as any dtype (:meth:`typed`)."""
@@ -129,7 +126,7 @@ class Run:
         self.verifier = verifier
         self.progress = progress
         self.fds: dict[int, int] = {}
-        self.arena = Arena(self.alignment)
+        self.arena = TempBuffer(self.alignment)
         self.scratch = np.empty(max(2 * self.alignment, coalesce_gap), dtype=np.uint8)
         self.stats: dict[str, Any] = {
             "engine": session.kind,

@@ -1,22 +1,16 @@
 """A load's read items turned into jobs: pieces of engine calls, and what to
-do with the bytes once they are read.
+do with the bytes once they are read.  :class:`ItemPlanner` takes one DCP
+``ReadItem`` (or any box of a stored chunk, for shared reads) and returns
+:class:`Job` s; :mod:`fp_dcp.load.execute` runs them.  A job's
+``post(arena, offset)`` receives the executor's temporary buffer (``.np``,
+its bytes; ``.typed(dtype)``, a torch view of it)."""
 
-:class:`ItemPlanner` takes one DCP ``ReadItem`` (or any box of a stored
-chunk, for shared reads) and returns :class:`Job` s, using the pure grid
-functions of :mod:`fp_dcp.load.plan`:
-
-* runs are read straight into the target tensor wherever it is a CPU tensor
-  of the stored dtype (:func:`direct_jobs`);
-* many small runs whose gaps hold no whole alignment block are read as a few
-  ranges into the arena and moved with strided copies (:func:`unit_jobs`);
-* targets of another dtype or device are read into the arena and cast with
-  ``copy_`` (:func:`packed_temp_jobs`, or :func:`unit_jobs` with
-  :func:`torch_copier`).
-
-Nothing here reads a file: the jobs are run by :mod:`fp_dcp.load.execute`.
-A job's ``post(arena, offset)`` receives the executor's arena (``.np``, its
-bytes as a numpy array; ``.typed(dtype)``, a torch view of it).
-"""
+# Runs are read straight into the target tensor wherever it is a CPU tensor
+# of the stored dtype (direct_jobs); many small runs whose gaps hold no whole
+# alignment block are read as a few ranges into the temporary buffer and moved
+# with strided copies (unit_jobs); targets of another dtype or device are read
+# into the temporary buffer and cast with copy_ (packed_temp_jobs, or unit_jobs
+# with torch_copier).
 
 from __future__ import annotations
 
@@ -43,9 +37,9 @@ from fp_dcp.load.plan import (
     strides_non_overlapping,
     unit_starts,
 )
-from fp_dcp.save.layout import check_extents_cover
 
-__all__ = ["Job", "Limits", "ExtentTable", "ItemPlanner", "storage_bytes", "whole_chunk_read", "MERGE_RUN_MAX_BYTES", "MAX_BATCH_PIECES"]
+__all__ = ["Job", "Limits", "ExtentTable", "ItemPlanner", "storage_bytes", "whole_chunk_read", "MERGE_RUN_MAX_BYTES",
+           "MAX_BATCH_PIECES"]
 
 # Runs at least this long are always read straight into their target: the
 # per-run cost (one memoryview, one engine piece) is negligible beside them,
@@ -197,7 +191,7 @@ class ItemPlanner:
                     + ("" if chunk is None else f" (chunk at {list(chunk)})")
                     + "; the checkpoint metadata is inconsistent"
                 )
-            check_extents_cover(fqn, exts, nbytes)  # raises, naming the gap or overlap
+            fmt.check_extents_cover(fqn, exts, nbytes)  # raises, naming the gap or overlap
             raise AssertionError(f"{fqn}: ExtentTable refused extents that check_extents_cover accepts")
         return arrays
 
@@ -414,14 +408,19 @@ def unit_jobs(grid: Grid, level: int, arrays, limits: Limits, needed: int, copie
         u_off = unit_off[start:end] - base + head[start:end]
         d, c = dst[start:end], cnt[start:end]
         job_needed = int(c.sum()) * runs_per_index * grid.run
-        post = (lambda arena, arena_off, u_off=u_off, d=d, c=c: copier(arena, arena_off, u_off, d, c))
+
+        def post(arena: Any, arena_off: int, u_off: np.ndarray = u_off, d: np.ndarray = d,
+                 c: np.ndarray = c) -> None:
+            copier(arena, arena_off, u_off, d, c)
+
         jobs.append(Job(files[p0:p1], j_offs, j_lens, pos, temp=int(unit_off[end - 1] + sizes[end - 1]) - base,
                         post=post, needed=job_needed, units=end - start))
         start = end
     return jobs
 
 
-def _unit_shape(grid: Grid, level: int, count: int, esize: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+def _unit_shape(grid: Grid, level: int, count: int,
+                esize: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Shape and source / destination strides (units of ``esize`` bytes) of a
     sub-grid over ``level..`` with ``count`` indices of its outer dimension."""
     g = len(grid.counts)

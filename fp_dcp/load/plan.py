@@ -1,40 +1,35 @@
 """Pure planning of a load's reads: which byte ranges of which files to read,
 into which memory, and where the planner (not the engine) allows over-read.
+Plain numbers and numpy arrays in and out; :mod:`fp_dcp.load.jobs` turns the
+result into jobs."""
 
-Nothing here touches a disk, a tensor or a process group: every function
-takes and returns plain numbers and numpy arrays, so it can be tested with
-hypothesis.  :mod:`fp_dcp.load.jobs` turns the result into jobs, which
-:mod:`fp_dcp.load.execute` runs through the engine.
-
-The model.  A ``ReadItem`` needs a box of a stored row-major chunk and lands it
-in a box of a target tensor.  :func:`box_grid` describes that as a *grid* of
-equal *runs*: byte ranges contiguous both in the stored chunk and in the
-target, laid out along a few outer dimensions with a source and a destination
-stride each (dimensions that are contiguous on both sides are merged, so a
-dim-0 slice is one run and a last-dim slice of a matrix is one run per row).
-
-A run is read straight into the target when it is large, or when the gaps
-between runs hold whole alignment blocks (reading them would cost disk
-bytes).  When the gaps are smaller than one alignment block, the blocks under
-a gap are read anyway, so :func:`free_merge_level` lets whole sub-grids be read
-as one range into a bounded temporary and copied out with one strided copy —
-one request and one Python object per sub-grid instead of one per run.
-
-Across items, :func:`plan_fillers` decides which gaps between the pieces of
-one engine call are read through (a *filler* piece into scratch memory): the
-free ones (no whole block in the gap, so the blocks are read anyway and the
-engine must not read them twice), then the cheapest paid ones while the
-over-read stays within a budget.  The engine is called with
-``coalesce_gap=0``, so it merges exactly the pieces the planner made
-contiguous.
-
-Cooperative reads.  When several ranks need interleaved parts of the same
-stored rows (a load that moves the sharded dimension: each rank needs a
-column band of every row), :func:`interleaved_slabs` cuts the rows into
-*slabs* (dim-0 ranges of the bounding box of what the ranks need: contiguous
-bytes), each read whole by one owner (:func:`assign_owners`) and split into
-each rank's *part*; :mod:`fp_dcp.load.sharing` moves the parts between ranks.
-"""
+# The model.  A ReadItem needs a box of a stored row-major chunk and lands it in
+# a box of a target tensor.  box_grid describes that as a grid of equal runs:
+# byte ranges contiguous both in the stored chunk and in the target, laid out
+# along a few outer dimensions with a source and a destination stride each
+# (dimensions contiguous on both sides are merged, so a dim-0 slice is one run
+# and a last-dim slice of a matrix is one run per row).
+#
+# A run is read straight into the target when it is large, or when the gaps
+# between runs hold whole alignment blocks (reading them would cost disk
+# bytes).  When the gaps are smaller than one alignment block, the blocks under
+# a gap are read anyway, so free_merge_level lets whole sub-grids be read as
+# one range into a bounded temporary and copied out with one strided copy: one
+# request and one Python object per sub-grid instead of one per run.
+#
+# Across items, plan_fillers decides which gaps between the pieces of one
+# engine call are read through (a filler piece into scratch memory): the free
+# ones (no whole block in the gap, so the blocks are read anyway and the engine
+# must not read them twice), then the cheapest paid ones while the over-read
+# stays within a budget.  The engine is called with coalesce_gap=0, so it
+# merges exactly the pieces the planner made contiguous.
+#
+# Cooperative reads.  When several ranks need interleaved parts of the same
+# stored rows (a load that moves the sharded dimension: each rank needs a
+# column band of every row), interleaved_slabs cuts the rows into slabs (dim-0
+# ranges of the bounding box of what the ranks need: contiguous bytes), each
+# read whole by one owner (assign_owners) and split into each rank's part;
+# fp_dcp.load.sharing moves the parts between ranks.
 
 from __future__ import annotations
 
@@ -307,7 +302,8 @@ def map_ranges(
     e_end = e_start + np.asarray(ext_lengths, dtype=_I64)[j]
     a = np.maximum(starts[rng], e_start)
     b = np.minimum(ends[rng], e_end)
-    return rng, a - starts[rng], np.asarray(ext_files, dtype=_I64)[j], np.asarray(ext_file_offsets, dtype=_I64)[j] + (a - e_start), b - a
+    return (rng, a - starts[rng], np.asarray(ext_files, dtype=_I64)[j],
+            np.asarray(ext_file_offsets, dtype=_I64)[j] + (a - e_start), b - a)
 
 
 def plan_fillers(
@@ -460,7 +456,7 @@ def interleaved_slabs(
             continue
         lo = tuple(min(o[d] for _, o, _ in active) for d in range(1, ndim))
         hi = tuple(max(o[d] + n[d] for _, o, n in active) for d in range(1, ndim))
-        row = math.prod(h - l for l, h in zip(lo, hi)) * element_size
+        row = math.prod(h - low for low, h in zip(lo, hi)) * element_size
         if row > slab_bytes:
             return []
         read += (b - a) * row
@@ -475,7 +471,7 @@ def interleaved_slabs(
         for s in range(a, b, step):
             n0 = min(step, b - s)
             parts = tuple((i, (s,) + o[1:], (n0,) + n[1:]) for i, o, n in active)
-            slabs.append(CoopSlab((s,) + lo, (n0,) + tuple(h - l for l, h in zip(lo, hi)), n0 * row, parts))
+            slabs.append(CoopSlab((s,) + lo, (n0,) + tuple(h - low for low, h in zip(lo, hi)), n0 * row, parts))
     return slabs
 
 

@@ -54,7 +54,7 @@ import secrets
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -65,7 +65,7 @@ from torch.futures import Future
 from fp_dcp import format as fmt
 from fp_dcp._dcp_hooks import logged_metadata_errors
 from fp_dcp.checksums import ReadVerifier
-from fp_dcp.engine import IOSession
+from fp_dcp.engine import EngineSet, IOSession
 from fp_dcp.files import read_checkpoint_metadata
 from fp_dcp.gc_freeze import GcFreeze, paused
 from fp_dcp.load import objects
@@ -143,10 +143,7 @@ class FastPersistReader(StorageReader):
         self.state_dict_metadata: dict[str, Any] = {}
         self.last_stats: dict[str, Any] = {}
         self.progress: Callable[[int, int], None] | None = None  # (bytes done, bytes total), for tools
-        self._session: IOSession | None = None
-        self._twins: list[IOSession] = []  # the other engines of shared reads
-        self._large: IOSession | None = None  # the engine of large requests (long runs)
-        self._more: list[IOSession] = []  # more of them, reading long runs at the same time
+        self._engines = EngineSet()
         self._setting_up: threading.Thread | None = None
         self._items: ItemPlanner | None = None  # the checkpoint's items to jobs, from set_up_storage_reader
         self._verifier: ReadVerifier | None = None
@@ -251,7 +248,7 @@ class FastPersistReader(StorageReader):
 
     def close(self) -> None:
         self._engines_set_up()
-        self._close_sessions()
+        self._engines.close()
         self._gc.thaw()
 
     def __enter__(self) -> "FastPersistReader":
@@ -312,14 +309,10 @@ class FastPersistReader(StorageReader):
         return False
 
     def _set_up_engines_early(self, twin: bool, bounce: bool = True) -> None:
-        """Start setting the engine up (and, with ``twin``, the second engine
-        of shared reads) on a thread of its own, while DCP plans the load.
-        With ``bounce`` the engine's bounce buffers are faulted in and
-        page-locked there too (tens of ms where the host faults memory in
-        lazily, as on VMs with free-page reporting), which need not wait for
-        the plan; the twin's are left to the first call that needs them
-        (shared reads, into aligned temporaries, do not).  Best effort: a
-        failure here is raised by the set-up ``read_data`` runs."""
+        """Start setting the engines up (with ``twin``, also the second pair
+        of shared reads; with ``bounce``, faulting in and locking the bounce
+        buffers) on a thread of its own while DCP plans the load.  Best
+        effort: ``read_data``'s own set-up raises what failed here."""
         if self._setting_up is not None or self.path is None:
             return
 
@@ -348,59 +341,35 @@ class FastPersistReader(StorageReader):
             self._setting_up = None
 
     def _twin(self, i: int) -> tuple[IOSession, IOSession | None]:
-        """The ``i``-th other pair of sessions (scattered runs, long runs)
-        for the current pair (kept with the reader, as the first), for
-        shared reads' reading threads: each thread its own engines, since an
-        engine serves one thread at a time (two threads sharing the engine of
-        long runs failed 1 GiB cooperative loads with "Engine is in use by
-        another thread")."""
-        session = self._engine()
-        large = self._large_engine()
-        while len(self._twins) <= i:
-            self._twins.append((session.twin(), large.twin() if large is not None else None))
-        return self._twins[i]
-
-    def _close_sessions(self) -> None:
-        for session in [*(s for pair in self._twins for s in pair), *self._more, self._large, self._session]:
-            if session is not None:
-                session.close()
-        self._session, self._twins, self._large, self._more = None, [], None, []
+        """The ``i``-th other pair of sessions (scattered runs, long runs),
+        for shared reads' reading threads: each thread its own engines."""
+        self._engine()
+        self._large_engine()
+        return self._engines.twin(i)
 
     def _more_large_engines(self) -> list[IOSession]:
-        """The other engines of large requests (``read_threads`` in all),
-        kept with the reader; none without an engine of large requests."""
-        large = self._large_engine()
-        if large is None:
+        """The other engines of large requests (``read_threads`` in all);
+        none without an engine of large requests."""
+        if self._large_engine() is None:
             return []
-        wanted = self.options.read_threads
-        while len(self._more) < wanted - 1:
-            self._more.append(large.twin())
-        return self._more[: wanted - 1]
+        return self._engines.more_large(max(0, self.options.read_threads - 1))
 
     def _large_engine(self) -> IOSession | None:
-        """The engine of large requests for long runs, kept with the reader;
-        None when the options set the engine's shape (they override the
-        rule) or when the rule gives no larger request."""
+        """The engine of large requests for long runs; None when the options
+        set the engine's shape (they override the rule) or when the rule
+        gives no larger request."""
         opts = self.options
         if opts.queue_depth is not None or opts.block_size_bytes is not None:
             return None
-        session = self._engine()
-        if self._large is None:
-            block, qd = session.long_run_shape()
-            if block <= _READ_BLOCK_BYTES:
-                return None
-            self._large = session.reshaped(qd, block)
-        return self._large
+        self._engine()
+        return self._engines.large_session(_READ_BLOCK_BYTES)
 
     def _engine(self) -> IOSession:
         directory = self._directory()
         opts = self.options
         if opts.queue_depth is None and opts.block_size_bytes is None:
             opts = opts.replace(queue_depth=_READ_QUEUE_DEPTH, block_size_bytes=_READ_BLOCK_BYTES)
-        if self._session is None or not self._session.matches(opts, directory):
-            self._close_sessions()
-            self._session = IOSession(opts, directory)
-        return self._session
+        return self._engines.session(opts, directory)
 
     def _checksums(self, paths: list[str]) -> ReadVerifier | None:
         """The stored checksums laid out for checking reads (built once per
@@ -429,8 +398,8 @@ class FastPersistReader(StorageReader):
         try:
             if share is not None:
                 t1 = time.perf_counter()
-                shared = SharedReads(self.process_group, share, run, self._twin, self._items, planner, items,
-                                     setup_error)
+                shared = SharedReads(self.process_group, share, run, self._twin, cast(ItemPlanner, self._items),
+                                     planner, items, setup_error)
                 items = shared.run()
                 assert run is not None
                 run.stats["share_seconds"] = time.perf_counter() - t1

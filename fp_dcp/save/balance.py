@@ -1,51 +1,13 @@
 """The balancer: which rank writes which bytes of which item, on which device.
 
-FastPersist's second technique: a checkpoint's bytes divided evenly over
-every rank and every storage device, so a job writes at the sum of its
-devices' bandwidth instead of at the pace of its most loaded rank.
-
-Inputs are one :class:`Holdings` per rank (what ``prepare_local_plan``
-records: each item this rank holds, keyed by a stable 64-bit hash of its
-``MetadataIndex``, with its byte size, and the rank's host and number of data
-directories).  The output, a :class:`Placement`, gives every rank a list of
-*pieces* ``(local item, item_offset, length, device)``.  The pieces of an
-item, over all ranks, tile ``[0, nbytes)`` exactly once.
-
-The algorithm (all of it deterministic: the same holdings give the same
-placement on any machine):
-
-1. Items are grouped by their *holder set* (the ranks that hold them).  An
-   item held by one rank (a shard) stays with it: its bytes are that rank's
-   fixed load.
-2. Holder sets of two or more ranks (DDP replicas, the replicated dimension
-   of HSDP or of a 2-D mesh) are processed smallest set first.  For each set
-   the balancer *water-fills*: it finds the level ``L`` at which
-   ``sum(max(0, L - load[r]))`` equals the set's bytes, so that the least
-   loaded holders take the most.  For nested or disjoint holder sets (every
-   DCP parallelism: DDP, FSDP, HSDP, TP x DP meshes) this is the optimal
-   max load.
-3. The set's items are laid end to end in a virtual stream which is cut into
-   consecutive segments of the ranks' quotas (ranks in order).  A cut that
-   falls inside an item moves to the nearest multiple of ``granularity``
-   from the item's start (so split items are aligned for direct I/O and
-   keep whole elements); items smaller than ``small_bytes`` are never split:
-   the cut moves to the nearer item boundary.  The bytes actually assigned
-   (after rounding) update the loads, so later sets compensate.
-4. Items whose size is unknown at plan time (bytes items: DCP does not give
-   their size before ``torch.save`` runs) and empty tensors are spread by
-   count: each goes to the holder with the fewest such items so far (then
-   the least bytes, then the lowest rank).
-5. Devices: the ranks of one host, in rank order, form a stream of their
-   bytes; the stream is cut into ``n_dirs`` equal parts (a cut near a rank
-   boundary moves onto it, so that with as many ranks as devices each rank
-   writes to one device; otherwise cuts inside items are aligned as above).
-   Each rank writes the bytes in part ``d`` to data directory ``d``.
-
-:class:`PlanCache` keeps placements by the hash of all ranks' holdings, so
-a second save with the same structure skips the planning.
-
-Nothing here touches a disk, a process group or torch: it is numbers in,
-numbers out, and tested with hypothesis (``tests/test_balance.py``).
+:func:`plan_placement` takes one :class:`Holdings` per rank (each item it
+holds, keyed by a stable 64-bit hash of its ``MetadataIndex``, with its
+size; the rank's host and number of data directories) and returns a
+:class:`Placement`: per rank, pieces ``(local item, item_offset, length,
+device)``; the pieces of an item, over all ranks, tile ``[0, nbytes)``
+exactly once.  Deterministic: the same holdings give the same placement on
+any machine.  :class:`PlanCache` keeps placements by structure.  Pure:
+numbers in, numbers out.
 """
 
 from __future__ import annotations
@@ -276,10 +238,11 @@ def cut_stream(
     return cuts
 
 
-def _segments(starts: np.ndarray, sizes: np.ndarray, cuts: np.ndarray):
+def _segments(starts: np.ndarray, sizes: np.ndarray,
+              cuts: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
     """For each segment ``k``: (item positions, offsets in item, lengths)."""
     ends = starts + sizes
-    out = []
+    out: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = []
     for k in range(len(cuts) - 1):
         lo, hi = int(cuts[k]), int(cuts[k + 1])
         if hi <= lo:
@@ -295,32 +258,80 @@ def _segments(starts: np.ndarray, sizes: np.ndarray, cuts: np.ndarray):
 
 
 # ---------------------------------------------------------------- placement
+#
+# The algorithm (FastPersist's second technique: a checkpoint's bytes divided
+# evenly over every rank and every storage device, so a job writes at the sum
+# of its devices' bandwidth instead of at the pace of its most loaded rank):
+#
+# 1. Items are grouped by their holder set (the ranks that hold them).  An
+#    item held by one rank (a shard) stays with it: its bytes are that rank's
+#    fixed load.
+# 2. Holder sets of two or more ranks (DDP replicas, the replicated dimension
+#    of HSDP or of a 2-D mesh) are processed smallest set first.  For each set
+#    the balancer water-fills: it finds the level L at which
+#    sum(max(0, L - load[r])) equals the set's bytes, so that the least loaded
+#    holders take the most.  For nested or disjoint holder sets (every DCP
+#    parallelism: DDP, FSDP, HSDP, TP x DP meshes) this is the optimal max
+#    load.
+# 3. The set's items are laid end to end in a virtual stream cut into
+#    consecutive segments of the ranks' quotas (ranks in order).  A cut inside
+#    an item moves to the nearest multiple of ``granularity`` from the item's
+#    start (split items stay aligned for direct I/O and keep whole elements);
+#    items smaller than ``small_bytes`` are never split: the cut moves to the
+#    nearer item boundary.  The bytes actually assigned update the loads, so
+#    later sets compensate.
+# 4. Items whose size is unknown at plan time (bytes items: DCP does not give
+#    their size before ``torch.save`` runs) and empty tensors are spread by
+#    count: each goes to the holder with the fewest such items so far (then
+#    the least bytes, then the lowest rank).
+# 5. Devices: the ranks of one host, in rank order, form a stream of their
+#    bytes, cut into ``n_dirs`` equal parts (a cut near a rank boundary moves
+#    onto it, so that with as many ranks as devices each rank writes to one
+#    device; otherwise cuts inside items are aligned as above).  Each rank
+#    writes the bytes in part ``d`` to data directory ``d``.
 
 
-def plan_placement(holdings: Sequence[Holdings]) -> Placement:
-    """Balance the bytes of every item over the ranks that hold it and over
-    each host's data directories.  See the module docstring."""
+@dataclasses.dataclass
+class _Items:
+    """Every rank's holdings, concatenated in rank order, and the unique
+    items among them.  A holding is a position in the concatenation;
+    ``order`` sorts the holdings by item (each item's holders in rank
+    order), ``first[i]`` is item ``i``'s first position in ``order`` and
+    ``nhold[i]`` its number of holders."""
+
+    world: int
+    ranks: np.ndarray  # per holding
+    sizes: np.ndarray  # per holding
+    rank_start: np.ndarray  # per rank: its first holding
+    order: np.ndarray
+    first: np.ndarray  # per item
+    nhold: np.ndarray  # per item
+    item_size: np.ndarray  # per item
+    item_rank0: np.ndarray  # per item: the lowest holder
+    item_order: np.ndarray  # per item: its plan position there (state-dict order)
+    item_group: np.ndarray  # per item: its holder set (-1: one holder)
+    group_ranks: list[np.ndarray]  # per holder set: its ranks
+
+    def local(self, items: np.ndarray, rank: int, hset: np.ndarray) -> np.ndarray:
+        """The plan positions on ``rank`` (a member of the holder set ``hset``) of ``items``."""
+        pos = int(np.searchsorted(hset, rank))
+        return self.order[self.first[items] + pos] - self.rank_start[rank]
+
+    def by_holder_set(self, selected: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """``selected`` items grouped by holder set, in item order within a
+        set; smallest sets first (ties by their ranks), deterministically."""
+        by_group = selected[np.lexsort((self.item_order[selected], self.item_group[selected]))]
+        g_sorted = self.item_group[by_group]
+        bounds = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
+        chunks = [(int(g_sorted[b]), by_group[b:e]) for b, e in zip(bounds, np.r_[bounds[1:], len(by_group)])]
+        chunks.sort(key=lambda c: (len(self.group_ranks[c[0]]), tuple(self.group_ranks[c[0]].tolist())))
+        return chunks
+
+
+def _index_items(holdings: Sequence[Holdings]) -> _Items:
+    """The unique items of ``holdings`` (which hold at least one item);
+    raises on an item listed twice by a rank or held with two sizes."""
     world = len(holdings)
-    if world == 0:
-        raise ValueError("no ranks")
-    for r, h in enumerate(holdings):
-        if h.rank != r:
-            raise ValueError(f"holdings out of order: position {r} has rank {h.rank}")
-    if sum(len(h.keys) for h in holdings) == 0:
-        empty = np.zeros(0, np.int64)
-        return Placement(
-            pieces=[RankPieces(empty, empty, empty, empty) for _ in holdings],
-            loads=np.zeros(world, np.int64),
-            device_loads={},
-            unsized_counts=np.zeros(world, np.int64),
-            items=0,
-            total_bytes=0,
-            key=structure_key(holdings),
-        )
-    gran = max(h.granularity for h in holdings)
-    small = max(h.small_bytes for h in holdings)
-    key = structure_key(holdings)
-
     counts = np.array([len(h.keys) for h in holdings], dtype=np.int64)
     n_all = int(counts.sum())
     rank_start = np.cumsum(counts) - counts
@@ -329,10 +340,9 @@ def plan_placement(holdings: Sequence[Holdings]) -> Placement:
     ranks = np.repeat(np.arange(world, dtype=np.int32), counts)
 
     # Unique items, each item's holdings in rank order: one stable sort of
-    # the keys (the holdings are concatenated in rank order).  At 1,024 ranks
-    # these arrays hold millions of entries and every pass over them counts
-    # (np.unique(return_inverse), lexsort or a searchsorted per holding are
-    # several times slower).
+    # the keys (the holdings are concatenated in rank order).  Every pass
+    # over these arrays counts at thousands of ranks: np.unique, lexsort or
+    # a searchsorted per holding would each be slower.
     order = np.argsort(keys, kind="stable")
     keys_sorted = keys[order]
     new_item = np.empty(n_all, dtype=bool)
@@ -340,7 +350,6 @@ def plan_placement(holdings: Sequence[Holdings]) -> Placement:
     np.not_equal(keys_sorted[1:], keys_sorted[:-1], out=new_item[1:])
     del keys_sorted
     first = np.flatnonzero(new_item)
-    n_items = len(first)
     nhold = np.diff(np.r_[first, n_all])
     rank_s, size_s = ranks[order], sizes[order]
     same = ~new_item[1:]
@@ -360,75 +369,71 @@ def plan_placement(holdings: Sequence[Holdings]) -> Placement:
             f"{int(sizes[k])} bytes): a replicated value must have the same shape and dtype on every rank"
         )
     del same, size_s
-    item_size = sizes[order[first]]
-    item_rank0 = rank_s[first]  # the lowest holder
-    item_order = order[first] - rank_start[item_rank0]  # its plan position: state-dict order
+    item_rank0 = rank_s[first]
+    item_group, group_ranks = _holder_sets(world, rank_s, nhold)
+    return _Items(world, ranks, sizes, rank_start, order, first, nhold, sizes[order[first]], item_rank0,
+                  order[first] - rank_start[item_rank0], item_group, group_ranks)
 
-    # Holder sets of the items held by several ranks: a wrapping sum of
-    # per-rank random words, then checked exactly.
+
+def _holder_sets(world: int, rank_s: np.ndarray, nhold: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Each item's holder set (-1 for an item with one holder) and each
+    set's ranks: a wrapping sum of per-rank random words, then checked
+    exactly.  ``rank_s``: the holders, item by item; ``nhold``: per item."""
     multi_all = np.flatnonzero(nhold > 1)
-    item_group = np.full(n_items, -1, dtype=np.int64)
-    group_ranks: list[np.ndarray] = []
-    if len(multi_all):
-        rank_m = rank_s[np.repeat(nhold > 1, nhold)]
-        nh = nhold[multi_all]
-        first_m = np.cumsum(nh) - nh
-        words = np.random.default_rng(0x5EED_FA57).integers(0, 2**63, world, dtype=np.int64).astype(np.uint64)
-        with np.errstate(over="ignore"):
-            sig = np.add.reduceat(words[rank_m], first_m) + nh.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        o = np.argsort(sig, kind="stable")
-        new_group = np.empty(len(o), dtype=bool)
-        new_group[0] = True
-        sig_sorted = sig[o]
-        np.not_equal(sig_sorted[1:], sig_sorted[:-1], out=new_group[1:])
-        group_m = np.empty(len(o), dtype=np.int64)
-        group_m[o] = np.cumsum(new_group) - 1
-        rep = o[new_group]  # the first item of each group (positions in multi_all)
-        item_m = np.repeat(np.arange(len(multi_all)), nh)
-        rep_pos = first_m[rep[group_m[item_m]]] + (np.arange(len(rank_m)) - first_m[item_m])
-        if not np.array_equal(rank_m[rep_pos], rank_m):
-            raise RuntimeError("holder-set signature collision (report this as a bug in fp_dcp.save.balance)")
-        item_group[multi_all] = group_m
-        group_ranks = [rank_m[first_m[r] : first_m[r] + nh[r]] for r in rep.tolist()]
+    item_group = np.full(len(nhold), -1, dtype=np.int64)
+    if not len(multi_all):
+        return item_group, []
+    rank_m = rank_s[np.repeat(nhold > 1, nhold)]
+    nh = nhold[multi_all]
+    first_m = np.cumsum(nh) - nh
+    words = np.random.default_rng(0x5EED_FA57).integers(0, 2**63, world, dtype=np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        sig = np.add.reduceat(words[rank_m], first_m) + nh.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    o = np.argsort(sig, kind="stable")
+    new_group = np.empty(len(o), dtype=bool)
+    new_group[0] = True
+    sig_sorted = sig[o]
+    np.not_equal(sig_sorted[1:], sig_sorted[:-1], out=new_group[1:])
+    group_m = np.empty(len(o), dtype=np.int64)
+    group_m[o] = np.cumsum(new_group) - 1
+    rep = o[new_group]  # the first item of each group (positions in multi_all)
+    item_m = np.repeat(np.arange(len(multi_all)), nh)
+    rep_pos = first_m[rep[group_m[item_m]]] + (np.arange(len(rank_m)) - first_m[item_m])
+    if not np.array_equal(rank_m[rep_pos], rank_m):
+        raise RuntimeError("holder-set signature collision (report this as a bug in fp_dcp.save.balance)")
+    item_group[multi_all] = group_m
+    return item_group, [rank_m[first_m[r] : first_m[r] + nh[r]] for r in rep.tolist()]
 
+
+_Parts = list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]  # per rank: (local items, offsets, lengths)
+
+
+def _place_sized(it: _Items, gran: int, small: int) -> tuple[np.ndarray, _Parts]:
+    """Steps 1 to 3 of the algorithm: each rank's load and pieces."""
+    world = it.world
     loads = np.zeros(world, dtype=np.int64)
-    parts: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(world)]
-
-    def emit(rank: int, items: np.ndarray, off: np.ndarray, length: np.ndarray, hset: np.ndarray) -> None:
-        pos = int(np.searchsorted(hset, rank))
-        parts[rank].append((order[first[items] + pos] - rank_start[rank], off, length))
-
-    sized = item_size > 0
+    parts: _Parts = [[] for _ in range(world)]
+    sized = it.item_size > 0
     # 1. singletons: fixed loads
-    single = sized & (nhold == 1)
+    single = sized & (it.nhold == 1)
     if single.any():
         # in holding order, i.e. by (rank, plan position): no sort needed
-        mask = np.zeros(n_all, dtype=bool)
-        mask[order[first[single]]] = True
+        mask = np.zeros(len(it.ranks), dtype=bool)
+        mask[it.order[it.first[single]]] = True
         pos = np.flatnonzero(mask)
-        owner_count = np.bincount(ranks[pos], minlength=world)
+        owner_count = np.bincount(it.ranks[pos], minlength=world)
         ends = np.cumsum(owner_count)
         owners = np.flatnonzero(owner_count)
-        loads[owners] += np.add.reduceat(sizes[pos], (ends - owner_count)[owners])
+        loads[owners] += np.add.reduceat(it.sizes[pos], (ends - owner_count)[owners])
         for r in owners.tolist():
             p = pos[ends[r] - owner_count[r] : ends[r]]
-            parts[r].append((p - rank_start[r], np.zeros(len(p), np.int64), sizes[p]))
-    def by_holder_set(selected: np.ndarray) -> list[tuple[int, np.ndarray]]:
-        """``selected`` items grouped by holder set, in item order within a
-        set; smallest sets first (ties by their ranks), deterministically."""
-        by_group = selected[np.lexsort((item_order[selected], item_group[selected]))]
-        g_sorted = item_group[by_group]
-        bounds = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
-        chunks = [(int(g_sorted[b]), by_group[b:e]) for b, e in zip(bounds, np.r_[bounds[1:], len(by_group)])]
-        chunks.sort(key=lambda c: (len(group_ranks[c[0]]), tuple(group_ranks[c[0]].tolist())))
-        return chunks
-
+            parts[r].append((p - it.rank_start[r], np.zeros(len(p), np.int64), it.sizes[p]))
     # 2. shared holder sets, smallest first: water-fill, then cut the stream
-    multi = np.flatnonzero(sized & (nhold > 1))
+    multi = np.flatnonzero(sized & (it.nhold > 1))
     if len(multi):
-        for g, items in by_holder_set(multi):
-            hset = group_ranks[g]
-            sz = item_size[items]
+        for g, items in it.by_holder_set(multi):
+            hset = it.group_ranks[g]
+            sz = it.item_size[items]
             quotas = water_fill(loads[hset], int(sz.sum()))
             cuts = cut_stream(sz, quotas, gran, small)
             starts = np.cumsum(sz) - sz
@@ -438,31 +443,42 @@ def plan_placement(holdings: Sequence[Holdings]) -> Placement:
                 j, off, length = seg
                 r = int(hset[k])
                 loads[r] += int(length.sum())
-                emit(r, items[j], off, length, hset)
-    # 3. unsized (bytes) and empty items: spread by count
-    unsized_counts = np.zeros(world, dtype=np.int64)
-    rest = np.flatnonzero(~sized)
-    unsized_parts: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-    for u in rest[nhold[rest] == 1].tolist():  # held by one rank: that one
-        r = int(item_rank0[u])
+                parts[r].append((it.local(items[j], r, hset), off, length))
+    return loads, parts
+
+
+def _place_unsized(it: _Items, loads: np.ndarray) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
+    """Step 4: unsized (bytes) and empty items spread by count; per rank
+    their count and (local item, size)."""
+    unsized_counts = np.zeros(it.world, dtype=np.int64)
+    rest = np.flatnonzero(~(it.item_size > 0))
+    unsized_parts: list[list[tuple[int, int]]] = [[] for _ in range(it.world)]
+    for u in rest[it.nhold[rest] == 1].tolist():  # held by one rank: that one
+        r = int(it.item_rank0[u])
         unsized_counts[r] += 1
-        unsized_parts[r].append((int(item_order[u]), int(item_size[u])))
-    rest = rest[nhold[rest] > 1]
+        unsized_parts[r].append((int(it.item_order[u]), int(it.item_size[u])))
+    rest = rest[it.nhold[rest] > 1]
     if len(rest):
-        for g, items in by_holder_set(rest):
-            hset = group_ranks[g]
+        for g, items in it.by_holder_set(rest):
+            hset = it.group_ranks[g]
             rank_order = hset[np.lexsort((hset, loads[hset], unsized_counts[hset]))]
             for i, u in enumerate(items.tolist()):
                 r = int(rank_order[i % len(rank_order)])
                 unsized_counts[r] += 1
                 pos = int(np.searchsorted(hset, r))
-                unsized_parts[r].append((int(order[first[u] + pos] - rank_start[r]), int(item_size[u])))
+                unsized_parts[r].append((int(it.order[it.first[u] + pos] - it.rank_start[r]), int(it.item_size[u])))
+    return unsized_counts, unsized_parts
 
-    # 4. devices
+
+def _place_devices(holdings: Sequence[Holdings], loads: np.ndarray, parts: _Parts,
+                   unsized_parts: list[list[tuple[int, int]]], gran: int,
+                   small: int) -> tuple[list[RankPieces], dict[str, np.ndarray]]:
+    """Step 5: each host's bytes striped over its data directories; every
+    rank's pieces and the bytes per device of each host."""
     hosts: dict[str, list[int]] = {}
     for h in holdings:
         hosts.setdefault(h.host, []).append(h.rank)
-    pieces: list[RankPieces | None] = [None] * world
+    pieces: dict[int, RankPieces] = {}
     device_loads: dict[str, np.ndarray] = {}
     for host, members in hosts.items():
         n_dirs = {holdings[r].n_dirs for r in members}
@@ -492,14 +508,43 @@ def plan_placement(holdings: Sequence[Holdings]) -> Placement:
                 ln = np.concatenate([ln, np.array([p[1] for p in up], np.int64)])
                 dev = np.concatenate([dev, np.full(len(up), last_dev, np.int64)])
             pieces[r] = RankPieces(loc, off, ln, dev)
-    total = int(item_size[sized].sum())
+    return [pieces[r] for r in range(len(holdings))], device_loads
+
+
+def plan_placement(holdings: Sequence[Holdings]) -> Placement:
+    """Balance the bytes of every item over the ranks that hold it and over
+    each host's data directories."""
+    world = len(holdings)
+    if world == 0:
+        raise ValueError("no ranks")
+    for r, h in enumerate(holdings):
+        if h.rank != r:
+            raise ValueError(f"holdings out of order: position {r} has rank {h.rank}")
+    key = structure_key(holdings)
+    if sum(len(h.keys) for h in holdings) == 0:
+        empty = np.zeros(0, np.int64)
+        return Placement(
+            pieces=[RankPieces(empty, empty, empty, empty) for _ in holdings],
+            loads=np.zeros(world, np.int64),
+            device_loads={},
+            unsized_counts=np.zeros(world, np.int64),
+            items=0,
+            total_bytes=0,
+            key=key,
+        )
+    gran = max(h.granularity for h in holdings)
+    small = max(h.small_bytes for h in holdings)
+    it = _index_items(holdings)
+    loads, parts = _place_sized(it, gran, small)
+    unsized_counts, unsized_parts = _place_unsized(it, loads)
+    pieces, device_loads = _place_devices(holdings, loads, parts, unsized_parts, gran, small)
     return Placement(
-        pieces=pieces,  # type: ignore[arg-type]
+        pieces=pieces,
         loads=loads,
         device_loads=device_loads,
         unsized_counts=unsized_counts,
-        items=n_items,
-        total_bytes=total,
+        items=len(it.first),
+        total_bytes=int(it.item_size[it.item_size > 0].sum()),
         key=key,
     )
 

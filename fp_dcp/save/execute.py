@@ -49,7 +49,7 @@ from fp_dcp.save.device_copy import write_cuda
 from fp_dcp.save.layout import align_up, place_extents
 from fp_dcp.save.plan import Assignment, expected_nbytes, item_name
 from fp_dcp.save.results import Written, add_stats
-from fp_dcp.staging import any_staged_checksums, forget_staged_checksums, staged_checksums
+from fp_dcp.staging.crc_registry import any_staged_checksums, forget_staged_checksums, staged_checksums
 
 __all__ = ["write_rank"]
 

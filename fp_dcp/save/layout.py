@@ -1,6 +1,6 @@
 """Pure planning of a save's file layout: where each item's bytes go in the
-data files (:func:`place_extents`), and the check that stored extents tile
-an item exactly (:func:`check_extents_cover`, also run by the reader).
+data files (:func:`place_extents`); the check that stored extents tile an
+item exactly (:func:`check_extents_cover`) is the format's, in :mod:`fp_dcp.format`.
 
 Nothing here touches a disk or a process group; every function takes and
 returns plain numbers so it can be tested with hypothesis.  Which bytes a
@@ -11,17 +11,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from fp_dcp.format import CheckpointFormatError, Extent
+from fp_dcp.format import align_up, check_extents_cover
 
 __all__ = [
     "align_up",
     "place_extents",
     "check_extents_cover",
 ]
-
-
-def align_up(value: int, alignment: int) -> int:
-    return -(-value // alignment) * alignment
 
 
 def place_extents(
@@ -48,19 +44,3 @@ def place_extents(
     return offsets, pos
 
 
-def check_extents_cover(name: str, extents: Sequence[Extent], nbytes: int) -> None:
-    """Raise unless ``extents`` (sorted by item_offset) tile ``[0, nbytes)`` exactly."""
-    pos = 0
-    for e in extents:
-        if e.item_offset != pos:
-            what = "overlap" if e.item_offset < pos else "a gap"
-            raise CheckpointFormatError(
-                f"{name}: the stored extents have {what} at byte {min(pos, e.item_offset)} "
-                f"of {nbytes}; the checkpoint metadata is corrupt"
-            )
-        pos += e.length
-    if pos != nbytes:
-        raise CheckpointFormatError(
-            f"{name}: the stored extents hold {pos} bytes, the item has {nbytes}; "
-            f"the checkpoint metadata is corrupt"
-        )

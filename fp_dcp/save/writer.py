@@ -55,13 +55,19 @@ from torch.futures import Future
 import fp_dcp
 from fp_dcp import _dcp_hooks
 from fp_dcp import format as fmt
-from fp_dcp.engine import IOSession
+from fp_dcp.engine import EngineSet, IOSession
+from fp_dcp.gc_freeze import GcFreeze, paused
 from fp_dcp.options import FastPersistOptions
 from fp_dcp.files import Root
 from fp_dcp.save import commit, directories, execute
-from fp_dcp.gc_freeze import GcFreeze, paused
 from fp_dcp.save.plan import (
-    Assignment, GlobalRecord, RankHoldings, assign, assignment_items, describe_rank, keep_global_record,
+    Assignment,
+    GlobalRecord,
+    RankHoldings,
+    assign,
+    assignment_items,
+    describe_rank,
+    keep_global_record,
 )
 from fp_dcp.save.results import check_layout_covers, layout_from_results
 from fp_dcp.staging import AsyncStagingMixin
@@ -108,13 +114,12 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         if a <= 0 or a & (a - 1):
             raise ValueError(f"FastPersistOptions.split_alignment_bytes must be a power of two, got {a}")
         self.last_plan: dict[str, Any] = {}
-        self._sessions: dict[str, IOSession] = {}
         self.save_id = self._new_save_id()
         self._save_token: str | None = None  # this save's local items' token (None: DCP sent a cached plan)
         self.rank = 0
         self.is_coordinator = True
         self.last_stats: dict[str, Any] = {}
-        self._session: IOSession | None = None
+        self._engines = EngineSet()
         self._lock = commit.SaveLock()
         self._gc = GcFreeze()
         self._pending_record: GlobalRecord | None = None  # the coordinator's, kept by write_data if the planner caches
@@ -319,24 +324,14 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         return directories.data_directories(self._directory(), self.data_dirs)
 
     def _engine(self) -> IOSession:
-        directory = self._directory()
-        if self._session is None or not self._session.matches(self.options, directory):
-            if self._session is not None:
-                self._session.close()
-            self._session = IOSession(self.options, directory)
-        return self._session
+        return self._engines.session(self.options, self._directory())
 
     def _engine_for(self, directory: str) -> IOSession:
         """The session of a data directory (that of the checkpoint directory
         is :meth:`_engine`'s)."""
         if directory == self._directory():
             return self._engine()
-        session = self._sessions.get(directory)
-        if session is None or not session.matches(self.options, directory):
-            if session is not None:
-                session.close()
-            session = self._sessions[directory] = IOSession(self.options, directory)
-        return session
+        return self._engines.for_directory(self.options, directory)
 
     def close(self) -> None:
         """Release the engine, its page-locked buffers and any lock now (after
@@ -344,12 +339,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         self._close_staging()
         self._lock.release()
         self._gc.thaw()
-        if self._session is not None:
-            self._session.close()
-            self._session = None
-        for session in self._sessions.values():
-            session.close()
-        self._sessions.clear()
+        self._engines.close()
 
     def __enter__(self) -> "FastPersistWriter":
         return self

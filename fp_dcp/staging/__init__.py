@@ -1,14 +1,10 @@
-"""Staging: ``FastPersistWriter`` as DCP's ``AsyncStager``.
+"""Staging: ``FastPersistWriter`` as DCP's ``AsyncStager`` (docs/STAGING.md).
 
-``dcp.async_save`` copies the state dict into a host arena on the training
-thread (eager) or in the background (lazy) and saves from there; see
-:mod:`fp_dcp.staging.stager` for the semantics.  Inside, data flows one way:
 ``stager`` (the protocol) → ``layout`` (where each tensor goes, pure) →
 ``arena`` (the memory) ← ``copier`` (the bytes) → ``crc_registry`` (the copy's
 checksums, read by the writer); ``tracking`` follows each save to its end,
-``snapshot`` carries a staged state dict to a checkpoint process.
-
-The rest of the package uses only what is exported here.
+``snapshot`` carries a staged state dict to a checkpoint process.  The rest
+of the package uses only what is exported here.
 """
 
 from fp_dcp.staging.crc_registry import any_staged_checksums, forget_staged_checksums, staged_checksums

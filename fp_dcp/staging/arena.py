@@ -1,28 +1,13 @@
-"""Host memory for staging: the arena, its header page, cross-process attach,
-and the spill file.
+"""Host memory for staging: :class:`Arena` (one pre-faulted, page-locked
+buffer, private or a ``memfd`` shared with a checkpoint process, whose first
+page is a header the checkpoint process reports through), :func:`attach` /
+:func:`attach_spill` (a checkpoint process opening the trainer's buffers) and
+:class:`Spill` (the file for tensors past the memory limit)."""
 
-:class:`Arena`
-    One host buffer that every staged tensor is copied into: an
-    ``AlignedBuffer`` (private) or a ``memfd`` mapping (shared with a
-    checkpoint process); pre-faulted, page-locked, registered with CUDA on
-    demand (:mod:`fp_dcp.pinned`).  Its first page is a header through which
-    the writer of a checkpoint process reports how the save ended
-    (:func:`write_status`, :meth:`Arena.read_status`).
-
-Cross-process attach
-    A checkpoint process (``AsyncCheckpointerType.PROCESS``) opens the
-    trainer's ``memfd`` (or spill file) through ``/proc/<pid>/fd`` — no
-    ``/dev/shm`` size limit applies — after checking that the descriptor
-    still names the same buffer (:func:`attach`, :func:`attach_spill`).
-
-:class:`Spill`
-    The unlinked file that tensors past ``staging_memory_limit_bytes`` stream
-    into (``O_DIRECT`` writes through an engine of its own), read back through
-    a read-only mapping.
-
-Nothing here knows the state dict or its layout: the stager decides what
-goes where.
-"""
+# A checkpoint process opens the trainer's memfd (or spill file) through
+# /proc/<pid>/fd -- no /dev/shm size limit applies -- after checking that the
+# descriptor still names the same buffer.  Nothing here knows the state dict
+# or its layout: the stager decides what goes where.
 
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
-"""The staging copy: a state dict's tensors into the arena and the spill file.
+"""The staging copy: a state dict's tensors into the arena and the spill file."""
 
-CPU tensors go through ``_native.copy_gather`` with the GIL released, fused
-with the CRC-32C of every checksum block (one pass over memory; the CRCs go
-to :mod:`fp_dcp.staging.crc_registry`) and, for eager staging, split over a
-few threads.  CUDA tensors are copied on a side stream per device that first
-waits for the work queued on the tensors' streams when ``stage`` was called
-(device-to-host DMA into the registered arena); those copies are queued
-first, so the DMA runs while the CPU copies.  Tensors past the memory limit
-stream through a ring of two arena slots into the spill file: the copy of
-slot k+1 overlaps the write of slot k, and waits for a slot's write before
-copying into it again (back-pressure).
-"""
+# CPU tensors go through _native.copy_gather with the GIL released, fused
+# with the CRC-32C of every checksum block (one pass over memory; the CRCs go
+# to crc_registry) and, for eager staging, split over a few threads.  CUDA
+# tensors are copied on a side stream per device that first waits for the work
+# queued on the tensors' streams when stage was called (device-to-host DMA
+# into the registered arena); those copies are queued first, so the DMA runs
+# while the CPU copies.  Tensors past the memory limit stream through a ring
+# of two arena slots into the spill file: the copy of slot k+1 overlaps the
+# write of slot k, and waits for a slot's write before copying into it again.
 
 from __future__ import annotations
 
@@ -28,14 +26,13 @@ __all__ = ["Copier", "eager_copy_threads", "MAX_COPY_THREADS", "COPY_PIECE_BYTES
 # Eager staging holds the training until the copy is done, so the copy takes
 # the cores the training would use (torch.get_num_threads()), at most this
 # many.  A judgement, not a measured optimum: the copy is bound by memory
-# bandwidth, which two threads already reached where it was measured (22 GB/s
-# memcpy, 20 GB/s fused with the CRC on 2 cores, docs/NATIVE.md); the cap
+# bandwidth, which two threads already reach (docs/NATIVE.md); the cap
 # leaves room for machines with more memory channels without starting a
 # thread per core.  Lazy staging copies in one thread.
 MAX_COPY_THREADS = 4
 # The pieces a split copy hands out, at most this large: large enough that
-# a piece's overhead (a task, a GIL round trip) is noise beside copying it
-# (~3 ms at 20 GB/s), small enough that a few large tensors still split
+# a piece's overhead (a task, a GIL round trip) is noise beside copying it,
+# small enough that a few large tensors still split
 # evenly over the threads; a multiple of CHECKSUM_BLOCK_BYTES, so that the
 # pieces cut each tensor on its checksum grid.
 COPY_PIECE_BYTES = 64 << 20
@@ -77,7 +74,7 @@ class Copier:
             events[d] = ev
         return events
 
-    def copy(self, buf: Any, layout: Layout, views: list[torch.Tensor], leaves, events: dict, spill: Any,
+    def copy(self, buf: Any, layout: Layout, views: list[torch.Tensor | None], leaves, events: dict, spill: Any,
              threads: int, block: int = 0) -> dict[int, tuple[int, np.ndarray]]:
         """Copy the leaves into the arena ``buf`` (``views``: the resident
         tensors viewing it) and the spill file (``spill``, a
@@ -91,12 +88,14 @@ class Copier:
         for i, t in enumerate(leaves):
             if layout.where[i] != ARENA:
                 continue
+            view = views[i]
+            assert view is not None  # every tensor placed in the arena has a view
             if t.device.type == "cuda":
-                cuda.setdefault(t.device, []).append((views[i], t))
+                cuda.setdefault(t.device, []).append((view, t))
                 continue
             b = flat_bytes(t) if t.device.type == "cpu" else None
             if b is None:
-                slow.append((views[i], t))
+                slow.append((view, t))
             else:
                 offsets.append(layout.offset[i])
                 sources.append(b)
@@ -200,8 +199,9 @@ class Copier:
         try:
             for k, start in enumerate(range(0, layout.spill_bytes, slot)):
                 s = k % 2
-                if pending[s] is not None:
-                    pending[s].result()  # back-pressure: the slot is free again
+                fut = pending[s]
+                if fut is not None:
+                    fut.result()  # back-pressure: the slot is free again
                     pending[s] = None
                 stop = min(start + slot, layout.spill_bytes)
                 base = layout.ring_offset + s * slot
@@ -228,8 +228,9 @@ class Copier:
                 view = memoryview(buf)[base : base + (stop - start)]
                 pending[s] = self.ring_pool.submit(spill.write, start, view)
             for k in range(2):
-                if pending[k] is not None:
-                    pending[k].result()
+                fut = pending[k]
+                if fut is not None:
+                    fut.result()
                     pending[k] = None
         finally:
             for p in pending:

@@ -1,22 +1,15 @@
-"""The checksums a staging copy computed, kept for the save that writes them.
+"""The CRC-32Cs a staging copy computed, kept for the save that writes them:
+the stager records them (:func:`remember`), the writer looks them up by the
+address of the bytes it writes (:func:`staged_checksums`) and drops them
+when its ``write_data`` is done (:func:`forget_staged_checksums`)."""
 
-The staging copy of a CPU tensor computes the CRC-32C of every
-``CHECKSUM_BLOCK_BYTES`` block of the tensor in the same pass over memory
-(``_native.copy_gather(..., checksum_block=...)``), so that the writer need
-not read the arena a second time to checksum it.  The stager records them
-here (:func:`remember`), the writer looks them up by the address of the bytes
-it writes (:func:`staged_checksums`) and drops them when its ``write_data`` is
-done (:func:`forget_staged_checksums`).
-
-Entries are kept by arena address: (the buffer — held, so that its address
-cannot be reused while the entry exists — its size, ``{arena offset: (bytes,
-CRCs)}``).  An entry lives from the end of a staging copy until the save's
-``write_data`` has used it, the next staging into that arena starts, or the
-arena is closed: the CRCs are only ever used by the save they were staged
-for.  The registry is per process: a checkpoint process
-(``AsyncCheckpointerType.PROCESS``) records the CRCs that came with the
-pickled staged state dict.
-"""
+# Entries are kept by arena address: (the buffer -- held, so that its address
+# cannot be reused while the entry exists -- its size, {arena offset: (bytes,
+# CRCs)}).  An entry lives from the end of a staging copy until the save's
+# write_data has used it, the next staging into that arena starts, or the
+# arena is closed: the CRCs are only ever used by the save they were staged
+# for.  The registry is per process: a checkpoint process records the CRCs
+# that came with the pickled staged state dict.
 
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
-"""Where each staged tensor goes: the state-dict walk and the arena layout (pure).
-
-:func:`walk` takes a state dict apart into a *skeleton* (containers kept,
-comparable with ``==``), its tensors (the leaves to stage) and its other
-values (deep-copied by the stager); :func:`build` puts a staged state dict
-together again from the skeleton and views of the staged tensors.
-
-:func:`plan` places each leaf: in the arena (after its header page; a tensor
-of at least ``pack_threshold_bytes`` on a direct-I/O boundary, smaller ones
-packed at ``pack_alignment_bytes`` — the rule the writer uses in its files,
-so the engine writes the staged tensors straight from the arena), or, past
-``staging_memory_limit_bytes``, in the spill file, streamed through a ring of
-two slots at the end of the arena.  :func:`views` are the tensors that view
-a buffer laid out so.
-
-Nothing here allocates or copies the tensors' bytes.
-"""
+"""Where each staged tensor goes (pure): :func:`walk` takes a state dict
+apart into a skeleton, its tensors and its other values, :func:`build` puts
+it together again; :func:`plan` places each tensor in the arena (the
+writer's alignment rule, so the engine writes straight from it) or, past
+the memory limit, in the spill file; :func:`views` are the tensors that view
+a buffer laid out so."""
 
 from __future__ import annotations
 
@@ -26,7 +15,7 @@ import numpy as np
 import torch
 
 from fp_dcp import _dcp_hooks
-from fp_dcp.save.layout import align_up
+from fp_dcp.format import align_up
 
 __all__ = ["ARENA", "SPILL", "EMPTY", "Layout", "walk", "build", "meta", "plan", "views"]
 
@@ -64,7 +53,7 @@ def walk(obj: Any, leaves: list[torch.Tensor], values: list[Any]) -> tuple:
     return ("V", len(values) - 1)
 
 
-def build(node: tuple, tensors: list[torch.Tensor], values: list[Any], root: type | None = None) -> Any:
+def build(node: tuple, tensors: list[torch.Tensor | None], values: list[Any], root: type | None = None) -> Any:
     """The state dict of skeleton ``node`` around ``tensors`` and ``values``;
     a top-level mapping of type ``root`` when given (else the original's).
     A ``DTensor`` is rebuilt around its staged local shard with the same

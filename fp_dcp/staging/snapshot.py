@@ -1,18 +1,13 @@
-"""The staged state dict, and how it travels to a checkpoint process.
-
-With ``AsyncCheckpointerType.PROCESS`` DCP pickles the staged state dict to
-the checkpoint process.  A :class:`StagedStateDict` pickles as one handle to
-the (shared) arena, the layout, the skeleton, the non-tensor values and the
-staging copy's checksums — not one shared-memory segment per tensor — and is
-rebuilt there as views into the trainer's arena (:func:`rebuild`).  With
-``staging_shared_memory=False`` it pickles the way torch pickles tensors.
-"""
+"""The staged state dict, and how it travels to a checkpoint process: a
+:class:`StagedStateDict` pickles as one handle to the shared arena, the
+layout and the non-tensor values, and is rebuilt there as views into the
+trainer's arena (:func:`rebuild`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, SupportsIndex
 
 import numpy as np
 
@@ -30,7 +25,7 @@ class StagedStateDict(dict):
 
     _fp_snapshot: "Snapshot | None" = None
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         snap = self._fp_snapshot
         if snap is None:
             return (dict, (dict(self),))

@@ -1,139 +1,11 @@
-"""Asynchronous and lazy staging: ``FastPersistWriter`` as DCP's ``AsyncStager``.
+"""``FastPersistWriter`` as DCP's ``AsyncStager``: ``dcp.async_save`` calls
+:meth:`~AsyncStagingMixin.stage` on the training thread and saves what it
+returns in the background.
 
-``dcp.async_save(state_dict, storage_writer=FastPersistWriter(path))`` finds
-that the writer implements the ``AsyncStager`` protocol and calls its
-:meth:`~AsyncStagingMixin.stage` on the training thread, then saves what
-``stage`` returned in the background (a thread, or a separate process with
-``AsyncCheckpointerType.PROCESS``).
-
-The arena
-    Every staged tensor is copied into one host buffer, the *arena*:
-    allocated once, pre-faulted, page-locked (``mlock``) and registered with
-    CUDA (``cudaHostRegister``) when the state dict holds CUDA tensors.  A
-    tensor of at least ``pack_threshold_bytes`` starts on a direct-I/O
-    boundary, smaller ones are packed at ``pack_alignment_bytes`` — the rule
-    the writer uses in its files — so the engine writes the staged tensors
-    straight from the arena (``writer.last_stats["zero_copy_bytes"]``).  The
-    arena is the state dict's bytes plus that padding plus one page of
-    header; it is reused by every later save and replaced by a larger one
-    only when the state dict outgrows it.  The copy of a CPU tensor into the
-    arena also computes the CRC-32C of each 1 MiB block in the same pass
-    over memory (``staging_checksums``), and the writer stores those instead
-    of reading the arena again to checksum it: less CPU taken from the
-    training in all, for a copy about a fifth slower than a plain memcpy.  First-touch page faults cost
-    about 40x a warm copy on the machines this was built on: paying them once
-    is the point.
-
-    The staged state dict has the structure of the original: tensors are
-    views into the arena (``torch.frombuffer``), a ``DTensor`` is rebuilt
-    around its staged local shard with the same mesh, placements, shape and
-    stride (so DCP plans the same items), anything else is deep-copied when
-    ``stage`` is called.
-
-Eager and lazy (``FastPersistOptions.staging``)
-    ``"eager"`` (default): ``stage`` returns once every byte is in the arena;
-    ``dcp.async_save`` returns a ``Future`` as with any stager, and the
-    training may change the state as soon as it returns.  The training waits
-    for this copy anyway, so it is split over ``torch.get_num_threads()``
-    threads (at most 4), the GIL released.
-
-    ``"lazy"`` (DataStates-LLM): ``stage`` returns a
-    ``concurrent.futures.Future`` at once and the copy runs in a background
-    thread — CPU tensors through one thread's ``memcpy`` with the GIL
-    released (the other cores stay with the training), CUDA tensors on a
-    side stream that first waits for the work queued on the tensors' streams
-    when ``stage`` was called (device-to-host DMA into the registered arena).
-    DCP starts writing only when staging is complete, so within the memory
-    limit the copies of all tensors are queued at once and awaited together.  ``dcp.async_save`` then
-    returns ``AsyncSaveResponse``; the training loop must wait on
-    ``staging_completion`` before it changes the state, i.e. before
-    ``optimizer.step()``::
-
-        resp = dcp.async_save(sd, storage_writer=writer)   # returns at once
-        loss = model(batch).sum(); loss.backward()         # overlaps the copy
-        resp.staging_completion.result()
-        optimizer.step()
-
-    Parameters and optimizer state do not change between two optimizer
-    steps; buffers that the forward pass updates (BatchNorm running
-    statistics) do, and lazy staging may catch them mid-forward.  Use eager
-    staging for state dicts with such buffers when that matters.
-
-A memory bound (``staging_memory_limit_bytes``)
-    The arena never exceeds the limit.  When a state dict does not fit, the
-    tensors that fit (first fit, in state-dict order) are staged in the
-    arena as usual; the others are streamed, chunk by chunk, through a ring
-    of two page-locked slots carved from the same budget into an unlinked
-    *spill file* (``staging_spill_dir``, default the checkpoint directory)
-    with ``O_DIRECT`` writes — the copy (CPU memcpy, or CUDA device-to-host
-    chunks on the side stream) of slot k+1 overlaps the write of slot k, and
-    the copy waits for a free slot (back-pressure).  Staging is complete
-    — eager ``stage`` returns, the lazy future resolves — only when those
-    bytes are on the spill file, so **past the limit the training is held
-    until the bytes that did not fit are written** (at disk speed, not
-    memory speed).  The save then writes the spilled tensors from a
-    read-only mapping of the spill file: those bytes are written twice and
-    read once, and while the save reads them they occupy clean page cache
-    that the kernel can reclaim, never anonymous or locked memory.  Nothing
-    fails for lack of memory; a save past the limit is just slower.
-
-``AsyncCheckpointerType.PROCESS``
-    The checkpoint process receives the staged state dict by pickling.  A
-    staged state dict pickles as one handle to the arena (a ``memfd``, opened
-    by the other process through ``/proc/<pid>/fd``; no ``/dev/shm`` size
-    limit applies), the layout and the non-tensor values: one handle, not
-    one shared-memory segment per tensor.  The checkpoint process maps an
-    arena once and keeps the mapping for later saves.  With
-    ``staging_shared_memory=None`` (default) the arena starts private and
-    the first time a staged state dict is pickled the writer moves to a
-    shared arena (that save pays one extra copy and holds both arenas until
-    it ends; later saves stage into shared memory directly).  ``True`` uses shared memory from the first
-    save; ``False`` never does (the state dict then pickles the way torch
-    pickles tensors: a copy into one shared segment per tensor per save).
-    The writer itself is pickled too: it travels without its engine, lock
-    and staging state, and reports its outcome back through the arena's
-    header page.
-
-One save in flight, and failures
-    A writer runs at most one save at a time.  A second ``async_save`` while
-    one is in flight **waits** for it: eager ``stage`` blocks; lazy ``stage``
-    still returns at once and its copy starts when the previous save has
-    finished on this rank (the wait then shows in ``staging_completion``).
-    A failure of a background save (staging, writing, committing) is set on
-    the future ``dcp.async_save`` returned, by DCP, and is raised again,
-    once, by the next save on this writer: eager ``async_save`` raises it,
-    lazy ``staging_completion`` (and the upload) fail with it.  The call
-    after that proceeds.  A rank sees the failures of its own part of the
-    save; a save that failed on another rank only after this rank's data
-    was written is reported on the future only.
-
-Lifetime
-    ``writer.close()`` waits for the save in flight, then unregisters,
-    unlocks and frees the arena, the ring and the spill file (and truncates
-    a shared arena so that the checkpoint process's mapping holds no memory
-    either).  A staged state dict the caller still holds keeps its own views
-    valid: memory that views still use is freed with the last view.
-
-Process groups
-    Staging makes no collective call.  With ``AsyncCheckpointerType.PROCESS``,
-    DCP saves through the checkpoint process's own gloo group.  With
-    ``AsyncCheckpointerType.THREAD``, DCP runs its save's collectives on
-    ``async_save``'s ``process_group`` argument, the default group when it is
-    ``None`` — concurrent with the training's own collectives on that group
-    when the training uses it (gloo on CPU).  Pass a group created for
-    checkpointing: ``dcp.async_save(..., process_group=dist.new_group(backend="gloo"))``
-    (created once, on every rank).
-
-The modules
-    This one is the protocol: the mixin, the lazy future and :class:`Stager`,
-    which runs one staging (walk, layout, arena, copy) and keeps the saves
-    in flight.  :mod:`~fp_dcp.staging.layout` places the tensors (pure),
-    :mod:`~fp_dcp.staging.arena` holds the memory (arena, attach, spill
-    file), :mod:`~fp_dcp.staging.copier` copies into it,
-    :mod:`~fp_dcp.staging.crc_registry` keeps the copy's checksums for the
-    writer, :mod:`~fp_dcp.staging.tracking` learns which save runs and how it
-    ends, :mod:`~fp_dcp.staging.snapshot` is the staged state dict and its
-    pickling.
+This module is the protocol: the mixin, the lazy future and :class:`Stager`,
+which runs one staging (walk, layout, arena, copy) and keeps the saves in
+flight.  What staging does for a caller (the arena, eager and lazy copies,
+the memory bound, the checkpoint process, failures) is docs/STAGING.md.
 """
 
 from __future__ import annotations
@@ -167,16 +39,11 @@ __all__ = ["AsyncStagingMixin", "Stager"]
 
 
 class AsyncStagingMixin:
-    """The ``AsyncStager`` side of :class:`~fp_dcp.FastPersistWriter` (see the
-    module documentation for the semantics).
-
-    The host class provides ``options`` (a ``FastPersistOptions``), ``path``
-    and ``reset()``, and calls :meth:`_close_staging` from its ``close()``.
-    The mixin wraps the host's ``set_up_storage_writer``,
-    ``prepare_local_plan``, ``prepare_global_plan``, ``write_data`` and
-    ``finish`` (in ``__init_subclass__``) to learn which thread runs a staged
-    save and how it ends; the wrapped methods behave exactly as before.
-    """
+    """The ``AsyncStager`` side of :class:`~fp_dcp.FastPersistWriter`
+    (docs/STAGING.md).  The host class provides ``options``, ``path`` and
+    ``reset()`` and calls :meth:`_close_staging` from its ``close()``; its
+    protocol methods are wrapped to follow each staged save (they behave
+    exactly as before)."""
 
     # AsyncStager protocol: staging is complete when stage() returns (eager) or
     # its future resolves (lazy); async_save never needs synchronize_staging().
@@ -292,7 +159,7 @@ class Stager:
         self.arena: Arena | None = None
         self.spill: Spill | None = None
         self.layout: Layout | None = None
-        self.views: list[torch.Tensor] | None = None  # resident views of (arena, layout)
+        self.views: list[torch.Tensor | None] | None = None  # resident views of (arena, layout)
         self.shared = False  # stage into shared memory (PROCESS mode seen, or asked for)
         self.seq = 0
         self.saves: collections.deque[Save] = collections.deque()
@@ -392,6 +259,7 @@ class Stager:
                 self._layout_key = self._options_key(options)
             grown = self._ensure_arena(layout, alignment, options)
             arena = self.arena
+            assert arena is not None  # made by _ensure_arena
             if any(m[2].type == "cuda" for m in metas):
                 arena.register_cuda()
             if self.layout is not layout or self.views is None:
@@ -406,6 +274,7 @@ class Stager:
         spill_handle = None
         spill_map = None
         tensors = self.views
+        assert tensors is not None
         block = fmt.CHECKSUM_BLOCK_BYTES if options.write_checksums and options.staging_checksums else 0
         if layout.spill_bytes:
             spill = self._spill_file(writer, options)

@@ -1,21 +1,15 @@
-"""Which save is running, and how it ended: records of staged saves, and the
-writer methods wrapped to keep them.
+"""Which save is running, and how it ended.  :func:`wrap_hooks` wraps the
+writer's protocol methods (they behave exactly as before) so that each call
+reaches the :class:`Track` of the :class:`Save` its thread runs, or, in a
+checkpoint process, a :class:`Reporter` that posts the outcome on the
+arena's header page.  The next save waits for the last (:meth:`Save.wait`)
+and raises its failure once."""
 
-``dcp.async_save`` stages on the training thread and saves in the background,
-but tells the stager neither which thread runs the save nor how it ends.  The
-writer's hook methods do: :func:`wrap_hooks` wraps ``set_up_storage_writer``,
-``prepare_local_plan``, ``prepare_global_plan``, ``write_data`` and
-``finish`` (the wrapped methods behave exactly as before), and each call
-goes to a :class:`Track` of the :class:`Save` its thread runs — or, in a
-checkpoint process (``AsyncCheckpointerType.PROCESS``), to a
-:class:`Reporter` that posts the outcome on the header page of the arena
-the staged state dict came in.
-
-A :class:`Save` is done when the writer is done with it (coordinator:
-``finish`` returned; other ranks: ``write_data`` completed), when it failed,
-or when the thread running it ended; the next save on the writer waits for
-that (:meth:`Save.wait`) and raises a failure once.
-"""
+# dcp.async_save stages on the training thread and saves in the background,
+# but tells the stager neither which thread runs the save nor how it ends:
+# the writer's hook methods do.  A Save is done when the writer is done with
+# it (coordinator: finish returned; other ranks: write_data completed), when
+# it failed, or when the thread running it ended.
 
 from __future__ import annotations
 

@@ -128,7 +128,8 @@ def fill_random(buffer: Any) -> None:
 def parse_grid(sizes: str | None, depths: str | None, quick: bool = False) -> tuple[list[int], list[int]]:
     """``"256K,1M,4M"`` and ``"4,8,16"`` (or the defaults) as sorted lists."""
     try:
-        s = sorted({parse_size(x) for x in sizes.split(",")}) if sizes else list(QUICK_SIZES if quick else DEFAULT_SIZES)
+        s = (sorted({parse_size(x) for x in sizes.split(",")}) if sizes
+             else list(QUICK_SIZES if quick else DEFAULT_SIZES))
     except ValueError as e:
         raise TuneError(f"--sizes {sizes!r}: {e}, comma-separated: --sizes 256K,1M,4M") from None
     bad = [x for x in s if x <= 0 or x % 4096 or x > 1 << 30]
@@ -136,9 +137,11 @@ def parse_grid(sizes: str | None, depths: str | None, quick: bool = False) -> tu
         raise TuneError(f"--sizes {sizes!r}: a request size must be a multiple of 4 KiB up to 1 GiB, "
                         f"not {format_size(bad[0])}; e.g. --sizes 256K,1M,4M")
     try:
-        d = sorted({int(x) for x in depths.split(",")}) if depths else list(QUICK_DEPTHS if quick else DEFAULT_DEPTHS)
+        d = (sorted({int(x) for x in depths.split(",")}) if depths
+             else list(QUICK_DEPTHS if quick else DEFAULT_DEPTHS))
     except ValueError:
-        raise TuneError(f"--depths {depths!r}: expected whole numbers separated by commas, e.g. --depths 4,8,16") from None
+        raise TuneError(f"--depths {depths!r}: expected whole numbers separated by commas, "
+                        f"e.g. --depths 4,8,16") from None
     if any(not 1 <= x <= 4096 for x in d):
         raise TuneError(f"--depths {depths!r}: a queue depth is from 1 to 4096; e.g. --depths 4,8,16")
     return s, d

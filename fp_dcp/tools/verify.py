@@ -18,10 +18,9 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
@@ -32,7 +31,7 @@ from fp_dcp.checksums import BadBlock, ReadVerifier, item_name
 from fp_dcp.engine import IOSession
 from fp_dcp.options import FastPersistOptions, format_size, plural
 
-__all__ = ["verify_checkpoint", "print_report", "VerifyReport", "BadExtent", "main"]
+__all__ = ["verify_checkpoint", "print_report", "VerifyReport", "BadExtent"]
 
 _BATCH_BYTES = 64 << 20
 
@@ -326,14 +325,3 @@ def print_report(report: VerifyReport, *, as_json: bool = False) -> int:
     print(f"{plural(len(report.bad), 'bad extent')}, {plural(len(report.errors), 'file error')}")
     return 1
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``fp-dcp verify ARGS``: the command line's verify (one error path,
-    ``-q``, progress and exit codes shared with the other commands)."""
-    from fp_dcp.tools.cli import main as cli_main
-
-    return cli_main(["verify", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -95,18 +95,13 @@ def plan_sharing(plans: list[LoadPlan], state_dict_metadata: dict[str, Any],
                  chunk_sizes: Callable[[str, Any], tuple[list[int], Any]], *, budget: int, interleave: bool,
                  interleave_auto: bool, replicate: bool, transport: str) -> SharePlan | None:
     """The shared units of the load, each with one owner, in rounds bounded
-    by the buffer ``budget``; None when nothing is shared.
-
-    Per stored chunk, with ``interleave``: row slabs where the ranks' boxes
-    are fragmented and together cover the rows
-    (:func:`fp_dcp.load.plan.interleaved_slabs`; with ``interleave_auto``
-    only among ranks whose plans say they run on one machine); with
-    ``replicate``: boxes that several ranks need whole, cut to the budget.
-    Owners: the rank with the most of its quota left
-    (:func:`fp_dcp.load.plan.assign_owners`), its quota being its share of
-    the shared bytes in proportion to what it needs of them, so each rank
-    reads about what it needs.  ``chunk_sizes(fqn, chunk)``: a stored
-    chunk's shape and dtype."""
+    by the buffer ``budget``; None when nothing is shared.  ``interleave``:
+    row slabs of fragmented boxes (``interleave_auto``: only among ranks of
+    one machine); ``replicate``: boxes several ranks need whole;
+    ``chunk_sizes(fqn, chunk)``: a stored chunk's shape and dtype."""
+    # Owners: the rank with the most of its quota left (assign_owners), its
+    # quota being its share of the shared bytes in proportion to what it needs
+    # of them, so each rank reads about what it needs.
     machines = [p.storage_data.machine if isinstance(p.storage_data, MachineInfo) else None for p in plans]
     by_chunk: dict[tuple, dict[tuple, None]] = {}
     for rank, plan in enumerate(plans):

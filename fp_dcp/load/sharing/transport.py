@@ -1,18 +1,7 @@
 """How the parts of shared reads move between ranks, and the memory they
-move through.
-
-* :func:`post_transfers`: the process group's point-to-point sends and
-  receives of one round (gloo, or NCCL in one group call);
-* :class:`PeerMemory`: the ``"auto"`` transport among ranks of one machine,
-  where a rank copies its part straight out of the owner's memory with
-  ``process_vm_readv`` (:func:`fp_dcp._native.pull`), after a probe that
-  proves each peer can be read; the owners reuse a box only once its
-  pullers' progress counters say they are done with it;
-* :class:`Scratch`: reusable aligned memory for a round's temporaries (the
-  rounds cycle through a ring of them);
-* :func:`machine_key` / :func:`machine_id`: which processes may read each
-  other's memory.
-"""
+move through: :func:`post_transfers` (the process group's sends and
+receives), :class:`PeerMemory` (copies straight out of a same-machine peer's
+memory), :class:`Scratch` (a round's reusable temporaries)."""
 
 from __future__ import annotations
 
@@ -20,7 +9,7 @@ import math
 import os
 import secrets
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -28,7 +17,7 @@ import torch
 from fp_dcp import _native
 
 __all__ = ["machine_key", "machine_id", "transfer_device", "takes_transfer", "Scratch", "PeerMemory",
-           "post_transfers"]
+           "Transfer", "post_transfers"]
 
 _ZERO_START = np.zeros(1, dtype=np.int64)  # one run, from the address given
 # While an owner waits for a puller's progress counter: short, as the puller
@@ -140,16 +129,13 @@ class PeerMemory:
         return owner in self.table[rank]
 
     def _probe(self, group: Any, rank: int, device: torch.device) -> None:
-        """``table[r]`` the ranks whose memory rank ``r`` can copy from with
-        ``process_vm_readv``, ``pids[r]`` rank ``r``'s process,
-        ``progress_at[r]`` the address of its progress counter.
-
-        Each rank shows a random token in its memory; every other rank of the
-        same machine key pulls it and keeps the peer only when the token came
-        back, so a refused call (ptrace rules, seccomp), another pid namespace
-        or a reused pid is never trusted.  Two all-gathers of small int64
-        tensors (on ``device``, the group's); every rank learns the whole
-        table, so both ends of a part agree on how it moves."""
+        """Fill ``table[r]`` (the ranks whose memory rank ``r`` can copy from),
+        ``pids`` and ``progress_at`` (each rank's progress counter); every
+        rank learns the whole table (two all-gathers)."""
+        # Each rank shows a random token in its memory; every other rank of the
+        # same machine key pulls it and keeps the peer only when the token came
+        # back, so a refused call (ptrace rules, seccomp), another pid namespace
+        # or a reused pid is never trusted.
         import torch.distributed as dist
 
         world = self.world
@@ -205,10 +191,16 @@ class PeerMemory:
                 time.sleep(_PULL_POLL_SECONDS)
 
 
-def post_transfers(sends: list[tuple[torch.Tensor, int, int]], receives: list[tuple[torch.Tensor, int, int]],
-                   group: Any, device: torch.device) -> list[Any]:
-    """Post a round's sends ``(buffer, to rank, tag)`` and receives
-    ``(buffer, from rank, tag)`` over the process group; their works."""
+class Transfer(NamedTuple):
+    """One point-to-point send or receive: ``buf`` to or from ``peer``."""
+
+    buf: torch.Tensor
+    peer: int
+    tag: int
+
+
+def post_transfers(sends: list[Transfer], receives: list[Transfer], group: Any, device: torch.device) -> list[Any]:
+    """Post a round's sends and receives over the process group; their works."""
     import torch.distributed as dist
 
     works: list[Any] = []
@@ -216,15 +208,15 @@ def post_transfers(sends: list[tuple[torch.Tensor, int, int]], receives: list[tu
         # NCCL runs a pair's sends and receives in order on one stream: a
         # send waits for its receive, so two ranks that both send first
         # would wait on each other.  One group call posts them together.
-        ops = [dist.P2POp(dist.isend, buf, group=group, group_peer=dst, tag=tag % (1 << 30))
-               for buf, dst, tag in sends]
-        ops += [dist.P2POp(dist.irecv, buf, group=group, group_peer=src, tag=tag % (1 << 30))
-                for buf, src, tag in receives]
+        ops = [dist.P2POp(dist.isend, t.buf, group=group, group_peer=t.peer, tag=t.tag % (1 << 30))
+               for t in sends]
+        ops += [dist.P2POp(dist.irecv, t.buf, group=group, group_peer=t.peer, tag=t.tag % (1 << 30))
+                for t in receives]
         if ops:
             works.extend(dist.batch_isend_irecv(ops))
         return works
-    for buf, dst, tag in sends:
-        works.append(dist.isend(buf, group=group, group_dst=dst, tag=tag % (1 << 30)))
-    for buf, src_rank, tag in receives:
-        works.append(dist.irecv(buf, group=group, group_src=src_rank, tag=tag % (1 << 30)))
+    for t in sends:
+        works.append(dist.isend(t.buf, group=group, group_dst=t.peer, tag=t.tag % (1 << 30)))
+    for t in receives:
+        works.append(dist.irecv(t.buf, group=group, group_src=t.peer, tag=t.tag % (1 << 30)))
     return works
