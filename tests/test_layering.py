@@ -39,9 +39,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("fp_dcp._dcp_hooks", "fp_dcp.save.writer"): "the default-storage switch lives in the torch shim",
     ("fp_dcp._dcp_hooks", "fp_dcp.load.reader"): "the default-storage switch lives in the torch shim",
     ("fp_dcp._dcp_hooks", "fp_dcp.load.stock"): "the default-storage switch lives in the torch shim",
-    # the drain keeps the last N checkpoints with the rotation tool's rule:
-    # that rule belongs below both.
-    ("fp_dcp.tiers.drain", "fp_dcp.tools.rotation"): "the rotation rule lives in tools",
 }
 
 
