@@ -24,10 +24,13 @@ _EXPORTS = {
     "restore_default": "fp_dcp._dcp_hooks",
     "default_storage": "fp_dcp._dcp_hooks",
     "TierManager": "fp_dcp.tiers.manager",
+    "FastPersistSavePlanner": "fp_dcp.planners",
+    "FastPersistLoadPlanner": "fp_dcp.planners",
 }
 
 __all__ = ["FastPersistWriter", "FastPersistReader", "FastPersistOptions", "__version__",
-           "use_as_default", "restore_default", "default_storage"]
+           "use_as_default", "restore_default", "default_storage",
+           "FastPersistSavePlanner", "FastPersistLoadPlanner"]
 
 
 def __getattr__(name: str):
