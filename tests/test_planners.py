@@ -344,3 +344,51 @@ def test_dataclass_equality_ignores_hints_so_the_tests_compare_reprs():
     a, b = MetadataIndex("k", (0,), 1), MetadataIndex("k", (0,), 2)
     assert a == b and repr(a) != repr(b)
     assert dataclasses.replace(a, index=2) == b
+
+
+# ------------------------------------------------- the default-storage switch
+
+
+def test_the_switch_installs_our_planners_when_none_is_passed_and_leaves_a_passed_one(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict_loader as loader
+    import torch.distributed.checkpoint.state_dict_saver as saver
+
+    import fp_dcp
+    from tests._sd import mixed_state_dict, zeros_like_sd
+
+    calls = []
+    for cls in (FastPersistSavePlanner, FastPersistLoadPlanner):
+        original = cls.create_local_plan
+
+        def counting(self, _original=original, _cls=cls):
+            calls.append(_cls.__name__)
+            return _original(self)
+
+        monkeypatch.setattr(cls, "create_local_plan", counting)
+    stock = (saver.DefaultSavePlanner, loader.DefaultLoadPlanner)
+    sd = mixed_state_dict(5)
+    with fp_dcp.default_storage():
+        dcp.save(sd, checkpoint_id=str(tmp_path / "a"), no_dist=True)
+        target = zeros_like_sd(sd)
+        dcp.load(target, checkpoint_id=str(tmp_path / "a"), no_dist=True)
+        assert_sd_equal(target, sd)
+        assert calls == ["FastPersistSavePlanner", "FastPersistLoadPlanner"]
+        dcp.save(sd, checkpoint_id=str(tmp_path / "b"), planner=DefaultSavePlanner(), no_dist=True)
+        dcp.load(zeros_like_sd(sd), checkpoint_id=str(tmp_path / "b"), planner=DefaultLoadPlanner(), no_dist=True)
+        assert len(calls) == 2, calls
+    assert (saver.DefaultSavePlanner, loader.DefaultLoadPlanner) == stock
+    dcp.save(sd, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    assert len(calls) == 2, "the switch is off: DCP's own default planner"
+
+
+def test_the_environment_switch_installs_our_planners():
+    import subprocess
+    import sys
+
+    code = ("import fp_dcp, torch.distributed.checkpoint.state_dict_saver as s, "
+            "torch.distributed.checkpoint.state_dict_loader as l; "
+            "print(s.DefaultSavePlanner.__name__, l.DefaultLoadPlanner.__name__)")
+    env = dict(os.environ, FP_DCP_DEFAULT_STORAGE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["FastPersistSavePlanner", "FastPersistLoadPlanner"], out.stderr
