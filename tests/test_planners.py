@@ -195,7 +195,7 @@ def _dt_state(ws, kinds):
     pl = {"s0": [Shard(0)], "s1": [Shard(1)], "rep": [Replicate()]}
     sd = {}
     for i, (name, kind) in enumerate(kinds.items()):
-        full = torch.randn(12 + i, 10, generator=torch.Generator().manual_seed(i))
+        full = torch.randn(12 + i % 2, 10, generator=torch.Generator().manual_seed(i))  # shapes repeat
         if kind.startswith("2d") and mesh2 is not None:
             sd[name] = distribute_tensor(full, mesh2, [Shard(0), Shard(1)] if kind == "2d" else [Replicate(), Shard(0)])
         else:
@@ -205,8 +205,8 @@ def _dt_state(ws, kinds):
     return sd
 
 
-_SAVED = {"a": "s0", "b": "s1", "c": "rep", "d": "2d", "e": "2d_rep"}
-_LOADED = {"a": "s1", "b": "s0", "c": "s0", "d": "s0", "e": "rep"}
+_SAVED = {"a": "s0", "b": "s1", "c": "rep", "d": "2d", "e": "2d_rep", "f": "s1", "g": "s0"}
+_LOADED = {"a": "s1", "b": "s0", "c": "s0", "d": "s0", "e": "rep", "f": "s0", "g": "s1"}
 
 
 def _plans_equal_and_round_trip(rank, ws, root):

@@ -50,7 +50,7 @@ def _capabilities() -> dict[str, bool]:
 
 
 CAPABILITIES = _capabilities()
-_TENSOR, _BYTE_IO = WriteItemType.TENSOR, WriteItemType.BYTE_IO
+_TENSOR, _BYTE_IO, _SHARD = WriteItemType.TENSOR, WriteItemType.BYTE_IO, WriteItemType.SHARD
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _OBJECTS = frozenset({int, float, bool, str, bytes, type(None)})
 
@@ -64,6 +64,7 @@ def local_save_items(state_dict: dict[str, Any]) -> list:
     zeros, props = _items.zeros, _items.properties
     items: list = []
     append = items.append
+    boxes: dict = {}  # (global shape, mesh, placements) -> the shard's (offsets, sizes, global size)
     for fqn, obj in state_dict.items():
         t = type(obj)
         if t in _PLAIN_TENSORS:
@@ -72,6 +73,24 @@ def local_save_items(state_dict: dict[str, Any]) -> list:
             append(write_item(index(fqn, z, None), _TENSOR, tensor_data(chunk(z, size), props(obj), size)))
         elif t in _OBJECTS:
             append(write_item(index(fqn, None, None), _BYTE_IO, None))
+        elif t is DTensor:
+            mesh = obj.device_mesh
+            if mesh.get_coordinate() is None:
+                continue
+            # A shard's box depends on the global shape, the mesh and the
+            # placements only: DCP computes it once per kind of DTensor here.
+            key = (obj.shape, mesh, obj.placements)
+            box = boxes.get(key)
+            local = obj.to_local()
+            if box is not None and type(local) in _PLAIN_TENSORS:
+                off, sizes, size = box
+                append(write_item(index(fqn, off, None), _SHARD, tensor_data(chunk(off, sizes), props(local), size)))
+                continue
+            made = _create_write_items(fqn, obj)
+            items += made
+            if len(made) == 1 and type(local) in _PLAIN_TENSORS and made[0].type == _SHARD:
+                td = made[0].tensor_data
+                boxes[key] = (td.chunk.offsets, td.chunk.sizes, td.size)
         elif isinstance(obj, DTensor):
             if obj.device_mesh.get_coordinate() is not None:
                 items += _create_write_items(fqn, obj)
