@@ -22,6 +22,7 @@ DCP's own function, which raises its own error.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -139,7 +140,7 @@ def _dcp_global_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadat
 def _suspects(metadata: Metadata, n_plans: int) -> tuple[bool, list[str]]:
     """(whether something is certainly wrong, keys whose chunks need DCP's
     overlap sweep)."""
-    by_ndim: dict[int, tuple[list, list, list, list]] = {}
+    by_ndim: dict[int, tuple[list, list, list, list, list]] = {}
     for key, value in metadata.state_dict_metadata.items():
         if type(value) is BytesStorageMetadata:
             continue
@@ -150,24 +151,28 @@ def _suspects(metadata: Metadata, n_plans: int) -> tuple[bool, list[str]]:
         chunks = value.chunks
         cols = by_ndim.get(nd)
         if cols is None:
-            cols = by_ndim[nd] = ([], [], [], [])
-        kid = len(cols[0])
+            cols = by_ndim[nd] = ([], [], [], [], [])
         cols[0].append(key)
         cols[1].append(size)
-        for c in chunks:
-            cols[2].append(c.offsets)
-            cols[3].append(c.sizes)
-        cols[0][kid] = (key, len(chunks))
+        cols[2].append(len(chunks))
+        cols[3].extend([c.offsets for c in chunks])
+        cols[4].extend([c.sizes for c in chunks])
+    flat = itertools.chain.from_iterable
     suspects: list[str] = []
-    for nd, (keys, sizes, offs, lens) in by_ndim.items():
-        counts = np.fromiter((n for _, n in keys), dtype=np.int64, count=len(keys))
+    for nd, (keys, sizes, n_chunks, offs, lens) in by_ndim.items():
+        counts = np.array(n_chunks, dtype=np.int64)
         if not len(offs):
             if n_plans > 1 and any(math.prod(s) != 0 for s in sizes):
                 return True, []
             continue
-        size = np.array(sizes, dtype=np.int64).reshape(len(keys), nd)
-        off = np.array(offs, dtype=np.int64).reshape(-1, nd)
-        ln = np.array(lens, dtype=np.int64).reshape(-1, nd)
+        if set(map(len, offs)) != {nd} or set(map(len, lens)) != {nd}:
+            return True, []  # a chunk with more or fewer dimensions than its tensor: DCP's checks decide
+        try:
+            size = np.fromiter(flat(sizes), dtype=np.int64, count=len(keys) * nd).reshape(len(keys), nd)
+            off = np.fromiter(flat(offs), dtype=np.int64, count=len(offs) * nd).reshape(-1, nd)
+            ln = np.fromiter(flat(lens), dtype=np.int64, count=len(lens) * nd).reshape(-1, nd)
+        except (ValueError, TypeError, OverflowError):  # not int64 numbers: DCP's checks decide
+            return True, []
         kid = np.repeat(np.arange(len(keys)), counts)
         end = off + ln
         if (off < 0).any() or (ln < 0).any() or (end > size[kid]).any():
@@ -178,21 +183,37 @@ def _suspects(metadata: Metadata, n_plans: int) -> tuple[bool, list[str]]:
             if (volume != np.prod(size, axis=1)).any():
                 return True, []
         multi = counts > 1
-        if not multi.any():
-            continue
-        # A tensor's chunks cannot overlap if, along some dimension, sorted
-        # by offset, each ends before the next starts.
-        separated = np.zeros(len(keys), dtype=bool)
-        for d in range(nd):
-            order = np.lexsort((off[:, d], kid))
-            k_s, o_s, e_s = kid[order], off[order, d], end[order, d]
-            same = k_s[1:] == k_s[:-1]
-            bad = same & (o_s[1:] < e_s[:-1])
-            clash = np.zeros(len(keys), dtype=bool)
-            clash[k_s[1:][bad]] = True
-            separated |= ~clash
-        suspects.extend(keys[i][0] for i in np.flatnonzero(multi & ~separated).tolist())
+        if multi.any():
+            suspects.extend(keys[i] for i in np.flatnonzero(multi & ~_separated(kid, off, end, multi)).tolist())
     return False, suspects
+
+
+def _disjoint_in_order(kid: np.ndarray, start: np.ndarray, end: np.ndarray, n_keys: int) -> np.ndarray:
+    """Per key: whether its chunks, in the given order, each end before the
+    next starts (along one dimension)."""
+    bad = (kid[1:] == kid[:-1]) & (start[1:] < end[:-1])
+    clash = np.zeros(n_keys, dtype=bool)
+    clash[kid[1:][bad]] = True
+    return ~clash
+
+
+def _separated(kid: np.ndarray, off: np.ndarray, end: np.ndarray, multi: np.ndarray) -> np.ndarray:
+    """Per key: whether some dimension separates its chunks (sorted along
+    it, each ends before the next starts), so that no two can overlap.  The
+    chunks' own order is tried first (a tensor's shards are usually saved in
+    order); only the keys it does not settle are sorted."""
+    n_keys = len(multi)
+    done = ~multi
+    for d in range(off.shape[1]):
+        done |= _disjoint_in_order(kid, off[:, d], end[:, d], n_keys)
+    for d in range(off.shape[1]):
+        if done.all():
+            break
+        rows = np.flatnonzero(~done[kid])
+        k, o, e = kid[rows], off[rows, d], end[rows, d]
+        order = np.lexsort((o, k))
+        done |= _disjoint_in_order(k[order], o[order], e[order], n_keys)
+    return done
 
 
 def validate(all_plans: list[SavePlan], metadata: Metadata) -> list[str]:
