@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     _validate_global_plan,
 )
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from fp_dcp.planners import FastPersistLoadPlanner, FastPersistSavePlanner, _global, _items
