@@ -392,3 +392,58 @@ def test_the_environment_switch_installs_our_planners():
     env = dict(os.environ, FP_DCP_DEFAULT_STORAGE="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["FastPersistSavePlanner", "FastPersistLoadPlanner"], out.stderr
+
+
+# --------------- PyTorch's own planner scenarios (ShardedTensor), ours beside DCP's
+
+
+def _sharded(rank: int, world: int, per_rank: int = 1, shard: int = 8):
+    """A 1-D ShardedTensor of ``world * per_rank`` shards of ``shard``
+    elements, this rank holding its own (as PyTorch's planner tests build it)."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as ShardProps
+
+    mds, local = [], []
+    for i in range(world * per_rank):
+        md = ShardMetadata(shard_offsets=[i * shard], shard_sizes=[shard], placement=f"rank:{i // per_rank}/cpu")
+        mds.append(md)
+        if i // per_rank == rank:
+            local.append(Shard.from_tensor_and_offsets(torch.arange(float(shard)) + i * shard,
+                                                       shard_offsets=md.shard_offsets, rank=rank))
+    meta = ShardedTensorMetadata(shards_metadata=mds, size=torch.Size([shard * len(mds)]),
+                                 tensor_properties=ShardProps.create_from_tensor(torch.zeros(1)))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards=local, sharded_tensor_metadata=meta)
+
+
+def _st_state(rank, world, shard=8):
+    from torch.testing._internal.distributed.distributed_utils import with_dist
+
+    with with_dist(rank=rank, world_size=world):
+        return {"tensor": torch.arange(10.0), "value": [1, 2, 3], "st": _sharded(rank, world, shard=shard)}
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_sharded_tensor_save_plans_equal_dcps(world):
+    """PyTorch's local and global save plan scenarios (a tensor, a list and
+    a ShardedTensor on 4 ranks): our plans, hints and Metadata are DCP's."""
+    sds = [_st_state(r, world) for r in range(world)]
+    assert _save_plans(FastPersistSavePlanner, sds)[:3] == _save_plans(DefaultSavePlanner, sds)[:3]
+
+
+@pytest.mark.parametrize("saved,loading", [(8, 4), (4, 8), (4, 3)])
+def test_sharded_tensor_reshard_load_plans_equal_dcps(saved, loading):
+    """PyTorch's resharding scenarios (8 -> 4, 4 -> 8 and 4 -> 3 ranks of a
+    120- or 128-element ShardedTensor): every rank's read items are DCP's."""
+    from torch.testing._internal.distributed.distributed_utils import with_dist
+
+    total = 120 if (saved, loading) == (4, 3) else 128
+    md = _save_plans(DefaultSavePlanner, [_st_state(r, saved, total // saved) for r in range(saved)])[3]
+    for rank in range(loading):
+        with with_dist(rank=rank, world_size=loading):
+            target = {"st": _sharded(rank, loading, shard=total // loading)}
+            plans = []
+            for cls in (FastPersistLoadPlanner, DefaultLoadPlanner):
+                p = cls()
+                p.set_up_planner(target, md, rank == 0)
+                plans.append(repr(p.create_local_plan()))
+        assert plans[0] == plans[1] and "ReadItem" in plans[0]
