@@ -260,6 +260,13 @@ def _plans_equal_and_round_trip(rank, ws, root):
     for k, v in sd.items():
         if isinstance(v, DTensor):
             assert bits_equal(target[k].to_local(), v.to_local()), f"cached: {k}"
+    # a changed state dict on every rank: DCP merges the new plans into its cache
+    changed = {**sd, "extra": torch.full((5,), float(ws))}
+    dcp.save(changed, storage_writer=FastPersistWriter(os.path.join(root, "changed")),
+             planner=FastPersistSavePlanner(enable_plan_caching=True))
+    target = {**_dt_state(ws, _SAVED), "extra": torch.zeros(5)}
+    dcp.load(target, storage_reader=FastPersistReader(os.path.join(root, "changed")), planner=FastPersistLoadPlanner())
+    assert bits_equal(target["extra"], changed["extra"]) and bits_equal(target["a"].to_local(), sd["a"].to_local())
 
 
 @pytest.mark.slow
