@@ -53,13 +53,13 @@ def local_read_items(state_dict: dict[str, Any], metadata: Metadata, strict: boo
             if strict:
                 raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
             continue
-        tmd = type(md) is TensorStorageMetadata
+        tmd = isinstance(md, TensorStorageMetadata)
         if tmd and getattr(obj, "size", None) is not None and md.size != obj.size():
             raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
         if type(md) is BytesStorageMetadata and not isinstance(obj, DTensor):
             append(read_item(_BYTE_IO, index(fqn, None, None), zero1, index(fqn, None, None), zero1, zero1))
             continue
-        if tmd and type(obj) in _PLAIN_TENSORS and len(md.chunks) == 1:
+        if type(md) is TensorStorageMetadata and type(obj) in _PLAIN_TENSORS and len(md.chunks) == 1:
             c = md.chunks[0]
             size = md.size
             z = zeros(len(size))
