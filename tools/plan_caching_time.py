@@ -138,7 +138,7 @@ def _sim_local_plans(world: int, items: int, kind: str) -> list[bytes]:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    from fp_dcp.planners import _items
+    from fp_dcp.planners import _compact, _items
 
     rows, cols = 4, 64
     size = torch.Size((rows * world, cols))
@@ -161,6 +161,8 @@ def _sim_local_plans(world: int, items: int, kind: str) -> list[bytes]:
                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(off, torch.Size(sizes)),
                                                 properties=p, size=torch.Size(size))))
         plan_items.append(WriteItem(index=MetadataIndex("step"), type=WriteItemType.BYTE_IO))
+        if kind == "fp":  # gathered as columns
+            plan_items = _compact.WriteItems(plan_items)
         mappings = {it.index.fqn: (it.index.fqn,) for it in plan_items}
         out.append(pickle.dumps(SavePlan(plan_items, planner_data=mappings)))
     return out

@@ -30,7 +30,7 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from fp_dcp.planners import _items
+from fp_dcp.planners import _compact, _items
 
 __all__ = ["dedup", "global_plan", "validate"]
 
@@ -105,7 +105,7 @@ def global_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
     new_plans = []
     hint = _items.with_index_hint
     for plan in all_plans:
-        new_items = []
+        new_items = _compact.WriteItems()  # scattered as columns
         append = new_items.append
         for item in plan.items:
             kind = item.type

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
-from fp_dcp.planners import _flat, _items
+from fp_dcp.planners import _compact, _flat, _items
 
 __all__ = ["FastPersistLoadPlanner", "local_read_items", "CAPABILITIES"]
 
@@ -105,4 +105,5 @@ class FastPersistLoadPlanner(DefaultLoadPlanner):
             # missing keys: maybe a checkpoint from before torch 2.4, which
             # DCP's planner recognises (and flattens the old way)
             return super().create_local_plan()
-        return LoadPlan(local_read_items(self.state_dict, self.metadata, not self.allow_partial_load))
+        items = local_read_items(self.state_dict, self.metadata, not self.allow_partial_load)
+        return LoadPlan(_compact.ReadItems(items))  # gathered and scattered as columns

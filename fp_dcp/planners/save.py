@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
-from fp_dcp.planners import _flat, _global, _items
+from fp_dcp.planners import _compact, _flat, _global, _items
 
 __all__ = ["FastPersistSavePlanner", "local_save_items", "CAPABILITIES"]
 
@@ -125,7 +125,7 @@ class FastPersistSavePlanner(DefaultSavePlanner):
             return super().create_local_plan()
         from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 
-        plan = SavePlan(local_save_items(self.state_dict))
+        plan = SavePlan(_compact.WriteItems(local_save_items(self.state_dict)))  # gathered as columns
         if self.flatten_state_dict:
             plan = dataclasses.replace(plan, planner_data=self.mappings)
         self.plan = plan
