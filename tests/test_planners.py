@@ -501,3 +501,13 @@ def test_column_pickles_are_smaller_and_odd_items_pickle_as_lists():
     odd = _compact.WriteItems([*items[:2], dataclasses.replace(items[2], bytes_io_data=BytesIOWriteData(3))])
     back = pickle.loads(pickle.dumps(odd))
     assert type(back) is list and repr(back) == repr(odd)
+
+
+def test_items_beyond_int64_pickle_as_lists():
+    import pickle
+
+    from fp_dcp.planners import _compact
+
+    big = _shard("huge", [0], [2**70], [2**70])
+    back = pickle.loads(pickle.dumps(_compact.WriteItems([big])))
+    assert type(back) is list and repr(back) == repr([big])

@@ -14,6 +14,7 @@ pickles as an ordinary list.
 
 from __future__ import annotations
 
+import array
 from typing import Any
 
 import torch
@@ -66,18 +67,43 @@ def _encode_write(items: list) -> tuple | None:
         if pi is None:
             pi = table[key] = len(table)
         props.append(pi)
-    return (bytes(kinds), fqns, hints, ndims, flat, [TensorProperties(*k) for k in table], props)
+    if any("\0" in f for f in fqns):
+        return None
+    return (bytes(kinds), "\0".join(fqns), _pack(hints), _pack(ndims), _pack(flat),
+            [TensorProperties(*k) for k in table], _pack(props))
 
 
-def _decode_write(kinds: bytes, fqns: list, hints: list, ndims: list, flat: list, table: list,
-                  props: list) -> "WriteItems":
+def _pack(ints: list) -> tuple[str, bytes]:
+    """Python ints as one bytes object of the narrowest signed type that
+    holds them: pickled and read back at C speed."""
+    lo, hi = (min(ints), max(ints)) if ints else (0, 0)
+    for code, bound in (("b", 1 << 7), ("h", 1 << 15), ("i", 1 << 31)):
+        if -bound <= lo and hi < bound:
+            return code, array.array(code, ints).tobytes()
+    return "q", array.array("q", ints).tobytes()
+
+
+def _unpack(packed: tuple[str, bytes]) -> list:
+    a = array.array(packed[0])
+    a.frombytes(packed[1])
+    return a.tolist()
+
+
+def _fqns(joined: str, n: int) -> list:
+    return joined.split("\0") if n else []
+
+
+def _decode_write(kinds: bytes, fqns: str, hints: tuple, ndims: tuple, flat: tuple, table: list,
+                  props: tuple) -> "WriteItems":
     index, chunk, write_item, tensor_data = _items.index, _items.chunk, _items.write_item, _items.tensor_data
     size_of = torch.Size
     out = WriteItems()
     append = out.append
     pos = 0
+    flat = _unpack(flat)
     with gc_paused():
-        for k, fqn, h, nd, pi in zip(kinds, fqns, hints, ndims, props):
+        for k, fqn, h, nd, pi in zip(kinds, _fqns(fqns, len(kinds)), _unpack(hints), _unpack(ndims),
+                                     _unpack(props)):
             hint = None if h == _NONE else h
             if nd == _NONE:
                 append(write_item(index(fqn, None, hint), _W_KINDS[k], None))
@@ -94,7 +120,10 @@ class WriteItems(list):
     """A list of ``WriteItem`` that pickles as columns."""
 
     def __reduce__(self) -> Any:
-        cols = _encode_write(self)
+        try:
+            cols = _encode_write(self)
+        except (OverflowError, TypeError):  # numbers beyond int64, or not numbers: an ordinary list
+            cols = None
         return (list, (list(self),)) if cols is None else (_decode_write, cols)
 
 
@@ -124,17 +153,20 @@ def _encode_read(items: list) -> tuple | None:
         ints += it.dest_offsets
         ints += it.storage_offsets
         ints += it.lengths
-    return (bytes(kinds), fqns, ints)
+    if any("\0" in f for f in fqns):
+        return None
+    return (bytes(kinds), "\0".join(fqns), _pack(ints))
 
 
-def _decode_read(kinds: bytes, fqns: list, ints: list) -> "ReadItems":
+def _decode_read(kinds: bytes, fqns: str, ints: tuple) -> "ReadItems":
     index, read_item = _items.index, _items.read_item
     size_of = torch.Size
     out = ReadItems()
     append = out.append
     pos = 0
+    ints = _unpack(ints)
     with gc_paused():
-        for k, fqn in zip(kinds, fqns):
+        for k, fqn in zip(kinds, _fqns(fqns, len(kinds))):
             nd, dh, sh = ints[pos], ints[pos + 1], ints[pos + 2]
             pos += 3
             offs = []
@@ -159,5 +191,8 @@ class ReadItems(list):
     """A list of ``ReadItem`` that pickles as columns."""
 
     def __reduce__(self) -> Any:
-        cols = _encode_read(self)
+        try:
+            cols = _encode_read(self)
+        except (OverflowError, TypeError):  # numbers beyond int64, or not numbers: an ordinary list
+            cols = None
         return (list, (list(self),)) if cols is None else (_decode_read, cols)
