@@ -502,12 +502,3 @@ def test_column_pickles_are_smaller_and_odd_items_pickle_as_lists():
     back = pickle.loads(pickle.dumps(odd))
     assert type(back) is list and repr(back) == repr(odd)
 
-
-def test_items_beyond_int64_pickle_as_lists():
-    import pickle
-
-    from fp_dcp.planners import _compact
-
-    big = _shard("huge", [0], [2**70], [2**70])
-    back = pickle.loads(pickle.dumps(_compact.WriteItems([big])))
-    assert type(back) is list and repr(back) == repr([big])
