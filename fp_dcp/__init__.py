@@ -29,8 +29,7 @@ _EXPORTS = {
 }
 
 __all__ = ["FastPersistWriter", "FastPersistReader", "FastPersistOptions", "__version__",
-           "use_as_default", "restore_default", "default_storage",
-           "FastPersistSavePlanner", "FastPersistLoadPlanner"]
+           "use_as_default", "restore_default", "default_storage"]
 
 
 def __getattr__(name: str):
