@@ -155,6 +155,16 @@ def _null_storage():
     return NullWriter, NullReader
 
 
+def _planner_kwargs(planners: str | None) -> dict:
+    """``{"save": {"planner": ...}, "load": {...}}`` for fp_dcp's planners
+    (``"fp"``), ``{}`` for DCP's defaults (``None`` / ``"dcp"``)."""
+    if planners in (None, "dcp"):
+        return {}
+    from fp_dcp.planners import FastPersistLoadPlanner, FastPersistSavePlanner
+
+    return {"save": {"planner": FastPersistSavePlanner()}, "load": {"planner": FastPersistLoadPlanner()}}
+
+
 def _child(spec: dict) -> dict:
     warnings.filterwarnings("ignore")
     kind, op = spec["kind"], spec["op"]
@@ -199,6 +209,7 @@ def _child(spec: dict) -> dict:
 
     engine = spec.get("engine")
     extra: dict = {}
+    plan = _planner_kwargs(spec.get("planners"))  # {} for DCP's default planners
     if kind == "dcp_floor" and op == "load":
         NullWriter, NullReader = _null_storage()
         w = NullWriter()
@@ -208,7 +219,7 @@ def _child(spec: dict) -> dict:
         t0 = time.perf_counter()
         if kind == "fp_dcp":
             w = Writer(str(path), options=Options(engine=engine)) if engine else Writer(str(path))
-            dcp.save(sd, storage_writer=w)
+            dcp.save(sd, storage_writer=w, **plan.get("save", {}))
         elif kind == "stock":
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path),
                                                              thread_count=spec["threads"]))
@@ -218,7 +229,7 @@ def _child(spec: dict) -> dict:
             m.close()
             _fsync_tree(path)  # it does not fsync: the clock stops when its files are durable
         elif kind == "dcp_floor":
-            dcp.save(sd, storage_writer=_null_storage()[0]())
+            dcp.save(sd, storage_writer=_null_storage()[0](), **plan.get("save", {}))
         elif kind == "torch_save":
             path.mkdir(parents=True, exist_ok=True)
             with open(path / "state_dict.pt", "wb") as f:
@@ -240,7 +251,7 @@ def _child(spec: dict) -> dict:
             if spec.get("read_threads"):
                 kw["read_threads"] = spec["read_threads"]
             r = Reader(str(path), **kw)
-            dcp.load(sd, storage_reader=r)
+            dcp.load(sd, storage_reader=r, **plan.get("load", {}))
             extra["checksum_bytes"] = r.last_stats.get("checksum_bytes", 0)
             extra["checksum_verified_bytes"] = r.last_stats.get("checksum_verified_bytes", 0)
             extra["bytes_read"] = r.last_stats.get("bytes_read", 0)
@@ -259,7 +270,7 @@ def _child(spec: dict) -> dict:
         elif kind == "stock":
             dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
         elif kind == "dcp_floor":
-            dcp.load(sd, storage_reader=null_reader)
+            dcp.load(sd, storage_reader=null_reader, **plan.get("load", {}))
         elif kind == "torch_save":
             loaded = torch.load(path / "state_dict.pt", weights_only=True)
             for k, v in loaded.items():  # into the preallocated tensors, like the others
@@ -340,6 +351,9 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
         cs.append({"name": "torch.save", "kind": "torch_save", "role": "torch_save"})
     if "dcp_floor" in want:
         cs.append({"name": "dcp_floor", "kind": "dcp_floor", "role": "dcp_floor"})
+    if "dcp_floor_fp" in want and fp_ok:
+        # the same with fp_dcp's planners: the ceiling of a storage used with them
+        cs.append({"name": "dcp_floor_fp", "kind": "dcp_floor", "role": "dcp_floor", "planners": "fp"})
     if "raw" in want:
         for bs in args.raw_bs.split(","):
             b = parse_size(bs)
@@ -354,6 +368,9 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
         # (the throttled profile) reads 256 KiB requests at 1/16 the bandwidth
         cs.append({"name": "raw[hugebuf,4M]", "kind": "raw", "method": "hugebuf", "role": "raw",
                    "block_size": 4 * C.MiB, "iodepth": 8, "read_block_size": 4 * C.MiB, "read_iodepth": 8})
+    for c in cs:
+        if c["kind"] == "fp_dcp":
+            c["planners"] = args.planners  # every fp_dcp row, so that they compare with each other
     return cs
 
 
@@ -458,7 +475,8 @@ def _summaries(mix_result: dict, contenders: list[dict]) -> dict:
     return out
 
 
-def _ceiling(rows: list[dict], name: str, op: str, raw_gbps: float | None, floor_gbps: float | None) -> None:
+def _ceiling(rows: list[dict], name: str, op: str, raw_gbps: float | None, floor_gbps: float | None,
+             floor_name: str = "dcp_floor", what: str = "ceiling: raw + DCP's own time, any storage") -> None:
     """The best ratio to raw any DCP storage can reach in this run: the raw
     transfer plus DCP's own time (``dcp_floor``), which no storage can
     overlap with its I/O (it runs before the storage sees a tensor, or after
@@ -466,8 +484,8 @@ def _ceiling(rows: list[dict], name: str, op: str, raw_gbps: float | None, floor
     ratio is ``raw / (raw + floor)`` = ``1 / (1 + raw_gbps / floor_gbps)``."""
     if raw_gbps and floor_gbps:
         cap = 1 / (1 + raw_gbps / floor_gbps)
-        rows.append({"contender": name, "op": op, "baseline": "dcp_floor",
-                     "vs": "ceiling: raw + DCP's own time, any storage", "ratio": cap,
+        rows.append({"contender": name, "op": op, "baseline": floor_name,
+                     "vs": what, "ratio": cap,
                      "value": f"{cap:.2f}x of raw", "target": "", "verdict": ""})
 
 
@@ -483,6 +501,7 @@ def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
     raw_r, raw_r_name = best("raw", "load")
     stock = {op: summ["stock"][op]["median"] if "stock" in summ else None for op in ("save", "load")}
     floor = {op: summ["dcp_floor"][op]["median"] if "dcp_floor" in summ else None for op in ("save", "load")}
+    floor_fp = {op: summ["dcp_floor_fp"][op]["median"] if "dcp_floor_fp" in summ else None for op in ("save", "load")}
     tuned_name = next((c["name"] for c in contenders if c["role"] == "stock_tuned"), None)
     tuned = {op: summ[tuned_name][op]["median"] if tuned_name else None for op in ("save", "load")}
     rows = []
@@ -506,11 +525,15 @@ def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
         add("save", "raw write", s["save"]["median"], raw_w, raw_w_name, SAVE_VS_RAW[mix])
         if targets:
             _ceiling(rows, c["name"], "save", raw_w, floor["save"])
+            _ceiling(rows, c["name"], "save", raw_w, floor_fp["save"], "dcp_floor_fp",
+                     "ceiling: raw + DCP's own time with fp_dcp's planners")
         add("save", "stock default", s["save"]["median"], stock["save"], "stock", SAVE_VS_STOCK)
         add("save", "stock tuned", s["save"]["median"], tuned["save"], tuned_name)
         add("load", "raw read", s["load"]["median"], raw_r, raw_r_name, LOAD_VS_RAW[mix])
         if targets:
             _ceiling(rows, c["name"], "load", raw_r, floor["load"])
+            _ceiling(rows, c["name"], "load", raw_r, floor_fp["load"], "dcp_floor_fp",
+                     "ceiling: raw + DCP's own time with fp_dcp's planners")
         pr = s["load"].get("vs_paired_raw")
         if pr:
             rows.append({"contender": c["name"], "op": "load", "baseline": "",
@@ -603,10 +626,15 @@ def parse_args(argv=None):
                         "tensors of mixed dtypes/shapes (incl. 0-d) plus non-tensor items; both: each")
     p.add_argument("--repeat", type=int, default=3, help="rounds; contenders alternate within a round")
     p.add_argument("--contenders", default="fp_dcp,stock,torch_checkpointing,torch.save,raw",
-                   help="comma list from: fp_dcp, stock, torch_checkpointing, torch.save, raw, dcp_floor "
+                   help="comma list from: fp_dcp, stock, torch_checkpointing, torch.save, raw, dcp_floor, "
+                        "dcp_floor_fp "
                         "(torch_checkpointing: pip install -e '.[bench]'; skipped with a message if missing; "
                         "dcp_floor: dcp.save/dcp.load through a storage that moves no bytes, DCP's own "
-                        "time, which gives the best ratio to raw any storage can reach here)")
+                        "time, which gives the best ratio to raw any storage can reach here; dcp_floor_fp: the "
+                        "same with fp_dcp's planners)")
+    p.add_argument("--planners", choices=("dcp", "fp"), default="dcp",
+                   help="the planners of the fp_dcp contenders: dcp (DCP's default planners, what a job "
+                        "gets without planner=) or fp (FastPersistSavePlanner / FastPersistLoadPlanner)")
     p.add_argument("--no-verify-row", action="store_true",
                    help="leave out fp_dcp[noverify] (the default reader with verify_checksums=False, "
                         "run in the same rounds to show the verifier's cost)")
@@ -637,10 +665,10 @@ def parse_args(argv=None):
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     bad = set(args.contenders.split(",")) - {"fp_dcp", "stock", "torch_checkpointing", "torch.save", "raw",
-                                             "dcp_floor"}
+                                             "dcp_floor", "dcp_floor_fp"}
     if bad:
         p.error(f"unknown contenders {sorted(bad)}: choose from fp_dcp, stock, torch_checkpointing, "
-                f"torch.save, raw, dcp_floor")
+                f"torch.save, raw, dcp_floor, dcp_floor_fp")
     C.check_profiles(p, args.profiles)
     return args
 

@@ -25,6 +25,8 @@ _EXPORTS = {
     "default_storage": "fp_dcp._dcp_hooks",
     "TierManager": "fp_dcp.tiers.manager",
     "export_hf": "fp_dcp.tools.export_hf",
+    "FastPersistSavePlanner": "fp_dcp.planners",
+    "FastPersistLoadPlanner": "fp_dcp.planners",
 }
 
 __all__ = ["FastPersistWriter", "FastPersistReader", "FastPersistOptions", "__version__",

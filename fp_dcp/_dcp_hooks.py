@@ -336,6 +336,7 @@ def use_as_default(options: Any = None, **option_kwargs: Any) -> None:
             if (mod_name, name) not in _saved:
                 _saved[(mod_name, name)] = getattr(mod, name)
             setattr(mod, name, _replacement(name))
+        __import__("fp_dcp.planners").planners.install_as_default(_saved, _module)  # planner=None: fp_dcp's planners
         _current = {"options": options, "kwargs": dict(option_kwargs)}
 
 

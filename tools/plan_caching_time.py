@@ -1,19 +1,36 @@
-"""Planning time of a DCP save through FastPersistWriter, save 1 vs save 2,
-with and without DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``).
+"""Planning time of DCP saves and loads through fp_dcp, with DCP's default
+planners and with fp_dcp's (``FastPersistSavePlanner`` /
+``FastPersistLoadPlanner``), with and without DCP's plan caching; and the
+coordinator's global planning of a save at simulated scale.
 
-    PYTHONPATH=. python tools/plan_caching_time.py --ranks 2 --tensors 9245 --saves 3
+    PYTHONPATH=. python tools/plan_caching_time.py --ranks 1,2,4 --tensors 9245 --saves 3
+    PYTHONPATH=. python tools/plan_caching_time.py --ranks 0 --simulate 64x1000,1024x2000
 
-Planning = from the call of ``dcp.save`` to the moment ``write_data`` starts
-on the coordinator (DCP's local and global planning, fp_dcp's
-``prepare_local_plan`` / ``prepare_global_plan``, the gather and the
-scatter); ``ours`` = fp_dcp's two steps alone (coordinator).  Gloo on the CPU.
+Real ranks (gloo on the CPU; every rank holds the same ``--tensors`` small
+tensors, DDP style, so the coordinator deduplicates them):
+
+* save planning = from the call of ``dcp.save`` to the moment ``write_data``
+  starts on the coordinator (DCP's local and global planning, fp_dcp's
+  ``prepare_local_plan`` / ``prepare_global_plan``, the gather and the
+  scatter); ``ours`` = fp_dcp's storage steps alone;
+* load planning = from the call of ``dcp.load`` to the moment ``read_data``
+  starts on the coordinator (metadata read, planning, gather, scatter);
+* ``plan_bytes``: the pickled local plan rank 0 sends to the coordinator.
+
+Simulated (one process, ``RANKSxITEMS``): every rank holds ITEMS tensors
+sharded along dim 0 across all ranks (FSDP style) and one replicated
+object; the coordinator's whole share is timed: unpickling every rank's
+local plan (the gather), ``create_global_plan`` (dedup, global plan,
+Metadata, validation) and pickling every rank's global plan (the scatter).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -21,19 +38,29 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _rank(rank, world_size, root, n_tensors, saves, caching):
+def _planners(kind: str, caching: bool):
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+    from fp_dcp.planners import FastPersistLoadPlanner, FastPersistSavePlanner
+
+    if kind == "fp":
+        return FastPersistSavePlanner(enable_plan_caching=caching), FastPersistLoadPlanner()
+    return DefaultSavePlanner(enable_plan_caching=caching), DefaultLoadPlanner()
+
+
+def _rank(rank, world_size, root, n_tensors, saves, caching, kind):
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from fp_dcp import FastPersistWriter
+    from fp_dcp import FastPersistReader, FastPersistWriter
 
-    class Timed(FastPersistWriter):
+    class TimedWriter(FastPersistWriter):
         def prepare_local_plan(self, plan):
             t = time.perf_counter()
             try:
-                return super().prepare_local_plan(plan)
+                self.sent = super().prepare_local_plan(plan)
+                return self.sent
             finally:
                 self.t_ours += time.perf_counter() - t
 
@@ -48,47 +75,141 @@ def _rank(rank, world_size, root, n_tensors, saves, caching):
             self.t_write = time.perf_counter()
             return super().write_data(plan, planner)
 
+    class TimedReader(FastPersistReader):
+        def prepare_local_plan(self, plan):
+            self.sent = super().prepare_local_plan(plan)
+            return self.sent
+
+        def read_data(self, plan, planner):
+            self.t_read = time.perf_counter()
+            return super().read_data(plan, planner)
+
     g = torch.Generator().manual_seed(0)
     sd = {f"layer{i // 8}.p{i % 8}": torch.randn(256, generator=g) for i in range(n_tensors)}
     sd["shared_embed"] = torch.randn(1024, 256, generator=torch.Generator().manual_seed(1))
     out = []
     for s in range(saves):
-        w = Timed(os.path.join(root, f"s{s}"))
+        save_planner, load_planner = _planners(kind, caching)
+        w = TimedWriter(os.path.join(root, f"s{s}"))
         w.t_ours = 0.0
         dist.barrier()
         t0 = time.perf_counter()
-        dcp.save(sd, storage_writer=w, planner=DefaultSavePlanner(enable_plan_caching=caching))
+        dcp.save(sd, storage_writer=w, planner=save_planner)
         t1 = time.perf_counter()
+        w.close()
+        r = TimedReader(os.path.join(root, f"s{s}"))
+        target = {k: torch.empty_like(v) for k, v in sd.items()}
+        dist.barrier()
+        t2 = time.perf_counter()
+        dcp.load(target, storage_reader=r, planner=load_planner)
+        t3 = time.perf_counter()
+        r.close()
         out.append({
-            "planning_s": w.t_write - t0,
-            "ours_s": w.t_ours,
-            "save_s": t1 - t0,
+            "save_planning_s": w.t_write - t0, "ours_s": w.t_ours, "save_s": t1 - t0,
+            "load_planning_s": r.t_read - t2, "load_s": t3 - t2,
+            "save_plan_bytes": len(pickle.dumps(w.sent)), "load_plan_bytes": len(pickle.dumps(r.sent)),
             "dcp_cached": w.last_plan.get("dcp_cached"),
         })
-        w.close()
     return out
+
+
+def real_ranks(ranks: list[int], n_tensors: int, saves: int, kinds: list[str]) -> dict:
+    from tests._dist import run_ranks
+
+    results: dict = {}
+    for ws in ranks:
+        for caching in (False, True):
+            for kind in kinds:
+                with tempfile.TemporaryDirectory() as d:
+                    res = run_ranks(ws, _rank, d, n_tensors, saves, caching, kind, timeout=1800)[0]
+                results[f"{ws}r/{'caching' if caching else 'no_caching'}/{kind}"] = res
+                for i, r in enumerate(res):
+                    print(f"ranks={ws} caching={caching!s:5} planners={kind:3} save {i + 1}: "
+                          f"save planning {r['save_planning_s'] * 1e3:7.1f} ms (fp_dcp's {r['ours_s'] * 1e3:6.1f}), "
+                          f"load planning {r['load_planning_s'] * 1e3:7.1f} ms, plans sent "
+                          f"{r['save_plan_bytes'] / 1e6:.2f} / {r['load_plan_bytes'] / 1e6:.2f} MB, "
+                          f"dcp_cached={r['dcp_cached']}", flush=True)
+    return results
+
+
+def _sim_local_plans(world: int, items: int, kind: str) -> list[bytes]:
+    """Every rank's pickled local plan, as that planner makes it."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from fp_dcp.planners import _compact, _items
+
+    rows, cols = 4, 64
+    size = torch.Size((rows * world, cols))
+    props = _items.properties(torch.zeros(1))
+    out = []
+    for r in range(world):
+        plan_items = []
+        sizes = torch.Size((rows, cols))
+        for i in range(items):
+            off = torch.Size((r * rows, 0))
+            fqn = f"layers.{i // 8}.p{i % 8}"
+            if kind == "fp":  # shared objects, as FastPersistSavePlanner's local plans
+                ch = _items.chunk(off, sizes)
+                td = _items.tensor_data(ch, props, size)
+                plan_items.append(_items.write_item(_items.index(fqn, off, None), WriteItemType.SHARD, td))
+            else:  # one object per field, as DCP's _create_write_items_for_dtensor
+                p = TensorProperties.create_from_tensor(torch.zeros(1))
+                plan_items.append(WriteItem(
+                    index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(off, torch.Size(sizes)),
+                                                properties=p, size=torch.Size(size))))
+        plan_items.append(WriteItem(index=MetadataIndex("step"), type=WriteItemType.BYTE_IO))
+        if kind == "fp":  # gathered as columns
+            plan_items = _compact.WriteItems(plan_items)
+        mappings = {it.index.fqn: (it.index.fqn,) for it in plan_items}
+        out.append(pickle.dumps(SavePlan(plan_items, planner_data=mappings)))
+    return out
+
+
+def simulate(world: int, items: int, kind: str) -> dict:
+    save_planner, _ = _planners(kind, False)
+    save_planner.is_coordinator = True
+    sent = _sim_local_plans(world, items, kind)
+    gc.collect()
+    t0 = time.perf_counter()
+    was = gc.isenabled()  # both planners run as DCP runs them: the collector on
+    plans = [pickle.loads(b) for b in sent]
+    t1 = time.perf_counter()
+    global_plans, metadata = save_planner.create_global_plan(plans)
+    t2 = time.perf_counter()
+    scatter = [pickle.dumps(p) for p in global_plans]
+    t3 = time.perf_counter()
+    assert was == gc.isenabled()
+    return {"world": world, "items": items, "planners": kind, "gather_s": t1 - t0, "global_plan_s": t2 - t1,
+            "scatter_s": t3 - t2, "total_s": t3 - t0, "gathered_mb": sum(map(len, sent)) / 1e6,
+            "scattered_mb": sum(map(len, scatter)) / 1e6,
+            "metadata_entries": len(metadata.state_dict_metadata)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--ranks", default="2", help="comma list of real world sizes (0: none)")
     ap.add_argument("--tensors", type=int, default=9245)
     ap.add_argument("--saves", type=int, default=3)
+    ap.add_argument("--planners", default="dcp,fp", help="comma list from: dcp (DCP's defaults), fp (fp_dcp's)")
+    ap.add_argument("--simulate", default="", help="comma list of RANKSxITEMS, e.g. 64x1000,1024x2000")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    from tests._dist import run_ranks
-
-    results = {}
-    for caching in (False, True):
-        with tempfile.TemporaryDirectory() as d:
-            res = run_ranks(args.ranks, _rank, d, args.tensors, args.saves, caching, timeout=900)
-        results["caching" if caching else "no_caching"] = res[0]
-        for i, r in enumerate(res[0]):
-            print(
-                f"caching={caching!s:5} save {i + 1}: planning {r['planning_s'] * 1e3:8.1f} ms "
-                f"(fp_dcp's part {r['ours_s'] * 1e3:7.1f} ms), whole save {r['save_s'] * 1e3:8.1f} ms, "
-                f"dcp_cached={r['dcp_cached']}"
-            )
+    kinds = [k for k in args.planners.split(",") if k]
+    ranks = [int(r) for r in args.ranks.split(",") if int(r) > 0]
+    results: dict = {"real": real_ranks(ranks, args.tensors, args.saves, kinds) if ranks else {}, "simulated": []}
+    for spec in [s for s in args.simulate.split(",") if s]:
+        world, items = (int(x) for x in spec.lower().split("x"))
+        for kind in kinds:
+            r = simulate(world, items, kind)
+            results["simulated"].append(r)
+            print(f"simulated {world} ranks x {items} items, planners={kind:3}: coordinator "
+                  f"{r['total_s']:7.2f} s (gather {r['gather_s']:.2f} s of {r['gathered_mb']:.0f} MB, "
+                  f"global plan {r['global_plan_s']:.2f} s, scatter {r['scatter_s']:.2f} s of "
+                  f"{r['scattered_mb']:.0f} MB)", flush=True)
+            gc.collect()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
