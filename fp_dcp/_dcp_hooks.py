@@ -330,13 +330,15 @@ def use_as_default(options: Any = None, **option_kwargs: Any) -> None:
 
         base = options if options is not None else FastPersistOptions.from_env()
         base.replace(**option_kwargs)
+    from fp_dcp import planners
+
     with _lock:
         for mod_name, name in _HOOK_NAMES:
             mod = _module(mod_name)
             if (mod_name, name) not in _saved:
                 _saved[(mod_name, name)] = getattr(mod, name)
             setattr(mod, name, _replacement(name))
-        __import__("fp_dcp.planners").planners.install_as_default(_saved, _module)  # planner=None: fp_dcp's planners
+        planners.install_as_default(_saved, _module)  # a dcp.save/load given no planner gets fp_dcp's
         _current = {"options": options, "kwargs": dict(option_kwargs)}
 
 

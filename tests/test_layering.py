@@ -39,6 +39,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("fp_dcp._dcp_hooks", "fp_dcp.save.writer"): "the default-storage switch lives in the torch shim",
     ("fp_dcp._dcp_hooks", "fp_dcp.load.reader"): "the default-storage switch lives in the torch shim",
     ("fp_dcp._dcp_hooks", "fp_dcp.load.stock"): "the default-storage switch lives in the torch shim",
+    ("fp_dcp._dcp_hooks", "fp_dcp.planners"): "the default-storage switch lives in the torch shim",
 }
 
 
