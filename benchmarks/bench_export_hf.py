@@ -245,9 +245,9 @@ def _raw(args, workdir: Path) -> dict:
 
 
 def _run(args, bench: C.Bench) -> int:
-    from fp_dcp.tools.export_hf import plan_export
-
     import torch
+
+    from fp_dcp.tools.export_hf import plan_export
 
     hw = bench.hardware()
     workdir = bench.make_workdir(5 * args.size_bytes)
