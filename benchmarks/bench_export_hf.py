@@ -12,7 +12,8 @@ dropping the page cache (where allowed), timed around the call alone:
   cache (``direct_io=False``); and 4 ranks, each writing its share;
 * DCP: ``consolidate_safetensors_files`` (one process) and
   ``consolidate_safetensors_files_on_every_rank`` (4 ranks) with the same
-  split into files;
+  split into files, each followed by an fsync of the files it wrote (it
+  syncs none; export_hf syncs every file): the JSON keeps both parts;
 * the raw device's sequential O_DIRECT write of the same bytes (fio where
   installed, else fp_dcp's engine into one huge-page buffer), before and
   after; the ratios use the faster.
@@ -115,6 +116,19 @@ def child_export(cfg: dict) -> dict:
     return _in_group(cfg, run)
 
 
+def _fsync_all(directory: str) -> float:
+    """Seconds to fsync every file DCP's consolidation wrote (it syncs none;
+    export_hf syncs each file, so both are timed to durable bytes)."""
+    t0 = time.perf_counter()
+    for name in sorted(os.listdir(directory)):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
 def child_consolidate(cfg: dict) -> dict:
     from torch.distributed.checkpoint import _consolidate_hf_safetensors as hf
 
@@ -123,7 +137,9 @@ def child_consolidate(cfg: dict) -> dict:
     if cfg.get("world", 1) == 1:
         t0 = time.perf_counter()
         hf.consolidate_safetensors_files(cfg["src"], cfg["out"], mapping, num_threads=cfg["threads"])
-        return {"ok": True, "seconds": time.perf_counter() - t0}
+        call = time.perf_counter() - t0
+        sync = _fsync_all(cfg["out"])
+        return {"ok": True, "seconds": call + sync, "call_seconds": call, "sync_seconds": sync}
 
     def run(dist):
         dist.barrier()
@@ -131,7 +147,10 @@ def child_consolidate(cfg: dict) -> dict:
         hf.consolidate_safetensors_files_on_every_rank(cfg["src"], cfg["out"], mapping, num_threads=cfg["threads"],
                                                        process_group=dist.group.WORLD)
         dist.barrier()
-        return {"ok": True, "seconds": time.perf_counter() - t0}
+        call = time.perf_counter() - t0
+        sync = _fsync_all(cfg["out"]) if cfg["rank"] == 0 else 0.0
+        dist.barrier()
+        return {"ok": True, "seconds": time.perf_counter() - t0, "call_seconds": call, "sync_seconds": sync}
 
     return _in_group(cfg, run)
 
@@ -226,9 +245,9 @@ def _raw(args, workdir: Path) -> dict:
 
 
 def _run(args, bench: C.Bench) -> int:
-    from fp_dcp.tools.export_hf import plan_export
-
     import torch
+
+    from fp_dcp.tools.export_hf import plan_export
 
     hw = bench.hardware()
     workdir = bench.make_workdir(5 * args.size_bytes)
@@ -253,10 +272,10 @@ def _run(args, bench: C.Bench) -> int:
         "export_hf, 1 process, page cache": lambda: C.run_child(SCRIPT, dict(ex, direct_io=False),
                                                                 timeout_s=args.child_timeout),
         f"export_hf, {WORLD} ranks": lambda: _ranks(dict(ex, direct_io=None), WORLD, workdir, args.child_timeout),
-        "DCP consolidate_safetensors_files": lambda: C.run_child(
+        "DCP consolidate_safetensors_files + fsync": lambda: C.run_child(
             SCRIPT, {"kind": "consolidate", "src": str(sharded), "out": str(out), "mapping": mapping,
                      "threads": args.dcp_threads}, timeout_s=args.child_timeout),
-        f"DCP consolidate_safetensors_files_on_every_rank, {WORLD} ranks": lambda: _ranks(
+        f"DCP consolidate_safetensors_files_on_every_rank + fsync, {WORLD} ranks": lambda: _ranks(
             {"kind": "consolidate", "src": str(sharded), "out": str(out), "mapping": mapping,
              "threads": args.dcp_threads}, WORLD, workdir, args.child_timeout),
     }

@@ -221,7 +221,8 @@ class _Batch:
 def _batches(f: ShardFile, capacity: int, align: int) -> Iterator[_Batch]:
     """``f``'s batches, each at most ``capacity`` bytes (which must hold the
     header or any tensor plus ``align``)."""
-    base, end, cur = 0, len(f.header), []
+    base, end = 0, len(f.header)
+    cur: list[OutTensor] = []
     for t in f.tensors:
         if t.offset + t.nbytes - base > capacity and end > base:
             cut = end // align * align
@@ -391,7 +392,7 @@ def _write_files(files: Sequence[ShardFile], src: str, kind: str, root: Root, *,
             root.unlink(tmp)
         source.close()
         session.close()
-        del arenas
+        arenas.clear()  # the views go before the memory
         for buf in buffers:
             try:
                 buf.close()
