@@ -25,8 +25,8 @@ or ``unlink``.
 from __future__ import annotations
 
 import fcntl
-import stat
 import os
+import stat
 import weakref
 from typing import Iterable
 

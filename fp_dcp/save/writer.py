@@ -56,9 +56,9 @@ import fp_dcp
 from fp_dcp import _dcp_hooks
 from fp_dcp import format as fmt
 from fp_dcp.engine import EngineSet, IOSession
+from fp_dcp.files import Root
 from fp_dcp.gc_freeze import GcFreeze, paused
 from fp_dcp.options import FastPersistOptions
-from fp_dcp.files import Root
 from fp_dcp.save import commit, directories, execute
 from fp_dcp.save.plan import (
     Assignment,
