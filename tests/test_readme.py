@@ -16,7 +16,8 @@ from tests import _docblocks as docs
 
 REPO = docs.REPO
 README = open(os.path.join(REPO, "README.md")).read()
-PAGES = ["README.md", "docs/SPEED.md", "docs/FRAMEWORKS.md", "docs/OPTIONS.md", "docs/TRUST.md"]
+PAGES = ["README.md", "benchmarks/README.md"] + sorted(
+    "docs/" + name for name in os.listdir(os.path.join(REPO, "docs")) if name.endswith(".md"))
 
 
 def _text(page: str) -> str:
@@ -50,6 +51,53 @@ def test_no_dates_issue_numbers_or_missing_json(page):
     for cited in re.findall(r"[~$\w/.-]+\.json\b", text):
         if "/" in cited and not cited.startswith(("~", "$")):
             assert os.path.exists(os.path.join(REPO, cited)), f"{page}: {cited} is not in the repository"
+
+
+def _commands(text: str) -> list[str]:
+    """Every ``python benchmarks/X.py ...``, ``python tools/X.py ...`` and
+    ``fp-dcp SUB ...`` a page shows in code, one line each (continuations
+    joined, comments and what follows ``&&``, ``|`` or ``;`` cut off)."""
+    pieces = []
+    for code in re.findall(r"^```\w*\n(.*?)^```", text, re.S | re.M):
+        pieces += code.replace("\\\n", " ").splitlines()
+    prose = re.sub(r"^```\w*\n.*?^```", "", text, flags=re.S | re.M)
+    pieces += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
+    found = []
+    for piece in pieces:
+        for m in re.finditer(r"(python (?:benchmarks|tools)/[\w.]+\.py|fp-dcp [a-z][a-z-]*)(.*)", piece):
+            found.append((m.group(1) + re.split(r"\s#|&&|\||;", m.group(2))[0]).strip())
+    return found
+
+
+_HELP: dict[str, str] = {}
+
+
+def _help(program: str) -> str:
+    """The ``--help`` text of a script or an ``fp-dcp`` sub-command."""
+    import subprocess
+    import sys
+
+    if program not in _HELP:
+        args = ([sys.executable, "-m", "fp_dcp", program.split()[1]] if program.startswith("fp-dcp ")
+                else [sys.executable, program.split()[1]])
+        r = subprocess.run(args + ["--help"], cwd=REPO, env=docs.ENV, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, f"{program} --help exited {r.returncode}: {r.stderr[-2000:]}"
+        _HELP[program] = r.stdout
+    return _HELP[program]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_command_a_page_shows_exists_and_takes_its_flags(page):
+    """A script a page tells the reader to run is in the repository, and every
+    flag the page gives it is one its ``--help`` lists."""
+    for command in _commands(_text(page)):
+        program = " ".join(command.split()[:2])
+        if program.startswith("python "):
+            assert os.path.exists(os.path.join(REPO, program.split()[1])), f"{page}: {command}: no such script"
+        helptext = _help(program)
+        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", command[len(program):]):
+            assert re.search(re.escape(flag) + r"(?![\w-])", helptext), \
+                f"{page}: {command}: {program} --help lists no {flag}"
 
 
 def test_every_option_is_in_the_options_table():
