@@ -102,6 +102,18 @@ def test_every_command_a_page_shows_exists_and_takes_its_flags(page):
                 f"{page}: {command}: {program} --help lists no {flag}"
 
 
+@pytest.mark.parametrize("page", PAGES)
+def test_every_file_of_the_repository_a_page_names_exists(page):
+    """A page that names a script, module or page of the repository by its
+    path (``benchmarks/X.py``, ``fp_dcp/tools/tune.py``) names one that is
+    there; NAME-style parts are placeholders."""
+    top = "benchmarks|tools|fp_dcp|tests|cython_io|docs"
+    for path in set(re.findall(rf"(?<![\w/.~$-])((?:{top})/[\w/.-]+\.(?:py|pyx|pxi|pyi|c|h|md|sh|json))\b",
+                               _text(page))):
+        if not any(part.isupper() for part in path.rsplit(".", 1)[0].split("/")):
+            assert os.path.exists(os.path.join(REPO, path)), f"{page}: {path}: no such file in the repository"
+
+
 def test_every_option_is_in_the_options_table():
     rows = [ln for ln in _text("docs/OPTIONS.md").splitlines() if ln.startswith("| `")]
     named = {name for ln in rows for name in re.findall(r"`([a-z_]+)`", ln.split("|")[1])}
