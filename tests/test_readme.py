@@ -66,7 +66,7 @@ def _commands(text: str) -> list[str]:
     pieces += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
     found = []
     for piece in pieces:
-        for m in re.finditer(r"(python (?:benchmarks|tools)/[\w.]+\.py|fp-dcp [a-z][a-z-]*)(.*)", piece):
+        for m in re.finditer(r"(python3? (?:benchmarks|tools)/[\w.]+\.py|fp-dcp [a-z][a-z-]*)(.*)", piece):
             found.append((m.group(1) + re.split(r"\s#|&&|\||;", m.group(2))[0]).strip())
     return found
 
@@ -94,7 +94,7 @@ def test_every_command_a_page_shows_exists_and_takes_its_flags(page):
     flag the page gives it is one its ``--help`` lists."""
     for command in _commands(_text(page)):
         program = " ".join(command.split()[:2])
-        if program.startswith("python "):
+        if program.startswith(("python ", "python3 ")):
             assert os.path.exists(os.path.join(REPO, program.split()[1])), f"{page}: {command}: no such script"
         helptext = _help(program)
         for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", command[len(program):]):
