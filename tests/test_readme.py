@@ -1,7 +1,9 @@
 """The README and the docs stay accurate: the README fits two screens and
-every code block in it runs as written, links stay inside the repository,
-every option is in docs/OPTIONS.md's table, every cited JSON is in the
-repository, and no user-facing page carries dates or issue numbers."""
+every code block in it runs as written; on every page users read (the
+README, benchmarks/README.md, docs/*.md) links stay inside the repository,
+every script, sub-command and flag shown exists, every file of the
+repository named and every cited JSON is there, and no page carries dates
+or issue numbers; every option is in docs/OPTIONS.md's table."""
 
 from __future__ import annotations
 
