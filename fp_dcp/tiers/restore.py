@@ -499,7 +499,7 @@ class _StepRestore:
                              f"failed load", lambda: self._check_linked(node_needs))
             if not flat:
                 raise load_error
-            failed = self._mark_bad([dataclasses.replace(f, why=f"{f.why} (found after the load failed: {load_error})")
+            failed = self._mark_bad([dataclasses.replace(f, why=f"{f.why} (found after the load failed: {_first_line(load_error)})")
                                      for f in flat])
             redo = [need for need in self.needs if (need.receiver, need.name) in failed]
             for need in redo:
@@ -589,3 +589,10 @@ def _link_or_copy(src: str, dst: str) -> None:
                 os.close(out)
         finally:
             os.close(fd)
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's first line: DCP's ``CheckpointException`` carries every
+    rank's traceback, and the reason it names is already in the message."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
