@@ -96,6 +96,7 @@ import functools
 import logging
 import os
 import threading
+import types
 from typing import Any, Iterator
 
 log = logging.getLogger("fp_dcp")
@@ -190,7 +191,7 @@ def check_storage_hooks() -> None:
     from torch.distributed.checkpoint._async_process_executor import _ProcessBasedAsyncCheckpointExecutor
     from torch.distributed.checkpoint._async_thread_executor import _ThreadBasedAsyncCheckpointExecutor
 
-    stock = {"FileSystemWriter": FileSystemWriter, "FileSystemReader": FileSystemReader,
+    stock: dict[str, Any] = {"FileSystemWriter": FileSystemWriter, "FileSystemReader": FileSystemReader,
              "_ProcessBasedAsyncCheckpointExecutor": _ProcessBasedAsyncCheckpointExecutor,
              "_ThreadBasedAsyncCheckpointExecutor": _ThreadBasedAsyncCheckpointExecutor}
     for name in ("_ProcessBasedAsyncCheckpointExecutor", "_ThreadBasedAsyncCheckpointExecutor"):
@@ -246,8 +247,11 @@ def _executor(name: str) -> Any:
     with the request)."""
     cls = _executor_classes.get(name)
     if cls is None:
+        base: type
         if name == "_ProcessBasedAsyncCheckpointExecutor":
-            from torch.distributed.checkpoint._async_process_executor import _ProcessBasedAsyncCheckpointExecutor as base
+            from torch.distributed.checkpoint._async_process_executor import (
+                _ProcessBasedAsyncCheckpointExecutor as base,
+            )
         else:
             from torch.distributed.checkpoint._async_thread_executor import _ThreadBasedAsyncCheckpointExecutor as base
 
@@ -305,8 +309,8 @@ class _DefaultReader:
             from fp_dcp.load.reader import FastPersistReader
 
             return FastPersistReader(path, options=opts.get("options"), **opts.get("kwargs", {}))
-        from fp_dcp.options import FastPersistOptions
         from fp_dcp.load.stock import SafeStockReader
+        from fp_dcp.options import FastPersistOptions
 
         options = opts.get("options") or FastPersistOptions.from_env(**opts.get("kwargs", {}))
         return SafeStockReader(path, *args, allow_pickle=options.allow_pickle, **kwargs)
@@ -435,11 +439,12 @@ def async_save_caller() -> tuple[bool, str | None]:
     (the writer's ``stage``)."""
     import sys
 
-    f = sys._getframe(2)
+    f: types.FrameType | None = sys._getframe(2)
     for _ in range(8):
         if f is None:
             break
-        if f.f_code.co_name == "async_save" and f.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
+        in_dcp = f.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint")
+        if f.f_code.co_name == "async_save" and in_dcp:
             cid = f.f_locals.get("checkpoint_id")
             return True, (os.fspath(cid) if isinstance(cid, (str, os.PathLike)) else None)
         f = f.f_back

@@ -31,7 +31,7 @@ import struct
 import zlib
 from collections.abc import Mapping
 from itertools import chain, repeat
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import numpy as np
 import torch
@@ -237,7 +237,8 @@ class ExtentColumns(Mapping):
         counts = np.fromiter(map(len, extents.values()), dtype=np.int64, count=len(keys))
         flat = np.fromiter((x for e in rows for x in (e.file, e.file_offset, e.item_offset, e.length)),
                            dtype=np.int64, count=4 * len(rows)).reshape(-1, 4).T
-        return cls(keys, counts, *(np.ascontiguousarray(c) for c in flat), [e.crc32c for e in rows])
+        f, fo, io_, ln = (np.ascontiguousarray(c) for c in flat)
+        return cls(keys, counts, f, fo, io_, ln, [e.crc32c for e in rows])
 
     def _extents(self) -> dict[MetadataIndex, list[Extent]]:
         if self._dict is None:
@@ -838,7 +839,8 @@ def _state_dict_md_columns(raw_sd: dict) -> tuple[dict[str, Any], set[tuple]] | 
     dims = list(chain.from_iterable(sizes))
     if None in dtypes or max(ndims, default=0) > 64 or not _all_type(dims, int) or min(dims, default=0) < 0:
         return None
-    if max(map(operator.mul, map(math.prod, sizes), [d.itemsize for d in dtypes]), default=0) > _MAX_FILE:
+    known_dtypes = cast("list[torch.dtype]", dtypes)  # no None: checked above
+    if max(map(operator.mul, map(math.prod, sizes), [d.itemsize for d in known_dtypes]), default=0) > _MAX_FILE:
         return None
     # chunks: [offsets, sizes] of the tensor's rank, inside the tensor
     counts = list(map(len, chunk_lists))
@@ -883,12 +885,12 @@ def _state_dict_md_columns(raw_sd: dict) -> tuple[dict[str, Any], set[tuple]] | 
             grouped.append(chunk_md[at:at + count])
             at += count
     grads = [bool(md.get("requires_grad", False)) for md in tensors]
-    props = list(map(TensorProperties, dtypes, [torch.strided] * len(dtypes), grads))
+    props = list(map(TensorProperties, known_dtypes, [torch.strided] * len(dtypes), grads))
     made = iter(map(TensorStorageMetadata, props, tsizes, grouped))
     sd_md = {fqn: next(made) if kind == "tensor" else BytesStorageMetadata() for fqn, kind in zip(raw_sd, kinds)}
     tensor_names = (fqn for fqn, kind in zip(raw_sd, kinds) if kind == "tensor")
     owners = chain.from_iterable(map(repeat, tensor_names, counts))
-    stored = set(zip(owners, tuples[len(sizes):len(sizes) + len(offs)]))
+    stored: set[tuple[str, tuple | None]] = set(zip(owners, tuples[len(sizes):len(sizes) + len(offs)]))
     stored.update((fqn, None) for fqn, kind in zip(raw_sd, kinds) if kind == "bytes")
     return sd_md, stored
 
@@ -969,10 +971,9 @@ def _extents_columns(raw: Any, file_sizes: list[int], block: int | None, n_field
     f, fo, io_, ln = ([r[k] for r in rows] for k in range(4))
     if not _all_type(f + fo + io_ + ln, int):
         return None
-    cols = [_int64(c) for c in (f, fo, io_, ln)]
-    if any(c is None for c in cols):
+    F, FO, IO, LN = (_int64(c) for c in (f, fo, io_, ln))
+    if F is None or FO is None or IO is None or LN is None:
         return None
-    F, FO, IO, LN = cols
     sizes = np.array(file_sizes + [0], dtype=np.int64)
     known = (F >= 0) & (F < len(file_sizes))
     room = sizes[np.where(known, F, len(file_sizes))] - FO  # bytes of the file from the extent's start
@@ -1004,7 +1005,9 @@ def _stored_keys(sd_md: dict[str, Any]) -> set[tuple]:
     """The items ``sd_md`` describes, as ``(fqn, chunk offset tuple)`` for
     each chunk of a tensor and ``(fqn, None)`` for a bytes item: the keys
     :func:`_check_items_known` accepts."""
-    known = {(fqn, None) for fqn, md in sd_md.items() if type(md) is BytesStorageMetadata}
+    known: set[tuple[str, tuple | None]] = {
+        (fqn, None) for fqn, md in sd_md.items() if type(md) is BytesStorageMetadata
+    }
     known.update((fqn, tuple(c.offsets)) for fqn, md in sd_md.items() if type(md) is TensorStorageMetadata
                  for c in md.chunks)
     return known

@@ -199,7 +199,8 @@ class FastPersistOptions:
             raise ValueError(f"FastPersistOptions.staging_memory_limit_bytes must be at least 1 MiB, got {limit}")
         if self.read_buffer_budget_bytes < (1 << 20):
             raise ValueError(
-                f"FastPersistOptions.read_buffer_budget_bytes must be at least 1 MiB, got {self.read_buffer_budget_bytes}"
+                "FastPersistOptions.read_buffer_budget_bytes must be at least 1 MiB, "
+                f"got {self.read_buffer_budget_bytes}"
             )
         if self.read_threads < 1:
             raise ValueError(f"FastPersistOptions.read_threads must be at least 1, got {self.read_threads}")

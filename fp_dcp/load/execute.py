@@ -14,7 +14,7 @@ import concurrent.futures
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -110,7 +110,7 @@ class Run:
     """
 
     def __init__(self, session: IOSession, paths: list[str], limits: Limits, *, large: IOSession | None,
-                 more: list[IOSession] = (), budget: int, coalesce_gap: int, max_overread_percent: int,
+                 more: Sequence[IOSession] = (), budget: int, coalesce_gap: int, max_overread_percent: int,
                  verifier: ReadVerifier | None, progress: Callable[[int, int], None] | None) -> None:
         self.session = session
         self.paths = paths
@@ -194,9 +194,11 @@ class Run:
         read at once by it and the ``more`` engines, each on its own thread.
         Each piece is checksummed whole by the call that reads it, so any
         piece boundary is a valid cut."""
+        large = self.large
+        assert large is not None  # long runs are split off only with an engine of large requests
         k = min(1 + len(self.more), int(lens.sum()) // _MIN_BYTES_PER_THREAD, len(lens))
         if k <= 1:
-            self._engine_read(self.large, files, offs, views, check)
+            self._engine_read(large, files, offs, views, check)
             return
         ends = np.cumsum(lens)
         cuts = np.searchsorted(ends, ends[-1] * np.arange(1, k) // k, side="right")
@@ -213,7 +215,7 @@ class Run:
         with self._stats_lock:
             self.stats["long_run_threads"] = max(self.stats["long_run_threads"], len(parts))
         try:
-            read(self.large, *parts[0])
+            read(large, *parts[0])
         finally:
             for f in futures:  # every thread is done with the views before they go
                 f.exception()
@@ -254,7 +256,7 @@ class Run:
                     if pending and any(j.temp for j in batch) and any(j.temp for b, _ in pending for j in b):
                         self._drain(pending)  # the arena still holds what an earlier batch has to copy out
                     pending.append((batch, pool.submit(self._read_batch, reads)))
-                    reads = None  # the views live as long as the read, not until the next batch
+                    del reads  # the views live as long as the read, not until the next batch
                     while len(pending) > 1 and pending[0][1].done():  # read: its copies while the rest is
                         self._finish_next(pending)
             self._drain(pending)
@@ -328,6 +330,7 @@ class Run:
         arena_mv = self.arena.view()
         for j in batch:
             if j.temp:
+                assert arena_mv is not None  # the batch planner sized the arena for its temp jobs
                 base = arena_mv[j.temp_off : j.temp_off + j.temp]
             else:
                 base = memoryview(j.buf)
@@ -347,7 +350,7 @@ class Run:
         self.stats["fillers"] += len(foffs)
         self.stats["pieces"] += len(offs)
         if len(foffs):
-            scratch = memoryview(self.scratch)
+            scratch = self.scratch.data
             views.extend(scratch[:n] for n in flens.tolist())
             files = np.concatenate([files, ffiles])
             offs = np.concatenate([offs, foffs])

@@ -31,7 +31,7 @@ import io
 import pickle
 import re
 import threading
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -60,7 +60,7 @@ class _PlainBytesIO(io.BytesIO):
         if (type(state) is not tuple or len(state) != 3 or type(state[0]) is not bytes
                 or type(state[1]) is not int or not 0 <= state[1] <= len(state[0]) or state[2]):
             raise pickle.UnpicklingError("a stored io.BytesIO has a state other than its bytes and position")
-        super().__setstate__((state[0], state[1], None))
+        super().__setstate__((state[0], state[1], None))  # type: ignore[misc]  # typeshed lacks BytesIO's
 
     def plain(self) -> io.BytesIO:
         out = io.BytesIO(self.getvalue())
@@ -157,7 +157,7 @@ def deliver_object(planner: LoadPlanner, req: ReadItem, obj: Any, data: bytes) -
     object is put in place the way that method does; a custom planner's own
     ``load_bytes`` gets the bytes, which passed the restricted unpickler."""
     if type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
-        put_object(planner, req, obj)
+        put_object(cast(DefaultLoadPlanner, planner), req, obj)  # its load_bytes is DefaultLoadPlanner's
     else:
         planner.load_bytes(req, io.BytesIO(data))
 

@@ -116,7 +116,7 @@ def commit_metadata(root: files.Root, blob: bytes, save_id: str, data_files: Ite
     except BaseException as e:
         _abandon_commit(root, data_files)
         if isinstance(e, OSError) and str(e.filename).endswith(tmp) and "cannot write:" in str(e.strerror):
-            raise type(e)(e.errno, e.strerror.replace("cannot write:", "cannot write the checkpoint metadata:"),
+            raise type(e)(e.errno, str(e.strerror).replace("cannot write:", "cannot write the checkpoint metadata:"),
                           e.filename) from None
         raise
     if sync:

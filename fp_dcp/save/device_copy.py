@@ -53,7 +53,9 @@ def write_cuda(
     parts: list[list[tuple[int, int, Any]]] = [[] for _ in flat]  # per extent: (origin, length, crcs)
 
     def done(slot: int) -> None:
-        fut, where = pending[slot]
+        entry = pending[slot]
+        assert entry is not None  # called for a slot with a write in flight
+        fut, where = entry
         s = fut.result()
         add_stats(stats, s)
         if block:
@@ -71,6 +73,8 @@ def write_cuda(
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-cuda-write")
     fd = session.engine.open(path, "w", session.direct if session.direct else False)
     pending: list[tuple[concurrent.futures.Future, list[tuple[int, int, int]]] | None] = [None, None]
+    srcs: list[memoryview] = []
+    host: torch.Tensor | None = None
     try:
         k = -1
         for k, start in enumerate(range(0, align_up(end, align), chunk)):
@@ -112,8 +116,10 @@ def write_cuda(
                 p[0].exception()  # wait before the buffers go away
         pool.shutdown(wait=True)
         os.close(fd)
-        pending = srcs = host = None  # drop the views before freeing the buffers
-        for b in buffers:
-            b.close()
+        # drop the views before freeing the buffers
+        pending.clear()
+        srcs, host = [], None
+        for buffer in buffers:
+            buffer.close()
     crcs = [crc_hex(merge_block_crcs(p, block)) if block else None for p in parts]
     return offsets, lengths, end, crcs

@@ -102,7 +102,8 @@ def write_rank(
             if group is None:
                 group = by_device[dev] = ([], [])
             # a whole item is passed as it is (no slice object to make)
-            group[0 if kind == "cpu" else 1].append((li, off, buf if off == 0 and length == n else buf[off : off + length]))
+            piece = buf if off == 0 and length == n else buf[off : off + length]
+            group[0 if kind == "cpu" else 1].append((li, off, piece))
     resolve_s = time.perf_counter() - t0
 
     devices = sorted(by_device)
@@ -215,7 +216,7 @@ class _Sources:
         if item.type == WriteItemType.BYTE_IO:
             if not isinstance(data, io.BytesIO):
                 raise TypeError(f"{name}: the planner resolved a bytes item to {type(data).__name__}, not BytesIO")
-            out = ("cpu", data.getbuffer())
+            out: tuple[str, Any] = ("cpu", data.getbuffer())
         else:
             if not isinstance(data, torch.Tensor):
                 raise TypeError(f"{name}: the planner resolved a tensor item to {type(data).__name__}")
@@ -301,8 +302,10 @@ def _write_device(
             if reuse:
                 crcs = staged
                 stats["staged_checksum_bytes"] += sum(lengths) - sum(lengths[i] for i in missing)
+            elif "crc32c" in s:
+                crcs = list[str | None](piece_checksums(s, len(group)))
             else:
-                crcs = piece_checksums(s, len(group)) if "crc32c" in s else [None] * len(group)
+                crcs = [None] * len(group)
         else:
             offsets, lengths, end, crcs = write_cuda(
                 session, path, [b for _, _, b in group], stats,

@@ -179,7 +179,9 @@ def assign(
     if all(info is None for info in infos):
         # DCP cached everything: each rank writes with its last
         # assignment for this planner; only the save_id is new.
-        summary = {"cached": True, "dcp_cached": True, "seconds": time.perf_counter() - t0, "ranks": len(infos)}
+        summary: dict[str, Any] = {
+            "cached": True, "dcp_cached": True, "seconds": time.perf_counter() - t0, "ranks": len(infos)
+        }
         return [Assignment(save_id, rank, reuse=True) for rank in range(len(infos))], None, summary
     record = _last_global.get(len(infos))
     known: list[RankHoldings] = []
@@ -198,7 +200,8 @@ def assign(
             known.append(record.infos[rank])
             continue
         known.append(info)
-    holdings = [info.holdings for info in known]
+    holdings = [info.holdings for info in known if info.holdings is not None]
+    assert len(holdings) == len(known)  # prepare_global_plan passes only plans with holdings
     key = balance.structure_key(holdings)
     placement = PLACEMENTS.get(key)
     cached = placement is not None
@@ -217,8 +220,8 @@ def assign(
         "device_bytes": {h: v.tolist() for h, v in placement.device_loads.items()},
     }
     assignments = [
-        Assignment(save_id, rank, placement.pieces[rank], len(info.holdings.keys), key, info.token)
-        for rank, info in enumerate(known)
+        Assignment(save_id, rank, placement.pieces[rank], len(h.keys), key, info.token)
+        for rank, (info, h) in enumerate(zip(known, holdings))
     ]
     return assignments, GlobalRecord(known, key, placement), summary
 
@@ -270,6 +273,7 @@ def assignment_items(
             balance.item_key(it.index.fqn, it.index.offset): expected_nbytes(it)
             for it in _local_items[reference]
         }
+        assert assignment.pieces is not None  # every assignment but a reused one has pieces
         for li in set(assignment.pieces.local.tolist()):
             it = items[li]
             k = balance.item_key(it.index.fqn, it.index.offset)

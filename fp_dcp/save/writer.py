@@ -242,6 +242,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
         def prepare_commit(results: list[WriteResult]) -> None:
             nonlocal prepare_seconds
+            assert metadata is not None  # passed to write_rank on the coordinator only
             t0 = time.perf_counter()
             layout = blob = None
             try:
@@ -299,7 +300,8 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         try:
             if prepared is None or not prepared.made_from(metadata):
                 layout, blob = self._layout_and_metadata(metadata, results)
-            elif prepared.blob is not None and len(results) == 1 and results[0] is prepared.results:
+            elif (prepared.blob is not None and prepared.layout is not None and len(results) == 1
+                  and results[0] is prepared.results):
                 layout, blob = prepared.layout, prepared.blob  # metadata.storage_meta set there too
             else:
                 layout, blob = self._layout_and_metadata(metadata, results, prepared.structure)

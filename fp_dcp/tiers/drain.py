@@ -147,6 +147,7 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
         if first is None and rank == 0:
             try:
                 _point("before-commit")
+                assert blob is not None and layout is not None  # no rank failed: this one read both
                 store.write_atomic(os.path.join(dest, fmt.METADATA_NAME), blob, sync=sync)  # the commit
                 _point("committed")
                 _tidy(persistent_root, dest, step, layout, keep)
@@ -154,6 +155,7 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
                 first = f"rank 0: committing {dest}: {e}"
         elif first is not None and claimed:
             try:
+                assert layout is not None  # claimed after the layout was read
                 _remove_uncommitted(dest, layout, rank)
             except Exception as e:  # noqa: BLE001 - every rank still meets the broadcast below
                 first = f"{first}; rank {rank}: removing what it copied: {e}"

@@ -164,7 +164,7 @@ def check_buffer(data: np.ndarray | memoryview, layout: fmt.StorageLayout, fid: 
     """Raise :class:`IntegrityError` unless ``data`` is file ``fid`` of
     ``layout`` (``ranges``: only those ranges of it, concatenated): the
     recorded size at least, every checksum block right."""
-    view = memoryview(data).cast("B")
+    view = (data if isinstance(data, memoryview) else data.data).cast("B")
     size = layout.files[fid][1] if ranges is None else ranges_bytes(ranges)
     if len(view) < size:
         raise IntegrityError(path, f"short: {len(view)} bytes, the checkpoint recorded {size}")
@@ -235,7 +235,7 @@ def _copy_pieces(fd: int, out: int | None, src: str, layout: fmt.StorageLayout, 
     buf = np.empty(min(size, max(_PIECE, block)) or 1, dtype=np.uint8)
     read = 0
     for p, _ in _pieces_in(layout, fid, ranges, src):
-        view = memoryview(buf)[: p.length]
+        view = buf.data[: p.length]
         try:
             _pread_full(fd, view, p.offset, src)
         except IntegrityError:

@@ -50,9 +50,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from fp_dcp import FastPersistOptions, FastPersistWriter, wire
-from fp_dcp import format as fmt
 from fp_dcp import files as _files
-from fp_dcp.tiers import drain, integrity, restore as _restore, store
+from fp_dcp import format as fmt
+from fp_dcp.tiers import drain, integrity, store
+from fp_dcp.tiers import restore as _restore
 from fp_dcp.tiers.agree import exchange, share
 from fp_dcp.tiers.replicate import FileIO, Transfer, file_io_for, run_transfers
 from fp_dcp.tiers.topology import Topology, ranks_per_node_from_env
@@ -390,6 +391,7 @@ class TierManager:
         return {**stats, **{f"replica_{k}_seconds": v for k, v in phase.items()}}
 
     def _drain(self, step: int) -> drain.DrainResult:
+        assert self.persistent_root is not None  # drains run only with a persistent root
         try:
             for attempt in range(self.drain_retries + 1):
                 result = drain.drain_step(step, store.step_dir(self.local_root, step), self.persistent_root,

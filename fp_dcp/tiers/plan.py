@@ -78,7 +78,7 @@ class Candidate:
     sizes: dict[str, int]
 
 
-def choose(step: int | None, inv: Inventory, excluded: set[int] = frozenset()) -> Candidate | None:
+def choose(step: int | None, inv: Inventory, excluded: set[int] | frozenset[int] = frozenset()) -> Candidate | None:
     """The newest step (or ``step``) not ``excluded`` whose metadata some tier
     holds and each of whose data files some tier holds at its recorded size."""
     tiers = inv.local + [inv.persistent]

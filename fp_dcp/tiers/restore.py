@@ -77,7 +77,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from fp_dcp import FastPersistOptions, FastPersistReader, wire
 from fp_dcp import format as fmt
-from fp_dcp.tiers import integrity, plan as tplan, store
+from fp_dcp.tiers import integrity, store
+from fp_dcp.tiers import plan as tplan
 from fp_dcp.tiers.agree import TierError, exchange, share
 from fp_dcp.tiers.integrity import ranges_bytes
 from fp_dcp.tiers.moves import ReplicaMoves
@@ -180,7 +181,8 @@ def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str,
     # thread started here: its threads (gloo's, which move the bytes) run at
     # the caller's priority, not the manager's background one
     pool = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-restore-group")
-    making = pool.submit(dist.new_group, backend="gloo", **({} if timeout is None else {"timeout": timeout}))
+    group_kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    making = pool.submit(dist.new_group, backend="gloo", **group_kwargs)
     pool.shutdown(wait=False)
     try:
         inv = _inventory(group, world, rank, local_root, persistent_root)
@@ -296,8 +298,12 @@ class _StepRestore:
         inv, s = self.ctx.inventory, self.s
         src = next((r for r in range(self.world) if inv.has_metadata(r, s, self.save_id)), 0)
         root = self.ctx.local_root if inv.has_metadata(self.rank, s, self.save_id) else self.ctx.persistent_root
-        blob = share(self.group, src, f"restore: reading step {s}'s metadata",
-                     lambda: store.read_metadata(store.step_dir(root, s)), error=TierRestoreError)
+
+        def read() -> bytes:
+            assert root is not None  # src holds the metadata in one of its tiers
+            return store.read_metadata(store.step_dir(root, s))
+
+        blob = share(self.group, src, f"restore: reading step {s}'s metadata", read, error=TierRestoreError)
         self.metadata, self.layout, self.extra = store.decode(blob, f"step {s} metadata (from rank {src})")
         self.fid_of = {n: i for i, (n, _) in enumerate(self.layout.files)}
 
@@ -330,11 +336,11 @@ class _StepRestore:
             for p in picks:
                 self.chosen[(p.need.node, p.need.name)] = p.tier
             local_failures = _failures(self.group, self.world, f"restore: assembling step {self.s}",
-                                       lambda: self._fetch_here(picks))
+                                       lambda: self._fetch_here(picks))  # noqa: B023 (called before the loop goes on)
             if background and not local_failures:
                 return self._start_transfers(picks)
             moved = _failures(self.ctx.moving, self.world, f"restore: moving replicas of step {self.s}",
-                              lambda: self._transfers(picks))
+                              lambda: self._transfers(picks))  # noqa: B023 (called before the loop goes on)
             failed = self._mark_bad(sorted(set(local_failures) | set(moved)))
             pending = [p.need for p in picks if (p.need.receiver, p.need.name) in failed]
         return None
@@ -484,7 +490,7 @@ class _StepRestore:
                 **({} if direct else {"direct_io": False}))
             waits = incoming is not None and any(self.chosen[(n.node, n.name)] == "replica" for n in node_needs)
             reader = _ArrivingReader(self.restore_dir, opts, functools.partial(self._arrived, incoming)
-                                     if waits else None)
+                                     if waits and incoming is not None else None)
             load_error = None
             try:  # what raises in here raises on every rank (DCP gathers every rank's outcome)
                 dcp.load(self.ctx.state_dict, storage_reader=reader, planner=self.ctx.planner, process_group=self.group)

@@ -357,7 +357,8 @@ class RangesFile:
         unlink_in(self.path)
 
 
-def retain(root: str, keep: int, pinned: set[int] = frozenset(), newest: int | None = None) -> list[str]:
+def retain(root: str, keep: int, pinned: set[int] | frozenset[int] = frozenset(),
+           newest: int | None = None) -> list[str]:
     """Keep the ``keep`` newest owned steps under ``root`` that have
     metadata; remove every older owned step directory (committed or not)
     except the ``pinned`` ones (a drain still reads them).  Steps newer than
@@ -401,7 +402,9 @@ def remove_owned(root: str, step: int | None, name: str | None = None) -> bool:
     directory when nothing else is left in it.  Nothing is followed or
     opened; a directory without the marker is left alone.  Returns whether
     the directory is gone."""
-    name = step_name(step) if name is None else name
+    if name is None:
+        assert step is not None  # a step or a name
+        name = step_name(step)
     with opened(root, user=True) as r:
         try:
             with opened_sub(r, name) as d:

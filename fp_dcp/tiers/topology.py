@@ -88,7 +88,7 @@ class Topology:
     def replication_pairs(self, replicas: int) -> list[tuple[int, int]]:
         """Every ``(sender, receiver)`` of one replication round, in one
         global order that every rank computes alike."""
-        pairs = []
+        pairs: list[tuple[int, int]] = []
         for node, ranks in enumerate(self.nodes):
             for holder in self.holders(node, replicas):
                 pairs.extend((r, self.partner(r, holder)) for r in ranks)

@@ -121,7 +121,8 @@ class Progress:
     def _line(self, frac: float, now: float) -> str:
         dt = now - self.t0
         rate = self.done / dt / 1e9 if dt > 0 else 0.0
-        return f"{self.label}: {format_size(self.done)} / {format_size(self.total)} ({100 * frac:5.1f}%) {rate:.2f} GB/s"
+        done, total = format_size(self.done), format_size(self.total)
+        return f"{self.label}: {done} / {total} ({100 * frac:5.1f}%) {rate:.2f} GB/s"
 
     def close(self) -> None:
         if self.enabled and self.tty:
@@ -160,12 +161,12 @@ def describe(path: str) -> dict[str, Any]:
     version, _, _ = fmt.read_header(data, meta_path)
     md, layout, extra = fmt.decode_metadata(data, meta_path)
     tensors, others = [], []
-    extents = {}
+    extents: dict[str, list[fmt.Extent]] = {}
     for index, exts in layout.extents.items():
         extents.setdefault(index.fqn, []).extend(exts)
     for name, item in sorted(md.state_dict_metadata.items()):
         exts = extents.get(name, [])
-        files = sorted({e.file for e in exts})
+        item_files = sorted({e.file for e in exts})
         if isinstance(item, TensorStorageMetadata):
             esize = item.properties.dtype.itemsize
             tensors.append({
@@ -175,10 +176,10 @@ def describe(path: str) -> dict[str, Any]:
                 "bytes": math.prod(item.size) * esize,
                 "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in item.chunks],
                 "extents": len(exts),
-                "files": files,
+                "files": item_files,
             })
         else:
-            others.append({"name": name, "bytes": sum(e.length for e in exts), "files": files})
+            others.append({"name": name, "bytes": sum(e.length for e in exts), "files": item_files})
     files = []
     for i, ((name, size), full) in enumerate(zip(layout.files, fmt.data_file_paths(path, layout))):
         try:
@@ -314,8 +315,8 @@ def _stream_torch_save(src: str, fd: int, tmp: str, progress: bool) -> None:
     skeleton: dict[str, Any] = {}
     with FastPersistReader(src) as reader:
         allow_pickle = reader.options.allow_pickle  # the objects pass the restricted unpickler unless set
-        _load_state_dict(skeleton, storage_reader=reader, planner=only(LoadItemType.BYTE_IO, _EmptyStateDictLoadPlanner),
-                         no_dist=True)
+        planner = only(LoadItemType.BYTE_IO, _EmptyStateDictLoadPlanner)
+        _load_state_dict(skeleton, storage_reader=reader, planner=planner, no_dist=True)
     with torch.serialization.skip_data(), os.fdopen(fd, "wb", closefd=False) as f:
         torch.save(skeleton, f)
     del skeleton
@@ -335,8 +336,9 @@ def _stream_torch_save(src: str, fd: int, tmp: str, progress: bool) -> None:
 
 
 def _flat_tensor_keys(path: str) -> tuple[list[tuple[str, torch.dtype, list[int]]], list[str]]:
-    from fp_dcp.load.reader import read_checkpoint_metadata
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from fp_dcp.load.reader import read_checkpoint_metadata
 
     md, _, _ = read_checkpoint_metadata(path)
     tensors, others = [], []
@@ -412,7 +414,8 @@ def to_safetensors(src: str, out: str, *, force: bool = False, progress: bool = 
 
 
 def _batches(tensors, limit: int) -> Iterator[list]:
-    batch, size = [], 0
+    batch: list[tuple] = []
+    size = 0
     for t in tensors:
         n = math.prod(t[2]) * t[1].itemsize
         if batch and size + n > limit:
@@ -426,9 +429,8 @@ def _batches(tensors, limit: int) -> Iterator[list]:
 
 def _load_dcp(src: str) -> dict:
     """A stock DCP checkpoint's state dict, read without running its code (:mod:`fp_dcp.load.stock`)."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from fp_dcp.load.stock import SafeStockReader
 

@@ -254,7 +254,7 @@ def format_tables(result: dict[str, Any]) -> str:
         grid = {tuning.Shape(c["block_size_bytes"], c["queue_depth"]): c["gbps"] for c in result["grid"][op]}
         chosen = tuning.Shape(result["chosen"][op]["block_size_bytes"], result["chosen"][op]["queue_depth"])
         builtin = tuning.Shape(result["builtin"][op]["block_size_bytes"], result["builtin"][op]["queue_depth"])
-        best = max(grid, key=grid.get)
+        best = max(grid, key=lambda s: grid[s])
         sizes = sorted({s.block_size for s in grid})
         depths = sorted({s.queue_depth for s in grid})
         what = ("new file, fsync in the clock" if op == "write" else "cold: O_DIRECT, file dropped from the page cache")
