@@ -1,13 +1,9 @@
 """The only importer of fp_dcp's native extension (``fp_dcp._aio``, built from
-``cython_io/``).
+``cython_io/``): a missing or broken build fails once, naming the fix.
 
-Every module of the package reaches the extension through this one, so that a
-missing or broken build fails once, with a message naming the fix, instead of
-as a circular-import trace from deep inside a save. The names below are the
-extension's release API (typed in fp_dcp/_aio.pyi); its test hooks (fault and
-kill injection, CRC switches) are not among them: tests get them from
-:func:`testing`, which works only in a process started with
-``FP_DCP_TEST_HOOKS=1`` (tests/conftest.py sets it; docs/NATIVE.md).
+The names below are the extension's release API (fp_dcp/_aio.pyi); its test
+hooks come from :func:`testing`, only with ``FP_DCP_TEST_HOOKS=1``
+(docs/NATIVE.md).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Checksums of a checkpoint's data: the CRC-32C of every block of every extent.
 
-The writer asks the engine for the CRC-32C of each ``CHECKSUM_BLOCK_BYTES``
-block of each extent while the bytes pass through it (``Engine.write(...,
-checksums=block)``: fused with the copy into the bounce buffers, or computed
-on the source while a zero-copy request is in flight) and stores them in the
-metadata, 8 hex digits per block (``Extent.crc32c``).
-
-A load checks what landed: :class:`ReadVerifier` cuts the pieces of an
-engine call at extent boundaries, tells the engine where each piece starts
-in its extent (``checksum_origin``), and compares the CRC of every checksum
-block a piece covers whole with the stored one.  A piece that covers part of
-a block (a resharded read of a few rows or columns) leaves that block
-unchecked; ``fp-dcp verify`` (:mod:`fp_dcp.tools.verify`) reads every block.
+The engine computes them while the writer's bytes pass through it; they are
+stored as ``Extent.crc32c`` (8 hex digits per block).  :class:`ReadVerifier`
+checks every block a load's piece covers whole; a partly covered block is
+left to ``fp-dcp verify``.
 """
 
 from __future__ import annotations

@@ -1,34 +1,14 @@
 """The one file layer: every path fp_dcp opens, creates, renames, lists or
 deletes goes through here, confined beneath a directory it holds open.
 
-* :class:`Root` ``(path, create=False, follow=True)`` holds a directory
-  descriptor (``follow=False``: the directory may not itself be a link).
-  Paths beneath it follow no link in any component (``openat2`` with
-  ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``, else an ``O_NOFOLLOW`` walk from
-  the descriptor); ``..``, absolute paths and empty components are refused.
-* ``open_read(rel)`` / ``read_bytes(rel, max_bytes)``: opened non-blocking,
-  ``fstat`` before any read: a FIFO, device, socket or directory is a
-  :class:`NotRegularFileError` at once; a file over ``max_bytes`` a
-  :class:`FileTooLargeError` before reading.
-* ``mkdir``, ``lstat``, ``exists``, ``entries`` (name and ``lstat`` kind:
-  ``file``/``dir``/``link``/``other``), ``unlink``, ``rmdir``, ``rename``
-  (``renameat``), ``sync``, ``sub`` (a :class:`Root` beneath),
-  ``create_exclusive`` (``O_CREAT | O_EXCL | O_NOFOLLOW``).
-* ``atomic_file(rel)`` (yields the temporary's descriptor) and
-  ``replace_bytes(rel, data)``: a temporary created ``O_EXCL | O_NOFOLLOW``
-  under a per-process name, written, synced, renamed over ``rel``, the
-  directory synced; on failure the temporary is removed.
-* ``link_or_copy(rel, dst_root, dst_rel)``: a hard link, else an atomic copy.
-* ``remove_owned(rel, owns)``: deletes only what ``owns(relpath, kind)``
-  accepts (links unlinked, never followed), a directory only once empty;
-  returns what was left.  ``rmtree(rel)``: everything, by descriptors.
-
-For checkpoints: :func:`read_metadata_bytes` (magic and length checked before
-the whole is read), :func:`read_checkpoint_metadata`, :func:`lstat_data_file`,
-:func:`read_small_file` / :func:`open_regular` (one bounded regular file by
-full path).  Violations are :class:`UnsafePathError` (an ``OSError`` naming
-the path).  Every ``os`` call goes through this module's ``os`` (the crash
-tests replace it).
+:class:`Root` holds a directory descriptor; paths beneath it follow no link
+in any component (``openat2`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``,
+else an ``O_NOFOLLOW`` walk); ``..``, absolute paths and empty components are
+refused.  Reads open non-blocking and ``fstat`` first (a non-regular file is
+a :class:`NotRegularFileError`, one over the bound a
+:class:`FileTooLargeError`).  Violations are :class:`UnsafePathError` (an
+``OSError`` naming the path).  Every ``os`` call goes through this module's
+``os`` (the crash tests replace it).
 """
 
 from __future__ import annotations

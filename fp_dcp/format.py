@@ -1,21 +1,10 @@
-"""The on-disk format: file names, the layout records and the metadata codec.
+"""The on-disk format: file names, the layout records and the metadata codec
+(docs/FORMAT.md).
 
-A checkpoint is a directory holding
-
-* data files ``<save_id>.r<rank>.<k>.fpd``: raw tensor and bytes-item bytes,
-  no framing; each extent starts at the offset recorded in the metadata;
-  files are padded with zeros to the direct-I/O alignment.  A writer given
-  several data directories (one per storage device) puts its files
-  ``<save_id>.r<rank>.d<device>.<k>.fpd`` in them instead, and the metadata
-  names those files by absolute path;
-* the metadata file ``.fp_dcp.meta``, written last through a temporary name
-  and a rename: the commit point.  Its bytes are a fixed header followed by a
-  JSON document (see ``docs/FORMAT.md``); nothing in it is unpickled, and
-  every file it names must follow the writer's naming inside the checkpoint
-  (:func:`data_file_paths`, the confinement rule of ``docs/FORMAT.md``).
-  Objects (DCP's bytes items) are rebuilt by :mod:`fp_dcp.load.objects`.
-
-Everything here is pure Python over plain data, so the codec can be fuzzed.
+Pure Python over plain data, so the codec can be fuzzed; nothing is
+unpickled.  Each metadata section has a fast column decoder and a reference
+decoder: deliberate (the tests compare them), which is why this module is
+over the size limit; keep both in step when editing one.
 """
 
 from __future__ import annotations

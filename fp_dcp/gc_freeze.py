@@ -1,32 +1,15 @@
 """Keep the cyclic garbage collector off a save's or a load's long-lived objects.
 
-A state dict of thousands of tensors makes every full collection of the
-cyclic GC walk all of them (and the ~250,000 objects of an imported torch);
-DCP's planning, the writer's ``finish`` and the reader's metadata and jobs
-allocate enough to trigger several per save or load (measured: 0.5 s of a
-2.2 s save of 9,245 tensors; four full collections, ~0.15 s each, in a load
-of 9,000 tensors).  ``gc.freeze()`` moves the objects that exist when the
-save or load starts out of the collector's sight for its duration only; what
-it allocates is still collected.
+``gc.freeze()`` moves the objects that exist when a save or load starts out
+of the collector's sight for its duration only (a state dict of thousands of
+tensors makes every full collection walk all of them); what it allocates is
+still collected.  The writer freezes in ``set_up_storage_writer`` and thaws
+at the end of its rank's part; the reader freezes in ``set_up_storage_reader``
+and thaws at the end of ``read_data``; both thaw in ``reset()`` and ``close()``.
 
-The writer freezes in ``set_up_storage_writer`` and thaws at the end of its
-rank's part of the save (``write_data``, or ``finish`` on the coordinator);
-the reader decodes the metadata with the collector paused (:func:`paused`),
-freezes in ``set_up_storage_reader`` and thaws at the end of ``read_data``.
-Both thaw in ``reset()`` and ``close()`` if a save or load failed in between
-(their own steps thaw on their own errors, :meth:`GcFreeze.thaw_on_error`; a
-failure inside DCP between them, another rank's error raised here, leaves it
-frozen until the next save or load, ``close()`` or collection: the frozen
-objects are the long-lived ones of the job).
-
-Where it does nothing: CPython 3.12 (seen on 3.12.1) keeps objects of its
-own in the permanent generation (``gc.get_freeze_count()`` is 375 in a bare
-interpreter) and puts them back there after a ``gc.unfreeze()``; a save that
-froze and thawed there crashed the interpreter in a later collection (fp_dcp's
-fault tests, torch 2.11, Python 3.12.1).  So on an interpreter whose bare start
-count is not 0 (read once per process from a ``python -I -S`` child; known to be
-0 on 3.10, 3.11 and 3.13) ``freeze_gc_during_save`` / ``freeze_gc_during_load``
-do nothing, as they do where the application froze objects itself.
+On an interpreter that keeps objects of its own in the permanent generation
+(CPython 3.12 does, and crashed in a collection after a freeze and thaw) it
+does nothing, as it does where the application froze objects itself.
 """
 
 from __future__ import annotations

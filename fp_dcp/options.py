@@ -1,18 +1,9 @@
-"""Every tunable of fp_dcp in one place.
+"""Every tunable of fp_dcp in one place (docs/OPTIONS.md).
 
-:class:`FastPersistOptions` is a frozen dataclass.  Each field can be set three
-ways, strongest first:
-
-1. an argument: ``FastPersistOptions(queue_depth=16)`` or
-   ``FastPersistWriter(path, queue_depth=16)``;
-2. an environment variable ``FP_DCP_<FIELD NAME IN CAPITALS>``
-   (``FP_DCP_ENGINE=uring``), read when the options object is created;
-3. the default below.
-
-Sizes carry their unit in the name (``*_bytes``); environment values for them
-accept suffixes (``64MiB``, ``4k``).  An unknown option name is an error that
-lists the valid ones.  Tests use :func:`override` to run the same code with a
-feature on and off.
+Each field of :class:`FastPersistOptions` is set, strongest first, by an
+argument, by ``FP_DCP_<FIELD NAME IN CAPITALS>`` (read when the object is
+made; sizes accept suffixes such as ``64MiB``), or by its default.  An
+unknown option name is an error listing the valid ones.
 """
 
 from __future__ import annotations

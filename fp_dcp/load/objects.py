@@ -1,27 +1,12 @@
 """Loading a checkpoint's objects (DCP's bytes items) without running its code.
 
-DCP stores every non-tensor value of a state dict (a step counter, an LR
-scheduler's or a data loader's state) as a *bytes item*: ``torch.save`` of
-the object.  DCP's default load planner turns it back with
-``torch.load(..., weights_only=False)``: a full unpickle, which runs whatever
-callable the bytes name.  The metadata alone decides which keys are bytes
-items, so a crafted checkpoint could run code through any key.
-
-fp_dcp hands DCP's planner only objects that torch's restricted unpickler
-(``torch.load(weights_only=True)``: tensors, ``torch.Size``, dtypes, plain
-containers and scalars, and what ``torch.serialization.add_safe_globals``
-allows) has rebuilt, and the plain data DCP itself passes through a state
-dict untouched: ``io.BytesIO`` (a blob kept as a stream, as PyTorch's own
-end-to-end DCP test keeps its losses), rebuilt from its bytes and position
-and nothing else.  A payload that needs anything else is refused with
-:class:`UnsafeObjectError`, naming the key, the globals it wants and the two
-ways to accept it.  ``FastPersistOptions(allow_pickle=True)`` (environment
-``FP_DCP_ALLOW_PICKLE=1``) restores the full unpickler, for checkpoints you
-trust.
-
-A bytes item is also never loaded over a tensor of the caller's state dict
-(:func:`check_bytes_targets`): a checkpoint cannot swap a tensor for an
-object.
+DCP's default planner unpickles bytes items with the full unpickler.  fp_dcp
+hands it only objects torch's restricted unpickler
+(``torch.load(weights_only=True)``) rebuilt, plus ``io.BytesIO`` rebuilt from
+its bytes and position; anything else is an :class:`UnsafeObjectError`
+naming the key, the globals it wants and the two ways to accept it
+(``allow_pickle=True`` / ``FP_DCP_ALLOW_PICKLE=1`` for trusted checkpoints).
+A bytes item is never loaded over a tensor (:func:`check_bytes_targets`).
 """
 
 from __future__ import annotations

@@ -1,49 +1,10 @@
 """``FastPersistReader``: a DCP ``StorageReader`` that reads only the bytes each
-rank needs, into any world size and sharding (Universal Checkpointing).
+rank needs, into any world size and sharding.
 
-For every ``ReadItem`` (a box of a stored chunk that lands in a box of a
-target tensor) the reader describes the bytes as a grid of runs contiguous in
-both the stored chunk and the target (:func:`fp_dcp.load.plan.box_grid`), maps
-them onto the stored extents (a chunk may be split over several files and
-ranks), and decides — in Python, so the decision is the planner's, not the
-engine's — how to read them:
-
-* runs are read straight into the target tensor wherever it is a CPU tensor
-  of the stored dtype (contiguous or not: a column slice is read row by row
-  into its rows);
-* many small runs whose gaps hold no whole alignment block (a dense slice of
-  the last dimension) are read as a few ranges into a bounded temporary and
-  moved with one strided copy, instead of one request and one Python object
-  per run;
-* targets of another dtype or device are read into a bounded temporary and
-  cast with ``copy_``, as the stock reader does (``strict_dtype=True`` makes
-  that an error);
-* across items, gaps between pieces are read through only where that costs
-  no whole block, or within the over-read budget
-  (``max_overread_percent``); the engine is called with ``coalesce_gap=0``.
-
-Temporaries never exceed ``read_buffer_budget_bytes`` (one arena, reused for
-the whole load); a stored chunk is never read whole to be sliced.
-
-With ``share_replicated_reads=True``, a box that several ranks need (every
-rank of a DDP-style restart needs every replicated tensor) is read from disk
-by one of them and sent to the others over the load's process group, inside
-DCP's own ``read_data`` step: every rank runs the same sequence of
-collectives, errors included.  With ``share_interleaved_reads`` (on by
-default for a process group that moves tensors on the CPU, among the ranks
-of one machine), stored rows that
-several ranks need interleaved parts of (a load that moves the sharded
-dimension) are cut into row slabs, each read whole and sequentially by
-one rank, which sends every other rank its part: each rank reads about the
-bytes it needs, in large requests, instead of many small runs.  Both are
-*shared units* of one plan (:class:`~fp_dcp.load.sharing.plan.SharedUnit`):
-a box of a stored chunk, its owner, and the sub-box each rank needs of it.
-
-This module is the DCP protocol only, and owns the engines.  The work is
-done downstream, each step by its own module: :mod:`fp_dcp.load.jobs` turns
-read items into jobs (with the pure functions of :mod:`fp_dcp.load.plan`),
-:mod:`fp_dcp.load.execute` runs them through the engine, and
-:mod:`fp_dcp.load.sharing` plans and runs shared reads.
+This module is the DCP protocol only.  :mod:`fp_dcp.load.jobs` turns read
+items into jobs (with :mod:`fp_dcp.load.plan`), :mod:`fp_dcp.load.execute`
+runs them through the engine, :mod:`fp_dcp.load.sharing` plans and runs
+shared reads; docs/ARCHITECTURE.md ("How a load reads") says how.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Reading a *stock* DCP checkpoint (``FileSystemWriter``'s) without running its code.
 
-``fp-dcp convert --from-dcp`` reads checkpoints fp_dcp did not write.  The
-stock ``FileSystemReader`` unpickles ``.metadata`` with the full unpickler,
-opens whatever ``relative_path`` the metadata names (``../x`` included), and
-its planner ``torch.load``\\ s every bytes item with ``weights_only=False``.
-:class:`SafeStockReader` keeps the stock reader's data path but
-
-* unpickles the metadata with an unpickler that knows only DCP's metadata
-  classes, ``torch.Size``, dtypes and plain containers;
-* refuses a data file that is not a plain name of a regular file in the
-  checkpoint directory, and stream transforms (compression extensions);
-
-and rebuilds the bytes items with the restricted unpickler
-(:mod:`fp_dcp.load.objects`) before the caller's planner sees them.  fp-dcp
-convert --from-dcp reads with it, and so does ``dcp.load`` of a stock
-checkpoint while fp_dcp's default-storage switch is on.
+:class:`SafeStockReader` keeps the stock reader's data path but unpickles the
+metadata with an unpickler that knows only DCP's metadata classes and plain
+data (bounded), refuses data files that are not plain names of regular files
+in the checkpoint and stream transforms, and rebuilds bytes items with the
+restricted unpickler (:mod:`fp_dcp.load.objects`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The balancer: which rank writes which bytes of which item, on which device.
 
-:func:`plan_placement` takes one :class:`Holdings` per rank (each item it
-holds, keyed by a stable 64-bit hash of its ``MetadataIndex``, with its
-size; the rank's host and number of data directories) and returns a
-:class:`Placement`: per rank, pieces ``(local item, item_offset, length,
-device)``; the pieces of an item, over all ranks, tile ``[0, nbytes)``
-exactly once.  Deterministic: the same holdings give the same placement on
-any machine.  :class:`PlanCache` keeps placements by structure.  Pure:
-numbers in, numbers out.
+:func:`plan_placement` turns one :class:`Holdings` per rank into a
+:class:`Placement` whose pieces of each item, over all ranks, tile
+``[0, nbytes)`` exactly once.  Deterministic and pure; :class:`PlanCache`
+keeps placements by structure.
 """
 
 from __future__ import annotations

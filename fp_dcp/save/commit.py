@@ -1,25 +1,11 @@
 """A save's commit protocol, and the clean-up around it.
 
 A save becomes visible at one point: the rename of its temporary metadata
-over ``.fp_dcp.meta`` (:func:`commit_metadata`).  Until then the coordinator
-holds the checkpoint directory's lock (:class:`SaveLock`), so two saves into
-one directory never interleave, and the previous checkpoint stays whole.
-With ``options.sync_files`` the directory is synced before the rename (the
-new data files' entries reach the disk first: a crash never leaves committed
-metadata naming lost files) and after it.
-
-What a failure or a crash leaves behind before the rename is garbage:
-:func:`abandon_rank_files` removes a rank's data files when its write failed,
-:func:`commit_metadata` removes the temporary metadata and the new data files
-when the commit itself failed, and :func:`remove_superseded` (after the next
-commit) removes whatever else is left: the data files of earlier saves and
-stale temporary metadata.
-
-Every file operation goes through :mod:`fp_dcp.files` (nothing beneath the
-checkpoint directory is reached through a link), and so through that
-module's ``os``: the crash tests (``tests/_crash.py``) replace it to kill the
-coordinator just before the k-th ``open``, ``write``, ``fsync``, ``replace``
-or ``unlink``.
+over ``.fp_dcp.meta`` (:func:`commit_metadata`), under the directory's lock
+(:class:`SaveLock`).  What a failure leaves before that is removed
+(:func:`abandon_rank_files`, :func:`commit_metadata` on failure, and
+:func:`remove_superseded` after the next commit).  Every file operation goes
+through :mod:`fp_dcp.files` (docs/FORMAT.md, "Commit protocol").
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """CUDA tensors to a data file: device-to-host copies through two page-locked
-buffers, overlapped with the writes.
+buffers, overlapped with the writes (chunk k is written while k+1 is copied).
 
-A save without staging writes CUDA tensors straight from the device: their
-bytes are copied, chunk by chunk, into one of two page-locked host buffers on
-a side stream (which first waits for the tensors' producers), and chunk k is
-written by the engine on a worker thread while chunk k+1 is copied.  Each
-extent starts aligned (so chunk windows never share a checksum block); the
-engine checksums each chunk's part of an extent on the extent's grid, and
-the parts are merged into the extent's ``crc32c``, the same value a CPU save
-of those bytes records.
+Each extent starts aligned, and the chunk parts' checksums are merged into the
+extent's ``crc32c``: the value a CPU save of those bytes records.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """One rank's write: its assigned pieces, from the planner's data into one
 file per device, through the native engine.
 
-:func:`write_rank` resolves each item the assignment names (a tensor's
-bytes, zero-copy where it is on the CPU; a bytes item's buffer), groups the
-pieces by device (data directory), and writes each device's pieces in one
-file for host bytes and one for CUDA bytes, one thread per device (the
-engine releases the GIL).  Host bytes go to the engine as they are: large
-extents aligned so they are written in place, small ones packed
-(:func:`fp_dcp.save.layout.place_extents`); CUDA bytes go through page-locked
-buffers (:mod:`fp_dcp.save.device_copy`).  It returns DCP's write results
-(:class:`fp_dcp.save.results.Written` records) and the rank's statistics.
-
-Durability: the host files are written without ``fdatasync``, then synced
-on threads of their own while this thread turns the written extents into
-the results and runs the caller's ``while_syncing`` work (the coordinator
-prepares its commit there): on a disk whose ``fdatasync`` waits for the
-host's write-back, that work is off the save's critical path.
-:func:`write_rank` returns only once every file is durable.
-
-Checksums: where a staging copy (an async save's arena) already
-checksummed most of a file's bytes on the checksum grid, those are used and
-only the rest is checksummed here; otherwise the engine checksums what it
-writes.
+:func:`write_rank` resolves each item (zero-copy for CPU tensors), writes
+each device's host bytes and CUDA bytes in one file each, one thread per
+device, and returns DCP's write results and the rank's statistics once every
+file is durable (the files are synced while the caller's ``while_syncing``
+work runs).  Checksums an async save's staging copy already made are reused.
 """
 
 from __future__ import annotations

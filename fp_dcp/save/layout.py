@@ -1,10 +1,5 @@
 """Pure planning of a save's file layout: where each item's bytes go in the
-data files (:func:`place_extents`); the check that stored extents tile an
-item exactly (:func:`check_extents_cover`) is the format's, in :mod:`fp_dcp.format`.
-
-Nothing here touches a disk or a process group; every function takes and
-returns plain numbers so it can be tested with hypothesis.  Which bytes a
-load needs is :mod:`fp_dcp.load.plan`.
+data files (:func:`place_extents`).
 """
 
 from __future__ import annotations

@@ -1,42 +1,8 @@
-"""The save plan: what each rank tells the coordinator, what the coordinator
-assigns each rank, and the per-process records that stand in for the plans
-DCP's plan caching does not send.
-
-* ``prepare_local_plan`` (every rank): :func:`describe_rank` records the
-  rank's items in this process (under a token) and returns a
-  :class:`RankHoldings` (every item's key and size, the host, the number of
-  data directories), which travels to the coordinator in
-  ``SavePlan.storage_data`` and survives the planner's dedup of replicated
-  items;
-* ``prepare_global_plan`` (coordinator): :func:`assign` balances the bytes
-  (:mod:`fp_dcp.save.balance`; the placement is cached by structure in
-  :data:`PLACEMENTS`) and returns one :class:`Assignment` per rank: its
-  pieces (byte ranges of its items, and the data directory of each);
-* ``write_data`` (every rank): :func:`assignment_items` finds the items the
-  pieces index.
-
-DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``): a rank
-whose local plan did not change sends DCP an empty plan (``usable=False``),
-so its ``prepare_local_plan`` sees no items, and the coordinator's
-``prepare_global_plan`` sees an empty plan for each such rank (DCP keeps its
-caches per planner class, in the process).  Per-process records fill the gap:
-
-* on every rank, the items each usable ``prepare_local_plan`` recorded, under
-  a token that travels in ``RankHoldings`` and comes back in that rank's
-  ``Assignment`` (the pieces index those items); and per planner class (DCP's
-  cache key), the assignment this rank last wrote with;
-* on the coordinator, per world size, the last ``RankHoldings`` seen for
-  each rank and the placement made from them (:class:`GlobalRecord`, kept by
-  :func:`keep_global_record` once ``write_data`` knows the planner caches).
-
-Nothing changed anywhere (every plan empty): the coordinator answers each
-rank with a stub ``Assignment(reuse=True)`` carrying this save's ``save_id``
-only, and each rank writes with its own last assignment for this planner
-class.  Some ranks changed: the coordinator plans with its record for the
-others and answers them with a full assignment.  Either way every plan it
-returns is usable, so DCP's ``finish_plan`` hands ``write_data`` this save's
-assignment, never the final plan it cached from an earlier save, and no rank
-ever writes under an earlier save's file names.
+"""The save plan: what each rank tells the coordinator (:class:`RankHoldings`,
+from :func:`describe_rank`), what the coordinator assigns each rank
+(:class:`Assignment`, from :func:`assign`), and the per-process records
+that stand in for the plans DCP's plan caching does not send
+(docs/ARCHITECTURE.md, "DCP's plan caching").
 """
 
 from __future__ import annotations

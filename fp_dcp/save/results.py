@@ -1,10 +1,6 @@
-"""What each rank reports of its write, and the coordinator's merge of the
-reports into the checkpoint's storage layout.
-
-Each rank's ``write_data`` returns one DCP ``WriteResult`` per item it wrote,
-whose ``storage_data`` is a :class:`Written` record; ``finish`` merges them
-from all ranks (:func:`layout_from_results`) and checks, before the commit,
-that they store every item's bytes exactly once (:func:`check_layout_covers`).
+"""What each rank reports of its write (:class:`Written`), and the
+coordinator's merge into the storage layout (:func:`layout_from_results`),
+checked to store every item's bytes exactly once.
 """
 
 from __future__ import annotations

@@ -1,38 +1,7 @@
 """``FastPersistWriter``: a DCP ``StorageWriter`` that writes at the disk's speed.
 
 This module is the DCP protocol only: each method translates one of DCP's
-calls (``torch.distributed.checkpoint.state_dict_saver``) to the save path's
-modules.
-
-1. every rank: ``reset`` / ``set_up_storage_writer`` / ``prepare_local_plan``
-   — makes the directories (:mod:`~fp_dcp.save.directories`) and records
-   what this rank holds (every item and its size, its host, its data
-   directories: :func:`fp_dcp.save.plan.describe_rank`) in
-   ``SavePlan.storage_data``, which survives the planner's dedup of
-   replicated items;
-2. coordinator: ``prepare_global_plan`` — takes the directory's lock
-   (:mod:`~fp_dcp.save.commit`), names this save (``save_id``) and balances
-   the bytes (:func:`fp_dcp.save.plan.assign`, :mod:`fp_dcp.save.balance`):
-   replicated items are divided by byte range among all the ranks that hold
-   them, each host's bytes are striped over its data directories; the
-   placement is cached by structure, and DCP's plan caching is served from
-   per-process records (see :mod:`fp_dcp.save.plan`).  Each rank's plan
-   carries its pieces ``(item, byte range, device)``, including pieces of
-   items the planner's dedup removed from its plan;
-3. every rank: ``write_data`` — lays its pieces out in one file per device
-   and streams them through the native engine (:mod:`fp_dcp.save.execute`;
-   CUDA tensors through :mod:`fp_dcp.save.device_copy`);
-4. coordinator: ``finish`` — merges the ranks' results into the storage
-   layout (:mod:`fp_dcp.save.results`), commits the metadata (a temporary
-   name and a rename, :mod:`fp_dcp.save.commit`), then removes the data files
-   of the checkpoint it superseded.  The coordinator prepares what it can
-   in ``write_data`` already, while its data files are synced
-   (``while_syncing`` of :func:`fp_dcp.save.execute.write_rank`): the
-   metadata's structure (:func:`fp_dcp.format.encode_structure`) and, in a
-   save of one rank, the layout and the metadata's bytes; ``finish`` uses
-   them when DCP hands it the very metadata (and results) they were made
-   from.
-
+calls to the save path's modules (docs/ARCHITECTURE.md, ``fp_dcp/save/``).
 The objects that exist when a save starts are kept out of the cyclic GC's
 sight until this rank's part of it ends (:mod:`fp_dcp.gc_freeze`).
 """

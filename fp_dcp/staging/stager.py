@@ -1,11 +1,6 @@
-"""``FastPersistWriter`` as DCP's ``AsyncStager``: ``dcp.async_save`` calls
-:meth:`~AsyncStagingMixin.stage` on the training thread and saves what it
-returns in the background.
-
-This module is the protocol: the mixin, the lazy future and :class:`Stager`,
-which runs one staging (walk, layout, arena, copy) and keeps the saves in
-flight.  What staging does for a caller (the arena, eager and lazy copies,
-the memory bound, the checkpoint process, failures) is docs/STAGING.md.
+"""``FastPersistWriter`` as DCP's ``AsyncStager``: the mixin, the lazy future
+and :class:`Stager`, which runs one staging and keeps the saves in flight.
+What staging does for a caller is docs/STAGING.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Every rank's outcome of one phase of the tiers' work, gathered.
 
-The tiers run collectives in background threads (a save's replication) and
-in restores; a rank whose local work raised between two collectives would
-leave every other rank waiting in the next one until the group's timeout
-(30 minutes by default).  :func:`exchange` ends such a phase with one
-gather of every rank's result or error, so that a failure on one rank
-makes every rank raise at once, naming the rank and its error.  What
-crosses is plain data (:mod:`fp_dcp.wire`), checked against the phase's
-spec on every receiver: no pickle between ranks.
+:func:`exchange` ends a phase with one gather of every rank's result or
+error (plain data, :mod:`fp_dcp.wire`), so a failure on one rank makes every
+rank raise at once, naming it, instead of waiting in the next collective.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Draining a committed local checkpoint to the persistent tier.
 
-Runs on every rank, on the manager's drain thread, over the manager's own
-gloo group (never the training's).  Each rank copies its own data files of
-the step from its node's local tier to ``<persistent root>/step_<step>/``
-(:class:`DrainIO`: read and written with O_DIRECT, buffers reused from one
-drain to the next, so a drain costs the training almost no CPU), checking
-every checksum block before the copy is named
-(:mod:`fp_dcp.tiers.integrity`) and ``fsync``-ing each file; the ranks then compare outcomes, and only when
-every rank succeeded does rank 0 commit: the metadata written beside the
-data files, synced, renamed over ``.fp_dcp.meta``, the directory synced —
-the writer's commit protocol (``docs/FORMAT.md``).  Then, and only then,
-data files no longer named by the metadata go, and older uncommitted step
-directories (drains that died) are removed.
-
-What a crash leaves: before the rename, the new step's directory without
-metadata (not a checkpoint: nothing loads it, the next drain or retention
-removes it) and every earlier step untouched; after it, the new step.  A
-step is drained into its own directory, so the previous persistent
-checkpoint is never written to.  A failed drain removes what it copied and
-is retried by the manager (``drain_retries``), the failure reported.
+Every rank copies its own data files of the step (O_DIRECT, reused buffers,
+every checksum block checked before the copy is named); only when every rank
+succeeded does rank 0 commit the metadata as the writer does.  A crash
+before the rename leaves a step directory without metadata (removed by the
+next drain or retention); the previous persistent step is never written to.
+A failed drain removes what it copied and is retried (``drain_retries``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""Checking a data file's bytes against the checksums its metadata records,
-while they are copied (drain, restore) or received (replication).
+"""Checking a data file's bytes against its metadata's checksums while they
+are copied (drain, restore) or received (replication).
 
-Every extent of an fp_dcp data file carries the CRC-32C of each of its
-``checksum_block_bytes`` blocks (``docs/FORMAT.md``).  A file is walked in
-*pieces*: the gaps between extents (padding, copied as they are) and each
-extent cut at block multiples from its start, each piece with the CRCs it
-must have.  One pass reads, checks and (for a copy) writes, so a tier never
-takes bytes it has not verified.  Extents written without checksums pass
-unchecked, as they load.
-
-A restore needs only the extents its ranks read: every function here can
-work on *ranges* of a file instead of all of it (sorted, disjoint
-``(offset, length)`` pairs, each a union of whole extents:
-:func:`extent_ranges`); the bytes of the ranges travel concatenated, and a
-copy leaves the rest of the file a hole.
+A file is walked in *pieces* (gaps, and extents cut at checksum blocks), read,
+checked and written in one pass.  Functions can work on *ranges* of a file
+(sorted, disjoint unions of whole extents: :func:`extent_ranges`), whose bytes
+travel concatenated.  Extents written without checksums pass unchecked.
 """
 
 from __future__ import annotations

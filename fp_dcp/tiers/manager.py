@@ -1,35 +1,11 @@
 """``TierManager``: multi-tier checkpointing of a series of training steps.
 
-::
-
-    mgr = TierManager("/local_nvme/ckpt", "/shared/ckpt", replicas=1, persist_every=10)
-    step = mgr.restore(state_dict)            # newest step complete in any tier, or None
-    for step in range(start, steps):
-        loss = model(batch).sum(); loss.backward()
-        mgr.wait_staged()                      # the last save's copy of the state is done
-        optimizer.step()
-        mgr.save(step, state_dict)             # returns at once
-    mgr.close()                                # waits for replication and drains
-
-Each ``save`` stages the state dict through a ``FastPersistWriter`` (lazy
-staging by default: the copy to host memory overlaps the next
-forward/backward).  The manager's low-priority saver thread writes it to
-the node-local tier with ``dcp.save`` (what ``dcp.async_save`` does on its
-own thread); its replicator thread then, while the saver goes on with the
-next step, gives every node the metadata and sends each node's files to
-``replicas`` other nodes (:mod:`fp_dcp.tiers.replicate`), and queues on
-the drain thread the local retention and, every ``persist_every`` steps,
-a drain to the persistent root (:mod:`fp_dcp.tiers.drain`).  ``restore`` loads the newest
-step that is complete somewhere, from the fastest tier that holds each byte
-(:mod:`fp_dcp.tiers.restore`), on any world size and sharding.
-
-Process groups: the constructor (a collective: every rank, same order)
-creates three gloo groups of all ranks: the DCP saves' (the saver
-thread), replication's (the replicator thread) and the drains' (the
-drain thread) — so no background collective ever shares a
-group with the training or with another thread.  With
-``transport="nccl"`` replication and restore move bytes over an NCCL group
-instead (GPU clusters; written, untested without GPUs).
+Each ``save`` stages the state dict and returns; background threads write
+it to the node-local tier, replicate it to ``replicas`` other nodes and
+drain it to the persistent root every ``persist_every`` steps.  ``restore``
+loads the newest step complete somewhere, from the fastest tier holding each
+byte.  The constructor is a collective (it creates the tiers' gloo groups).
+Usage, threads and process groups: docs/TIERS.md.
 """
 
 from __future__ import annotations

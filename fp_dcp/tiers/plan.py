@@ -1,12 +1,8 @@
-"""A restore's records and its planning from gathered facts (pure functions:
-no process group, no disk).
+"""A restore's records and its planning from gathered facts (pure functions).
 
-Every rank gathers the same :class:`Inventory`, picks the same
-:class:`Candidate` step (:func:`choose`), lists the extents its own load
-reads (:func:`reads`), and from every rank's reads derives each node's
-:class:`Need` of each data file (:func:`node_needs`).  What crosses between
-ranks is plain data (:mod:`fp_dcp.wire`): each record says its wire form
-and its spec.
+Every rank picks the same :class:`Candidate` (:func:`choose`) from the same
+:class:`Inventory`, lists its own reads (:func:`reads`) and derives each
+node's :class:`Need` of each file (:func:`node_needs`).
 """
 
 from __future__ import annotations

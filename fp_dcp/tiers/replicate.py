@@ -1,36 +1,15 @@
 """Moving data files between ranks over the tiers' own process group.
 
-A *transfer* is one data file (``name``, ``size``) from the rank that holds
-it (``src``) to the rank that needs it (``dst``).  Every rank computes the
-same list in the same order and runs the transfers it takes part in, in
-that order, each to completion before the next: with blocking pairs in one
-global order no rank waits on a rank that waits on it (the first
-unfinished transfer always has both ends at it).  Files travel as uint8
-tensors in chunks of ``chunk_bytes``.
-
-Transports:
-
-* gloo (CPU): the bytes are CPU tensors (``numpy`` views of the file, no
-  copy beyond the read).  Tested.
-* NCCL (GPU): the same chunks are copied to a ``torch.cuda.current_device()``
-  uint8 tensor, sent, and copied back to host memory on the receiver.
-  Written for GPU clusters (where gloo would cross the slow host network
-  stack), tested only where CUDA and several GPUs exist
-  (``tests/test_tiers.py`` skips otherwise).
-
-The receiver checks every received file against the checksums of its
-metadata (:mod:`fp_dcp.tiers.integrity`) before it names it: a file that
-arrived damaged is never taken for a replica.
-
-:class:`FileIO` is how a rank reads the files it sends and writes the ones
-it receives, at the CPU cost of a DMA: O_DIRECT through the native engine
-(:class:`fp_dcp.engine.IOSession`) into page-aligned buffers allocated
-once and reused by every later step.  The bytes sent are the file's bytes
-as they are on disk (padding included), so a replica is the original file.
-On a machine whose training already takes every core, a buffered read (the
-kernel's copy out of the page cache) and a buffered write (a copy into it,
-then its writeback) are CPU taken from the training; a checkpoint every
-step pays them every step.
+A *transfer* is one data file (``name``, ``size``) from ``src`` to ``dst``.
+Every rank computes the same list in the same order and runs its transfers
+in that order, each to completion (blocking pairs in one global order never
+deadlock).  Files travel as uint8 tensors in chunks of ``chunk_bytes``, over
+gloo (CPU tensors) or NCCL (through a CUDA tensor; tested only where several
+GPUs exist).  The receiver checks every file against its metadata's
+checksums (:mod:`fp_dcp.tiers.integrity`) before it names it.
+:class:`FileIO` reads and writes the files with O_DIRECT into reused aligned
+buffers (docs/TIERS.md says why), and sends the bytes as on disk, so a
+replica is the original file.
 """
 
 from __future__ import annotations

@@ -1,61 +1,11 @@
 """Restoring from the fastest complete tier, on any world size.
 
-Every rank calls :func:`restore` (the manager's ``restore``), with nothing
-else running on the tiers' process group:
-
-1. *Inventory.*  Each rank scans its node's local root (steps, metadata,
-   data files, sizes); rank 0 also scans the persistent root.  All ranks
-   gather every inventory.
-2. *Agreement.*  From the same gathered facts every rank picks the same
-   step: the newest whose metadata exists somewhere and each of whose data
-   files is held, with its recorded size, by some node or by the
-   persistent tier.
-3. *Needs.*  The metadata travels from one holder to all; each rank plans
-   its load with the DCP load planner against it (the state dict it will
-   load, so any world size and sharding) and lists the extents its read
-   items touch, by data file: a node needs only those bytes of a file, not
-   all of it (a replicated item, such as an optimizer's step counter, is
-   saved once, in some rank's file: a node may need a few bytes of every
-   file).
-4. *Assembly.*  Each node gathers the extents its ranks need into
-   ``<local root>/.restore/``: a file its own local tier holds is
-   hard-linked; one held only by other nodes comes from one of them over
-   the process group (:mod:`fp_dcp.tiers.replicate`), only the extents
-   needed, in parts, each checked on arrival and written at its offsets
-   (the rest of the file a hole); the persistent tier, the same way, only for what no
-   node holds.  A copy that fails its checks is skipped (named in
-   ``RestoreResult.skipped``) and fetched from the next source, in rounds
-   that every rank runs alike.
-5. *Load.*  The node's directory gets a metadata of the same save that
-   names only the files assembled there and the items whose extents they
-   hold, and ``dcp.load`` reads it through ``FastPersistReader`` with
-   ``verify_checksums`` on: every check of a normal load applies (names of
-   this save only, no links, checksums).  The load overlaps the replica
-   transfers of step 4, which run on a thread of their own (over a gloo
-   group the restore makes at the caller's priority): the ranks of a node
-   that receives wait in the load's ``read_data`` until every transfer
-   ended; the others read their local copies at once.
-
-Checks: bytes that crossed from another node or from the persistent tier
-are checked against the metadata's CRCs before they are named.  A local
-copy is not read twice: the load's own verification checks every block of
-the items it reads whole (:func:`fp_dcp.load.jobs.whole_chunk_read`); the
-extents it reads only in part (resharding) are checked at assembly.  When
-the load fails, each node checks the local copies it linked; a bad one is
-marked, named in ``skipped``, fetched from the next tier, and the load
-runs again.  The bytes a restore returns are never unchecked.
-
-Fallback: when no tier holds a good copy of something a step needs, every
-rank (they all know it from the same gathered facts) passes over that step
-to the next older one complete somewhere, and ``skipped`` says which step
-was passed over and why; when no step loads, :class:`TierRestoreError`
-names the files and the tiers tried.
-
-Failures surface at once: each phase's local work (scan, planning,
-assembly, the checks after a failed load) ends with an exchange of every
-rank's outcome, so a rank whose work raised makes every rank raise
-:class:`TierRestoreError` naming it, the file and the error, instead of
-leaving the others in a collective until the group's timeout.
+Every rank calls :func:`restore` with nothing else running on the tiers'
+process group.  The phases (inventory, agreement, needs, assembly in
+``<local root>/.restore/``, load), the checks and the fallback to an older
+step are described in docs/TIERS.md ("Where things live", **Restore**).  Each phase ends with an
+exchange of every rank's outcome, so a rank whose work raised makes every
+rank raise :class:`TierRestoreError` naming it, the file and the error.
 """
 
 from __future__ import annotations

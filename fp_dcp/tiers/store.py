@@ -1,25 +1,12 @@
 """The tiers' directories on disk: where each step lives, which of them the
 tiers own, what a directory holds, atomic small writes, retention.
 
-Layout (``docs/TIERS.md``)::
-
-    <local root of node n>/step_<step>/      one fp_dcp checkpoint directory per step:
-        .fp_dcp.tier                          the tiers' ownership marker (written first)
-        .fp_dcp.meta                          the metadata (the commit point), on every node
-        <save_id>.r<rank>.0.fpd               data files of node n's own ranks
-        <save_id>.r<rank>.0.fpd               ... and replicas of the nodes n holds for
-    <local root>/.restore/                    a restore being assembled (marked, removed after it)
-    <persistent root>/step_<step>/            a plain fp_dcp checkpoint (every file of the step)
-
-Ownership: a step directory is the tiers' only when it is a real directory
-(no link) under the one spelling ``step_<9 or more ASCII digits>`` that
-:func:`step_name` gives, holding the marker whose bytes name that step.
-Retention, tidy-ups and restores act on owned directories only, and inside
-one remove only regular files with fp_dcp's own names; whatever else sits in
-a root (a user's checkpoint, another job's, a folder named like a step) is
-never read, written or deleted.  Links are never followed below a root, and
-a FIFO, socket or device in a step directory is a :class:`TierPathError`
-before anything opens it.
+A step directory is the tiers' only when it is a real directory named
+:func:`step_name` holding the marker that names that step; everything else
+in a root is never read, written or deleted, and inside an owned directory
+only regular files with fp_dcp's names are removed (layout and rules:
+docs/TIERS.md, "Where things live").  A non-regular file in a step directory
+is a :class:`TierPathError` before anything opens it.
 """
 
 from __future__ import annotations

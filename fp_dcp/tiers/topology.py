@@ -1,17 +1,9 @@
 """Which ranks form a node, and where each node's replicas go.
 
-Pure functions over rank numbers: no process group, no disk.  A node is a
-set of ranks that share a local tier (one local directory, one disk, one
-failure).  Replicas of a node's checkpoint files go to the ``replicas``
-nodes that follow it on a ring (node ``n``'s holders are ``n+1 .. n+r``
-modulo the node count), so a replica never shares a node with its original
-and every node holds the same number of other nodes' files (the placement
-of nvidia-resiliency-ext's ``CliqueReplicationStrategy`` with a jump of 1,
-without requiring the node count to be a multiple of ``r+1``).
-
-Inside a node pair, each rank sends its own files to its *partner*: the
-rank of the holder node with the same local index (modulo the holder's
-size, nodes may differ in size after a restart on fewer ranks).
+Pure functions over rank numbers.  Node ``n``'s replicas go to nodes
+``n+1 .. n+r`` modulo the node count (a ring), and each rank sends its files
+to the rank of the holder node with the same local index (modulo that
+node's size).
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Inspecting and converting checkpoints: what ``fp-dcp inspect`` and
 ``fp-dcp convert`` run.
 
-* :func:`describe` — an fp_dcp checkpoint's metadata as plain data: format
-  version, writer, tensors (dtype, shape, chunks, bytes), other items, data
-  files and their sizes.  Reads only the metadata (nothing unpickled).
-* :func:`to_torch_save` — one consolidated ``torch.save`` file (every tensor
-  whole, the nested structure and non-tensor values kept), for inference or
-  for tools that want one file; streamed from fp_dcp (memory: the non-tensor
-  values), the reader filling the file's tensors in place.
-* :func:`to_safetensors` — one ``.safetensors`` file, streamed tensor by
-  tensor (memory: one batch of tensors, never the whole checkpoint).  Written
-  by this module from the format's specification, so the ``safetensors``
-  package is not needed to write it (it reads it).  Non-tensor values have no
-  place in that format: they are listed and skipped.
-* :func:`fp_dcp_to_dcp` / :func:`dcp_to_fp_dcp` — to and from a stock
-  ``torch.distributed.checkpoint`` directory, through DCP's own
-  ``_load_state_dict`` / ``_save_state_dict`` in one process (``no_dist``).
-  The result holds every tensor whole (one chunk): it loads into any
-  sharding.
-
-Conversions that hold a whole state dict (DCP in either direction, and
-torch.save from a stock DCP checkpoint) need the checkpoint's size in memory;
-``to_safetensors`` and ``to_torch_save`` from fp_dcp do not.
+:func:`describe` (the metadata as plain data, nothing unpickled),
+:func:`to_torch_save` and :func:`to_safetensors` (streamed from fp_dcp: memory
+is the non-tensor values, or one batch of tensors), :func:`fp_dcp_to_dcp` /
+:func:`dcp_to_fp_dcp` (through DCP in one process; they hold the whole state
+dict, and the result holds every tensor whole).
 """
 
 from __future__ import annotations

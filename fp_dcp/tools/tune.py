@@ -1,22 +1,11 @@
 """``fp-dcp tune PATH``: measure the device under PATH and choose fp_dcp's
 request size and queue depth for it.
 
-The measurement is fp_dcp's own engine (``fp_dcp._native.Engine``, O_DIRECT,
-as the writer and the reader drive it) moving a scratch file to and from one
-page-locked buffer, no checkpoint format: for each request size x queue depth
-of a grid, a sequential write of a new file (fsync inside the clock) and a
-read of it back.  The file is written with O_DIRECT and dropped from the page
-cache before it is read (``posix_fadvise(DONTNEED)``), and read with O_DIRECT,
-so no read is served from this machine's page cache.  :func:`engine_pass` is
-also the "engine into a plain buffer" raw reference of ``tools/demo.py`` and
-the benchmarks.
-
-The choice (:func:`choose`): the built-in rule's shape stays unless cells of
-the grid beat it by more than a margin (10 %: this class of disk swings more
-than that from minute to minute) in every round; then the fastest of them.
-The record (:mod:`fp_dcp.tuning`) is what the writer and the reader of that
-device use when the options leave ``queue_depth`` and ``block_size_bytes``
-open.
+Each cell of a request size x queue depth grid is a sequential O_DIRECT write
+of a scratch file (fsync in the clock) and a cold O_DIRECT read of it, through
+fp_dcp's own engine.  :func:`choose` keeps the built-in shape unless cells beat
+it by more than a margin in every round.  The record (:mod:`fp_dcp.tuning`) is
+used when the options leave ``queue_depth`` and ``block_size_bytes`` open.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""``fp-dcp verify PATH``: read every byte of a checkpoint and check it.
+"""``fp-dcp verify PATH``: read every byte of a checkpoint and check every
+checksum block against the CRC-32C stored at save time.
 
-Every extent of every data file is read (in parallel: one engine per worker
-thread, each worker a share of the files) and every checksum block is
-compared with the CRC-32C stored at save time.  Missing or truncated data
-files and read errors are reported too.  Nothing stops at the first problem:
-the report lists every bad extent with its tensor, file and offset.
-
-Exit code 0 when everything checked is good, 1 when anything is bad (or the
-metadata cannot be read), 2 for a usage error.  The command line itself
-(arguments, progress, errors) is ``fp_dcp.tools.cli``; this module checks and
-reports.
+Missing or truncated files and read errors are reported too; nothing stops at
+the first problem.  The command line itself is ``fp_dcp.tools.cli``.
 """
 
 from __future__ import annotations
