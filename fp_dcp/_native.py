@@ -53,13 +53,8 @@ stats = _ext.stats
 
 
 def testing() -> types.SimpleNamespace:
-    """The extension's test hooks, for tests and torture benchmarks only:
-    ``set_fault(what, err=0, after=0)`` (fault and kill injection),
-    ``crc32c_impl(which=None)`` (force the "hw" or "sw" CRC-32C),
-    ``crc_copy_streams(dst, src, length)`` and ``crc_nt_bytes()`` (whether
-    and how much a fused copy + CRC streamed).  RuntimeError unless the
-    process started with FP_DCP_TEST_HOOKS=1 (read once, when the extension
-    was imported)."""
+    """The extension's test hooks (fault injection, CRC implementation switches);
+    RuntimeError unless the process started with FP_DCP_TEST_HOOKS=1."""
     if not _ext._test_hooks_enabled():
         raise RuntimeError("fp_dcp's test hooks are off in this process: start it with FP_DCP_TEST_HOOKS=1 "
                            "in the environment (tests/conftest.py does)")

@@ -75,14 +75,9 @@ def piece_checksums(stats: dict[str, Any], n: int) -> list[str]:
 
 
 def merge_block_crcs(parts: Sequence[tuple[int, int, Any]], block: int) -> np.ndarray:
-    """The CRC-32C of each ``block``-byte block of a piece written in parts.
-
-    ``parts``: ``(origin, length, crcs)`` of consecutive parts in order (the
-    first at origin 0), ``crcs`` as ``Engine.write(checksums=block,
-    checksum_origin=origin)`` reports a part: one entry per block of the
-    piece's grid that the part touches, the first and last possibly partial.
-    Partial blocks cut by a part boundary are joined with ``crc32c_combine``.
-    An empty piece has one entry, 0 (as the engine reports it)."""
+    """The CRC-32C of each ``block``-byte block of a piece written in ``parts``
+    (``(origin, length, crcs)`` in order, as ``Engine.write`` reports each);
+    blocks cut by a part boundary are joined with ``crc32c_combine``."""
     from fp_dcp import _native
 
     out: list[int] = []
@@ -117,12 +112,8 @@ def item_name(index: Any) -> str:
 
 
 class ReadVerifier:
-    """The stored checksums of a checkpoint, laid out for checking engine reads.
-
-    ``plan(files, offsets, views)`` returns the pieces cut at extent
-    boundaries and the keyword arguments for ``Engine.read``;
-    ``check(...)`` compares the CRCs the engine returns with the stored ones.
-    """
+    """The stored checksums of a checkpoint, laid out for checking engine reads
+    (:meth:`plan`, then the returned check's ``compare``)."""
 
     def __init__(self, layout: fmt.StorageLayout, paths: Sequence[str]) -> None:
         self.paths = list(paths)
@@ -160,12 +151,9 @@ class ReadVerifier:
     # ------------------------------------------------------------- planning
 
     def plan(self, files: np.ndarray, offs: np.ndarray, views: list, skip: Any = None):
-        """Cut every piece at the extent boundaries inside it (so each piece
-        lies in at most one extent) and work out where it starts in its
-        extent.  Views whose exporter is ``skip`` (scratch memory that
-        several pieces share) are never checked.  Returns ``(files, offs,
-        views, check)``; pass ``check.engine_kwargs`` to ``Engine.read`` and
-        its stats to ``check.verify``."""
+        """Cut every piece at the extent boundaries inside it; views of ``skip``
+        (shared scratch) are never checked.  Returns ``(files, offs, views,
+        check)``: pass ``check.engine_kwargs`` to ``Engine.read``."""
         files = np.asarray(files, dtype=np.int64)
         offs = np.asarray(offs, dtype=np.int64)
         n = len(views)

@@ -376,13 +376,10 @@ class Root:
     @contextlib.contextmanager
     def atomic_file(self, rel: str, *, sync: bool = True, tmp_name: str | None = None, mode: int = 0o644,
                     sync_rename: bool = True) -> Iterator[tuple[int, str]]:
-        """Write a new ``rel`` atomically: yields ``(fd, temporary's path)`` of
-        a temporary (``tmp_name``, else ``.<name>.<pid>.<random>.tmp``)
-        created with ``O_EXCL | O_NOFOLLOW``; when the block ends it is synced
-        (``sync``), renamed over ``rel`` and the directory synced (``sync``
-        and ``sync_rename``; a caller that must tell a failed rename from a
-        failed sync after it does that last sync itself).  On any failure
-        before the rename the temporary is removed and ``rel`` is untouched."""
+        """Write a new ``rel`` atomically: yields ``(fd, temporary's path)`` of a
+        temporary created ``O_EXCL | O_NOFOLLOW``; at the end it is synced
+        (``sync``), renamed over ``rel``, the directory synced (``sync_rename``).  On
+        failure before the rename the temporary is removed, ``rel`` untouched."""
         pfd, leaf = self._parent(rel)
         try:
             tmp = tmp_name or f".{leaf}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -451,11 +448,9 @@ class Root:
 
     # removing
     def remove_owned(self, rel: str, owns: Callable[[str, str], bool]) -> list[str]:
-        """Remove directory ``rel``'s entries for which ``owns(relpath,
-        kind)`` is true (``relpath`` beneath ``rel``; a ``dir`` owned is
-        descended into, a link is removed, never followed), then ``rel``
-        and each owned directory when nothing is left in it.  Returns the
-        paths left (relative to ``rel``)."""
+        """Remove ``rel``'s entries that ``owns(relpath, kind)`` accepts (links
+        removed, never followed), then each owned directory left empty.  Returns
+        the paths left."""
         left: list[str] = []
         pfd, leaf = self._parent(rel) if _check_rel(rel) != "." else (self.fd, ".")
         try:

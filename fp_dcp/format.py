@@ -115,14 +115,9 @@ _SUBDIR_NAME = re.compile(r".+-[0-9a-f]{12}")
 
 
 def valid_data_file_name(name: object, save_id: str | None = None) -> bool:
-    """A data file of the metadata's ``files`` list, by the writer's naming
-    alone: ``<save_id>.r<rank>[.d<device>].<k>.fpd`` (a file of the
-    checkpoint directory), or ``/<data dir>/<checkpoint>-<hash>/`` followed
-    by such a name with a ``.d<device>`` part (a file in a data directory).
-    With ``save_id``, the file must belong to that save.  Anything else —
-    another name, a relative path, ``.``/``..``, empty components, NUL — is
-    refused.  (Whether a data-directory sub-directory belongs to the
-    checkpoint being read is checked by :func:`data_file_paths`.)"""
+    """Whether ``name`` follows the writer's naming of data files (in the
+    checkpoint, or in a data directory), of ``save_id`` when given; anything
+    else (paths, ``..``, NUL, empty components) is refused."""
     if not isinstance(name, str) or not name or "\0" in name:
         return False
     base = name.rsplit("/", 1)[-1]
@@ -142,12 +137,8 @@ def valid_data_file_name(name: object, save_id: str | None = None) -> bool:
 
 
 def data_file_paths(directory: str, layout: "StorageLayout") -> list[str]:
-    """The path of each of ``layout.files`` for the checkpoint in
-    ``directory``, proven to stay inside it: a plain name is a file of
-    ``directory``; an absolute name must lie in the sub-directory that the
-    writer's rule (:func:`data_subdir_name`) gives *this* checkpoint
-    directory (by its absolute or its real path), so crafted metadata
-    cannot name another checkpoint's files, let alone any other file.
+    """The path of each of ``layout.files`` for the checkpoint in ``directory``,
+    proven to stay inside it or its own data-directory sub-directories.
     Raises :class:`CheckpointFormatError` naming the entry."""
     mine = {data_subdir_name(directory), data_subdir_name(os.path.realpath(directory))}
     out = []
@@ -170,13 +161,9 @@ def data_file_paths(directory: str, layout: "StorageLayout") -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Extent:
-    """``length`` bytes of an item, from byte ``item_offset`` of its row-major
-    image, stored at ``file_offset`` of file number ``file``.
-
-    ``crc32c``: the CRC-32C of each ``StorageLayout.checksum_block_bytes``
-    bytes of the extent from its start (the last block shorter; one block, of
-    CRC 0, when the extent is empty), as 8 hex digits per block, or ``None``
-    (written without checksums)."""
+    """``length`` bytes of an item from ``item_offset`` of its row-major image,
+    stored at ``file_offset`` of file ``file``; ``crc32c``: 8 hex digits per
+    checksum block of the extent, or ``None``."""
 
     file: int
     file_offset: int
@@ -193,18 +180,9 @@ def item_key(index: MetadataIndex) -> tuple:
 
 
 class ExtentColumns(Mapping):
-    """``StorageLayout.extents`` as the decoder reads it: every extent's
-    fields in columns, the same mapping ``MetadataIndex -> [Extent]`` to
-    whoever reads it as one (the dict is built on first such use, once).
-    The load's planner and read verifier take the columns as they are
-    (``ExtentTable``, ``ReadVerifier``), so a load builds no ``Extent`` or
-    ``MetadataIndex`` per item.  Read-only, like the dict it stands for on
-    a decoded layout.
-
-    ``item_keys[i]``: item ``i``'s ``(fqn, chunk offset tuple or None)``;
-    ``counts[i]``: its number of extents, whose rows follow item ``i - 1``'s,
-    sorted by item offset; ``file``, ``file_offset``, ``item_offset``,
-    ``length`` (int64) and ``crc32c`` (str or None): one per extent row."""
+    """``StorageLayout.extents`` as the decoder reads it: the extents' fields in
+    columns, read-only, and a ``MetadataIndex -> [Extent]`` mapping to whoever
+    reads it as one (built once, on first such use)."""
 
     def __init__(self, item_keys: list[tuple], counts: np.ndarray, file: np.ndarray, file_offset: np.ndarray,
                  item_offset: np.ndarray, length: np.ndarray, crc32c: list[str | None]) -> None:
@@ -257,15 +235,9 @@ class ExtentColumns(Mapping):
 
 @dataclasses.dataclass
 class StorageLayout:
-    """``Metadata.storage_data`` of an fp_dcp checkpoint.
-
-    ``files[i]`` is ``(name, size_on_disk)``: ``name`` is a file of the
-    checkpoint directory or an absolute path (:func:`valid_data_file_name`);
-    a reader opens ``os.path.join(checkpoint_dir, name)``.  ``extents[index]`` lists the
-    extents of one item, sorted by ``item_offset`` and covering
-    ``[0, item_nbytes)`` exactly once (a dict, or on a decoded layout the
-    read-only :class:`ExtentColumns`).
-    """
+    """``Metadata.storage_data`` of an fp_dcp checkpoint: ``files[i]`` is
+    ``(name, size_on_disk)``; ``extents[index]`` the extents of one item, sorted by
+    ``item_offset``, covering it exactly once."""
 
     save_id: str
     alignment: int
@@ -434,12 +406,8 @@ def _index_from_key(key: Any) -> MetadataIndex:
 
 @dataclasses.dataclass(frozen=True)
 class EncodedStructure:
-    """The parts of the metadata document that depend on the checkpoint's
-    structure alone, not on where the bytes went: the JSON text of the
-    state dict's metadata and of the planner's data (most of the document
-    for a state dict of many small items).  :func:`encode_structure` makes
-    it; :func:`encode_metadata` takes it, so a writer can encode it while
-    its data files are written."""
+    """The JSON of the metadata that depends on the structure alone (state dict
+    metadata, planner data), so a writer can encode it while its files are written."""
 
     state_dict_metadata: str
     planner_data: str
@@ -549,11 +517,8 @@ def read_header(head: bytes, path: str) -> tuple[int, int, int]:
 
 
 def check_metadata_header(head: bytes, file_size: int, path: str) -> int:
-    """The body length of a metadata file of ``file_size`` bytes whose first
-    bytes are ``head`` (at least :data:`HEADER_SIZE` of them), checked before
-    the body is read: the magic, the version, and that header and body are
-    exactly the file (a file longer or shorter than its header says is
-    refused without reading it)."""
+    """The body length of a metadata file of ``file_size`` bytes starting with
+    ``head``: magic, version and exact size checked before the body is read."""
     _, _, length = read_header(head, path)
     if HEADER_SIZE + length != file_size:
         raise CheckpointFormatError(

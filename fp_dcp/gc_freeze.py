@@ -105,13 +105,8 @@ class GcFreeze:
 
 
 def _thaw_if_ours(sentinel: list) -> None:
-    """``gc.unfreeze()``, unless something else froze objects since the save
-    (or load) did: ``sentinel`` was made right after its ``gc.freeze()``, so it is
-    still among the collector's generations (``gc.get_objects()``, which holds
-    only what was made since the freeze and is small) unless another
-    ``gc.freeze()`` moved it to the permanent generation.  Then the
-    application froze objects of its own, which a global unfreeze would undo,
-    and everything stays frozen (still freed by reference counting; only
-    cycles among the frozen objects wait)."""
+    """``gc.unfreeze()``, unless something else froze objects since (``sentinel``,
+    made right after our freeze, is then no longer among the generations): the
+    application's freeze is not undone, and everything stays frozen."""
     if any(o is sentinel for o in gc.get_objects()):
         gc.unfreeze()

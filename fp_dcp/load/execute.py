@@ -98,16 +98,9 @@ class TempBuffer:
 
 class Run:
     """The state of one load on one rank: open files, the arena, the stats.
-
-    ``session``: the engine; ``large``: the engine of large requests for
-    long runs, or None; ``more``: other engines of large requests, which
-    read a share of the long runs at the same time, each on a thread of its
-    own (``read_threads``); ``paths``: the data files; ``limits``: what the plan
-    was made for (the same alignment and budget); ``budget``: the most
-    arena memory; ``coalesce_gap``: the largest gap read through;
-    ``max_overread_percent``: the over-read budget; ``verifier``: the stored
-    checksums, or None; ``progress(done, total)``: called after each batch.
-    """
+    ``large`` / ``more``: engines of large requests for long runs (each ``more``
+    on a thread of its own); ``budget``: the most arena memory; ``verifier``:
+    the stored checksums, or None; ``progress(done, total)``: after each batch."""
 
     def __init__(self, session: IOSession, paths: list[str], limits: Limits, *, large: IOSession | None,
                  more: Sequence[IOSession] = (), budget: int, coalesce_gap: int, max_overread_percent: int,
@@ -237,15 +230,9 @@ class Run:
             self._finish(batch)
 
     def stream(self, chunks: Iterable[list[Job]]) -> None:
-        """Run the jobs of ``chunks`` (an iterable that plans them: a
-        generator) with the engine calls on a thread of their own, queued
-        there in order as each batch is ready, so that planning never waits
-        for a read and the reads never wait for copies.  Each batch's copies
-        and callbacks run here, in order, once its read is done (between
-        chunks, and at the end); a batch that reads into the arena first
-        waits for the copies out of the batches before it that used the
-        arena.  An error (of planning or of a read) waits for the reads
-        queued or in flight before it is raised."""
+        """Run the jobs of ``chunks`` (a generator that plans them), the engine calls
+        on a thread of their own, each batch's copies and callbacks here in order.
+        An error (of planning or a read) waits for the reads in flight, then raises."""
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-read")
         pending: list[tuple[list[Job], concurrent.futures.Future]] = []  # read or being read, in order
         try:

@@ -99,12 +99,8 @@ class Job:
 
 class ExtentTable:
     """Every extent of a layout in one ``(4, n)`` int64 array (item offset,
-    length, file, file offset), made in one pass, with each item's rows and
-    whether its extents tile ``[0, total)`` exactly (item offsets from 0,
-    each where the last one ended), checked for all items at once: an item's
-    planning then takes views instead of building arrays of its extents.
-    A decoded layout's :class:`~fp_dcp.format.ExtentColumns` are taken as
-    they are (a dict of ``Extent`` lists is laid out as columns first)."""
+    length, file, file offset), with each item's rows and whether its extents
+    tile it exactly, checked for all items at once."""
 
     def __init__(self, extents: Mapping[MetadataIndex, list[fmt.Extent]]) -> None:
         columns = fmt.ExtentColumns.of(extents)

@@ -59,32 +59,13 @@ class FastPersistReader(StorageReader):
     """Load a checkpoint written by :class:`~fp_dcp.FastPersistWriter` from
     ``path``, into any world size and sharding.
 
-    ``options`` / keyword arguments as for the writer; the reader's own are
-    ``read_buffer_budget_bytes``, ``max_overread_percent``, ``strict_dtype``,
-    ``share_replicated_reads``, ``share_interleaved_reads`` and
-    ``coalesce_gap_bytes`` (see :class:`~fp_dcp.FastPersistOptions`).
-    ``process_group``: the group passed to ``dcp.load`` when it is not the
-    default one (used only by the two ``share_*`` options).
-
-    After each load :attr:`last_stats` holds this rank's ``bytes`` (needed by
-    its targets), ``bytes_read`` (read from disk, alignment included),
-    ``requests``, ``pieces``, ``seconds`` and the engine; with sharing,
-    ``shared_bytes_read`` (of shared units this rank read from disk for
-    itself and others), ``shared_bytes_sent`` / ``shared_bytes_received``
-    (``shared_bytes_pulled`` of them copied from a same-machine rank's
-    memory), ``shared_rounds`` and ``shared_buffer_bytes`` (the rounds'
-    buffers, within ``read_buffer_budget_bytes``).  Shared reads read two
-    rounds at once with two engines: one more engine's bounce buffers
-    (``queue_depth + 1`` blocks, page-locked), kept with the reader as the
-    first engine is, until :meth:`close`.
-
-    The engines are set up on a thread of their own while DCP plans, not
-    when the first read needs them: from ``set_up_storage_reader`` on when
-    no plan can share reads (no option asks for it and no process group
-    moves tensors on the CPU), so that it overlaps the planner's
-    ``create_local_plan``; otherwise from ``prepare_local_plan`` on, which
-    knows whether the plan shares.
-    """
+    ``options`` / keyword arguments as for the writer.  ``process_group``: the
+    group passed to ``dcp.load`` when not the default (used only by the
+    ``share_*`` options).  After each load :attr:`last_stats` holds this rank's
+    ``bytes``, ``bytes_read``, ``requests``, ``pieces``, ``seconds``, the engine
+    and, with sharing, the ``shared_*`` counts.  Engines and their page-locked
+    buffers are kept until :meth:`close`; they are set up on a thread of their
+    own while DCP plans."""
 
     def __init__(
         self,
@@ -374,13 +355,8 @@ class FastPersistReader(StorageReader):
         self.last_stats.update(run.stats)
 
     def _planned(self, items: list[ReadItem], planner: LoadPlanner, run: Run) -> Iterator[list[Job]]:
-        """The jobs of ``items`` in chunks, planned as the executor asks for
-        them: the first chunk small, so the first read starts early, each
-        next one twice as large (fewer engine calls), up to
-        ``_PLAN_CHUNK_MAX_BYTES``.  Objects (bytes items) come first: each
-        is unpickled after its read, which then overlaps the tensors' reads
-        instead of following the last one.  Planning time goes to
-        ``run.stats["plan_seconds"]``."""
+        """The jobs of ``items`` in chunks growing from small (the first read starts
+        early) to ``_PLAN_CHUNK_MAX_BYTES``, objects first."""
         assert self._items is not None
         plan_item = self._items.plan_item
         limits = run.limits

@@ -34,26 +34,18 @@ UNSIZED = -1
 
 
 def item_key(fqn: str, offset: Sequence[int] | None) -> int:
-    """A stable 64-bit key of a ``MetadataIndex`` (``fqn`` and chunk
-    ``offset``): the same in every process (unlike ``hash``), so ranks can
-    name their items to the coordinator without sending the names.
-    A collision between two of a checkpoint's items has probability about
-    ``items**2 / 2**65`` (1e-10 for 100,000 items); the planner also refuses
-    a key whose holders disagree on its size."""
+    """A stable 64-bit key of a ``MetadataIndex`` (``fqn`` and chunk ``offset``),
+    the same in every process (unlike ``hash``); the planner refuses a key
+    whose holders disagree on its size."""
     text = fqn + ("\0-" if offset is None else "\0" + ",".join(str(int(o)) for o in offset))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 @dataclasses.dataclass(frozen=True)
 class Holdings:
-    """What one rank holds (recorded by ``prepare_local_plan``).
-
-    ``keys[i]`` (uint64, :func:`item_key`) and ``nbytes[i]`` (int64,
-    ``UNSIZED`` for a bytes item) describe the rank's ``i``-th item in plan
-    order; pieces name items by that position.  ``granularity`` is the
-    alignment split points must keep (a power of two, a multiple of the
-    rank's direct-I/O alignment); items below ``small_bytes`` are never
-    split.  ``digest`` hashes all of it (see :func:`make_holdings`)."""
+    """What one rank holds, in plan order: ``keys[i]`` (:func:`item_key`) and
+    ``nbytes[i]`` (``UNSIZED`` for a bytes item); ``granularity``: the alignment
+    split points keep; items below ``small_bytes`` are never split."""
 
     rank: int
     host: str

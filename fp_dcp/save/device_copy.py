@@ -33,14 +33,11 @@ def write_cuda(
     checksums: bool,
     sync: bool,
 ) -> tuple[list[int], list[int], int, list[str | None]]:
-    """Write CUDA byte ranges (``flat``: flat uint8 tensors of one device) to
-    a new file ``path``, one aligned extent each, through two page-locked
-    buffers of ``chunk_bytes`` (rounded up to the engine's alignment, at most
-    the whole file) on a side stream, chunk by chunk, writing chunk k while
-    chunk k+1 is copied.  ``checksums``: block checksums of each extent;
-    ``sync``: ``fdatasync`` the file.  Adds the engine's statistics to
-    ``stats``.  Returns the extents' file offsets, their lengths, the end of
-    the last one and their ``Extent.crc32c`` (None without ``checksums``)."""
+    """Write CUDA byte ranges (``flat``: uint8 tensors of one device) to a new file
+    ``path``, one aligned extent each, through two page-locked buffers of
+    ``chunk_bytes``.  Adds the engine's statistics to ``stats``.  Returns the
+    extents' offsets, lengths, the end of the last one and their ``crc32c``
+    (None without ``checksums``)."""
     align = session.alignment
     block = fmt.CHECKSUM_BLOCK_BYTES if checksums else 0
     lengths = [int(f.numel()) for f in flat]

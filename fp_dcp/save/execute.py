@@ -50,13 +50,10 @@ def write_rank(
     while_syncing: Callable[[list[WriteResult]], None] | None = None,
 ) -> tuple[list[WriteResult], dict[str, Any]]:
     """Write rank ``assignment.rank``'s pieces of ``items`` (resolved by
-    ``resolve_data``, DCP's ``SavePlanner.resolve_data``) into ``dirs``
-    (``(directory, named by absolute path)`` by device), each through
-    ``session_for(directory)``; ``tag_devices``: the data file names carry
-    the device number (``options.data_dirs``).  ``while_syncing``: called
-    with the results once every byte is written, while the files are made
-    durable (what it raises fails the write).  Returns one result per item
-    written and the statistics, once the files are durable."""
+    ``resolve_data``) into ``dirs`` (by device), each through
+    ``session_for(directory)``.  ``while_syncing(results)`` runs while the files
+    are made durable (what it raises fails the write).  Returns the results and
+    the statistics once every file is durable."""
     t0 = time.perf_counter()
     rank = assignment.rank
     pieces = assignment.pieces
@@ -236,14 +233,10 @@ def _write_device(
     used: set[int],
     unsynced: list[tuple[int, str]],
 ) -> tuple[list[tuple], list[tuple[str, int]], dict[str, Any], str, bool]:
-    """One device's pieces (``groups``: host pieces, CUDA pieces; each
-    ``(item, item_offset, bytes)``): a file for each kind in ``directory``.
-    The host file is written without ``fdatasync`` and left open: its
-    ``(fd, path)`` is added to ``unsynced`` (the caller syncs and closes
-    it; the CUDA file is synced here).  Returns the extents ``(item, file,
-    file_offset, item_offset, length, crc32c)``, the files' sizes, the
-    statistics and the engine's kind and direct-I/O flag.  Records the
-    staging arenas whose checksums it used in ``used``."""
+    """One device's pieces (``groups``: host pieces, CUDA pieces) into a file per
+    kind in ``directory``.  The host file is left open and unsynced in
+    ``unsynced`` for the caller.  Returns the extents, the files' sizes, the
+    statistics and the engine's kind and direct-I/O flag."""
     cpu, cuda = groups
     extents: list[tuple] = []  # (item, file, file_offset, item_offset, length, crc32c)
     file_sizes: list[tuple[str, int]] = []

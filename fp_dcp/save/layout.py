@@ -22,14 +22,10 @@ def place_extents(
     pack_alignment: int,
     start: int = 0,
 ) -> tuple[list[int], int]:
-    """File offsets for extents of ``lengths`` bytes written in this order.
-
-    An extent of at least ``pack_threshold`` bytes starts on an ``alignment``
-    boundary (so it is written and read in place, without a bounce copy);
-    smaller ones are packed back to back at ``pack_alignment`` (which keeps
-    every element naturally aligned).  Returns the offsets and the end of the
-    last extent (not padded).
-    """
+    """File offsets for extents of ``lengths`` bytes, in order: extents of at
+    least ``pack_threshold`` bytes start ``alignment``-aligned (written in
+    place), smaller ones packed at ``pack_alignment``.  Returns the offsets and
+    the end of the last extent (not padded)."""
     offsets = []
     pos = start
     for n in lengths:

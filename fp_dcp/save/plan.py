@@ -201,12 +201,10 @@ def keep_global_record(record: GlobalRecord) -> None:
 def assignment_items(
     assignment: Assignment, rank: int, planner_key: str | None, save_token: str | None
 ) -> tuple[Assignment, list[WriteItem]]:
-    """This save's assignment and the items its pieces index: those this
-    rank recorded under ``assignment.token`` (its last usable local plan,
-    or, with DCP's plan caching, an earlier one the coordinator still
-    describes), or with ``reuse`` this rank's last assignment for the
-    planner class ``planner_key`` (DCP's cache key).  ``save_token``: the
-    token of this save's local items (None: DCP sent a cached plan)."""
+    """This save's assignment and the items its pieces index (recorded under
+    ``assignment.token``, or with ``reuse`` this rank's last assignment for the
+    planner class ``planner_key``).  ``save_token``: this save's local items'
+    token (None: DCP sent a cached plan)."""
     way_out = ("save once with a planner without plan caching (or clear SavePlanner's class-level "
                "caches)")
     if assignment.reuse:

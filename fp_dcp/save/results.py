@@ -20,15 +20,9 @@ __all__ = ["Written", "add_stats", "layout_from_results", "check_layout_covers"]
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """``WriteResult.storage_data``: where an item's bytes went.
-
-    ``extents`` holds ``(file_name, file_offset, item_offset, length,
-    crc32c)`` (``crc32c``: ``fmt.Extent.crc32c``, or None) (a
-    rank may write several byte ranges of an item, and several ranks parts
-    of one item: each rank sends one result per item it wrote, and
-    ``finish`` merges them); ``file_name`` is a plain name in the checkpoint
-    directory or an absolute path in a data directory; ``file_sizes`` is set
-    on one result per file: its size on disk."""
+    """``WriteResult.storage_data``: where an item's bytes went.  ``extents``:
+    ``(file_name, file_offset, item_offset, length, crc32c)``; ``file_sizes`` is
+    set on one result per file (its size on disk)."""
 
     extents: tuple[tuple[str, int, int, int, str | None], ...]
     file_sizes: tuple[tuple[str, int], ...] = ()

@@ -47,26 +47,12 @@ __all__ = ["FastPersistWriter"]
 class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     """Write a DCP checkpoint into the directory ``path``.
 
-    ``options`` is a :class:`~fp_dcp.FastPersistOptions`; keyword arguments
-    are shorthand for its fields (``FastPersistWriter(path, engine="uring")``).
-    One writer serves a series of saves: DCP calls :meth:`reset` with a new
-    ``checkpoint_id`` (a directory) before each; the engine and its buffers
-    are kept between saves.  Call :meth:`close` (or use ``with``) to release
-    them at once.
-
-    After each save, :attr:`last_stats` holds what happened on this rank:
-    engine, bytes, seconds, throughput, ``sync_seconds`` (the data files'
-    ``fdatasync``) and ``sync_wait_seconds`` (how much of it was left once
-    the results were made; on the coordinator also
-    ``prepare_commit_seconds``, the commit's preparation meanwhile); on the coordinator
-    :attr:`last_plan` describes the placement (balance, planning seconds,
-    whether it came from the cache).
-
-    With several ranks, the bytes of replicated items are divided among all
-    the ranks that hold them and each host's bytes are striped over
-    ``options.data_dirs`` (one directory per storage device; by default the
-    data files go in ``path``).
-    """
+    ``options``: a :class:`~fp_dcp.FastPersistOptions`; keyword arguments are
+    shorthand for its fields.  One writer serves a series of saves (the engine
+    and its buffers are kept); :meth:`close` (or ``with``) releases them.
+    After each save :attr:`last_stats` holds this rank's engine, bytes, seconds,
+    throughput and ``sync_seconds`` / ``sync_wait_seconds``; on the coordinator
+    also ``prepare_commit_seconds``, and :attr:`last_plan` describes the placement."""
 
     def __init__(
         self,

@@ -119,16 +119,10 @@ def _track_of(writer: Any, name: str, args: tuple, kwargs: dict) -> Track | Repo
 
 
 class _StagingFuture(concurrent.futures.Future):
-    """The future lazy ``stage`` returns.
-
-    ``dcp.async_save`` (torch 2.13) turns it into ``staging_completion`` with
-    ``if not f.done(): f.add_done_callback(pass_outcome_on) else:
-    staging_completion.set_result(None)`` — a staging that failed before that
-    check would read as a success.  So a *failed* future reports ``done()``
-    False until a callback has been attached to it (a callback attached to a
-    done future runs at once and passes the failure on).  Only DCP sees this
-    future: ``result()`` and ``exception()`` behave as usual.  (Listed with
-    fp_dcp's other dependencies on torch internals in :mod:`fp_dcp._dcp_hooks`.)"""
+    """The future lazy ``stage`` returns.  A *failed* future reports ``done()``
+    False until a callback is attached, because ``dcp.async_save`` checks
+    ``done()`` before attaching one and would read a failure as success (hook 4
+    of docs/ARCHITECTURE.md).  ``result()`` and ``exception()`` behave as usual."""
 
     _watched = False
 

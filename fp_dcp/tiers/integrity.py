@@ -181,12 +181,9 @@ def check_file(path: str, layout: fmt.StorageLayout, fid: int, ranges: Ranges | 
 
 def copy_checked(src: str, dst: str | None, layout: fmt.StorageLayout, fid: int, sync: bool = True,
                  ranges: Ranges | None = None) -> int:
-    """Copy data file ``fid`` from ``src`` to ``dst`` (a temporary beside it,
-    renamed when every piece passed; ``None``: only check), checking every
-    piece on the way.  ``ranges``: copy only those (the rest of ``dst`` a
-    hole, its size the recorded one).  Returns the bytes read.  Both
-    directories must be real ones and ``src`` a regular file, opened
-    without following a link or blocking (:mod:`fp_dcp.files`)."""
+    """Copy data file ``fid`` from ``src`` to ``dst`` (a temporary renamed when
+    every piece passed; ``None``: only check), checking every piece.
+    ``ranges``: only those (the rest a hole).  Returns the bytes read."""
     with store.opened(os.path.dirname(src)) as sdir:
         try:
             fd, _ = sdir.open_read(os.path.basename(src))

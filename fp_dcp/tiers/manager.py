@@ -45,32 +45,20 @@ BEHIND = 1
 
 
 class TierManager:
-    """Checkpoint a training job into tiers: node-local every save,
-    replicated to other nodes, drained to a persistent root every
-    ``persist_every`` steps.
+    """Checkpoint a training job into tiers: node-local every save, replicated to
+    other nodes, drained to ``persistent_root`` (``None``: no drains) every
+    ``persist_every`` steps.  A collective: every rank constructs it.
 
-    ``local_root``: each node's local directory (fast storage on the node).
-    A ``{node}`` in it is replaced by the node number, so that ranks on one
-    machine can act as several nodes (tests, ``FP_DCP_RANKS_PER_NODE``).
-    ``persistent_root``: the shared file system path (``None``: no drains).
-    ``replicas``: copies of each node's files kept on other nodes (fewer,
-    with a warning, when the job has fewer nodes than ``replicas + 1``).  ``persist_every``: drain every step
-    divisible by it.  ``keep_local`` / ``keep_persistent``: retention per
-    tier, in committed steps.  Nodes: ``topology`` (a
-    :class:`~fp_dcp.tiers.topology.Topology`), else ``ranks_per_node``
-    (consecutive ranks), else ``FP_DCP_RANKS_PER_NODE`` or torchrun's
-    ``LOCAL_WORLD_SIZE``, else one node per host name.  ``options``: the
-    ``FastPersistOptions`` of the local saves and of restores (default:
-    from the environment, with lazy staging; eager staging needs no
-    :meth:`wait_staged`).  ``drain_retries``: attempts of a failed drain
-    after the first (``drain_retry_seconds`` apart); a drain that still
-    fails is reported in :attr:`errors` and with a warning, and the next
-    drain is tried as usual.  ``timeout``: of the manager's process groups.
-    ``background_nice``: the nice value (Linux, per thread) of the
-    manager's save/replication and drain threads, of the threads they
-    start and of gloo's threads of the manager's groups, so that the
-    training's threads win the CPU (0: unchanged).
-    """
+    ``local_root``: each node's directory (``{node}`` becomes the node number).
+    ``replicas``: copies of each node's files on other nodes (fewer, with a
+    warning, when there are fewer nodes).  ``keep_local`` / ``keep_persistent``:
+    retention in committed steps.  Nodes: ``topology``, else ``ranks_per_node``,
+    else ``FP_DCP_RANKS_PER_NODE`` or ``LOCAL_WORLD_SIZE``, else one per host.
+    ``options``: of the local saves and restores (default: environment, lazy
+    staging).  ``drain_retries`` (``drain_retry_seconds`` apart): a drain that
+    still fails is reported in :attr:`errors`.  ``timeout``: of the manager's
+    process groups.  ``background_nice``: nice value of the manager's threads
+    (0: unchanged).  Parameters in full: docs/TIERS.md."""
 
     def __init__(
         self,

@@ -61,16 +61,11 @@ def run_transfers(
     chunk_bytes: int = CHUNK_BYTES,
     receive_buffer: Callable[[Transfer], np.ndarray] | None = None,
 ) -> tuple[dict[str, int], dict[Transfer, str]]:
-    """Run this rank's part of ``transfers`` (a list every rank holds alike):
-    ``read(t)`` gives the bytes of a file this rank sends, ``receive(t,
-    data)`` takes the bytes of one it received (into
-    ``receive_buffer(t)``, a writable uint8 array of ``t.size`` bytes, when
-    given; else a new array; ``receive`` is done with it when it returns).
-    ``src``/``dst`` are ranks
-    of ``group``.  Returns the bytes sent and received, and the transfers
-    of this rank that failed with why (an error of ``read`` on the sender
-    is announced to the receiver first, so both go on to the next
-    transfer: one bad file never stalls the others)."""
+    """Run this rank's part of ``transfers`` (every rank holds the same list):
+    ``read(t)`` gives a sent file's bytes, ``receive(t, data)`` takes a
+    received one's (into ``receive_buffer(t)`` when given).  Returns the bytes
+    sent and received and this rank's failed transfers with why; a failed read
+    is announced to the receiver, so one bad file never stalls the others."""
     device = group_device(group)
     sent = received = 0
     failed: dict[Transfer, str] = {}

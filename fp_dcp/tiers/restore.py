@@ -120,11 +120,9 @@ def _inventory(group, world: int, rank: int, local_root: str, persistent_root: s
 def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str, persistent_root: str | None,
             group, bytes_group=None, planner=None, step: int | None = None,
             options: FastPersistOptions | None = None, timeout: timedelta | None = None) -> RestoreResult | None:
-    """``group``: a gloo group of every rank for the restore's own
-    collectives and ``dcp.load``; ``bytes_group``: the group replicas move
-    over (an NCCL group, or ``None``/``group``: gloo); ``timeout``: that of
-    the gloo group the restore makes for the replicas' transfers (the
-    default: torch's)."""
+    """``group``: gloo group of every rank for the restore and ``dcp.load``;
+    ``bytes_group``: the group replicas move over (NCCL, or ``None``: gloo);
+    ``timeout``: of the gloo group made for the transfers."""
     t0 = time.perf_counter()
     world = dist.get_world_size(group)
     # the transfers' gloo group, made while the tiers are scanned, on a
@@ -260,14 +258,10 @@ class _StepRestore:
     # ---------------------------------------------------------- assembly
 
     def _assemble(self, pending: list[Need], background: bool = False) -> concurrent.futures.Future | None:
-        """Fetch ``pending`` from the fastest good source of each, in rounds
-        (a copy that fails goes to the next source) until every one is in
-        its node's restore directory; :class:`_Unloadable` when some need
-        has no good source left.  With ``background``, a first round whose
-        local and persistent copies all succeeded leaves its replica
-        transfers running on a thread and returns their future (every
-        rank's failed copies, :meth:`_start_transfers`), for the load to
-        overlap."""
+        """Fetch ``pending`` from the fastest good source of each, in rounds, until
+        every one is in its node's restore directory (:class:`_Unloadable` when a
+        need has no good source left).  With ``background``, may return the future
+        of replica transfers still running, for the load to overlap."""
         while pending:
             picks: list[Pick] = []
             missing = []
@@ -296,11 +290,8 @@ class _StepRestore:
         return None
 
     def _start_transfers(self, picks: list[Pick]) -> concurrent.futures.Future | None:
-        """The replica copies of ``picks`` on a thread of their own (its
-        collectives on ``ctx.moving``, none on ``self.group``): a future of
-        every rank's failed copies, raising :class:`TierRestoreError` on
-        every rank when a transfer raised on some rank.  ``None`` when there
-        is no replica copy."""
+        """The replica copies of ``picks`` on a thread of their own: a future of
+        every rank's failed copies (``None`` when there is none)."""
         if not any(p.tier == "replica" for p in picks):
             return None
         # the current CUDA device is per thread: the NCCL transport's tensors
@@ -324,12 +315,9 @@ class _StepRestore:
             pool.shutdown(wait=False)
 
     def _fetch_here(self, picks: list[Pick]) -> list[Failure]:
-        """This rank's copies from its node's local tier and from the
-        persistent tier, and the files of the replica copies it will
-        receive, created empty (:meth:`_transfers` fills them; the load,
-        whose metadata read wants every file there, reads them only once
-        they are whole and checked).  A copy that fails its checks is
-        returned; any other error raises."""
+        """This rank's local and persistent copies, and the empty files of the
+        replica copies it will receive.  Returns the copies that failed their
+        checks; any other error raises."""
         failures = []
         self.receiving = {}
         for pick in picks:
@@ -410,16 +398,10 @@ class _StepRestore:
     # -------------------------------------------------------------- load
 
     def _load(self, incoming: concurrent.futures.Future | None) -> list[Need]:
-        """``dcp.load`` of every node's assembled files; ``[]`` when it
-        loaded.  ``incoming``: replica transfers still running
-        (:meth:`_start_transfers`): the ranks of a node that receives any
-        wait for them in the load's ``read_data`` (:class:`_ArrivingReader`)
-        while the other ranks already read; then every rank learns every
-        failed copy, which is marked and returned (to fetch from the next
-        tier).  When the load failed otherwise (on every rank: DCP shares
-        the outcome), each node checks the local copies it linked: the bad
-        ones are marked and returned; none bad: the load's error is
-        raised."""
+        """``dcp.load`` of every node's assembled files; ``[]`` when it loaded, else
+        the copies found bad (failed transfers, or local copies that fail their
+        checks), marked, to fetch from the next tier; no bad copy: the load's error
+        is raised."""
         node_needs = [n for n in self.needs if n.node == self.node]
         try:
             if self.leader:
@@ -493,11 +475,8 @@ class _StepRestore:
 
 
 class _ArrivingReader(FastPersistReader):
-    """:class:`FastPersistReader` whose ``read_data`` first waits until
-    ``arrived()`` returns: the files this node receives are complete and
-    checked (it raises when one failed, which fails the load on every
-    rank).  DCP's planning, the other ranks' reads and the transfers run
-    meanwhile."""
+    """A :class:`FastPersistReader` whose ``read_data`` first waits for
+    ``arrived()`` (this node's received files complete and checked)."""
 
     def __init__(self, path: str, options: FastPersistOptions, arrived: Callable[[], None] | None) -> None:
         super().__init__(path, options=options)

@@ -240,13 +240,9 @@ class Holding:
 
 
 def decode(blob: bytes, where: str) -> tuple:
-    """A step's metadata decoded (:func:`fp_dcp.format.decode_metadata`),
-    with the tiers' confinement rule on top: every data file is a plain name
-    the writer gives this save (no path, no data directory), so nothing a
-    tier copies, links, sends, receives or deletes lies outside a step
-    directory, whatever a crafted metadata names.  Every place the tiers read
-    a metadata (a local or persistent step, one sent by a peer) goes
-    through here."""
+    """A step's metadata decoded, with the tiers' confinement rule on top: every
+    data file is a plain name this save's writer gives (nothing outside a step
+    directory).  Every metadata the tiers read goes through here."""
     metadata, layout, extra = fmt.decode_metadata(blob, where)
     for name, _ in layout.files:
         if "/" in name or not name.isascii() or not fmt.valid_data_file_name(name, layout.save_id):
@@ -300,13 +296,9 @@ def write_atomic(path: str, data: bytes | memoryview, sync: bool = True) -> None
 
 
 class RangesFile:
-    """A file of ``size`` bytes created at ``path`` (never over an existing
-    entry: a name taken, by a link to a local copy say, is an error; the
-    directory a real one), holes everywhere, then written range by range
-    (:meth:`write`); :meth:`close` when every range is written,
-    :meth:`discard` removes it.  Not synced: a restore's scratch, which the
-    restore reads only once every range written was checked
-    (``docs/TIERS.md``)."""
+    """A new file of ``size`` bytes at ``path`` (an existing entry is an error),
+    holes everywhere, written range by range; :meth:`close` when done,
+    :meth:`discard` removes it.  Not synced: a restore's scratch."""
 
     def __init__(self, path: str, size: int) -> None:
         self.path, self.size = path, size
@@ -346,12 +338,9 @@ class RangesFile:
 
 def retain(root: str, keep: int, pinned: set[int] | frozenset[int] = frozenset(),
            newest: int | None = None) -> list[str]:
-    """Keep the ``keep`` newest owned steps under ``root`` that have
-    metadata; remove every older owned step directory (committed or not)
-    except the ``pinned`` ones (a drain still reads them).  Steps newer than
-    the oldest kept one stay, committed or not (a save in progress).
-    ``newest``: steps after it do not count as committed (saved, not yet
-    replicated).  Directories the tiers do not own are never touched."""
+    """Keep the ``keep`` newest owned steps under ``root`` that have metadata and
+    remove older owned step directories, except ``pinned``; newer ones stay.
+    ``newest``: steps after it do not count as committed.  Returns what was removed."""
     if keep < 1:
         raise ValueError(f"retention keeps at least 1 step, got {keep}")
     held = sorted(owned_steps(root))
@@ -384,11 +373,9 @@ def _ours(name: str) -> bool:
 
 def remove_owned(root: str, step: int | None, name: str | None = None) -> bool:
     """Remove the owned directory ``root/<name>`` (default: step ``step``'s):
-    the metadata first (nothing half removed is ever taken for a step),
-    then its regular files with fp_dcp's names, the marker last, then the
-    directory when nothing else is left in it.  Nothing is followed or
-    opened; a directory without the marker is left alone.  Returns whether
-    the directory is gone."""
+    metadata first, then fp_dcp's files, the marker last, the directory when
+    empty; nothing followed, an unmarked directory left alone.  Returns whether
+    it is gone."""
     if name is None:
         assert step is not None  # a step or a name
         name = step_name(step)

@@ -268,16 +268,8 @@ def to_torch_save(src: str, out: str, *, force: bool = False, progress: bool = T
 
 def _stream_torch_save(src: str, fd: int, tmp: str, progress: bool) -> None:
     """Write ``torch.save`` of an fp_dcp checkpoint without holding its bytes:
-
-    1. the state dict's skeleton: the non-tensor values loaded, each tensor
-       an uninitialised ``torch.empty`` (address space, no memory);
-    2. ``torch.save`` of it under ``torch.serialization.skip_data()``: the
-       archive with every record in place and the tensors' bytes left empty;
-    3. ``torch.load(mmap=True)`` of that file with ``MAP_SHARED``: tensors
-       backed by their places in the file; the reader fills them in place,
-       so the bytes go through the page cache (written back and dropped by
-       the kernel as needed), never anonymous memory.
-    """
+    an archive with empty tensor records (``skip_data``), mapped back shared and
+    filled in place by the reader, so the bytes go through the page cache only."""
     import dataclasses
     import gc
     import mmap

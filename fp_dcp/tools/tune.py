@@ -48,14 +48,10 @@ class TuneError(ValueError):
 
 def engine_pass(op: str, path: str, nbytes: int, block_size: int, queue_depth: int, *,
                 buffer: Any = None, kind: str = "auto", direct: bool | None = True) -> dict:
-    """A sequential ``op`` ("write": a new file, fsync inside the clock;
-    "read") of ``nbytes`` at ``path`` through fp_dcp's engine, ``block_size``
-    requests ``queue_depth`` in flight, to / from one aligned, page-locked
-    ``buffer`` (an ``AlignedBuffer``; one of up to ``BUFFER_BYTES``, random
-    bytes, when None) that every piece of the file reuses: no checkpoint
-    format, no bounce copies, just the device.  ``direct``: as
-    ``Engine.open``.  Returns ``{"op", "bytes", "seconds", "kind",
-    "block_size", "queue_depth", "direct"}``."""
+    """A sequential ``op`` ("write": a new file, fsync in the clock; "read") of
+    ``nbytes`` at ``path`` through fp_dcp's engine, to / from one aligned,
+    page-locked ``buffer`` reused for every piece.  Returns ``{"op", "bytes",
+    "seconds", "kind", "block_size", "queue_depth", "direct"}``."""
     if op not in ("write", "read"):
         raise ValueError(f"op must be write or read, not {op!r}")
     own = buffer is None
@@ -176,12 +172,9 @@ def check_directory(directory: str, file_bytes: int) -> None:
 
 def measure(directory: str, shapes: list[tuning.Shape], file_bytes: int, *, repeat: int = DEFAULT_REPEAT,
             progress: Callable[[int, int], None] | None = None) -> dict[str, dict[tuning.Shape, list[float]]]:
-    """GB/s of each shape in each of ``repeat`` rounds, ``{"write": {shape:
-    [GB/s, ...]}, "read": {...}}``: per round and shape, a write of a new
-    ``file_bytes`` file in ``directory`` then a read of it; every other round
-    runs the shapes in reverse order (a disk that drifts during the run
-    favours no end of the grid).  The scratch file is removed at the end (also
-    on errors and Ctrl-C)."""
+    """GB/s of each shape in each of ``repeat`` rounds (``{"write": {shape:
+    [GB/s, ...]}, "read": {...}}``), alternate rounds in reverse order; the
+    scratch file is removed at the end, also on errors and Ctrl-C."""
     root = files.Root(directory)
     name = f".fp_dcp-tune-{os.getpid()}-{secrets.token_hex(4)}.tmp"
     os.close(root.create_exclusive(name))  # a new regular file: nothing planted at the name is opened
@@ -212,12 +205,9 @@ def mean(samples: list[float]) -> float:
 
 
 def choose(samples: dict[tuning.Shape, list[float]], builtin: tuning.Shape, margin: float = MARGIN) -> tuning.Shape:
-    """The built-in shape, unless some cells beat it by more than ``margin``
-    in every round (``samples``: GB/s per round, the rounds in the same
-    order for every shape): then the fastest of them on average.  This class
-    of disk swings by more than 10 % from minute to minute, so a smaller or a
-    one-off win is noise, and the built-in rule was measured on two device
-    profiles (docs/NATIVE.md, "Request sizes")."""
+    """The built-in shape, unless some cells beat it by more than ``margin`` in
+    every round (the disk swings from minute to minute, so a smaller or one-off
+    win is noise); then the fastest of them on average."""
     if builtin not in samples:
         return max(samples, key=lambda s: mean(samples[s]))
     base = samples[builtin]

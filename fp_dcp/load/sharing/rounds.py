@@ -135,16 +135,10 @@ class _Round:
 
 
 class SharedReads:
-    """One rank's part in a load's shared reads.
-
-    ``run``: this rank's executor (None when setting it up failed:
-    ``setup_error``, which the other ranks learn in the first round);
-    ``twin_session(i)``: the ``i``-th other pair of engine sessions
-    (scattered runs, long runs: None without one), for the rounds read at
-    once; ``items``: the planner of this rank's jobs; ``planner``: DCP's,
-    which resolves and commits targets.  Call :meth:`run`; its stats
-    (``shared_*``, merged into the reader's ``last_stats``) count the bytes
-    moved and the seconds of each phase."""
+    """One rank's part in a load's shared reads.  ``run``: this rank's executor
+    (None when setting it up failed: ``setup_error``, which the others learn in
+    the first round); ``twin_session(i)``: the ``i``-th other engine pair.
+    Call :meth:`run`; its ``shared_*`` stats join the reader's ``last_stats``."""
 
     def __init__(self, group: Any, share: SharePlan, run: Run | None,
                  twin_session: Callable[[int], tuple[IOSession, IOSession | None]],
@@ -221,12 +215,8 @@ class SharedReads:
         return runs
 
     def _make_buffers(self, alignment: int) -> None:
-        """The rings of a round's buffers.  Round ``i + READ_AHEAD`` is prepared
-        once round ``i - 1`` has completed, so a ring of ``READ_AHEAD + 1``
-        frees each buffer in time.  A box others pull from (in ``temps``) is
-        reused once they have pulled it: when this rank can read their
-        progress counters, as soon as they show it; else once every rank has
-        passed the next round's status (one box more)."""
+        """The rings of a round's buffers (``READ_AHEAD + 1`` each, freed in time);
+        a box peers pull from is reused once they have pulled it."""
         ring = READ_AHEAD + 1
         self.counted = all(self.peers.can_pull(self.rank, r) for plan in self.plans for r in plan.pullers)
         self.temps = _Ring([Scratch(_CPU, alignment) for _ in range(ring + (0 if self.counted else 1))])

@@ -108,12 +108,9 @@ class Scratch:
 
 
 class PeerMemory:
-    """Which ranks can copy from which ranks' memory, and the copies.
-
-    With ``probe`` (the ``"auto"`` transport) :meth:`_probe` builds the
-    table; else no rank pulls.  ``progress[0]`` is this rank's progress
-    counter: the rounds it has pulled its parts of, which owners read
-    (8 bytes, the same way) before they reuse the box of a round."""
+    """Which ranks can copy from which ranks' memory (probed with ``probe``, the
+    ``"auto"`` transport), and the copies; ``progress[0]``: the rounds this rank
+    has pulled its parts of."""
 
     def __init__(self, group: Any, rank: int, world: int, device: torch.device, probe: bool) -> None:
         self.world = world
