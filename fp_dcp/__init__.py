@@ -1,9 +1,6 @@
 """fp_dcp: a torch.distributed.checkpoint storage backend that writes and reads
-at the speed of the disk.
-
-The exports are loaded on first use, so ``fp-dcp --help`` and
-``fp_dcp.options`` do not import torch.
-"""
+at the speed of the disk.  Exports load on first use, so ``fp-dcp --help``
+and ``fp_dcp.options`` do not import torch."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""Every place fp_dcp depends on torch internals, in one module, each checked
-against the installed torch at its first use.
-
-Where torch offers no public way, the dependency is here and is checked by
-what it needs (:func:`check_storage_hooks`, :func:`check_planner_hooks`,
-:func:`check_dtensor_hooks`), not by the torch version: a torch that moved a
-hook gets a ``RuntimeError`` naming it when a feature needs it, and every
-other feature still works.  The hooks, one by one, are in
-docs/ARCHITECTURE.md ("DCP's private hooks"); the numbers below refer to it.
-"""
+"""Every place fp_dcp depends on torch internals, each checked by what it needs
+(:func:`check_storage_hooks`, :func:`check_planner_hooks`,
+:func:`check_dtensor_hooks`), not by version: a moved hook is a
+``RuntimeError`` naming it when a feature needs it.  The numbered hooks are
+listed in docs/ARCHITECTURE.md ("DCP's private hooks")."""
 
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The only importer of fp_dcp's native extension (``fp_dcp._aio``, built from
-``cython_io/``): a missing or broken build fails once, naming the fix.
-
-The names below are the extension's release API (fp_dcp/_aio.pyi); its test
-hooks come from :func:`testing`, only with ``FP_DCP_TEST_HOOKS=1``
-(docs/NATIVE.md).
-"""
+"""The only importer of the native extension (``fp_dcp._aio``, from
+``cython_io/``): a broken build fails once, naming the fix.  Test hooks come
+from :func:`testing`, only with ``FP_DCP_TEST_HOOKS=1`` (docs/NATIVE.md)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Checksums of a checkpoint's data: the CRC-32C of every block of every extent.
-
-The engine computes them while the writer's bytes pass through it; they are
-stored as ``Extent.crc32c`` (8 hex digits per block).  :class:`ReadVerifier`
-checks every block a load's piece covers whole; a partly covered block is
-left to ``fp-dcp verify``.
-"""
+"""Checksums of a checkpoint's data: the CRC-32C of every block of every
+extent, computed by the engine as the writer's bytes pass, stored as
+``Extent.crc32c``, checked by :class:`ReadVerifier` on loads."""
 
 from __future__ import annotations
 
@@ -20,11 +16,9 @@ __all__ = ["ChecksumError", "crc_hex", "crc_array", "piece_checksums", "merge_bl
 
 
 class ChecksumError(OSError):
-    """Bytes read from a data file do not match the checksum stored at save
-    time: the file was damaged after the save (or by a faulty device).
-    ``errno`` is ``EIO``; ``filename`` the data file; ``tensor``, ``file_offset``
-    and ``length`` locate the first bad block; ``bad_blocks`` lists them all
-    (:class:`BadBlock`)."""
+    """Bytes read do not match the checksum stored at save time (``errno`` EIO).
+    ``filename``, ``tensor``, ``file_offset`` and ``length`` locate the first bad
+    block; ``bad_blocks`` lists them all."""
 
     def __init__(self, message: str, path: str, bad: "list[BadBlock]") -> None:
         super().__init__(errno.EIO, message, path)

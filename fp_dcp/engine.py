@@ -1,9 +1,6 @@
-"""The facade between fp_dcp's Python layer and the native engine ``fp_dcp._aio``.
-
-It picks and configures an engine for a directory, opens and closes the data
-files, turns tensors into byte buffers the engine can read or fill without a
-copy, and owns page-locked buffers registered with CUDA.
-"""
+"""The facade over the native engine ``fp_dcp._aio``: an engine configured for
+a directory, data files, zero-copy byte buffers of tensors, and page-locked
+buffers registered with CUDA."""
 
 from __future__ import annotations
 
@@ -216,11 +213,8 @@ class IOSession:
         return other
 
     def long_run_shape(self) -> tuple[int, int]:
-        """(block size, queue depth) for reading long runs from this
-        directory: the read shape of its device's tuning record (fp-dcp
-        tune), else the built-in rule (:func:`large_read_shape` of the
-        device's largest request).  For callers whose options leave the
-        shape open."""
+        """(block size, queue depth) for reading long runs from this directory: its
+        device's tuning record, else the built-in rule."""
         tuned = self.tuned or tuning.lookup(self.directory, self.alignment)
         if tuned is not None:
             return tuned.read

@@ -1,15 +1,9 @@
 """The one file layer: every path fp_dcp opens, creates, renames, lists or
-deletes goes through here, confined beneath a directory it holds open.
-
-:class:`Root` holds a directory descriptor; paths beneath it follow no link
-in any component (``openat2`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``,
-else an ``O_NOFOLLOW`` walk); ``..``, absolute paths and empty components are
-refused.  Reads open non-blocking and ``fstat`` first (a non-regular file is
-a :class:`NotRegularFileError`, one over the bound a
-:class:`FileTooLargeError`).  Violations are :class:`UnsafePathError` (an
-``OSError`` naming the path).  Every ``os`` call goes through this module's
-``os`` (the crash tests replace it).
-"""
+deletes goes through here, confined beneath a directory it holds open
+(:class:`Root`: no link followed in any component, ``..`` and absolute paths
+refused, reads ``fstat``-ed first).  Violations are :class:`UnsafePathError`
+(an ``OSError`` naming the path).  All ``os`` calls go through this module's
+``os`` (the crash tests replace it)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The on-disk format: file names, the layout records and the metadata codec
-(docs/FORMAT.md).
-
-Pure Python over plain data, so the codec can be fuzzed; nothing is
-unpickled.  Each metadata section has a fast column decoder and a reference
-decoder: deliberate (the tests compare them), which is why this module is
-over the size limit; keep both in step when editing one.
-"""
+"""The on-disk format (docs/FORMAT.md): file names, layout records, the metadata
+codec; pure Python, nothing unpickled.  Each metadata section has a fast column
+decoder and a reference decoder that tests compare (why this module is over
+the size limit): keep both in step."""
 
 from __future__ import annotations
 

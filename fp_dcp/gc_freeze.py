@@ -1,16 +1,8 @@
-"""Keep the cyclic garbage collector off a save's or a load's long-lived objects.
-
-``gc.freeze()`` moves the objects that exist when a save or load starts out
-of the collector's sight for its duration only (a state dict of thousands of
-tensors makes every full collection walk all of them); what it allocates is
-still collected.  The writer freezes in ``set_up_storage_writer`` and thaws
-at the end of its rank's part; the reader freezes in ``set_up_storage_reader``
-and thaws at the end of ``read_data``; both thaw in ``reset()`` and ``close()``.
-
-On an interpreter that keeps objects of its own in the permanent generation
-(CPython 3.12 does, and crashed in a collection after a freeze and thaw) it
-does nothing, as it does where the application froze objects itself.
-"""
+"""Keep the cyclic GC off a save's or a load's long-lived objects: ``gc.freeze()``
+from the writer's / reader's set-up to the end of its rank's part (and in
+``reset()`` / ``close()``).  Does nothing where the interpreter keeps objects
+of its own frozen (CPython 3.12 crashed after a freeze and thaw) or the
+application froze objects itself."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Every tunable of fp_dcp in one place (docs/OPTIONS.md).
-
-Each field of :class:`FastPersistOptions` is set, strongest first, by an
-argument, by ``FP_DCP_<FIELD NAME IN CAPITALS>`` (read when the object is
-made; sizes accept suffixes such as ``64MiB``), or by its default.  An
-unknown option name is an error listing the valid ones.
-"""
+"""Every tunable of fp_dcp (docs/OPTIONS.md).  A field of
+:class:`FastPersistOptions` is set by an argument, else by
+``FP_DCP_<FIELD NAME IN CAPITALS>`` (sizes accept ``64MiB``), else its
+default; an unknown name is an error listing the valid ones."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Pinning host memory: page-locking (``mlock``) and CUDA host registration,
-for the staging arena and the writer's CUDA double buffers.
-
-An optimisation, never a requirement: a lock or registration that fails
-warns and the save goes on, slower.
-"""
+"""Pinning host memory (``mlock``, CUDA host registration) for the staging arena
+and the CUDA double buffers; a failure warns and the save goes on, slower."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The per-user record of what ``fp-dcp tune`` measured, per block device.
-
-The file is ``$FP_DCP_TUNING_FILE``, else ``$XDG_CACHE_HOME/fp_dcp/tuning.json``
-(``~/.cache/fp_dcp/tuning.json``); ``FP_DCP_TUNING_FILE=none`` turns records
-off.  A record is keyed by host and device number and used only while the
-disk there still matches; an unreadable file or a record that does not fit is
-ignored with one warning (tuning never stops a save or a load).
-"""
+"""The per-user record of ``fp-dcp tune`` per block device, in
+``$FP_DCP_TUNING_FILE`` (``none``: off), else
+``$XDG_CACHE_HOME/fp_dcp/tuning.json``; a record that does not fit is ignored
+with one warning (tuning never stops a save or a load)."""
 
 from __future__ import annotations
 
@@ -158,11 +154,8 @@ def _shape(value: Any, alignment: int) -> Shape:
 
 
 def lookup(directory: str, alignment: int = 4096) -> Tuned | None:
-    """The shapes recorded for the device under ``directory``, or None: no
-    record file, no record for this device (or this host), a record for
-    another disk that now has this device number, or a record that does not
-    fit (these last warn once).  ``alignment``: what the session's requests
-    must be a multiple of."""
+    """The shapes recorded for the device under ``directory``, or None (no
+    record, or one that does not fit: these warn once)."""
     path = record_path()
     if path is None:
         return None

@@ -1,12 +1,7 @@
-"""Plain data between ranks, without pickle.
-
-Messages are JSON in uint8 tensors after a length header, decoded against a
-*spec*; an oversized, non-JSON or misshapen message is a :class:`WireError`
-naming the sending rank, on every rank alike.  A spec: ``int``, ``float``,
-``str``, ``bool``, ``None``; ``maybe(spec)``; ``[spec]`` (any length);
-``(spec, ...)`` (exactly that many, as a tuple); ``{str: spec}``;
-``{"key": spec, ...}`` (exactly those keys).
-"""
+"""Plain data between ranks, without pickle: JSON decoded against a *spec*
+(``int``, ``float``, ``str``, ``bool``, ``None``, ``maybe(spec)``, ``[spec]``,
+``(spec, ...)``, ``{str: spec}``, ``{"key": spec, ...}``); a bad message is a
+:class:`WireError` naming the sender, on every rank."""
 
 from __future__ import annotations
 

@@ -182,11 +182,8 @@ class Run:
             self.stats["engine_calls"] += 1
 
     def _read_long(self, files, offs, views, lens: np.ndarray, check) -> None:
-        """Long runs (pieces sorted by file and offset): through the engine
-        of large requests, or split into stretches of about equal bytes
-        read at once by it and the ``more`` engines, each on its own thread.
-        Each piece is checksummed whole by the call that reads it, so any
-        piece boundary is a valid cut."""
+        """Long runs, through the engine of large requests, or split into stretches
+        of about equal bytes read at once by it and the ``more`` engines."""
         large = self.large
         assert large is not None  # long runs are split off only with an engine of large requests
         k = min(1 + len(self.more), int(lens.sum()) // _MIN_BYTES_PER_THREAD, len(lens))
@@ -300,11 +297,9 @@ class Run:
         return batches
 
     def _prepare(self, batch: list[Job]) -> list[tuple]:
-        """The engine calls of a batch: its pieces sorted by file and offset,
-        with the fillers the planner allows (from the over-read budget), cut
-        for the verifier, and split between the engine of long runs and the
-        engine of scattered ones.  Each call: ``(session, files, offsets,
-        views, check, lengths)`` (``lengths`` of the views, for long runs)."""
+        """The engine calls of a batch, ``(session, files, offsets, views, check,
+        lengths)``: pieces sorted, fillers added, cut for the verifier, split
+        between the engines of long and scattered runs."""
         if not batch:
             return []
         files = np.concatenate([j.files for j in batch])

@@ -1,13 +1,7 @@
-"""Loading a checkpoint's objects (DCP's bytes items) without running its code.
-
-DCP's default planner unpickles bytes items with the full unpickler.  fp_dcp
-hands it only objects torch's restricted unpickler
-(``torch.load(weights_only=True)``) rebuilt, plus ``io.BytesIO`` rebuilt from
-its bytes and position; anything else is an :class:`UnsafeObjectError`
-naming the key, the globals it wants and the two ways to accept it
-(``allow_pickle=True`` / ``FP_DCP_ALLOW_PICKLE=1`` for trusted checkpoints).
-A bytes item is never loaded over a tensor (:func:`check_bytes_targets`).
-"""
+"""Loading DCP's bytes items without running their code: only what torch's
+restricted unpickler rebuilds (and ``io.BytesIO``), else
+:class:`UnsafeObjectError` naming the key, the globals and the way out
+(``allow_pickle=True`` for trusted checkpoints); never over a tensor."""
 
 from __future__ import annotations
 
@@ -136,11 +130,9 @@ def _unsafe_globals(data: bytes) -> list[str]:
 
 
 def deliver_object(planner: LoadPlanner, req: ReadItem, obj: Any, data: bytes) -> None:
-    """Give DCP's planner the object of ``req``.  The default planner's
-    ``load_bytes`` would unpickle ``data`` again with the full unpickler:
-    for it (and subclasses that keep its ``load_bytes``) the safely rebuilt
-    object is put in place the way that method does; a custom planner's own
-    ``load_bytes`` gets the bytes, which passed the restricted unpickler."""
+    """Give DCP's planner the object of ``req``: put in place as
+    ``DefaultLoadPlanner.load_bytes`` does (without unpickling again), or the
+    already checked bytes to a custom ``load_bytes``."""
     if type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
         put_object(cast(DefaultLoadPlanner, planner), req, obj)  # its load_bytes is DefaultLoadPlanner's
     else:
@@ -159,11 +151,8 @@ def put_object(planner: DefaultLoadPlanner, req: ReadItem, obj: Any) -> None:
 
 
 def check_bytes_targets(items: Iterable[ReadItem], planner: LoadPlanner, where: str) -> None:
-    """Refuse, before anything is read, a bytes item whose target in the
-    caller's state dict is a tensor (the checkpoint says object, the caller
-    expects a tensor: loading would replace the tensor with whatever the
-    checkpoint holds).  Planners that do not keep a ``state_dict`` mapping
-    are not checked here (their objects still pass the restricted unpickler)."""
+    """Refuse, before anything is read, a bytes item whose target in the caller's
+    state dict is a tensor (planners without a ``state_dict`` are not checked)."""
     state_dict = getattr(planner, "state_dict", None)
     if not isinstance(state_dict, dict):
         return

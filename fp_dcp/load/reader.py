@@ -1,11 +1,6 @@
-"""``FastPersistReader``: a DCP ``StorageReader`` that reads only the bytes each
-rank needs, into any world size and sharding.
-
-This module is the DCP protocol only.  :mod:`fp_dcp.load.jobs` turns read
-items into jobs (with :mod:`fp_dcp.load.plan`), :mod:`fp_dcp.load.execute`
-runs them through the engine, :mod:`fp_dcp.load.sharing` plans and runs
-shared reads; docs/ARCHITECTURE.md ("How a load reads") says how.
-"""
+"""``FastPersistReader``: the DCP ``StorageReader`` protocol only; the work is in
+:mod:`~fp_dcp.load.jobs`, :mod:`~fp_dcp.load.execute` and
+:mod:`~fp_dcp.load.sharing` (docs/ARCHITECTURE.md, "How a load reads")."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Reading a *stock* DCP checkpoint (``FileSystemWriter``'s) without running its code.
-
-:class:`SafeStockReader` keeps the stock reader's data path but unpickles the
-metadata with an unpickler that knows only DCP's metadata classes and plain
-data (bounded), refuses data files that are not plain names of regular files
-in the checkpoint and stream transforms, and rebuilds bytes items with the
-restricted unpickler (:mod:`fp_dcp.load.objects`).
-"""
+"""Reading a *stock* DCP checkpoint without running its code:
+:class:`SafeStockReader` unpickles the metadata with a bounded unpickler of
+DCP's metadata classes, refuses data files outside the checkpoint and stream
+transforms, and rebuilds bytes items with :mod:`fp_dcp.load.objects`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The balancer: which rank writes which bytes of which item, on which device.
-
-:func:`plan_placement` turns one :class:`Holdings` per rank into a
-:class:`Placement` whose pieces of each item, over all ranks, tile
-``[0, nbytes)`` exactly once.  Deterministic and pure; :class:`PlanCache`
-keeps placements by structure.
-"""
+"""The balancer: :func:`plan_placement` turns one :class:`Holdings` per rank into
+a :class:`Placement` whose pieces tile each item exactly once.  Deterministic
+and pure; :class:`PlanCache` keeps placements by structure."""
 
 from __future__ import annotations
 
@@ -97,10 +93,8 @@ def structure_key(holdings: Sequence[Holdings]) -> str:
 @dataclasses.dataclass(frozen=True)
 class RankPieces:
     """One rank's share: piece ``i`` is bytes ``[offset[i], offset[i] +
-    length[i])`` of the rank's item number ``local[i]`` (its position in the
-    rank's :class:`Holdings`), written to data directory ``device[i]``.
-    ``length[i] == UNSIZED`` means the whole item, of a size known only when
-    it is written (a bytes item)."""
+    length[i])`` of its item ``local[i]``, to data directory ``device[i]``
+    (``length[i] == UNSIZED``: the whole item)."""
 
     local: np.ndarray
     offset: np.ndarray
@@ -195,11 +189,9 @@ def water_fill(loads: np.ndarray, total: int) -> np.ndarray:
 def cut_stream(
     sizes: np.ndarray, quotas: np.ndarray, granularity: int, small_bytes: int
 ) -> np.ndarray:
-    """Cut positions ``c[0] = 0 <= c[1] <= ... <= c[n] = sum(sizes)`` of a
-    stream of items of ``sizes`` (all > 0) into ``n = len(quotas)`` segments
-    of about the quotas' lengths.  A cut inside an item lies at a multiple of
-    ``granularity`` from the item's start (or at its end); items smaller than
-    ``small_bytes`` are not cut."""
+    """Cut positions of a stream of items of ``sizes`` into ``len(quotas)``
+    segments of about the quotas' lengths; cuts inside an item at multiples of
+    ``granularity``, items under ``small_bytes`` not cut."""
     sizes = np.asarray(sizes, dtype=np.int64)
     total = int(sizes.sum())
     n = len(quotas)
@@ -281,11 +273,8 @@ def _segments(starts: np.ndarray, sizes: np.ndarray,
 
 @dataclasses.dataclass
 class _Items:
-    """Every rank's holdings, concatenated in rank order, and the unique
-    items among them.  A holding is a position in the concatenation;
-    ``order`` sorts the holdings by item (each item's holders in rank
-    order), ``first[i]`` is item ``i``'s first position in ``order`` and
-    ``nhold[i]`` its number of holders."""
+    """Every rank's holdings concatenated in rank order, and the unique items
+    (``order``, ``first``, ``nhold``)."""
 
     world: int
     ranks: np.ndarray  # per holding

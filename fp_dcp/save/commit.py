@@ -1,12 +1,6 @@
-"""A save's commit protocol, and the clean-up around it.
-
-A save becomes visible at one point: the rename of its temporary metadata
-over ``.fp_dcp.meta`` (:func:`commit_metadata`), under the directory's lock
-(:class:`SaveLock`).  What a failure leaves before that is removed
-(:func:`abandon_rank_files`, :func:`commit_metadata` on failure, and
-:func:`remove_superseded` after the next commit).  Every file operation goes
-through :mod:`fp_dcp.files` (docs/FORMAT.md, "Commit protocol").
-"""
+"""A save's commit (the rename over ``.fp_dcp.meta``, under :class:`SaveLock`) and
+the clean-up of what failures leave, through :mod:`fp_dcp.files`
+(docs/FORMAT.md, "Commit protocol")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""CUDA tensors to a data file: device-to-host copies through two page-locked
-buffers, overlapped with the writes (chunk k is written while k+1 is copied).
-
-Each extent starts aligned, and the chunk parts' checksums are merged into the
-extent's ``crc32c``: the value a CPU save of those bytes records.
-"""
+"""CUDA tensors to a data file through two page-locked buffers, each chunk
+written while the next is copied; the extents' checksums equal those of a
+CPU save of the same bytes."""
 
 from __future__ import annotations
 

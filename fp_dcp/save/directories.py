@@ -1,9 +1,6 @@
-"""Where a save's files go, and making those directories ready.
-
-The metadata always goes in the checkpoint directory; with ``options.data_dirs``
-each rank stripes its data files over a sub-directory named after the
-checkpoint (``fmt.data_subdir_name``) in each data directory.
-"""
+"""Where a save's files go (the checkpoint directory, or with
+``options.data_dirs`` a sub-directory per checkpoint in each data directory),
+and making those directories ready."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""One rank's write: its assigned pieces, from the planner's data into one
-file per device, through the native engine.
-
-:func:`write_rank` resolves each item (zero-copy for CPU tensors), writes
-each device's host bytes and CUDA bytes in one file each, one thread per
-device, and returns DCP's write results and the rank's statistics once every
-file is durable (the files are synced while the caller's ``while_syncing``
-work runs).  Checksums an async save's staging copy already made are reused.
-"""
+"""One rank's write (:func:`write_rank`): its pieces into one host file and one
+CUDA file per device, one thread per device, synced while the caller's
+``while_syncing`` work runs; staged checksums are reused."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The save plan: what each rank tells the coordinator (:class:`RankHoldings`,
-from :func:`describe_rank`), what the coordinator assigns each rank
-(:class:`Assignment`, from :func:`assign`), and the per-process records
-that stand in for the plans DCP's plan caching does not send
-(docs/ARCHITECTURE.md, "DCP's plan caching").
-"""
+"""The save plan: :class:`RankHoldings` (each rank to the coordinator),
+:class:`Assignment` (the coordinator to each rank), and the records behind
+DCP's plan caching (docs/ARCHITECTURE.md, "DCP's plan caching")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""``FastPersistWriter``: a DCP ``StorageWriter`` that writes at the disk's speed.
-
-This module is the DCP protocol only: each method translates one of DCP's
-calls to the save path's modules (docs/ARCHITECTURE.md, ``fp_dcp/save/``).
-The objects that exist when a save starts are kept out of the cyclic GC's
-sight until this rank's part of it ends (:mod:`fp_dcp.gc_freeze`).
-"""
+"""``FastPersistWriter``: the DCP ``StorageWriter`` protocol only, each method
+handing one of DCP's calls to the save path's modules (docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 

@@ -35,10 +35,8 @@ __all__ = ["AsyncStagingMixin", "Stager"]
 
 class AsyncStagingMixin:
     """The ``AsyncStager`` side of :class:`~fp_dcp.FastPersistWriter`
-    (docs/STAGING.md).  The host class provides ``options``, ``path`` and
-    ``reset()`` and calls :meth:`_close_staging` from its ``close()``; its
-    protocol methods are wrapped to follow each staged save (they behave
-    exactly as before)."""
+    (docs/STAGING.md); the host provides ``options``, ``path``, ``reset()`` and
+    calls :meth:`_close_staging` from ``close()``."""
 
     # AsyncStager protocol: staging is complete when stage() returns (eager) or
     # its future resolves (lazy); async_save never needs synchronize_staging().

@@ -1,9 +1,7 @@
-"""Which save is running, and how it ended.  :func:`wrap_hooks` wraps the
-writer's protocol methods (they behave exactly as before) so that each call
-reaches the :class:`Track` of the :class:`Save` its thread runs, or, in a
-checkpoint process, a :class:`Reporter` that posts the outcome on the
-arena's header page.  The next save waits for the last (:meth:`Save.wait`)
-and raises its failure once."""
+"""Which save is running, and how it ended: :func:`wrap_hooks` routes the
+writer's protocol calls to the :class:`Track` of their thread's
+:class:`Save` (or a checkpoint process's :class:`Reporter`); the next save
+waits for the last and raises its failure once."""
 
 # dcp.async_save stages on the training thread and saves in the background,
 # but tells the stager neither which thread runs the save nor how it ends:

@@ -1,9 +1,5 @@
-"""Every rank's outcome of one phase of the tiers' work, gathered.
-
-:func:`exchange` ends a phase with one gather of every rank's result or
-error (plain data, :mod:`fp_dcp.wire`), so a failure on one rank makes every
-rank raise at once, naming it, instead of waiting in the next collective.
-"""
+"""Every rank's outcome of one phase, gathered as plain data
+(:func:`exchange`), so a failure on one rank makes every rank raise at once."""
 
 from __future__ import annotations
 
@@ -23,11 +19,9 @@ class TierError(RuntimeError):
 
 def exchange(group, world: int, what: str, work: Callable[[], Any],
              error: type[TierError] = TierError, spec: Any = None) -> list[Any]:
-    """Run ``work`` here and gather every rank's result (a list by rank,
-    each decoded against ``spec``); when it raised on any rank, every rank
-    raises ``error`` naming the ranks and their errors (no rank is left
-    waiting in a later collective).  A peer's malformed message is a
-    :class:`~fp_dcp.wire.WireError` on every rank."""
+    """Run ``work`` here and gather every rank's result (decoded against
+    ``spec``); when it raised on any rank, every rank raises ``error`` naming
+    the ranks and their errors."""
     err = mine = local = None
     try:
         mine = work()

@@ -1,12 +1,6 @@
-"""Draining a committed local checkpoint to the persistent tier.
-
-Every rank copies its own data files of the step (O_DIRECT, reused buffers,
-every checksum block checked before the copy is named); only when every rank
-succeeded does rank 0 commit the metadata as the writer does.  A crash
-before the rename leaves a step directory without metadata (removed by the
-next drain or retention); the previous persistent step is never written to.
-A failed drain removes what it copied and is retried (``drain_retries``).
-"""
+"""Draining a committed local step to the persistent tier: each rank copies its
+files (checked), then rank 0 commits as the writer does, only if every rank
+succeeded; a failed drain removes its copies and is retried."""
 
 from __future__ import annotations
 
@@ -53,11 +47,9 @@ class DrainResult:
 
 
 class DrainIO:
-    """A drain thread's copies of data files from the local tier to the
-    persistent one: each file read whole with O_DIRECT into a buffer kept
-    for the next drain, checked against the metadata's checksums, written
-    with O_DIRECT under a temporary name, synced, and only then renamed.
-    One thread at a time; :meth:`close` frees the buffers."""
+    """A drain thread's checked O_DIRECT copies of data files to the persistent
+    tier (buffers kept between drains).  One thread at a time; :meth:`close`
+    frees the buffers."""
 
     def __init__(self, options: FastPersistOptions) -> None:
         self.options = options

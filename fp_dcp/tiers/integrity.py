@@ -1,11 +1,6 @@
-"""Checking a data file's bytes against its metadata's checksums while they
-are copied (drain, restore) or received (replication).
-
-A file is walked in *pieces* (gaps, and extents cut at checksum blocks), read,
-checked and written in one pass.  Functions can work on *ranges* of a file
-(sorted, disjoint unions of whole extents: :func:`extent_ranges`), whose bytes
-travel concatenated.  Extents written without checksums pass unchecked.
-"""
+"""Checking a data file's bytes against its metadata's checksums while copied
+or received, in one pass; whole files or *ranges* (unions of whole extents,
+:func:`extent_ranges`).  Extents without checksums pass unchecked."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""``TierManager``: multi-tier checkpointing of a series of training steps.
-
-Each ``save`` stages the state dict and returns; background threads write
-it to the node-local tier, replicate it to ``replicas`` other nodes and
-drain it to the persistent root every ``persist_every`` steps.  ``restore``
-loads the newest step complete somewhere, from the fastest tier holding each
-byte.  The constructor is a collective (it creates the tiers' gloo groups).
-Usage, threads and process groups: docs/TIERS.md.
-"""
+"""``TierManager``: multi-tier checkpointing of a series of training steps
+(docs/TIERS.md)."""
 
 from __future__ import annotations
 
@@ -151,11 +144,10 @@ class TierManager:
     # ------------------------------------------------------------ the loop
 
     def save(self, step: int, state_dict: dict[str, Any]) -> concurrent.futures.Future:
-        """Checkpoint ``state_dict`` as ``step`` (every rank, same steps).
-        Returns at once with a future of the step's local save and
-        replication; with lazy staging call :meth:`wait_staged` before the
-        state changes (before ``optimizer.step()``).  A failure of an
-        earlier step's local save or replication is raised here."""
+        """Checkpoint ``state_dict`` as ``step`` (every rank, same steps); returns at
+        once with a future of the local save and replication.  With lazy staging
+        call :meth:`wait_staged` before the state changes.  An earlier step's
+        failure is raised here."""
         if self._closed:
             raise RuntimeError("TierManager is closed")
         self._reap(keep=BEHIND)
@@ -252,11 +244,8 @@ class TierManager:
         return {**clock.laps, **clock.cpu_laps, "save_cpu": clock.cpu()}
 
     def _after_save(self, step: int, saved: concurrent.futures.Future) -> dict[str, Any]:
-        """The replicator thread, once the saver has saved ``step``: the
-        metadata to every node, replicas, retention, drain.  Records in
-        :attr:`history` the wall seconds (``*_seconds``) of each phase and
-        the two threads' CPU seconds (``cpu_seconds``; gloo's and the
-        engine's own threads not included)."""
+        """The replicator thread, once ``step`` is saved: metadata to every node,
+        replicas, retention, drain; records each phase's seconds in :attr:`history`."""
         local = saved.result()  # the save's failure is this step's
         clock = _Clock()
         directory = store.step_dir(self.local_root, step)

@@ -39,11 +39,8 @@ class _PartFailure:
 
 
 class ReplicaMoves:
-    """One round's replica copies of a plan, on this rank: build with the
-    plan (every rank alike), :meth:`run` once.  ``receiving``: the files
-    this rank receives, created empty (each closed and dropped when every
-    part arrived good; what is left is discarded).  ``taken``: the bytes
-    received whole and good."""
+    """One round's replica copies on this rank: build with the plan (every rank
+    alike), :meth:`run` once.  ``taken``: the bytes received whole and good."""
 
     def __init__(self, plan: list[Pick], *, rank: int, layout: fmt.StorageLayout, local_dir: str,
                  receiving: dict[str, store.RangesFile], file_io: Callable[[], FileIO], chunk_bytes: int,

@@ -1,9 +1,5 @@
-"""A restore's records and its planning from gathered facts (pure functions).
-
-Every rank picks the same :class:`Candidate` (:func:`choose`) from the same
-:class:`Inventory`, lists its own reads (:func:`reads`) and derives each
-node's :class:`Need` of each file (:func:`node_needs`).
-"""
+"""A restore's records and its planning from gathered facts (pure):
+:func:`choose`, :func:`reads`, :func:`node_needs`."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""Moving data files between ranks over the tiers' own process group.
-
-A *transfer* is one data file (``name``, ``size``) from ``src`` to ``dst``.
-Every rank computes the same list in the same order and runs its transfers
-in that order, each to completion (blocking pairs in one global order never
-deadlock).  Files travel as uint8 tensors in chunks of ``chunk_bytes``, over
-gloo (CPU tensors) or NCCL (through a CUDA tensor; tested only where several
-GPUs exist).  The receiver checks every file against its metadata's
-checksums (:mod:`fp_dcp.tiers.integrity`) before it names it.
-:class:`FileIO` reads and writes the files with O_DIRECT into reused aligned
-buffers (docs/TIERS.md says why), and sends the bytes as on disk, so a
-replica is the original file.
-"""
+"""Moving data files between ranks over the tiers' own group: every rank runs
+the same transfer list in one global order (no deadlock), as uint8 chunks
+over gloo or NCCL; received files are checked before they are named.
+:class:`FileIO` does the O_DIRECT file side (docs/TIERS.md)."""
 
 from __future__ import annotations
 
@@ -113,11 +104,9 @@ def run_transfers(
 
 
 class FileIO:
-    """O_DIRECT reads and writes of whole data files under one directory's
-    file system (falling back to buffered I/O where it refuses O_DIRECT),
-    through buffers kept for the next call: one to read into
-    (:meth:`read`), one to receive into (:meth:`buffer`).  One thread at a
-    time; :meth:`close` frees the buffers."""
+    """O_DIRECT reads and writes of whole data files (buffered where O_DIRECT is
+    refused) through buffers kept for the next call.  One thread at a time;
+    :meth:`close` frees the buffers."""
 
     def __init__(self, options: FastPersistOptions, directory: str) -> None:
         self.options = options

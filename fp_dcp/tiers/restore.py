@@ -1,12 +1,6 @@
-"""Restoring from the fastest complete tier, on any world size.
-
-Every rank calls :func:`restore` with nothing else running on the tiers'
-process group.  The phases (inventory, agreement, needs, assembly in
-``<local root>/.restore/``, load), the checks and the fallback to an older
-step are described in docs/TIERS.md ("Where things live", **Restore**).  Each phase ends with an
-exchange of every rank's outcome, so a rank whose work raised makes every
-rank raise :class:`TierRestoreError` naming it, the file and the error.
-"""
+"""Restoring from the fastest complete tier, on any world size (docs/TIERS.md,
+**Restore**).  Each phase ends with an exchange of every rank's outcome, so
+a failure anywhere is a :class:`TierRestoreError` on every rank."""
 
 from __future__ import annotations
 

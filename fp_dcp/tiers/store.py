@@ -1,13 +1,6 @@
-"""The tiers' directories on disk: where each step lives, which of them the
-tiers own, what a directory holds, atomic small writes, retention.
-
-A step directory is the tiers' only when it is a real directory named
-:func:`step_name` holding the marker that names that step; everything else
-in a root is never read, written or deleted, and inside an owned directory
-only regular files with fp_dcp's names are removed (layout and rules:
-docs/TIERS.md, "Where things live").  A non-regular file in a step directory
-is a :class:`TierPathError` before anything opens it.
-"""
+"""The tiers' directories on disk (docs/TIERS.md, "Where things live"): only
+owned step directories (:func:`step_name` plus the marker) are ever read,
+written or deleted, and in them only fp_dcp's regular files."""
 
 from __future__ import annotations
 

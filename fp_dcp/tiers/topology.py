@@ -1,10 +1,5 @@
-"""Which ranks form a node, and where each node's replicas go.
-
-Pure functions over rank numbers.  Node ``n``'s replicas go to nodes
-``n+1 .. n+r`` modulo the node count (a ring), and each rank sends its files
-to the rank of the holder node with the same local index (modulo that
-node's size).
-"""
+"""Which ranks form a node, and where each node's replicas go (nodes
+``n+1 .. n+r`` on a ring; each rank to the same local index there).  Pure."""
 
 from __future__ import annotations
 

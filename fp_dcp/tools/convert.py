@@ -1,12 +1,6 @@
-"""Inspecting and converting checkpoints: what ``fp-dcp inspect`` and
-``fp-dcp convert`` run.
-
-:func:`describe` (the metadata as plain data, nothing unpickled),
-:func:`to_torch_save` and :func:`to_safetensors` (streamed from fp_dcp: memory
-is the non-tensor values, or one batch of tensors), :func:`fp_dcp_to_dcp` /
-:func:`dcp_to_fp_dcp` (through DCP in one process; they hold the whole state
-dict, and the result holds every tensor whole).
-"""
+"""``fp-dcp inspect`` and ``fp-dcp convert``: :func:`describe`,
+:func:`to_torch_save`, :func:`to_safetensors` (streamed from fp_dcp), and
+:func:`fp_dcp_to_dcp` / :func:`dcp_to_fp_dcp` (whole state dict in memory)."""
 
 from __future__ import annotations
 
@@ -248,11 +242,8 @@ def _atomic_output(out: str, force: bool) -> Iterator[tuple[int, str]]:
 
 
 def to_torch_save(src: str, out: str, *, force: bool = False, progress: bool = True) -> dict[str, Any]:
-    """fp_dcp checkpoint (or a stock DCP one) -> one ``torch.save`` file.
-
-    From fp_dcp the file is streamed (:func:`_stream_torch_save`): memory
-    holds the non-tensor values, never the tensors' bytes.  From stock DCP
-    the whole state dict is loaded first."""
+    """fp_dcp checkpoint (streamed: memory holds only the non-tensor values) or a
+    stock DCP one (loaded whole) -> one ``torch.save`` file."""
     kind = checkpoint_kind(src)
     if kind not in ("fp_dcp", "dcp"):
         raise ConvertError(f"{src}: already a torch.save file; nothing to convert")

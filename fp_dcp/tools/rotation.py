@@ -1,12 +1,6 @@
-"""Checkpoint rotation: keep the newest N checkpoints of a run
-(``keep_last(root, 3)`` after each save).
-
-Only committed fp_dcp checkpoints directly under ``root`` count and are
-removed, oldest commit first; one whose save holds its lock, or without
-metadata, is never touched.  Data files in data directories go with their
-checkpoint, only those the writer's naming rule allows; links are never
-followed and only fp_dcp's own files are removed.
-"""
+"""Checkpoint rotation (``keep_last(root, 3)``): only committed, unlocked fp_dcp
+checkpoints directly under ``root`` are removed, oldest first, with only the
+files the writer's naming rule gives them; links are never followed."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""``fp-dcp tune PATH``: measure the device under PATH and choose fp_dcp's
-request size and queue depth for it.
-
-Each cell of a request size x queue depth grid is a sequential O_DIRECT write
-of a scratch file (fsync in the clock) and a cold O_DIRECT read of it, through
-fp_dcp's own engine.  :func:`choose` keeps the built-in shape unless cells beat
-it by more than a margin in every round.  The record (:mod:`fp_dcp.tuning`) is
-used when the options leave ``queue_depth`` and ``block_size_bytes`` open.
-"""
+"""``fp-dcp tune PATH``: measure O_DIRECT writes and cold reads of a grid of
+request sizes x queue depths through fp_dcp's engine and record a shape
+(:mod:`fp_dcp.tuning`) when one clearly beats the built-in rule."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """``fp-dcp verify PATH``: read every byte of a checkpoint and check every
-checksum block against the CRC-32C stored at save time.
-
-Missing or truncated files and read errors are reported too; nothing stops at
-the first problem.  The command line itself is ``fp_dcp.tools.cli``.
-"""
+checksum block; reports every problem, not only the first."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Short texts between the ranks of a shared read, as plain bytes (no pickle).
-
-Each rank's message is one ``uint8`` row of ``MESSAGE_ROW_BYTES``: a flag byte
-(0: none, 1: a text), the length (``uint32``, little-endian) and at most
-``MESSAGE_TEXT_BYTES`` of UTF-8 (cut at a character boundary), zeros after.
-A malformed row is a :class:`PeerMessageError`.
-"""
+"""Short texts between the ranks of a shared read, as fixed ``uint8`` rows of
+``MESSAGE_ROW_BYTES`` (flag, ``uint32`` length, at most ``MESSAGE_TEXT_BYTES``
+of UTF-8), never pickled; a malformed row is a :class:`PeerMessageError`."""
 
 from __future__ import annotations
 
