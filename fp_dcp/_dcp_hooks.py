@@ -154,10 +154,8 @@ _executor_classes: dict[str, Any] = {}
 
 
 def _executor(name: str) -> Any:
-    """DCP's async executor ``name`` (thread or process), handing the save
-    fp_dcp's writer when ``async_save`` got none and the switch is on *at the
-    call* (the background save may start after the switch is off, or in a
-    spawned process)."""
+    """DCP's async executor ``name``, handing the save fp_dcp's writer when
+    ``async_save`` got none and the switch was on *at the call*."""
     cls = _executor_classes.get(name)
     if cls is None:
         base: type

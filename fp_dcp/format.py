@@ -896,10 +896,8 @@ def _extents_checked(raw: Any, file_sizes: list[int], block: int | None,
 
 
 def _extents_columns(raw: Any, file_sizes: list[int], block: int | None, n_fields: tuple[int, ...]):
-    """The ``extents`` section decoded column by column: ``(extents, keys,
-    (files, starts, lengths))`` (``keys``: each item's ``(fqn, offset
-    tuple or None)``; the columns: every extent's), or None (then
-    :func:`_extents_checked` decides)."""
+    """The ``extents`` section decoded by columns: ``(extents, keys, (files,
+    starts, lengths))``, or None (then :func:`_extents_checked` decides)."""
     if type(raw) is not list or not _all_type(raw, list) or (raw and set(map(len, raw)) != {2}):
         return None
     keys = [pair[0] for pair in raw]

@@ -34,7 +34,7 @@ _start_count: int | None = None
 _start_lock = threading.Lock()
 
 
-_ZERO_AT_START = ((3, 10), (3, 11), (3, 13))  # measured: a bare interpreter's count is 0
+_ZERO_AT_START = ((3, 10), (3, 11), (3, 13))  # versions whose bare interpreter starts with none frozen
 
 
 def interpreter_start_count() -> int:

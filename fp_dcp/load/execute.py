@@ -31,22 +31,19 @@ __all__ = ["Run", "in_long_runs", "LONG_RUN_BYTES"]
 # a progress callback, calls are smaller so progress moves in visible steps.
 _MAX_BATCH_BYTES = 1 << 30
 _PROGRESS_BATCH_BYTES = 256 << 20
-# Requests sized by what they move (issue 15): with the engine's shape left
-# to fp_dcp, pieces in a run of at least this many bytes back to back (after
-# the verifier's cuts) go to a second engine of large requests
-# (engine.large_read_shape: the device's largest whole request, 4 MiB here,
-# 8 in flight); shorter ones, scattered runs above all, stay on the engine of
-# many small requests in flight.  A 256 KiB request costs a device that
-# charges per operation 16x the operations of a 4 MiB one: measured in
-# docs/NATIVE.md, "Request sizes".
+# Requests sized by what they move: with the engine's shape left to fp_dcp,
+# pieces in a run of at least this many bytes back to back (after the
+# verifier's cuts) go to a second engine of large requests
+# (engine.large_read_shape); shorter, scattered runs stay on the engine of
+# many small requests in flight.  A device that charges per operation pays
+# for small requests (docs/NATIVE.md, "Request sizes").
 LONG_RUN_BYTES = 1 << 20
 # With read_threads > 1, long runs are read by several engines of large
 # requests at once (``Run``'s ``more``), each on its own thread: an engine
 # copies each completed request out of its bounce buffer (fused with the
 # checksum) on the thread that called it, so one engine copies on one core,
-# which a device faster than a core's memcpy outruns (on this project's VM
-# two engines were no faster: docs/NATIVE.md).  Each thread gets at least
-# this many bytes of a batch, so small loads stay on one thread.
+# which a device faster than a core's memcpy outruns (docs/NATIVE.md).  Each
+# thread gets at least this many bytes of a batch: small loads stay on one.
 _MIN_BYTES_PER_THREAD = 64 << 20
 
 
@@ -145,10 +142,8 @@ class Run:
         self.paid_left = 0
 
     def with_session(self, session: IOSession, large: IOSession | None) -> "Run":
-        """Another run of the same load, through ``session`` and, for long
-        runs, ``large`` (shared reads read two rounds at once, each thread
-        with engines of its own: an engine serves one thread at a time;
-        its long runs are read by ``large`` alone)."""
+        """Another run of the same load through ``session`` and ``large`` (an engine
+        serves one thread at a time)."""
         return Run(session, self.paths, self.limits, large=large, budget=self.budget,
                    coalesce_gap=self.coalesce_gap, max_overread_percent=self.max_overread_percent,
                    verifier=self.verifier, progress=self.progress)
@@ -262,10 +257,8 @@ class Run:
             self._finish_next(pending)
 
     def _batches(self, jobs: list[Job], before_arena: Callable[[], None] | None = None) -> list[list[Job]]:
-        """``jobs`` (accounted for in the totals and the over-read budget)
-        cut into the batches of one engine call each, within the arena
-        budget, the pieces of one call and its bytes; the arena is grown
-        for them first (after ``before_arena``, when it must be)."""
+        """``jobs`` cut into batches of one engine call each, within the arena budget;
+        the arena is grown for them first (after ``before_arena``)."""
         needed = sum(j.needed for j in jobs)
         planned_paid = sum(j.paid for j in jobs)
         self.total += needed

@@ -303,10 +303,8 @@ def whole_chunk_read(sizes, dtype: torch.dtype, offsets, lengths, dest: torch.Te
 
 
 def _merge_level(grid: Grid, limits: Limits) -> tuple[int | None, int]:
-    """The level at which sub-grids are read through a temporary, or None
-    (runs straight into the target); the over-read that costs.  Gaps without
-    a whole block are merged freely; gaps with whole blocks only within the
-    over-read budget, which they then take from (the fillers get the rest)."""
+    """The level at which sub-grids are read through a temporary (None: straight
+    into the target), and the over-read that costs."""
     g = len(grid.counts)
     if g == 0 or grid.run >= MERGE_RUN_MAX_BYTES:
         return None, 0

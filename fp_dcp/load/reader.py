@@ -216,10 +216,8 @@ class FastPersistReader(StorageReader):
         return transfer_device(self.process_group).type == "cpu"
 
     def _may_share(self) -> bool:
-        """Whether some plan could share reads (``_prepare_local_plan``'s
-        ``may_share`` for its most fragmented plan): False when no option
-        asks for it and interleaved reads are off (no process group moving
-        tensors on the CPU), whatever the plan."""
+        """Whether some plan could share reads (False when no option asks and no
+        process group moves tensors on the CPU)."""
         opts = self.options
         return self._use_collectives and (opts.share_replicated_reads or self._interleave_wanted())
 
@@ -246,10 +244,8 @@ class FastPersistReader(StorageReader):
         return False
 
     def _set_up_engines_early(self, twin: bool, bounce: bool = True) -> None:
-        """Start setting the engines up (with ``twin``, also the second pair
-        of shared reads; with ``bounce``, faulting in and locking the bounce
-        buffers) on a thread of its own while DCP plans the load.  Best
-        effort: ``read_data``'s own set-up raises what failed here."""
+        """Start setting the engines up on a thread of their own while DCP plans;
+        best effort (``read_data``'s own set-up raises what failed)."""
         if self._setting_up is not None or self.path is None:
             return
 
@@ -426,10 +422,8 @@ class FastPersistReader(StorageReader):
                             replicate=opts.share_replicated_reads, transport=opts.shared_read_transport)
 
     def _agreed_share_plan(self, plan: LoadPlan) -> SharePlan | None:
-        """The sharing plan the coordinator put in this rank's plan.  The
-        coordinator's decision is the only one: every rank of the load
-        receives the same plan through DCP's scatter, so every rank runs the
-        same collectives (a rank's own options do not change that)."""
+        """The sharing plan the coordinator put in this rank's plan: the same on every
+        rank, so every rank runs the same collectives."""
         share = plan.storage_data if isinstance(plan.storage_data, SharePlan) else None
         if share is None or not self._use_collectives:
             return None

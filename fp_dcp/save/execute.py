@@ -227,10 +227,9 @@ def _write_device(
     used: set[int],
     unsynced: list[tuple[int, str]],
 ) -> tuple[list[tuple], list[tuple[str, int]], dict[str, Any], str, bool]:
-    """One device's pieces (``groups``: host pieces, CUDA pieces) into a file per
-    kind in ``directory``.  The host file is left open and unsynced in
-    ``unsynced`` for the caller.  Returns the extents, the files' sizes, the
-    statistics and the engine's kind and direct-I/O flag."""
+    """One device's pieces into a file per kind in ``directory``; the host file is
+    left open and unsynced in ``unsynced``.  Returns extents, file sizes, stats
+    and the engine's kind and direct-I/O flag."""
     cpu, cuda = groups
     extents: list[tuple] = []  # (item, file, file_offset, item_offset, length, crc32c)
     file_sizes: list[tuple[str, int]] = []
@@ -306,10 +305,8 @@ def _sync_device(files: list[tuple[int, str]], directory: str, by_path: bool) ->
 
 
 def _staged_crc_hex(item: Any, offset: int, length: int, used: set[int]) -> str | None:
-    """``Extent.crc32c`` of bytes ``offset..offset+length`` of an item whose
-    bytes (``item``, the whole item) a staging copy checksummed, when the
-    piece starts on that checksum grid and ends on it or at the item's end;
-    else None.  Records the arena used in ``used``."""
+    """``Extent.crc32c`` of a piece a staging copy already checksummed on its grid,
+    else None; records the arena used in ``used``."""
     if length == 0:
         return crc_hex(np.zeros(1, dtype=np.uint32))  # as the engine reports an empty piece
     if not isinstance(item, np.ndarray):

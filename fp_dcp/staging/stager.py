@@ -117,10 +117,8 @@ def _track_of(writer: Any, name: str, args: tuple, kwargs: dict) -> Track | Repo
 
 
 class _StagingFuture(concurrent.futures.Future):
-    """The future lazy ``stage`` returns.  A *failed* future reports ``done()``
-    False until a callback is attached, because ``dcp.async_save`` checks
-    ``done()`` before attaching one and would read a failure as success (hook 4
-    of docs/ARCHITECTURE.md).  ``result()`` and ``exception()`` behave as usual."""
+    """The future lazy ``stage`` returns: a *failed* one reports ``done()`` False
+    until a callback is attached (hook 4 of docs/ARCHITECTURE.md)."""
 
     _watched = False
 

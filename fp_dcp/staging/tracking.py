@@ -185,10 +185,8 @@ class Track:
 
 
 def attribute(saves: Iterable[Save], name: str, args: tuple, kwargs: dict) -> Track | None:
-    """The :class:`Track` of a hook call on the current thread: the save this
-    thread runs, or — a ``set_up_storage_writer`` call, the start of a save —
-    the staged save no thread has picked up yet; None if neither (a save
-    that was not staged).  The caller holds the lock guarding ``saves``."""
+    """The :class:`Track` of a hook call on this thread (its save, or a staged
+    save not yet picked up), or None.  The caller holds the lock on ``saves``."""
     me = threading.current_thread()
     saves = list(saves)
     for rec in saves:

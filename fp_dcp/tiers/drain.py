@@ -165,10 +165,8 @@ def _remove_uncommitted(dest: str, layout: fmt.StorageLayout, rank: int) -> None
 
 
 def _tidy(root: str, dest: str, step: int, layout: fmt.StorageLayout, keep: int | None) -> None:
-    """After a commit: stale files of ``dest`` (an earlier save of the same
-    step), older step directories of the tiers' that never committed (drains
-    that died), and committed ones beyond ``keep``.  Only what the tiers own
-    (``store``): a user's checkpoint or folder in the root is never touched."""
+    """After a commit: stale files of ``dest``, uncommitted older steps, and
+    committed ones beyond ``keep``; only what the tiers own."""
     names = {name for name, _ in layout.files}
     with store.opened(dest) as d:
         for name, kind in d.entries():

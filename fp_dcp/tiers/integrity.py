@@ -109,10 +109,8 @@ def split_ranges(layout: fmt.StorageLayout, fid: int, ranges: Ranges, limit: int
 
 
 def _pieces_in(layout: fmt.StorageLayout, fid: int, ranges: Ranges | None, path: str) -> Iterator[tuple[_Piece, int]]:
-    """The pieces of file ``fid`` inside ``ranges`` (``None``: the whole
-    file), each with its position in the ranges' concatenated bytes.
-    ``ValueError`` when a range is not a union of whole pieces (then some of
-    its bytes could pass unchecked) or lies beyond the file."""
+    """The pieces of file ``fid`` inside ``ranges`` (``None``: all) with their
+    positions; ``ValueError`` when a range is not whole pieces or past the end."""
     size = layout.files[fid][1]
     if ranges is None:
         ranges = [(0, size)] if size else []

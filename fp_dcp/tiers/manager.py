@@ -288,10 +288,8 @@ class TierManager:
             self._drains.append(self._drainer.submit(work, step))
 
     def _retain(self, step: int) -> None:
-        """Local retention on this node once ``step`` is replicated and
-        named: the steps after it may be saved but not yet replicated, so
-        they do not count (``newest``); a step a queued drain still reads
-        stays (pinned)."""
+        """Local retention once ``step`` is replicated: later steps do not count yet,
+        and steps a queued drain reads stay."""
         t0 = time.perf_counter()
         with self._lock:
             pinned = set(self._pinned)
@@ -302,10 +300,8 @@ class TierManager:
         self.history[step]["retain_seconds"] = time.perf_counter() - t0
 
     def _replicate(self, step: int, directory: str, layout: fmt.StorageLayout, clock: "_Clock") -> dict[str, Any]:
-        """Send this rank's files of the step to its partners and take in
-        theirs: read and written with O_DIRECT through reused buffers, each
-        received file checked against the metadata's checksums, written
-        under a temporary name and renamed only then."""
+        """Send this rank's files of the step to its partners and take in theirs,
+        each received file checked and renamed into place only then."""
         fid_of = {n: i for i, (n, _) in enumerate(layout.files)}
         transfers = [
             Transfer(src, dst, *layout.files[fid])  # (name, size)

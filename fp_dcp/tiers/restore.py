@@ -491,10 +491,8 @@ def _source_key(tier: str, src: int, topology: Topology) -> str:
 
 
 def _link_or_copy(src: str, dst: str) -> None:
-    """``src`` (a scanned regular file of the local tier) at ``dst``: a hard
-    link, else a copy; both directories held open (no link followed in
-    them), the file itself never followed (a link swapped in since the scan
-    is linked as a link, which the load then refuses; copied, refused)."""
+    """``src`` (a scanned local-tier file) at ``dst``: a hard link, else a copy;
+    no link followed (one swapped in is refused by the load)."""
     with store.opened(os.path.dirname(src)) as sdir, store.opened(os.path.dirname(dst)) as ddir:
         try:
             os.link(os.path.basename(src), os.path.basename(dst), src_dir_fd=sdir.fd, dst_dir_fd=ddir.fd,

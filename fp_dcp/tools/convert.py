@@ -221,10 +221,8 @@ def _total_bytes(path: str) -> int:
 
 @contextlib.contextmanager
 def _atomic_output(out: str, force: bool) -> Iterator[tuple[int, str]]:
-    """``(descriptor, a path that reopens it)`` of the output's temporary,
-    created beside ``out`` with ``O_EXCL | O_NOFOLLOW`` (never through a link
-    planted at its name); renamed over ``out`` when the block ends (a link at
-    ``out`` itself is replaced, not followed), removed if it fails."""
+    """``(descriptor, path)`` of the output's temporary beside ``out`` (``O_EXCL |
+    O_NOFOLLOW``), renamed over ``out`` at the end, removed on failure."""
     parent = os.path.dirname(os.path.abspath(out))
     try:
         root = files.Root(parent)

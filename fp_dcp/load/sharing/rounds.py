@@ -201,10 +201,8 @@ class SharedReads:
 
     def _runs(self, run: Run | None,
               twin_session: Callable[[int], tuple[IOSession, IOSession | None]]) -> list[Run]:
-        """The READ_AHEAD rounds read ahead are read at once, each by its own
-        engine, so the disk is not idle while one engine call drains its last
-        requests.  A second engine is only faster: when it cannot be had
-        (locked memory, the kernel's AIO limit) one engine reads every round."""
+        """The rounds read ahead, each by its own engine when a second one can be had
+        (else one engine reads every round)."""
         runs: list[Run] = [] if run is None else [run]
         if run is not None and self.setup_error is None:
             while len(runs) < min(READ_AHEAD, len(self.share.rounds)):

@@ -173,9 +173,7 @@ class PeerMemory:
 
     def wait_pulled(self, pullers: set[int], round_index: int) -> None:
         """Until every rank of ``pullers`` shows a progress counter past
-        ``round_index``.  They pull right after that round's status, which
-        this rank has passed, so this waits for nothing this rank still has
-        to do."""
+        ``round_index``."""
         cell = np.zeros(1, dtype=np.int64)
         for r in sorted(pullers):
             while True:
