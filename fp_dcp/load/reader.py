@@ -58,9 +58,9 @@ class FastPersistReader(StorageReader):
     group passed to ``dcp.load`` when not the default (used only by the
     ``share_*`` options).  After each load :attr:`last_stats` holds this rank's
     ``bytes``, ``bytes_read``, ``requests``, ``pieces``, ``seconds``, the engine
-    and, with sharing, the ``shared_*`` counts.  Engines and their page-locked
-    buffers are kept until :meth:`close`; they are set up on a thread of their
-    own while DCP plans."""
+    and, with sharing, ``shared_bytes_read`` / ``_sent`` / ``_received`` /
+    ``_pulled``, ``shared_rounds`` and ``shared_buffer_bytes``.  Engines and
+    their page-locked buffers are kept until :meth:`close`."""
 
     def __init__(
         self,
