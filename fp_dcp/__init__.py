@@ -1,13 +1,6 @@
 """fp_dcp: a torch.distributed.checkpoint storage backend that writes and reads
-at the speed of the disk.
-
-    dcp.save(state_dict, storage_writer=FastPersistWriter(path))
-    dcp.load(state_dict, storage_reader=FastPersistReader(path))
-
-The exports are loaded on first use (module ``__getattr__``), so that
-``import fp_dcp.tools.cli`` (``fp-dcp --help``) and ``fp_dcp.options`` do not import
-torch; ``from fp_dcp import FastPersistWriter`` works as usual.
-"""
+at the speed of the disk.  Exports load on first use, so ``fp-dcp --help``
+and ``fp_dcp.options`` do not import torch."""
 
 from __future__ import annotations
 

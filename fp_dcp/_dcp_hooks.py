@@ -1,92 +1,8 @@
-"""Every place fp_dcp depends on torch internals, in one module, each checked
-against the installed torch at its first use.
-
-torch offers public ways for most of what fp_dcp does (``StorageWriter``,
-``StorageReader``, ``AsyncStager``, ``DTensor.to_local`` /
-``DTensor.from_local``).  Where it offers none, the dependency is here, and
-it is checked by what it needs (:func:`check_storage_hooks`,
-:func:`check_planner_hooks`, :func:`check_dtensor_hooks`), not by the torch
-version: a torch that moved a hook gets a ``RuntimeError`` naming the hook
-that is missing when a feature needs it, and every other feature still works.
-``tests/test_default_storage.py`` and ``tests/test_compat.py`` run the checks
-against the installed torch, so a torch that moves one fails there, loudly,
-rather than in a user's job.
-
-The private hooks:
-
-1. **Storage auto-detection** (:func:`use_as_default`): ``dcp.save``,
-   ``dcp.async_save`` (its background save), ``dcp.load`` and
-   ``_load_state_dict_from_keys`` called with ``checkpoint_id=`` and no
-   storage object choose one in
-   ``torch.distributed.checkpoint._storage_utils._storage_setup``, which
-   tries the classes bound to the names ``FileSystemWriter`` /
-   ``FileSystemReader`` in that module; ``format_utils.dcp_to_torch_save`` /
-   ``torch_save_to_dcp`` build ``FileSystemReader(dir)`` /
-   ``FileSystemWriter(dir)`` from their own module's names.  The switch
-   rebinds those four module-level names (nothing else: code that names
-   ``FileSystemWriter`` itself still gets the stock class) to factories that
-   return fp_dcp's writer and reader — and the stock reader for a directory
-   holding a stock checkpoint.  ``dcp.async_save`` saves in the background
-   (a thread, or with ``AsyncCheckpointerType.PROCESS`` a freshly spawned
-   process where the switch is off), so the switch also rebinds
-   ``state_dict_saver._ThreadBasedAsyncCheckpointExecutor`` and
-   ``_ProcessBasedAsyncCheckpointExecutor`` to subclasses that hand the save
-   fp_dcp's writer, made when ``async_save`` is called, if it got none.
-2. **The caller of ``stage``** (:func:`async_save_caller`): DCP applies
-   ``async_save``'s ``checkpoint_id`` to the writer only after staging, but
-   staging past ``staging_memory_limit_bytes`` needs a directory for its
-   spill file, and the writer must know whether a save will pick the staged
-   dict up; both are read from ``async_save``'s frame where one is on the
-   stack.  Without such a frame (a torch whose ``async_save`` calls ``stage``
-   another way, or ``stage`` called by the application) staging still works:
-   the spill file goes to ``staging_spill_dir`` or the writer's own path, and
-   ``close()`` waits only for saves that started.
-3. **DTensor internals** (:func:`dtensor_local`, :func:`dtensor_spec`,
-   :func:`dtensor_from_spec`): staging rebuilds a ``DTensor`` around its
-   host copy; ``DTensor.from_local`` (public) is used when the mesh's device
-   type is the copy's, the private constructor (as torch's own staging does)
-   when a CUDA mesh's shard is staged on the host.
-4. **A race in async_save** (``fp_dcp.staging.stager._StagingFuture``): ``async_save``
-   reads a staging future's ``done()`` before attaching its callback; a
-   lazy staging that failed in between would read as a success.
-5. **Whether a planner caches plans, and under which key**
-   (:func:`planner_cache_key`: ``DefaultSavePlanner._enable_plan_caching`` /
-   ``_cached_plans_key``): with DCP's plan caching the writer gets empty
-   plans and must know which earlier save (same planner cache) they stand
-   for; saves through a planner that does not cache must not count.
-6. **Which thread runs a save** (``fp_dcp.staging.tracking``: the
-   ``AsyncStagingMixin`` wraps the writer's DCP methods in
-   ``__init_subclass__``): a staged save
-   is attributed to the thread on which DCP calls ``set_up_storage_writer``,
-   and DCP calls the writer's later methods for that save on the same
-   thread.  This is fp_dcp's own code relying on DCP's call pattern, not a
-   private torch name; ``tests/test_async.py`` exercises it.
-7. **The coordinator's global metadata before ``finish``**
-   (:func:`planner_metadata`: ``DefaultSavePlanner.metadata``, the object
-   ``create_global_plan`` returned, which DCP later passes to ``finish``):
-   the coordinator prepares the commit while its files are synced.  Only a
-   speed-up: ``finish`` uses what was prepared only for that very object
-   (and the very results), and does the work itself otherwise.
-
-8. **A load that swallows the storage's error** (:func:`logged_metadata_errors`):
-   some releases' ``dcp.load`` (torch 2.11) catch the exception of
-   ``read_metadata``, log it at INFO without the reason, retry with
-   ``read_metadata(rank=...)``, and raise ``AssertionError: metadata is
-   None``.  fp_dcp's reader logs the reason at ERROR through the ``fp_dcp``
-   logger on every release (Python prints ERROR records to stderr even where
-   no logging is configured); and where the retry comes from DCP's load step
-   and that step kept no reference to the first exception (by that, not by
-   the version, a release that will not report it), the retry returns a
-   stand-in metadata whose first use (the reader's ``set_up_storage_reader``)
-   raises the reader's own exception, so the error the user gets carries the
-   reason.
-
-Plain ``dcp.save(sd, storage_writer=FastPersistWriter(p))`` /
-``dcp.load(sd, storage_reader=FastPersistReader(p))`` and
-``dcp.async_save(sd, storage_writer=FastPersistWriter(p))`` need none of the
-checked hooks (unless the planner caches plans, or the state dict holds
-DTensors and is staged) and run on any torch the package installs with.
-"""
+"""Every place fp_dcp depends on torch internals, each checked by what it needs
+(:func:`check_storage_hooks`, :func:`check_planner_hooks`,
+:func:`check_dtensor_hooks`), not by version: a moved hook is a
+``RuntimeError`` naming it when a feature needs it.  The numbered hooks are
+listed in docs/ARCHITECTURE.md ("DCP's private hooks")."""
 
 
 from __future__ import annotations
@@ -96,6 +12,7 @@ import functools
 import logging
 import os
 import threading
+import types
 from typing import Any, Iterator
 
 log = logging.getLogger("fp_dcp")
@@ -190,7 +107,7 @@ def check_storage_hooks() -> None:
     from torch.distributed.checkpoint._async_process_executor import _ProcessBasedAsyncCheckpointExecutor
     from torch.distributed.checkpoint._async_thread_executor import _ThreadBasedAsyncCheckpointExecutor
 
-    stock = {"FileSystemWriter": FileSystemWriter, "FileSystemReader": FileSystemReader,
+    stock: dict[str, Any] = {"FileSystemWriter": FileSystemWriter, "FileSystemReader": FileSystemReader,
              "_ProcessBasedAsyncCheckpointExecutor": _ProcessBasedAsyncCheckpointExecutor,
              "_ThreadBasedAsyncCheckpointExecutor": _ThreadBasedAsyncCheckpointExecutor}
     for name in ("_ProcessBasedAsyncCheckpointExecutor", "_ThreadBasedAsyncCheckpointExecutor"):
@@ -237,17 +154,15 @@ _executor_classes: dict[str, Any] = {}
 
 
 def _executor(name: str) -> Any:
-    """DCP's async executor ``name`` (thread or process), handing the save
-    fp_dcp's writer when ``async_save`` got none and the switch is on *at the
-    call*: the background save must not depend on the switch still being on
-    when it starts (a ``with default_storage(): dcp.async_save(...)`` block
-    may have ended), and with ``AsyncCheckpointerType.PROCESS`` it runs in a
-    freshly spawned process where the switch is off (the writer travels there
-    with the request)."""
+    """DCP's async executor ``name``, handing the save fp_dcp's writer when
+    ``async_save`` got none and the switch was on *at the call*."""
     cls = _executor_classes.get(name)
     if cls is None:
+        base: type
         if name == "_ProcessBasedAsyncCheckpointExecutor":
-            from torch.distributed.checkpoint._async_process_executor import _ProcessBasedAsyncCheckpointExecutor as base
+            from torch.distributed.checkpoint._async_process_executor import (
+                _ProcessBasedAsyncCheckpointExecutor as base,
+            )
         else:
             from torch.distributed.checkpoint._async_thread_executor import _ThreadBasedAsyncCheckpointExecutor as base
 
@@ -293,11 +208,8 @@ def checkpoint_kind(path: str | os.PathLike) -> str | None:
 
 class _DefaultReader:
     """Stands where DCP looks for ``FileSystemReader``: a
-    ``FastPersistReader`` for an fp_dcp checkpoint, for anything else the
-    stock reader with its metadata and objects through restricted
-    unpicklers (``fp_dcp.load.stock.SafeStockReader``): a stock checkpoint loads
-    as before, and a ``.metadata`` planted beside an fp_dcp checkpoint runs
-    no code either."""
+    ``FastPersistReader`` for an fp_dcp checkpoint, else the stock reader with
+    restricted unpicklers (``fp_dcp.load.stock.SafeStockReader``)."""
 
     def __new__(cls, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
         opts = _current or {}
@@ -305,8 +217,8 @@ class _DefaultReader:
             from fp_dcp.load.reader import FastPersistReader
 
             return FastPersistReader(path, options=opts.get("options"), **opts.get("kwargs", {}))
-        from fp_dcp.options import FastPersistOptions
         from fp_dcp.load.stock import SafeStockReader
+        from fp_dcp.options import FastPersistOptions
 
         options = opts.get("options") or FastPersistOptions.from_env(**opts.get("kwargs", {}))
         return SafeStockReader(path, *args, allow_pickle=options.allow_pickle, **kwargs)
@@ -317,12 +229,9 @@ class _DefaultReader:
 
 
 def use_as_default(options: Any = None, **option_kwargs: Any) -> None:
-    """Make fp_dcp the storage DCP picks for a local ``checkpoint_id``
-    (``dcp.save``, ``dcp.async_save``, ``dcp.load``,
-    ``_load_state_dict_from_keys``, ``format_utils``) until
-    :func:`restore_default`.  ``options`` / keyword arguments: as for
-    ``FastPersistWriter`` and ``FastPersistReader``.  A stock checkpoint
-    still loads with the stock reader.  Calling it again replaces the options."""
+    """Make fp_dcp the storage DCP picks for a local ``checkpoint_id`` until
+    :func:`restore_default`; ``options`` / keyword arguments as for the writer
+    and reader (a second call replaces them).  Stock checkpoints still load."""
     global _current
     check_storage_hooks()
     if options is not None or option_kwargs:  # fail now on a bad option, not at the first save
@@ -428,18 +337,17 @@ def check_planner_hooks() -> None:
 
 
 def async_save_caller() -> tuple[bool, str | None]:
-    """Whether ``stage`` was called by ``dcp.async_save`` (which then hands
-    the staged dict to a save), and that call's ``checkpoint_id``; ``(False,
-    None)`` where no ``async_save`` frame is found (module documentation,
-    hook 2).  Called by ``_Stager.stage``; the search starts two frames up
-    (the writer's ``stage``)."""
+    """Whether ``stage`` was called by ``dcp.async_save``, and that call's
+    ``checkpoint_id``; ``(False, None)`` without such a frame (hook 2).  The
+    search starts two frames up (the writer's ``stage``)."""
     import sys
 
-    f = sys._getframe(2)
+    f: types.FrameType | None = sys._getframe(2)
     for _ in range(8):
         if f is None:
             break
-        if f.f_code.co_name == "async_save" and f.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
+        in_dcp = f.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint")
+        if f.f_code.co_name == "async_save" and in_dcp:
             cid = f.f_locals.get("checkpoint_id")
             return True, (os.fspath(cid) if isinstance(cid, (str, os.PathLike)) else None)
         f = f.f_back
@@ -450,10 +358,9 @@ def async_save_caller() -> tuple[bool, str | None]:
 
 
 def logged_metadata_errors(read_metadata: Any) -> Any:
-    """Decorate a reader's ``read_metadata``: its exception is logged at
-    ERROR (``fp_dcp`` logger, once per reader until a read succeeds) and
-    raised as it was, except to a DCP load step that would swallow it
-    (module documentation, hook 8)."""
+    """Decorate a reader's ``read_metadata``: its exception is logged at ERROR
+    (``fp_dcp`` logger, once per reader until a read succeeds) and raised as
+    it was, except to a DCP load step that would swallow it (hook 8)."""
 
     @functools.wraps(read_metadata)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:

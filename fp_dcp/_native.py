@@ -1,14 +1,6 @@
-"""The only importer of fp_dcp's native extension (``fp_dcp._aio``, built from
-``cython_io/``).
-
-Every module of the package reaches the extension through this one, so that a
-missing or broken build fails once, with a message naming the fix, instead of
-as a circular-import trace from deep inside a save. The names below are the
-extension's release API (typed in fp_dcp/_aio.pyi); its test hooks (fault and
-kill injection, CRC switches) are not among them: tests get them from
-:func:`testing`, which works only in a process started with
-``FP_DCP_TEST_HOOKS=1`` (tests/conftest.py sets it; docs/NATIVE.md).
-"""
+"""The only importer of the native extension (``fp_dcp._aio``, from
+``cython_io/``): a broken build fails once, naming the fix.  Test hooks come
+from :func:`testing`, only with ``FP_DCP_TEST_HOOKS=1`` (docs/NATIVE.md)."""
 
 from __future__ import annotations
 
@@ -57,13 +49,8 @@ stats = _ext.stats
 
 
 def testing() -> types.SimpleNamespace:
-    """The extension's test hooks, for tests and torture benchmarks only:
-    ``set_fault(what, err=0, after=0)`` (fault and kill injection),
-    ``crc32c_impl(which=None)`` (force the "hw" or "sw" CRC-32C),
-    ``crc_copy_streams(dst, src, length)`` and ``crc_nt_bytes()`` (whether
-    and how much a fused copy + CRC streamed).  RuntimeError unless the
-    process started with FP_DCP_TEST_HOOKS=1 (read once, when the extension
-    was imported)."""
+    """The extension's test hooks (fault injection, CRC implementation switches);
+    RuntimeError unless the process started with FP_DCP_TEST_HOOKS=1."""
     if not _ext._test_hooks_enabled():
         raise RuntimeError("fp_dcp's test hooks are off in this process: start it with FP_DCP_TEST_HOOKS=1 "
                            "in the environment (tests/conftest.py does)")

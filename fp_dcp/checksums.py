@@ -1,18 +1,6 @@
-"""Checksums of a checkpoint's data: the CRC-32C of every block of every extent.
-
-The writer asks the engine for the CRC-32C of each ``CHECKSUM_BLOCK_BYTES``
-block of each extent while the bytes pass through it (``Engine.write(...,
-checksums=block)``: fused with the copy into the bounce buffers, or computed
-on the source while a zero-copy request is in flight) and stores them in the
-metadata, 8 hex digits per block (``Extent.crc32c``).
-
-A load checks what landed: :class:`ReadVerifier` cuts the pieces of an
-engine call at extent boundaries, tells the engine where each piece starts
-in its extent (``checksum_origin``), and compares the CRC of every checksum
-block a piece covers whole with the stored one.  A piece that covers part of
-a block (a resharded read of a few rows or columns) leaves that block
-unchecked; ``fp-dcp verify`` (:mod:`fp_dcp.tools.verify`) reads every block.
-"""
+"""Checksums of a checkpoint's data: the CRC-32C of every block of every
+extent, computed by the engine as the writer's bytes pass, stored as
+``Extent.crc32c``, checked by :class:`ReadVerifier` on loads."""
 
 from __future__ import annotations
 
@@ -28,11 +16,9 @@ __all__ = ["ChecksumError", "crc_hex", "crc_array", "piece_checksums", "merge_bl
 
 
 class ChecksumError(OSError):
-    """Bytes read from a data file do not match the checksum stored at save
-    time: the file was damaged after the save (or by a faulty device).
-    ``errno`` is ``EIO``; ``filename`` the data file; ``tensor``, ``file_offset``
-    and ``length`` locate the first bad block; ``bad_blocks`` lists them all
-    (:class:`BadBlock`)."""
+    """Bytes read do not match the checksum stored at save time (``errno`` EIO).
+    ``filename``, ``tensor``, ``file_offset`` and ``length`` locate the first bad
+    block; ``bad_blocks`` lists them all."""
 
     def __init__(self, message: str, path: str, bad: "list[BadBlock]") -> None:
         super().__init__(errno.EIO, message, path)
@@ -83,14 +69,9 @@ def piece_checksums(stats: dict[str, Any], n: int) -> list[str]:
 
 
 def merge_block_crcs(parts: Sequence[tuple[int, int, Any]], block: int) -> np.ndarray:
-    """The CRC-32C of each ``block``-byte block of a piece written in parts.
-
-    ``parts``: ``(origin, length, crcs)`` of consecutive parts in order (the
-    first at origin 0), ``crcs`` as ``Engine.write(checksums=block,
-    checksum_origin=origin)`` reports a part: one entry per block of the
-    piece's grid that the part touches, the first and last possibly partial.
-    Partial blocks cut by a part boundary are joined with ``crc32c_combine``.
-    An empty piece has one entry, 0 (as the engine reports it)."""
+    """The CRC-32C of each ``block``-byte block of a piece written in ``parts``
+    (``(origin, length, crcs)`` in order, as ``Engine.write`` reports each);
+    blocks cut by a part boundary are joined with ``crc32c_combine``."""
     from fp_dcp import _native
 
     out: list[int] = []
@@ -125,12 +106,8 @@ def item_name(index: Any) -> str:
 
 
 class ReadVerifier:
-    """The stored checksums of a checkpoint, laid out for checking engine reads.
-
-    ``plan(files, offsets, views)`` returns the pieces cut at extent
-    boundaries and the keyword arguments for ``Engine.read``;
-    ``check(...)`` compares the CRCs the engine returns with the stored ones.
-    """
+    """The stored checksums of a checkpoint, laid out for checking engine reads
+    (:meth:`plan`, then the returned check's ``compare``)."""
 
     def __init__(self, layout: fmt.StorageLayout, paths: Sequence[str]) -> None:
         self.paths = list(paths)
@@ -168,12 +145,9 @@ class ReadVerifier:
     # ------------------------------------------------------------- planning
 
     def plan(self, files: np.ndarray, offs: np.ndarray, views: list, skip: Any = None):
-        """Cut every piece at the extent boundaries inside it (so each piece
-        lies in at most one extent) and work out where it starts in its
-        extent.  Views whose exporter is ``skip`` (scratch memory that
-        several pieces share) are never checked.  Returns ``(files, offs,
-        views, check)``; pass ``check.engine_kwargs`` to ``Engine.read`` and
-        its stats to ``check.verify``."""
+        """Cut every piece at the extent boundaries inside it; views of ``skip``
+        (shared scratch) are never checked.  Returns ``(files, offs, views,
+        check)``: pass ``check.engine_kwargs`` to ``Engine.read``."""
         files = np.asarray(files, dtype=np.int64)
         offs = np.asarray(offs, dtype=np.int64)
         n = len(views)

@@ -1,10 +1,6 @@
-"""Whether a tensor's stored chunks hold every element of it exactly once.
-
-DCP's save planner checks it before writing; a reader checks it again,
-because the metadata alone decides which chunks a loaded tensor is read
-from: a tensor listed with no chunks, or with chunks that miss or overlap
-part of it, would load (and convert) as zeros.  Pure functions over plain
-lists; :func:`fp_dcp.format.check_chunks_cover` raises the named error.
+"""Whether a tensor's stored chunks hold every element of it exactly once
+(a reader checks it again: chunks that miss part of a tensor would load as
+zeros).  :func:`fp_dcp.format.check_chunks_cover` raises the named error.
 """
 
 from __future__ import annotations

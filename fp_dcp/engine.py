@@ -1,9 +1,6 @@
-"""The facade between fp_dcp's Python layer and the native engine ``fp_dcp._aio``.
-
-It picks and configures an engine for a directory, opens and closes the data
-files, turns tensors into byte buffers the engine can read or fill without a
-copy, and owns page-locked buffers registered with CUDA.
-"""
+"""The facade over the native engine ``fp_dcp._aio``: an engine configured for
+a directory, data files, zero-copy byte buffers of tensors, and page-locked
+buffers registered with CUDA."""
 
 from __future__ import annotations
 
@@ -216,23 +213,16 @@ class IOSession:
         return other
 
     def long_run_shape(self) -> tuple[int, int]:
-        """(block size, queue depth) for reading long runs from this
-        directory: the read shape of its device's tuning record (fp-dcp
-        tune), else the built-in rule (:func:`large_read_shape` of the
-        device's largest request).  For callers whose options leave the
-        shape open."""
+        """(block size, queue depth) for reading long runs from this directory: its
+        device's tuning record, else the built-in rule."""
         tuned = self.tuned or tuning.lookup(self.directory, self.alignment)
         if tuned is not None:
             return tuned.read
         return large_read_shape(device_max_request_bytes(self.directory), self.alignment)
 
     def matches(self, options: FastPersistOptions, directory: str) -> bool:
-        """Whether this session serves ``directory`` too: same options, same
-        file system (what the probes asked), so a training loop that saves
-        into a new directory each time keeps its engine and locked buffers
-        (setting them up again means allocating, faulting in and locking them;
-        the AIO context's own teardown runs in the background, see
-        docs/NATIVE.md)."""
+        """Whether this session serves ``directory`` too (same options, same file
+        system), so a new directory per save keeps the engine and its locked buffers."""
         if self.options != options:
             return False
         try:
@@ -275,15 +265,10 @@ class IOSession:
 
 
 class EngineSet:
-    """The engines a writer or reader keeps across its saves or loads.
-
-    An engine serves one thread at a time, so every thread that reads or
-    writes at the same time as another has a session of its own here:
-    ``primary`` (the checkpoint directory's), ``large`` (long runs, large
-    requests) and ``more`` of its kind, ``twins`` (pairs of primary and
-    large sessions for the threads of shared reads), and one session per
-    other data directory.  The sessions made from the primary one are
-    closed with it when the options or the file system change."""
+    """The engines a writer or reader keeps across its saves or loads, one per
+    thread that does I/O at once: ``primary``, ``large`` and ``more``, ``twins``
+    (for shared reads), and one per other data directory.  Closed together when
+    the options or the file system change."""
 
     def __init__(self) -> None:
         self.primary: IOSession | None = None

@@ -1,35 +1,9 @@
 """The one file layer: every path fp_dcp opens, creates, renames, lists or
-deletes goes through here, confined beneath a directory it holds open.
-
-* :class:`Root` ``(path, create=False, follow=True)`` holds a directory
-  descriptor (``follow=False``: the directory may not itself be a link).
-  Paths beneath it follow no link in any component (``openat2`` with
-  ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``, else an ``O_NOFOLLOW`` walk from
-  the descriptor); ``..``, absolute paths and empty components are refused.
-* ``open_read(rel)`` / ``read_bytes(rel, max_bytes)``: opened non-blocking,
-  ``fstat`` before any read: a FIFO, device, socket or directory is a
-  :class:`NotRegularFileError` at once; a file over ``max_bytes`` a
-  :class:`FileTooLargeError` before reading.
-* ``mkdir``, ``lstat``, ``exists``, ``entries`` (name and ``lstat`` kind:
-  ``file``/``dir``/``link``/``other``), ``unlink``, ``rmdir``, ``rename``
-  (``renameat``), ``sync``, ``sub`` (a :class:`Root` beneath),
-  ``create_exclusive`` (``O_CREAT | O_EXCL | O_NOFOLLOW``).
-* ``atomic_file(rel)`` (yields the temporary's descriptor) and
-  ``replace_bytes(rel, data)``: a temporary created ``O_EXCL | O_NOFOLLOW``
-  under a per-process name, written, synced, renamed over ``rel``, the
-  directory synced; on failure the temporary is removed.
-* ``link_or_copy(rel, dst_root, dst_rel)``: a hard link, else an atomic copy.
-* ``remove_owned(rel, owns)``: deletes only what ``owns(relpath, kind)``
-  accepts (links unlinked, never followed), a directory only once empty;
-  returns what was left.  ``rmtree(rel)``: everything, by descriptors.
-
-For checkpoints: :func:`read_metadata_bytes` (magic and length checked before
-the whole is read), :func:`read_checkpoint_metadata`, :func:`lstat_data_file`,
-:func:`read_small_file` / :func:`open_regular` (one bounded regular file by
-full path).  Violations are :class:`UnsafePathError` (an ``OSError`` naming
-the path).  Every ``os`` call goes through this module's ``os`` (the crash
-tests replace it).
-"""
+deletes goes through here, confined beneath a directory it holds open
+(:class:`Root`: no link followed in any component, ``..`` and absolute paths
+refused, reads ``fstat``-ed first).  Violations are :class:`UnsafePathError`
+(an ``OSError`` naming the path).  All ``os`` calls go through this module's
+``os`` (the crash tests replace it)."""
 
 from __future__ import annotations
 
@@ -396,13 +370,10 @@ class Root:
     @contextlib.contextmanager
     def atomic_file(self, rel: str, *, sync: bool = True, tmp_name: str | None = None, mode: int = 0o644,
                     sync_rename: bool = True) -> Iterator[tuple[int, str]]:
-        """Write a new ``rel`` atomically: yields ``(fd, temporary's path)`` of
-        a temporary (``tmp_name``, else ``.<name>.<pid>.<random>.tmp``)
-        created with ``O_EXCL | O_NOFOLLOW``; when the block ends it is synced
-        (``sync``), renamed over ``rel`` and the directory synced (``sync``
-        and ``sync_rename``; a caller that must tell a failed rename from a
-        failed sync after it does that last sync itself).  On any failure
-        before the rename the temporary is removed and ``rel`` is untouched."""
+        """Write a new ``rel`` atomically: yields ``(fd, temporary's path)`` of a
+        temporary created ``O_EXCL | O_NOFOLLOW``; at the end it is synced
+        (``sync``), renamed over ``rel``, the directory synced (``sync_rename``).  On
+        failure before the rename the temporary is removed, ``rel`` untouched."""
         pfd, leaf = self._parent(rel)
         try:
             tmp = tmp_name or f".{leaf}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -471,11 +442,9 @@ class Root:
 
     # removing
     def remove_owned(self, rel: str, owns: Callable[[str, str], bool]) -> list[str]:
-        """Remove directory ``rel``'s entries for which ``owns(relpath,
-        kind)`` is true (``relpath`` beneath ``rel``; a ``dir`` owned is
-        descended into, a link is removed, never followed), then ``rel``
-        and each owned directory when nothing is left in it.  Returns the
-        paths left (relative to ``rel``)."""
+        """Remove ``rel``'s entries that ``owns(relpath, kind)`` accepts (links
+        removed, never followed), then each owned directory left empty.  Returns
+        the paths left."""
         left: list[str] = []
         pfd, leaf = self._parent(rel) if _check_rel(rel) != "." else (self.fd, ".")
         try:

@@ -1,22 +1,7 @@
-"""The on-disk format: file names, the layout records and the metadata codec.
-
-A checkpoint is a directory holding
-
-* data files ``<save_id>.r<rank>.<k>.fpd``: raw tensor and bytes-item bytes,
-  no framing; each extent starts at the offset recorded in the metadata;
-  files are padded with zeros to the direct-I/O alignment.  A writer given
-  several data directories (one per storage device) puts its files
-  ``<save_id>.r<rank>.d<device>.<k>.fpd`` in them instead, and the metadata
-  names those files by absolute path;
-* the metadata file ``.fp_dcp.meta``, written last through a temporary name
-  and a rename: the commit point.  Its bytes are a fixed header followed by a
-  JSON document (see ``docs/FORMAT.md``); nothing in it is unpickled, and
-  every file it names must follow the writer's naming inside the checkpoint
-  (:func:`data_file_paths`, the confinement rule of ``docs/FORMAT.md``).
-  Objects (DCP's bytes items) are rebuilt by :mod:`fp_dcp.load.objects`.
-
-Everything here is pure Python over plain data, so the codec can be fuzzed.
-"""
+"""The on-disk format (docs/FORMAT.md): file names, layout records, the metadata
+codec; pure Python, nothing unpickled.  Each metadata section has a fast column
+decoder and a reference decoder that tests compare (why this module is over
+the size limit): keep both in step."""
 
 from __future__ import annotations
 
@@ -31,7 +16,7 @@ import struct
 import zlib
 from collections.abc import Mapping
 from itertools import chain, repeat
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import numpy as np
 import torch
@@ -126,14 +111,9 @@ _SUBDIR_NAME = re.compile(r".+-[0-9a-f]{12}")
 
 
 def valid_data_file_name(name: object, save_id: str | None = None) -> bool:
-    """A data file of the metadata's ``files`` list, by the writer's naming
-    alone: ``<save_id>.r<rank>[.d<device>].<k>.fpd`` (a file of the
-    checkpoint directory), or ``/<data dir>/<checkpoint>-<hash>/`` followed
-    by such a name with a ``.d<device>`` part (a file in a data directory).
-    With ``save_id``, the file must belong to that save.  Anything else —
-    another name, a relative path, ``.``/``..``, empty components, NUL — is
-    refused.  (Whether a data-directory sub-directory belongs to the
-    checkpoint being read is checked by :func:`data_file_paths`.)"""
+    """Whether ``name`` follows the writer's naming of data files (in the
+    checkpoint, or in a data directory), of ``save_id`` when given; anything
+    else (paths, ``..``, NUL, empty components) is refused."""
     if not isinstance(name, str) or not name or "\0" in name:
         return False
     base = name.rsplit("/", 1)[-1]
@@ -153,12 +133,8 @@ def valid_data_file_name(name: object, save_id: str | None = None) -> bool:
 
 
 def data_file_paths(directory: str, layout: "StorageLayout") -> list[str]:
-    """The path of each of ``layout.files`` for the checkpoint in
-    ``directory``, proven to stay inside it: a plain name is a file of
-    ``directory``; an absolute name must lie in the sub-directory that the
-    writer's rule (:func:`data_subdir_name`) gives *this* checkpoint
-    directory (by its absolute or its real path), so crafted metadata
-    cannot name another checkpoint's files, let alone any other file.
+    """The path of each of ``layout.files`` for the checkpoint in ``directory``,
+    proven to stay inside it or its own data-directory sub-directories.
     Raises :class:`CheckpointFormatError` naming the entry."""
     mine = {data_subdir_name(directory), data_subdir_name(os.path.realpath(directory))}
     out = []
@@ -181,13 +157,9 @@ def data_file_paths(directory: str, layout: "StorageLayout") -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Extent:
-    """``length`` bytes of an item, from byte ``item_offset`` of its row-major
-    image, stored at ``file_offset`` of file number ``file``.
-
-    ``crc32c``: the CRC-32C of each ``StorageLayout.checksum_block_bytes``
-    bytes of the extent from its start (the last block shorter; one block, of
-    CRC 0, when the extent is empty), as 8 hex digits per block, or ``None``
-    (written without checksums)."""
+    """``length`` bytes of an item from ``item_offset`` of its row-major image,
+    stored at ``file_offset`` of file ``file``; ``crc32c``: 8 hex digits per
+    checksum block of the extent, or ``None``."""
 
     file: int
     file_offset: int
@@ -204,18 +176,9 @@ def item_key(index: MetadataIndex) -> tuple:
 
 
 class ExtentColumns(Mapping):
-    """``StorageLayout.extents`` as the decoder reads it: every extent's
-    fields in columns, the same mapping ``MetadataIndex -> [Extent]`` to
-    whoever reads it as one (the dict is built on first such use, once).
-    The load's planner and read verifier take the columns as they are
-    (``ExtentTable``, ``ReadVerifier``), so a load builds no ``Extent`` or
-    ``MetadataIndex`` per item.  Read-only, like the dict it stands for on
-    a decoded layout.
-
-    ``item_keys[i]``: item ``i``'s ``(fqn, chunk offset tuple or None)``;
-    ``counts[i]``: its number of extents, whose rows follow item ``i - 1``'s,
-    sorted by item offset; ``file``, ``file_offset``, ``item_offset``,
-    ``length`` (int64) and ``crc32c`` (str or None): one per extent row."""
+    """``StorageLayout.extents`` as the decoder reads it: the extents' fields in
+    columns, read-only, and a ``MetadataIndex -> [Extent]`` mapping to whoever
+    reads it as one (built once, on first such use)."""
 
     def __init__(self, item_keys: list[tuple], counts: np.ndarray, file: np.ndarray, file_offset: np.ndarray,
                  item_offset: np.ndarray, length: np.ndarray, crc32c: list[str | None]) -> None:
@@ -237,7 +200,8 @@ class ExtentColumns(Mapping):
         counts = np.fromiter(map(len, extents.values()), dtype=np.int64, count=len(keys))
         flat = np.fromiter((x for e in rows for x in (e.file, e.file_offset, e.item_offset, e.length)),
                            dtype=np.int64, count=4 * len(rows)).reshape(-1, 4).T
-        return cls(keys, counts, *(np.ascontiguousarray(c) for c in flat), [e.crc32c for e in rows])
+        f, fo, io_, ln = (np.ascontiguousarray(c) for c in flat)
+        return cls(keys, counts, f, fo, io_, ln, [e.crc32c for e in rows])
 
     def _extents(self) -> dict[MetadataIndex, list[Extent]]:
         if self._dict is None:
@@ -267,15 +231,9 @@ class ExtentColumns(Mapping):
 
 @dataclasses.dataclass
 class StorageLayout:
-    """``Metadata.storage_data`` of an fp_dcp checkpoint.
-
-    ``files[i]`` is ``(name, size_on_disk)``: ``name`` is a file of the
-    checkpoint directory or an absolute path (:func:`valid_data_file_name`);
-    a reader opens ``os.path.join(checkpoint_dir, name)``.  ``extents[index]`` lists the
-    extents of one item, sorted by ``item_offset`` and covering
-    ``[0, item_nbytes)`` exactly once (a dict, or on a decoded layout the
-    read-only :class:`ExtentColumns`).
-    """
+    """``Metadata.storage_data`` of an fp_dcp checkpoint: ``files[i]`` is
+    ``(name, size_on_disk)``; ``extents[index]`` the extents of one item, sorted by
+    ``item_offset``, covering it exactly once."""
 
     save_id: str
     alignment: int
@@ -444,12 +402,8 @@ def _index_from_key(key: Any) -> MetadataIndex:
 
 @dataclasses.dataclass(frozen=True)
 class EncodedStructure:
-    """The parts of the metadata document that depend on the checkpoint's
-    structure alone, not on where the bytes went: the JSON text of the
-    state dict's metadata and of the planner's data (most of the document
-    for a state dict of many small items).  :func:`encode_structure` makes
-    it; :func:`encode_metadata` takes it, so a writer can encode it while
-    its data files are written."""
+    """The JSON of the metadata that depends on the structure alone (state dict
+    metadata, planner data), so a writer can encode it while its files are written."""
 
     state_dict_metadata: str
     planner_data: str
@@ -559,11 +513,8 @@ def read_header(head: bytes, path: str) -> tuple[int, int, int]:
 
 
 def check_metadata_header(head: bytes, file_size: int, path: str) -> int:
-    """The body length of a metadata file of ``file_size`` bytes whose first
-    bytes are ``head`` (at least :data:`HEADER_SIZE` of them), checked before
-    the body is read: the magic, the version, and that header and body are
-    exactly the file (a file longer or shorter than its header says is
-    refused without reading it)."""
+    """The body length of a metadata file of ``file_size`` bytes starting with
+    ``head``: magic, version and exact size checked before the body is read."""
     _, _, length = read_header(head, path)
     if HEADER_SIZE + length != file_size:
         raise CheckpointFormatError(
@@ -838,7 +789,8 @@ def _state_dict_md_columns(raw_sd: dict) -> tuple[dict[str, Any], set[tuple]] | 
     dims = list(chain.from_iterable(sizes))
     if None in dtypes or max(ndims, default=0) > 64 or not _all_type(dims, int) or min(dims, default=0) < 0:
         return None
-    if max(map(operator.mul, map(math.prod, sizes), [d.itemsize for d in dtypes]), default=0) > _MAX_FILE:
+    known_dtypes = cast("list[torch.dtype]", dtypes)  # no None: checked above
+    if max(map(operator.mul, map(math.prod, sizes), [d.itemsize for d in known_dtypes]), default=0) > _MAX_FILE:
         return None
     # chunks: [offsets, sizes] of the tensor's rank, inside the tensor
     counts = list(map(len, chunk_lists))
@@ -883,12 +835,12 @@ def _state_dict_md_columns(raw_sd: dict) -> tuple[dict[str, Any], set[tuple]] | 
             grouped.append(chunk_md[at:at + count])
             at += count
     grads = [bool(md.get("requires_grad", False)) for md in tensors]
-    props = list(map(TensorProperties, dtypes, [torch.strided] * len(dtypes), grads))
+    props = list(map(TensorProperties, known_dtypes, [torch.strided] * len(dtypes), grads))
     made = iter(map(TensorStorageMetadata, props, tsizes, grouped))
     sd_md = {fqn: next(made) if kind == "tensor" else BytesStorageMetadata() for fqn, kind in zip(raw_sd, kinds)}
     tensor_names = (fqn for fqn, kind in zip(raw_sd, kinds) if kind == "tensor")
     owners = chain.from_iterable(map(repeat, tensor_names, counts))
-    stored = set(zip(owners, tuples[len(sizes):len(sizes) + len(offs)]))
+    stored: set[tuple[str, tuple | None]] = set(zip(owners, tuples[len(sizes):len(sizes) + len(offs)]))
     stored.update((fqn, None) for fqn, kind in zip(raw_sd, kinds) if kind == "bytes")
     return sd_md, stored
 
@@ -944,10 +896,8 @@ def _extents_checked(raw: Any, file_sizes: list[int], block: int | None,
 
 
 def _extents_columns(raw: Any, file_sizes: list[int], block: int | None, n_fields: tuple[int, ...]):
-    """The ``extents`` section decoded column by column: ``(extents, keys,
-    (files, starts, lengths))`` (``keys``: each item's ``(fqn, offset
-    tuple or None)``; the columns: every extent's), or None (then
-    :func:`_extents_checked` decides)."""
+    """The ``extents`` section decoded by columns: ``(extents, keys, (files,
+    starts, lengths))``, or None (then :func:`_extents_checked` decides)."""
     if type(raw) is not list or not _all_type(raw, list) or (raw and set(map(len, raw)) != {2}):
         return None
     keys = [pair[0] for pair in raw]
@@ -969,10 +919,9 @@ def _extents_columns(raw: Any, file_sizes: list[int], block: int | None, n_field
     f, fo, io_, ln = ([r[k] for r in rows] for k in range(4))
     if not _all_type(f + fo + io_ + ln, int):
         return None
-    cols = [_int64(c) for c in (f, fo, io_, ln)]
-    if any(c is None for c in cols):
+    F, FO, IO, LN = (_int64(c) for c in (f, fo, io_, ln))
+    if F is None or FO is None or IO is None or LN is None:
         return None
-    F, FO, IO, LN = cols
     sizes = np.array(file_sizes + [0], dtype=np.int64)
     known = (F >= 0) & (F < len(file_sizes))
     room = sizes[np.where(known, F, len(file_sizes))] - FO  # bytes of the file from the extent's start
@@ -1004,7 +953,9 @@ def _stored_keys(sd_md: dict[str, Any]) -> set[tuple]:
     """The items ``sd_md`` describes, as ``(fqn, chunk offset tuple)`` for
     each chunk of a tensor and ``(fqn, None)`` for a bytes item: the keys
     :func:`_check_items_known` accepts."""
-    known = {(fqn, None) for fqn, md in sd_md.items() if type(md) is BytesStorageMetadata}
+    known: set[tuple[str, tuple | None]] = {
+        (fqn, None) for fqn, md in sd_md.items() if type(md) is BytesStorageMetadata
+    }
     known.update((fqn, tuple(c.offsets)) for fqn, md in sd_md.items() if type(md) is TensorStorageMetadata
                  for c in md.chunks)
     return known

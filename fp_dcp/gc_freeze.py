@@ -1,33 +1,8 @@
-"""Keep the cyclic garbage collector off a save's or a load's long-lived objects.
-
-A state dict of thousands of tensors makes every full collection of the
-cyclic GC walk all of them (and the ~250,000 objects of an imported torch);
-DCP's planning, the writer's ``finish`` and the reader's metadata and jobs
-allocate enough to trigger several per save or load (measured: 0.5 s of a
-2.2 s save of 9,245 tensors; four full collections, ~0.15 s each, in a load
-of 9,000 tensors).  ``gc.freeze()`` moves the objects that exist when the
-save or load starts out of the collector's sight for its duration only; what
-it allocates is still collected.
-
-The writer freezes in ``set_up_storage_writer`` and thaws at the end of its
-rank's part of the save (``write_data``, or ``finish`` on the coordinator);
-the reader decodes the metadata with the collector paused (:func:`paused`),
-freezes in ``set_up_storage_reader`` and thaws at the end of ``read_data``.
-Both thaw in ``reset()`` and ``close()`` if a save or load failed in between
-(their own steps thaw on their own errors, :meth:`GcFreeze.thaw_on_error`; a
-failure inside DCP between them, another rank's error raised here, leaves it
-frozen until the next save or load, ``close()`` or collection: the frozen
-objects are the long-lived ones of the job).
-
-Where it does nothing: CPython 3.12 (seen on 3.12.1) keeps objects of its
-own in the permanent generation (``gc.get_freeze_count()`` is 375 in a bare
-interpreter) and puts them back there after a ``gc.unfreeze()``; a save that
-froze and thawed there crashed the interpreter in a later collection (fp_dcp's
-fault tests, torch 2.11, Python 3.12.1).  So on an interpreter whose bare start
-count is not 0 (read once per process from a ``python -I -S`` child; known to be
-0 on 3.10, 3.11 and 3.13) ``freeze_gc_during_save`` / ``freeze_gc_during_load``
-do nothing, as they do where the application froze objects itself.
-"""
+"""Keep the cyclic GC off a save's or a load's long-lived objects: ``gc.freeze()``
+from the writer's / reader's set-up to the end of its rank's part (and in
+``reset()`` / ``close()``).  Does nothing where the interpreter keeps objects
+of its own frozen (CPython 3.12 crashed after a freeze and thaw) or the
+application froze objects itself."""
 
 from __future__ import annotations
 
@@ -59,7 +34,7 @@ _start_count: int | None = None
 _start_lock = threading.Lock()
 
 
-_ZERO_AT_START = ((3, 10), (3, 11), (3, 13))  # measured: a bare interpreter's count is 0
+_ZERO_AT_START = ((3, 10), (3, 11), (3, 13))  # versions whose bare interpreter starts with none frozen
 
 
 def interpreter_start_count() -> int:
@@ -122,13 +97,8 @@ class GcFreeze:
 
 
 def _thaw_if_ours(sentinel: list) -> None:
-    """``gc.unfreeze()``, unless something else froze objects since the save
-    (or load) did: ``sentinel`` was made right after its ``gc.freeze()``, so it is
-    still among the collector's generations (``gc.get_objects()``, which holds
-    only what was made since the freeze and is small) unless another
-    ``gc.freeze()`` moved it to the permanent generation.  Then the
-    application froze objects of its own, which a global unfreeze would undo,
-    and everything stays frozen (still freed by reference counting; only
-    cycles among the frozen objects wait)."""
+    """``gc.unfreeze()``, unless something else froze objects since (``sentinel``,
+    made right after our freeze, is then no longer among the generations): the
+    application's freeze is not undone, and everything stays frozen."""
     if any(o is sentinel for o in gc.get_objects()):
         gc.unfreeze()

@@ -1,19 +1,7 @@
-"""Every tunable of fp_dcp in one place.
-
-:class:`FastPersistOptions` is a frozen dataclass.  Each field can be set three
-ways, strongest first:
-
-1. an argument: ``FastPersistOptions(queue_depth=16)`` or
-   ``FastPersistWriter(path, queue_depth=16)``;
-2. an environment variable ``FP_DCP_<FIELD NAME IN CAPITALS>``
-   (``FP_DCP_ENGINE=uring``), read when the options object is created;
-3. the default below.
-
-Sizes carry their unit in the name (``*_bytes``); environment values for them
-accept suffixes (``64MiB``, ``4k``).  An unknown option name is an error that
-lists the valid ones.  Tests use :func:`override` to run the same code with a
-feature on and off.
-"""
+"""Every tunable of fp_dcp (docs/OPTIONS.md).  A field of
+:class:`FastPersistOptions` is set by an argument, else by
+``FP_DCP_<FIELD NAME IN CAPITALS>`` (sizes accept ``64MiB``), else its
+default; an unknown name is an error listing the valid ones."""
 
 from __future__ import annotations
 
@@ -78,25 +66,12 @@ _SIZE_UNITS = {
 
 
 def parse_size(text: str | int) -> int:
-    """A byte count from ``"64MiB"``-style text (-> 67108864); an int is returned as is.
+    """A byte count from ``"64MiB"``-style text; an int is returned as is.
 
-    The text is a number (digits, optionally followed by a decimal
-    fraction: ``"1.5GiB"``, not ``".5GiB"``), then an optional unit, with
-    spaces allowed around both.  Units are case-insensitive and always
-    binary, whatever their spelling:
-
-    - none or ``B``: bytes;
-    - ``K``, ``KB``, ``KiB``: 2**10;
-    - ``M``, ``MB``, ``MiB``: 2**20 (so ``"1MB"`` is 1048576, not 10**6);
-    - ``G``, ``GB``, ``GiB``: 2**30;
-    - ``T``, ``TB``, ``TiB``: 2**40.
-
-    A fractional result is truncated to whole bytes (``"1.5K"`` -> 1536,
-    ``"0.3K"`` -> 307).  Anything else (a negative number, an unknown unit)
-    is a ``ValueError``.  ``FP_DCP_*_BYTES`` environment variables, the
-    ``--size`` of tools/demo.py and every size flag of benchmarks/ are read
-    with it.
-    """
+    A number (``"1.5GiB"``, not ``".5GiB"``) and an optional case-insensitive
+    unit, always binary: ``B``; ``K``/``KB``/``KiB`` 2**10; ``M``/``MB``/``MiB``
+    2**20; ``G``... 2**30; ``T``... 2**40.  Fractions are truncated to whole
+    bytes.  Anything else is a ``ValueError``."""
     if isinstance(text, int):
         return text
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
@@ -199,7 +174,8 @@ class FastPersistOptions:
             raise ValueError(f"FastPersistOptions.staging_memory_limit_bytes must be at least 1 MiB, got {limit}")
         if self.read_buffer_budget_bytes < (1 << 20):
             raise ValueError(
-                f"FastPersistOptions.read_buffer_budget_bytes must be at least 1 MiB, got {self.read_buffer_budget_bytes}"
+                "FastPersistOptions.read_buffer_budget_bytes must be at least 1 MiB, "
+                f"got {self.read_buffer_budget_bytes}"
             )
         if self.read_threads < 1:
             raise ValueError(f"FastPersistOptions.read_threads must be at least 1, got {self.read_threads}")
@@ -274,13 +250,9 @@ def _check_names(kwargs: dict[str, Any]) -> None:
 
 
 def _parse_env(name: str, raw: str) -> Any:
-    """An environment value for field ``name``, read by the field's declared
-    type (not by guessing from its text): ``bool`` (true/false, 1/0, yes/no,
-    on/off), ``int`` (sizes with units for ``*_bytes``), else the text.  For a
-    field that may be ``None`` (its default "decide for me"), an empty value
-    or ``none`` means ``None`` (and ``auto`` too for bool and int fields), so
-    ``FP_DCP_STAGING_SPILL_DIR=none`` is no spill directory, not one named
-    "none" (write ``./none`` for that)."""
+    """An environment value for field ``name``, read by the field's declared type
+    (bool, int with size units for ``*_bytes``, else text); for an optional
+    field, empty or ``none`` (and ``auto`` for bool/int) means ``None``."""
     hint = typing.get_type_hints(FastPersistOptions)[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     optional = type(None) in typing.get_args(hint)
@@ -305,12 +277,8 @@ def _parse_env(name: str, raw: str) -> Any:
 
 @contextlib.contextmanager
 def override(**kwargs: Any) -> Iterator[None]:
-    """Set ``FP_DCP_*`` environment variables for the duration of a block.
-
-    ``with override(engine="threads"): ...`` makes every options object created
-    inside the block use the threads engine.  The previous environment is
-    restored in ``finally``, also when the block raises.
-    """
+    """Set ``FP_DCP_*`` environment variables for the duration of a block
+    (``with override(engine="threads"): ...``); restored also when it raises."""
     _check_names(kwargs)
     saved = {}
     try:

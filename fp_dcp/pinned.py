@@ -1,17 +1,5 @@
-"""Pinning host memory: page-locking (``mlock``) and CUDA host registration.
-
-Two owners hold host buffers that must stay resident and, with CUDA tensors,
-take device-to-host copies as DMA transfers: the staging arena
-(:mod:`fp_dcp.staging.arena`) and the writer's double buffers for CUDA
-tensors (:class:`fp_dcp.engine.PinnedBuffer`).  Both pin through this module.
-
-Pinning is an optimisation, never a requirement: a lock or a registration
-that fails warns and the save goes on (slower: page faults during a copy,
-device-to-host copies through pageable memory).  Page-locking itself is
-one C function of the extension, used by ``_native.AlignedBuffer`` for its
-own memory and by :func:`lock_pages` for memory mapped elsewhere (the shared
-``memfd`` arena).
-"""
+"""Pinning host memory (``mlock``, CUDA host registration) for the staging arena
+and the CUDA double buffers; a failure warns and the save goes on, slower."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""The per-user record of what ``fp-dcp tune`` measured, per block device.
-
-``fp-dcp tune PATH`` (fp_dcp/tools/tune.py) measures the device under PATH and
-stores here the request size and queue depth it chose for writes and for
-reads.  The I/O session (fp_dcp/engine.py) asks :func:`lookup` for the device
-of the directory it serves when the options leave the engine's shape open, and
-falls back to its built-in rule when there is no record.
-
-The file is ``$FP_DCP_TUNING_FILE``, else ``$XDG_CACHE_HOME/fp_dcp/tuning.json``
-(``~/.cache/fp_dcp/tuning.json``); ``FP_DCP_TUNING_FILE=none`` turns records
-off.  One JSON document holds one record per device, keyed by the host name
-and the device number (``major:minor`` of the directory's ``st_dev``); a record
-also names the disk (its model, serial, ...) as sysfs tells it, and is used
-only while the disk under that number still matches.  A file that does not
-read, or a record that does not fit, is ignored with one warning: tuning never
-stops a save or a load.
-"""
+"""The per-user record of ``fp-dcp tune`` per block device, in
+``$FP_DCP_TUNING_FILE`` (``none``: off), else
+``$XDG_CACHE_HOME/fp_dcp/tuning.json``; a record that does not fit is ignored
+with one warning (tuning never stops a save or a load)."""
 
 from __future__ import annotations
 
@@ -167,11 +154,8 @@ def _shape(value: Any, alignment: int) -> Shape:
 
 
 def lookup(directory: str, alignment: int = 4096) -> Tuned | None:
-    """The shapes recorded for the device under ``directory``, or None: no
-    record file, no record for this device (or this host), a record for
-    another disk that now has this device number, or a record that does not
-    fit (these last warn once).  ``alignment``: what the session's requests
-    must be a multiple of."""
+    """The shapes recorded for the device under ``directory``, or None (no
+    record, or one that does not fit: these warn once)."""
     path = record_path()
     if path is None:
         return None

@@ -1,20 +1,7 @@
-"""Plain data between ranks, without pickle.
-
-``torch.distributed``'s ``*_object`` collectives pickle: a buggy or
-compromised rank could run code in every other rank.  fp_dcp's own
-exchanges send JSON instead, as uint8 tensors after a length header, and
-every receiver decodes what each peer sent against a *spec* of what it must
-be, with the care a checkpoint's metadata gets: a message over the size
-bound, one that is not JSON, or one of the wrong shape is a
-:class:`WireError` naming the rank that sent it, on every rank alike (they
-all see the same bytes), never code run and never a wait.
-
-A spec: ``int``, ``float``, ``str``, ``bool``, ``None``; ``maybe(spec)``
-(``None`` or spec); ``[spec]`` (a list of any length); ``(spec, ...)`` (a
-list of exactly that many, decoded as a tuple); ``{str: spec}`` (an object
-of any string keys); ``{"key": spec, ...}`` (an object of exactly those
-keys).
-"""
+"""Plain data between ranks, without pickle: JSON decoded against a *spec*
+(``int``, ``float``, ``str``, ``bool``, ``None``, ``maybe(spec)``, ``[spec]``,
+``(spec, ...)``, ``{str: spec}``, ``{"key": spec, ...}``); a bad message is a
+:class:`WireError` naming the sender, on every rank."""
 
 from __future__ import annotations
 

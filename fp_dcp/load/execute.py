@@ -14,7 +14,7 @@ import concurrent.futures
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -31,22 +31,19 @@ __all__ = ["Run", "in_long_runs", "LONG_RUN_BYTES"]
 # a progress callback, calls are smaller so progress moves in visible steps.
 _MAX_BATCH_BYTES = 1 << 30
 _PROGRESS_BATCH_BYTES = 256 << 20
-# Requests sized by what they move (issue 15): with the engine's shape left
-# to fp_dcp, pieces in a run of at least this many bytes back to back (after
-# the verifier's cuts) go to a second engine of large requests
-# (engine.large_read_shape: the device's largest whole request, 4 MiB here,
-# 8 in flight); shorter ones, scattered runs above all, stay on the engine of
-# many small requests in flight.  A 256 KiB request costs a device that
-# charges per operation 16x the operations of a 4 MiB one: measured in
-# docs/NATIVE.md, "Request sizes".
+# Requests sized by what they move: with the engine's shape left to fp_dcp,
+# pieces in a run of at least this many bytes back to back (after the
+# verifier's cuts) go to a second engine of large requests
+# (engine.large_read_shape); shorter, scattered runs stay on the engine of
+# many small requests in flight.  A device that charges per operation pays
+# for small requests (docs/NATIVE.md, "Request sizes").
 LONG_RUN_BYTES = 1 << 20
 # With read_threads > 1, long runs are read by several engines of large
 # requests at once (``Run``'s ``more``), each on its own thread: an engine
 # copies each completed request out of its bounce buffer (fused with the
 # checksum) on the thread that called it, so one engine copies on one core,
-# which a device faster than a core's memcpy outruns (on this project's VM
-# two engines were no faster: docs/NATIVE.md).  Each thread gets at least
-# this many bytes of a batch, so small loads stay on one thread.
+# which a device faster than a core's memcpy outruns (docs/NATIVE.md).  Each
+# thread gets at least this many bytes of a batch: small loads stay on one.
 _MIN_BYTES_PER_THREAD = 64 << 20
 
 
@@ -98,19 +95,12 @@ class TempBuffer:
 
 class Run:
     """The state of one load on one rank: open files, the arena, the stats.
-
-    ``session``: the engine; ``large``: the engine of large requests for
-    long runs, or None; ``more``: other engines of large requests, which
-    read a share of the long runs at the same time, each on a thread of its
-    own (``read_threads``); ``paths``: the data files; ``limits``: what the plan
-    was made for (the same alignment and budget); ``budget``: the most
-    arena memory; ``coalesce_gap``: the largest gap read through;
-    ``max_overread_percent``: the over-read budget; ``verifier``: the stored
-    checksums, or None; ``progress(done, total)``: called after each batch.
-    """
+    ``large`` / ``more``: engines of large requests for long runs (each ``more``
+    on a thread of its own); ``budget``: the most arena memory; ``verifier``:
+    the stored checksums, or None; ``progress(done, total)``: after each batch."""
 
     def __init__(self, session: IOSession, paths: list[str], limits: Limits, *, large: IOSession | None,
-                 more: list[IOSession] = (), budget: int, coalesce_gap: int, max_overread_percent: int,
+                 more: Sequence[IOSession] = (), budget: int, coalesce_gap: int, max_overread_percent: int,
                  verifier: ReadVerifier | None, progress: Callable[[int, int], None] | None) -> None:
         self.session = session
         self.paths = paths
@@ -152,10 +142,8 @@ class Run:
         self.paid_left = 0
 
     def with_session(self, session: IOSession, large: IOSession | None) -> "Run":
-        """Another run of the same load, through ``session`` and, for long
-        runs, ``large`` (shared reads read two rounds at once, each thread
-        with engines of its own: an engine serves one thread at a time;
-        its long runs are read by ``large`` alone)."""
+        """Another run of the same load through ``session`` and ``large`` (an engine
+        serves one thread at a time)."""
         return Run(session, self.paths, self.limits, large=large, budget=self.budget,
                    coalesce_gap=self.coalesce_gap, max_overread_percent=self.max_overread_percent,
                    verifier=self.verifier, progress=self.progress)
@@ -189,14 +177,13 @@ class Run:
             self.stats["engine_calls"] += 1
 
     def _read_long(self, files, offs, views, lens: np.ndarray, check) -> None:
-        """Long runs (pieces sorted by file and offset): through the engine
-        of large requests, or split into stretches of about equal bytes
-        read at once by it and the ``more`` engines, each on its own thread.
-        Each piece is checksummed whole by the call that reads it, so any
-        piece boundary is a valid cut."""
+        """Long runs, through the engine of large requests, or split into stretches
+        of about equal bytes read at once by it and the ``more`` engines."""
+        large = self.large
+        assert large is not None  # long runs are split off only with an engine of large requests
         k = min(1 + len(self.more), int(lens.sum()) // _MIN_BYTES_PER_THREAD, len(lens))
         if k <= 1:
-            self._engine_read(self.large, files, offs, views, check)
+            self._engine_read(large, files, offs, views, check)
             return
         ends = np.cumsum(lens)
         cuts = np.searchsorted(ends, ends[-1] * np.arange(1, k) // k, side="right")
@@ -213,7 +200,7 @@ class Run:
         with self._stats_lock:
             self.stats["long_run_threads"] = max(self.stats["long_run_threads"], len(parts))
         try:
-            read(self.large, *parts[0])
+            read(large, *parts[0])
         finally:
             for f in futures:  # every thread is done with the views before they go
                 f.exception()
@@ -235,15 +222,9 @@ class Run:
             self._finish(batch)
 
     def stream(self, chunks: Iterable[list[Job]]) -> None:
-        """Run the jobs of ``chunks`` (an iterable that plans them: a
-        generator) with the engine calls on a thread of their own, queued
-        there in order as each batch is ready, so that planning never waits
-        for a read and the reads never wait for copies.  Each batch's copies
-        and callbacks run here, in order, once its read is done (between
-        chunks, and at the end); a batch that reads into the arena first
-        waits for the copies out of the batches before it that used the
-        arena.  An error (of planning or of a read) waits for the reads
-        queued or in flight before it is raised."""
+        """Run the jobs of ``chunks`` (a generator that plans them), the engine calls
+        on a thread of their own, each batch's copies and callbacks here in order.
+        An error (of planning or a read) waits for the reads in flight, then raises."""
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-read")
         pending: list[tuple[list[Job], concurrent.futures.Future]] = []  # read or being read, in order
         try:
@@ -254,7 +235,7 @@ class Run:
                     if pending and any(j.temp for j in batch) and any(j.temp for b, _ in pending for j in b):
                         self._drain(pending)  # the arena still holds what an earlier batch has to copy out
                     pending.append((batch, pool.submit(self._read_batch, reads)))
-                    reads = None  # the views live as long as the read, not until the next batch
+                    del reads  # the views live as long as the read, not until the next batch
                     while len(pending) > 1 and pending[0][1].done():  # read: its copies while the rest is
                         self._finish_next(pending)
             self._drain(pending)
@@ -276,10 +257,8 @@ class Run:
             self._finish_next(pending)
 
     def _batches(self, jobs: list[Job], before_arena: Callable[[], None] | None = None) -> list[list[Job]]:
-        """``jobs`` (accounted for in the totals and the over-read budget)
-        cut into the batches of one engine call each, within the arena
-        budget, the pieces of one call and its bytes; the arena is grown
-        for them first (after ``before_arena``, when it must be)."""
+        """``jobs`` cut into batches of one engine call each, within the arena budget;
+        the arena is grown for them first (after ``before_arena``)."""
         needed = sum(j.needed for j in jobs)
         planned_paid = sum(j.paid for j in jobs)
         self.total += needed
@@ -311,11 +290,9 @@ class Run:
         return batches
 
     def _prepare(self, batch: list[Job]) -> list[tuple]:
-        """The engine calls of a batch: its pieces sorted by file and offset,
-        with the fillers the planner allows (from the over-read budget), cut
-        for the verifier, and split between the engine of long runs and the
-        engine of scattered ones.  Each call: ``(session, files, offsets,
-        views, check, lengths)`` (``lengths`` of the views, for long runs)."""
+        """The engine calls of a batch, ``(session, files, offsets, views, check,
+        lengths)``: pieces sorted, fillers added, cut for the verifier, split
+        between the engines of long and scattered runs."""
         if not batch:
             return []
         files = np.concatenate([j.files for j in batch])
@@ -328,6 +305,7 @@ class Run:
         arena_mv = self.arena.view()
         for j in batch:
             if j.temp:
+                assert arena_mv is not None  # the batch planner sized the arena for its temp jobs
                 base = arena_mv[j.temp_off : j.temp_off + j.temp]
             else:
                 base = memoryview(j.buf)
@@ -347,7 +325,7 @@ class Run:
         self.stats["fillers"] += len(foffs)
         self.stats["pieces"] += len(offs)
         if len(foffs):
-            scratch = memoryview(self.scratch)
+            scratch = self.scratch.data
             views.extend(scratch[:n] for n in flens.tolist())
             files = np.concatenate([files, ffiles])
             offs = np.concatenate([offs, foffs])

@@ -1,9 +1,6 @@
-"""A load's read items turned into jobs: pieces of engine calls, and what to
-do with the bytes once they are read.  :class:`ItemPlanner` takes one DCP
-``ReadItem`` (or any box of a stored chunk, for shared reads) and returns
-:class:`Job` s; :mod:`fp_dcp.load.execute` runs them.  A job's
-``post(arena, offset)`` receives the executor's temporary buffer (``.np``,
-its bytes; ``.typed(dtype)``, a torch view of it)."""
+"""A load's read items turned into jobs: :class:`ItemPlanner` takes one
+``ReadItem`` (or a box of a stored chunk, for shared reads) and returns
+:class:`Job` s, which :mod:`fp_dcp.load.execute` runs."""
 
 # Runs are read straight into the target tensor wherever it is a CPU tensor
 # of the stored dtype (direct_jobs); many small runs whose gaps hold no whole
@@ -71,11 +68,9 @@ class Limits:
 
 
 class Job:
-    """Pieces (file, file offset, length, position) read into ``buf`` (the
-    target's bytes) or, when ``temp`` > 0, into ``temp`` bytes of the arena;
-    then ``post(arena, arena_offset)`` and the ``done`` callbacks.  ``paid``:
-    over-read the plan chose for it (merged sub-grids), charged to the
-    load's budget when it runs."""
+    """Pieces (file, offset, length, position) read into ``buf`` or, with
+    ``temp`` > 0, into the arena; then ``post`` and the ``done`` callbacks.
+    ``paid``: over-read charged to the load's budget."""
 
     __slots__ = ("files", "offs", "lens", "pos", "buf", "temp", "post", "needed", "done", "temp_off", "units",
                  "paid")
@@ -99,12 +94,8 @@ class Job:
 
 class ExtentTable:
     """Every extent of a layout in one ``(4, n)`` int64 array (item offset,
-    length, file, file offset), made in one pass, with each item's rows and
-    whether its extents tile ``[0, total)`` exactly (item offsets from 0,
-    each where the last one ended), checked for all items at once: an item's
-    planning then takes views instead of building arrays of its extents.
-    A decoded layout's :class:`~fp_dcp.format.ExtentColumns` are taken as
-    they are (a dict of ``Extent`` lists is laid out as columns first)."""
+    length, file, file offset), with each item's rows and whether its extents
+    tile it exactly, checked for all items at once."""
 
     def __init__(self, extents: Mapping[MetadataIndex, list[fmt.Extent]]) -> None:
         columns = fmt.ExtentColumns.of(extents)
@@ -299,11 +290,9 @@ class ItemPlanner:
 
 
 def whole_chunk_read(sizes, dtype: torch.dtype, offsets, lengths, dest: torch.Tensor) -> bool:
-    """Whether a read of box ``offsets+lengths`` of a stored chunk
-    (``sizes``, ``dtype``) into ``dest`` is the common case: the whole chunk
-    into a contiguous CPU target of its dtype, read as the chunk's extents
-    whole (so a load with ``verify_checksums`` checks every block of them;
-    ``fp_dcp.tiers.restore`` relies on it)."""
+    """Whether a read is a whole chunk into a contiguous CPU target of its dtype,
+    read as whole extents (so ``verify_checksums`` checks every block: the
+    tiers' restore relies on it)."""
     if type(lengths) is not list:
         lengths = [int(n) for n in lengths]
     if type(sizes) is not list:
@@ -314,10 +303,8 @@ def whole_chunk_read(sizes, dtype: torch.dtype, offsets, lengths, dest: torch.Te
 
 
 def _merge_level(grid: Grid, limits: Limits) -> tuple[int | None, int]:
-    """The level at which sub-grids are read through a temporary, or None
-    (runs straight into the target); the over-read that costs.  Gaps without
-    a whole block are merged freely; gaps with whole blocks only within the
-    over-read budget, which they then take from (the fillers get the rest)."""
+    """The level at which sub-grids are read through a temporary (None: straight
+    into the target), and the over-read that costs."""
     g = len(grid.counts)
     if g == 0 or grid.run >= MERGE_RUN_MAX_BYTES:
         return None, 0

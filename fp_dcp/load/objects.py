@@ -1,28 +1,7 @@
-"""Loading a checkpoint's objects (DCP's bytes items) without running its code.
-
-DCP stores every non-tensor value of a state dict (a step counter, an LR
-scheduler's or a data loader's state) as a *bytes item*: ``torch.save`` of
-the object.  DCP's default load planner turns it back with
-``torch.load(..., weights_only=False)``: a full unpickle, which runs whatever
-callable the bytes name.  The metadata alone decides which keys are bytes
-items, so a crafted checkpoint could run code through any key.
-
-fp_dcp hands DCP's planner only objects that torch's restricted unpickler
-(``torch.load(weights_only=True)``: tensors, ``torch.Size``, dtypes, plain
-containers and scalars, and what ``torch.serialization.add_safe_globals``
-allows) has rebuilt, and the plain data DCP itself passes through a state
-dict untouched: ``io.BytesIO`` (a blob kept as a stream, as PyTorch's own
-end-to-end DCP test keeps its losses), rebuilt from its bytes and position
-and nothing else.  A payload that needs anything else is refused with
-:class:`UnsafeObjectError`, naming the key, the globals it wants and the two
-ways to accept it.  ``FastPersistOptions(allow_pickle=True)`` (environment
-``FP_DCP_ALLOW_PICKLE=1``) restores the full unpickler, for checkpoints you
-trust.
-
-A bytes item is also never loaded over a tensor of the caller's state dict
-(:func:`check_bytes_targets`): a checkpoint cannot swap a tensor for an
-object.
-"""
+"""Loading DCP's bytes items without running their code: only what torch's
+restricted unpickler rebuilds (and ``io.BytesIO``), else
+:class:`UnsafeObjectError` naming the key, the globals and the way out
+(``allow_pickle=True`` for trusted checkpoints); never over a tensor."""
 
 from __future__ import annotations
 
@@ -31,7 +10,7 @@ import io
 import pickle
 import re
 import threading
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -60,7 +39,7 @@ class _PlainBytesIO(io.BytesIO):
         if (type(state) is not tuple or len(state) != 3 or type(state[0]) is not bytes
                 or type(state[1]) is not int or not 0 <= state[1] <= len(state[0]) or state[2]):
             raise pickle.UnpicklingError("a stored io.BytesIO has a state other than its bytes and position")
-        super().__setstate__((state[0], state[1], None))
+        super().__setstate__((state[0], state[1], None))  # type: ignore[misc]  # typeshed lacks BytesIO's
 
     def plain(self) -> io.BytesIO:
         out = io.BytesIO(self.getvalue())
@@ -151,13 +130,11 @@ def _unsafe_globals(data: bytes) -> list[str]:
 
 
 def deliver_object(planner: LoadPlanner, req: ReadItem, obj: Any, data: bytes) -> None:
-    """Give DCP's planner the object of ``req``.  The default planner's
-    ``load_bytes`` would unpickle ``data`` again with the full unpickler:
-    for it (and subclasses that keep its ``load_bytes``) the safely rebuilt
-    object is put in place the way that method does; a custom planner's own
-    ``load_bytes`` gets the bytes, which passed the restricted unpickler."""
+    """Give DCP's planner the object of ``req``: put in place as
+    ``DefaultLoadPlanner.load_bytes`` does (without unpickling again), or the
+    already checked bytes to a custom ``load_bytes``."""
     if type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
-        put_object(planner, req, obj)
+        put_object(cast(DefaultLoadPlanner, planner), req, obj)  # its load_bytes is DefaultLoadPlanner's
     else:
         planner.load_bytes(req, io.BytesIO(data))
 
@@ -174,11 +151,8 @@ def put_object(planner: DefaultLoadPlanner, req: ReadItem, obj: Any) -> None:
 
 
 def check_bytes_targets(items: Iterable[ReadItem], planner: LoadPlanner, where: str) -> None:
-    """Refuse, before anything is read, a bytes item whose target in the
-    caller's state dict is a tensor (the checkpoint says object, the caller
-    expects a tensor: loading would replace the tensor with whatever the
-    checkpoint holds).  Planners that do not keep a ``state_dict`` mapping
-    are not checked here (their objects still pass the restricted unpickler)."""
+    """Refuse, before anything is read, a bytes item whose target in the caller's
+    state dict is a tensor (planners without a ``state_dict`` are not checked)."""
     state_dict = getattr(planner, "state_dict", None)
     if not isinstance(state_dict, dict):
         return

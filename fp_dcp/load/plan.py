@@ -78,15 +78,9 @@ def box_runs(
     box_lengths: Sequence[int],
     element_size: int,
 ) -> tuple[np.ndarray, int]:
-    """Byte runs of a sub-box of a row-major chunk.
-
-    The chunk has shape ``chunk_sizes``; the box starts at ``box_offsets`` and
-    spans ``box_lengths``.  Returns ``(starts, run_length)``: the box's bytes
-    are the runs ``[starts[i], starts[i] + run_length)`` of the chunk's byte
-    image, in row-major order of the box (so run ``i`` lands at byte
-    ``i * run_length`` of a contiguous tensor of the box's shape).  A dim-0
-    slice is one run; a slice of the last dim is one run per row.
-    """
+    """Byte runs ``(starts, run_length)`` of the sub-box ``box_offsets`` +
+    ``box_lengths`` of a row-major chunk of shape ``chunk_sizes``, in row-major
+    order of the box (run ``i`` lands at byte ``i * run_length`` of it)."""
     ndim = check_box(chunk_sizes, box_offsets, box_lengths)
     if any(n == 0 for n in box_lengths):
         return np.zeros(0, dtype=np.int64), 0
@@ -144,14 +138,9 @@ def box_grid(
     element_size: int,
     dst_strides: Sequence[int] | None = None,
 ) -> Grid:
-    """The run grid of the box ``box_offsets + box_lengths`` of a row-major
-    chunk of shape ``chunk_sizes``, landing in a destination whose strides (in
-    elements) are ``dst_strides`` (``None``: a packed, row-major box).
-
-    Source offsets are bytes of the chunk's image; destination offsets are
-    ``element_size``-scaled element offsets from the destination's first
-    element (bytes when the destination has the stored dtype).
-    """
+    """The run grid of a sub-box of a row-major chunk landing in a destination of
+    strides ``dst_strides`` (elements; ``None``: packed).  Source offsets are
+    bytes; destination offsets ``element_size``-scaled elements."""
     ndim = check_box(chunk_sizes, box_offsets, box_lengths)
     src = row_major_strides(chunk_sizes, element_size)
     if dst_strides is None:
@@ -188,13 +177,9 @@ def level_span(grid: Grid, level: int) -> int:
 
 
 def free_merge_level(grid: Grid, alignment: int, max_paid_fraction: float = 0.0) -> int:
-    """The outermost level ``m`` such that every gap inside a sub-grid over
-    dimensions ``m..`` is shorter than one alignment block (reading through
-    such a gap reads no block that the runs around it do not already touch),
-    or — with ``max_paid_fraction`` > 0 — holds whole blocks that add at most
-    that fraction of the sub-grid's needed bytes.  ``len(counts)`` when even
-    neighbouring runs are too far apart.  Needs source strides that decrease
-    outwards-in (a row-major source)."""
+    """The outermost level whose sub-grids' gaps are each shorter than one
+    alignment block (or add at most ``max_paid_fraction`` of the needed bytes);
+    ``len(counts)`` when none.  Needs a row-major source."""
     return merge_level(grid, alignment, max_paid_fraction)[0]
 
 
@@ -227,11 +212,9 @@ def _outer_offsets(counts: Sequence[int], strides: Sequence[int], base: int) -> 
 
 
 def unit_starts(grid: Grid, level: int, slab: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sub-grids over dimensions ``level..``, in row-major order: their source
-    starts, destination starts, and the number of indices of dimension
-    ``level`` each covers.  With ``slab``, dimension ``level`` is cut into
-    pieces of at most ``slab`` indices (bounding each sub-grid's span); for
-    ``level == len(counts)`` the third array is all ones."""
+    """Sub-grids over dimensions ``level..`` in row-major order: source starts,
+    destination starts and indices of dimension ``level`` covered (at most
+    ``slab`` with ``slab``)."""
     g = len(grid.counts)
     src = _outer_offsets(grid.counts[:level], grid.src_strides[:level], grid.src_base)
     dst = _outer_offsets(grid.counts[:level], grid.dst_strides[:level], grid.dst_base)
@@ -314,14 +297,9 @@ def plan_fillers(
     budget_bytes: int,
     max_gap_bytes: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Gaps to read through, for pieces sorted by (file, offset) (they may
-    overlap).  A gap that holds no whole aligned block is always filled (its
-    blocks are read for the pieces around it; left open, the engine would read
-    them twice).  Others, cheapest first, while the whole blocks they add stay
-    within ``budget_bytes`` and the gap is at most ``max_gap_bytes``.
-
-    Returns the fillers' files, offsets and lengths, and the paid bytes.
-    """
+    """Gaps to read through, for pieces sorted by (file, offset): every gap with
+    no whole aligned block, then others, cheapest first, within ``budget_bytes``
+    and ``max_gap_bytes``.  Returns their files, offsets, lengths and paid bytes."""
     n = len(offsets)
     if n < 2:
         z = np.zeros(0, dtype=_I64)
@@ -421,18 +399,10 @@ def interleaved_slabs(
     run_max_bytes: int = 64 << 10,
     max_extra: float = 0.05,
 ) -> list[CoopSlab]:
-    """Slabs that read the ``boxes`` (``(rank, offsets, lengths)`` of one
-    stored chunk of shape ``chunk_sizes``) cooperatively, or ``[]`` when that
-    does not pay: fewer than two ranks, no box fragmented (every box is one
-    run, or its runs are at least ``run_max_bytes``), a 1-d chunk, a dim-0
-    band whose bounding box is not covered by the boxes (reading the bounding
-    boxes would cost more than ``max_extra`` of the bytes the boxes need), or
-    a single row of a bounding box longer than ``slab_bytes``.
-
-    The chunk's dim 0 is cut at every box's dim-0 bounds into bands; each
-    band's bounding box over the other dimensions, cut into slabs of at most
-    ``slab_bytes`` (whole rows), is read once.  The parts tile every box
-    exactly once."""
+    """Slabs that read the ``boxes`` (``(rank, offsets, lengths)``) of one stored
+    chunk cooperatively, or ``[]`` when that does not pay.  Each dim-0 band's
+    bounding box is cut into slabs of at most ``slab_bytes`` (whole rows); the
+    parts tile every box exactly once."""
     ndim = len(chunk_sizes)
     live = [(i, r, tuple(int(x) for x in o), tuple(int(x) for x in n))
             for i, (r, o, n) in enumerate(boxes) if len(n) == ndim and all(int(x) > 0 for x in n)]
@@ -476,11 +446,8 @@ def interleaved_slabs(
 
 
 def assign_owners(units: Sequence[tuple[int, Sequence[int]]], quota: dict[int, int]) -> list[int]:
-    """Owners of ``units`` (``(bytes read, candidate ranks)``), in order: each
-    goes to the candidate with the most quota left (``quota[rank]`` - bytes
-    already given it; ties: the lower rank), so that every rank reads about its
-    quota.  When every unit may go to every rank, no rank gets more than its
-    quota plus one unit (the others' quotas would have run out first)."""
+    """Owners of ``units`` (``(bytes, candidate ranks)``), in order: each to the
+    candidate with the most quota left (ties: the lower rank)."""
     left = dict(quota)
     owners = []
     for nbytes, cands in units:

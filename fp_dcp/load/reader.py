@@ -1,50 +1,6 @@
-"""``FastPersistReader``: a DCP ``StorageReader`` that reads only the bytes each
-rank needs, into any world size and sharding (Universal Checkpointing).
-
-For every ``ReadItem`` (a box of a stored chunk that lands in a box of a
-target tensor) the reader describes the bytes as a grid of runs contiguous in
-both the stored chunk and the target (:func:`fp_dcp.load.plan.box_grid`), maps
-them onto the stored extents (a chunk may be split over several files and
-ranks), and decides — in Python, so the decision is the planner's, not the
-engine's — how to read them:
-
-* runs are read straight into the target tensor wherever it is a CPU tensor
-  of the stored dtype (contiguous or not: a column slice is read row by row
-  into its rows);
-* many small runs whose gaps hold no whole alignment block (a dense slice of
-  the last dimension) are read as a few ranges into a bounded temporary and
-  moved with one strided copy, instead of one request and one Python object
-  per run;
-* targets of another dtype or device are read into a bounded temporary and
-  cast with ``copy_``, as the stock reader does (``strict_dtype=True`` makes
-  that an error);
-* across items, gaps between pieces are read through only where that costs
-  no whole block, or within the over-read budget
-  (``max_overread_percent``); the engine is called with ``coalesce_gap=0``.
-
-Temporaries never exceed ``read_buffer_budget_bytes`` (one arena, reused for
-the whole load); a stored chunk is never read whole to be sliced.
-
-With ``share_replicated_reads=True``, a box that several ranks need (every
-rank of a DDP-style restart needs every replicated tensor) is read from disk
-by one of them and sent to the others over the load's process group, inside
-DCP's own ``read_data`` step: every rank runs the same sequence of
-collectives, errors included.  With ``share_interleaved_reads`` (on by
-default for a process group that moves tensors on the CPU, among the ranks
-of one machine), stored rows that
-several ranks need interleaved parts of (a load that moves the sharded
-dimension) are cut into row slabs, each read whole and sequentially by
-one rank, which sends every other rank its part: each rank reads about the
-bytes it needs, in large requests, instead of many small runs.  Both are
-*shared units* of one plan (:class:`~fp_dcp.load.sharing.plan.SharedUnit`):
-a box of a stored chunk, its owner, and the sub-box each rank needs of it.
-
-This module is the DCP protocol only, and owns the engines.  The work is
-done downstream, each step by its own module: :mod:`fp_dcp.load.jobs` turns
-read items into jobs (with the pure functions of :mod:`fp_dcp.load.plan`),
-:mod:`fp_dcp.load.execute` runs them through the engine, and
-:mod:`fp_dcp.load.sharing` plans and runs shared reads.
-"""
+"""``FastPersistReader``: the DCP ``StorageReader`` protocol only; the work is in
+:mod:`~fp_dcp.load.jobs`, :mod:`~fp_dcp.load.execute` and
+:mod:`~fp_dcp.load.sharing` (docs/ARCHITECTURE.md, "How a load reads")."""
 
 from __future__ import annotations
 
@@ -98,32 +54,13 @@ class FastPersistReader(StorageReader):
     """Load a checkpoint written by :class:`~fp_dcp.FastPersistWriter` from
     ``path``, into any world size and sharding.
 
-    ``options`` / keyword arguments as for the writer; the reader's own are
-    ``read_buffer_budget_bytes``, ``max_overread_percent``, ``strict_dtype``,
-    ``share_replicated_reads``, ``share_interleaved_reads`` and
-    ``coalesce_gap_bytes`` (see :class:`~fp_dcp.FastPersistOptions`).
-    ``process_group``: the group passed to ``dcp.load`` when it is not the
-    default one (used only by the two ``share_*`` options).
-
-    After each load :attr:`last_stats` holds this rank's ``bytes`` (needed by
-    its targets), ``bytes_read`` (read from disk, alignment included),
-    ``requests``, ``pieces``, ``seconds`` and the engine; with sharing,
-    ``shared_bytes_read`` (of shared units this rank read from disk for
-    itself and others), ``shared_bytes_sent`` / ``shared_bytes_received``
-    (``shared_bytes_pulled`` of them copied from a same-machine rank's
-    memory), ``shared_rounds`` and ``shared_buffer_bytes`` (the rounds'
-    buffers, within ``read_buffer_budget_bytes``).  Shared reads read two
-    rounds at once with two engines: one more engine's bounce buffers
-    (``queue_depth + 1`` blocks, page-locked), kept with the reader as the
-    first engine is, until :meth:`close`.
-
-    The engines are set up on a thread of their own while DCP plans, not
-    when the first read needs them: from ``set_up_storage_reader`` on when
-    no plan can share reads (no option asks for it and no process group
-    moves tensors on the CPU), so that it overlaps the planner's
-    ``create_local_plan``; otherwise from ``prepare_local_plan`` on, which
-    knows whether the plan shares.
-    """
+    ``options`` / keyword arguments as for the writer.  ``process_group``: the
+    group passed to ``dcp.load`` when not the default (used only by the
+    ``share_*`` options).  After each load :attr:`last_stats` holds this rank's
+    ``bytes``, ``bytes_read``, ``requests``, ``pieces``, ``seconds``, the engine
+    and, with sharing, ``shared_bytes_read`` / ``_sent`` / ``_received`` /
+    ``_pulled``, ``shared_rounds`` and ``shared_buffer_bytes``.  Engines and
+    their page-locked buffers are kept until :meth:`close`."""
 
     def __init__(
         self,
@@ -279,10 +216,8 @@ class FastPersistReader(StorageReader):
         return transfer_device(self.process_group).type == "cpu"
 
     def _may_share(self) -> bool:
-        """Whether some plan could share reads (``_prepare_local_plan``'s
-        ``may_share`` for its most fragmented plan): False when no option
-        asks for it and interleaved reads are off (no process group moving
-        tensors on the CPU), whatever the plan."""
+        """Whether some plan could share reads (False when no option asks and no
+        process group moves tensors on the CPU)."""
         opts = self.options
         return self._use_collectives and (opts.share_replicated_reads or self._interleave_wanted())
 
@@ -309,10 +244,8 @@ class FastPersistReader(StorageReader):
         return False
 
     def _set_up_engines_early(self, twin: bool, bounce: bool = True) -> None:
-        """Start setting the engines up (with ``twin``, also the second pair
-        of shared reads; with ``bounce``, faulting in and locking the bounce
-        buffers) on a thread of its own while DCP plans the load.  Best
-        effort: ``read_data``'s own set-up raises what failed here."""
+        """Start setting the engines up on a thread of their own while DCP plans;
+        best effort (``read_data``'s own set-up raises what failed)."""
         if self._setting_up is not None or self.path is None:
             return
 
@@ -413,13 +346,8 @@ class FastPersistReader(StorageReader):
         self.last_stats.update(run.stats)
 
     def _planned(self, items: list[ReadItem], planner: LoadPlanner, run: Run) -> Iterator[list[Job]]:
-        """The jobs of ``items`` in chunks, planned as the executor asks for
-        them: the first chunk small, so the first read starts early, each
-        next one twice as large (fewer engine calls), up to
-        ``_PLAN_CHUNK_MAX_BYTES``.  Objects (bytes items) come first: each
-        is unpickled after its read, which then overlaps the tensors' reads
-        instead of following the last one.  Planning time goes to
-        ``run.stats["plan_seconds"]``."""
+        """The jobs of ``items`` in chunks growing from small (the first read starts
+        early) to ``_PLAN_CHUNK_MAX_BYTES``, objects first."""
         assert self._items is not None
         plan_item = self._items.plan_item
         limits = run.limits
@@ -494,10 +422,8 @@ class FastPersistReader(StorageReader):
                             replicate=opts.share_replicated_reads, transport=opts.shared_read_transport)
 
     def _agreed_share_plan(self, plan: LoadPlan) -> SharePlan | None:
-        """The sharing plan the coordinator put in this rank's plan.  The
-        coordinator's decision is the only one: every rank of the load
-        receives the same plan through DCP's scatter, so every rank runs the
-        same collectives (a rank's own options do not change that)."""
+        """The sharing plan the coordinator put in this rank's plan: the same on every
+        rank, so every rank runs the same collectives."""
         share = plan.storage_data if isinstance(plan.storage_data, SharePlan) else None
         if share is None or not self._use_collectives:
             return None

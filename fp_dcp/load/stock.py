@@ -1,21 +1,7 @@
-"""Reading a *stock* DCP checkpoint (``FileSystemWriter``'s) without running its code.
-
-``fp-dcp convert --from-dcp`` reads checkpoints fp_dcp did not write.  The
-stock ``FileSystemReader`` unpickles ``.metadata`` with the full unpickler,
-opens whatever ``relative_path`` the metadata names (``../x`` included), and
-its planner ``torch.load``\\ s every bytes item with ``weights_only=False``.
-:class:`SafeStockReader` keeps the stock reader's data path but
-
-* unpickles the metadata with an unpickler that knows only DCP's metadata
-  classes, ``torch.Size``, dtypes and plain containers;
-* refuses a data file that is not a plain name of a regular file in the
-  checkpoint directory, and stream transforms (compression extensions);
-
-and rebuilds the bytes items with the restricted unpickler
-(:mod:`fp_dcp.load.objects`) before the caller's planner sees them.  fp-dcp
-convert --from-dcp reads with it, and so does ``dcp.load`` of a stock
-checkpoint while fp_dcp's default-storage switch is on.
-"""
+"""Reading a *stock* DCP checkpoint without running its code:
+:class:`SafeStockReader` unpickles the metadata with a bounded unpickler of
+DCP's metadata classes, refuses data files outside the checkpoint and stream
+transforms, and rebuilds bytes items with :mod:`fp_dcp.load.objects`."""
 
 from __future__ import annotations
 
@@ -23,17 +9,21 @@ import os
 import pathlib
 import pickle
 import stat
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import LoadPlanner
 
 from fp_dcp import files
 from fp_dcp import format as fmt
 from fp_dcp._dcp_hooks import logged_metadata_errors
 from fp_dcp.load import objects
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["SafeStockReader", "MetadataBudgetError"]
 
@@ -66,7 +56,7 @@ class _Budget:
             )
 
 
-def _bounded_dataclass(base: type, budget: _Budget) -> type:
+def _bounded_dataclass(base: type[DataclassInstance], budget: _Budget) -> type:
     """``base`` (a DCP metadata dataclass) as the pickle machine builds it:
     created empty, then given only its own fields (``__setstate__``), then
     turned into a plain ``base`` object."""
@@ -192,7 +182,8 @@ class SafeStockReader(FileSystemReader):
     def read_data(self, plan: Any, planner: Any) -> Any:
         where = os.fspath(self.path)
         objects.check_bytes_targets(plan.items, planner, where)  # before any byte is read
-        return super().read_data(plan, _RestrictedObjects(planner, where, self.allow_pickle))
+        restricted = cast(LoadPlanner, _RestrictedObjects(planner, where, self.allow_pickle))  # a proxy of planner
+        return super().read_data(plan, restricted)
 
     @logged_metadata_errors
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_md.Metadata:
@@ -221,9 +212,10 @@ class SafeStockReader(FileSystemReader):
         checked: dict[str, int] = {}  # each data file is lstat'ed once, not once per item: its size
         for index, info in metadata.storage_data.items():
             _check_storage_info(directory, index, info, checked)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_md.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = dcp_md.StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -234,9 +226,10 @@ def _check_storage_info(directory: str, index: Any, info: Any, checked: dict[str
     name = info.relative_path
     if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
         raise fmt.CheckpointFormatError(f"{where}: data file {str(name)[:200]!r} is not a file of the checkpoint")
-    if getattr(info, "transform_descriptors", None):
+    transforms = getattr(info, "transform_descriptors", None)
+    if transforms:
         raise fmt.CheckpointFormatError(
-            f"{where}: stream transforms {list(info.transform_descriptors)!r} (a compressed stock checkpoint) "
+            f"{where}: stream transforms {list(transforms)!r} (a compressed stock checkpoint) "
             f"are not read by fp_dcp's safe stock reader; load it with DCP's FileSystemReader if you trust it"
         )
     for field in (info.offset, info.length):
@@ -266,6 +259,7 @@ def _check_tensor(path: str, fqn: Any, md: dcp_md.TensorStorageMetadata) -> None
     )
     if not ok:
         raise fmt.CheckpointFormatError(f"{path}: {str(fqn)[:200]!r}: malformed tensor entry (a chunk outside it)")
+    assert isinstance(chunks, list)  # ok: checked above
     try:
         fmt.check_chunks_cover(str(fqn), size, [(c.offsets, c.sizes) for c in chunks])
     except fmt.CheckpointFormatError as e:

@@ -1,14 +1,6 @@
-"""The balancer: which rank writes which bytes of which item, on which device.
-
-:func:`plan_placement` takes one :class:`Holdings` per rank (each item it
-holds, keyed by a stable 64-bit hash of its ``MetadataIndex``, with its
-size; the rank's host and number of data directories) and returns a
-:class:`Placement`: per rank, pieces ``(local item, item_offset, length,
-device)``; the pieces of an item, over all ranks, tile ``[0, nbytes)``
-exactly once.  Deterministic: the same holdings give the same placement on
-any machine.  :class:`PlanCache` keeps placements by structure.  Pure:
-numbers in, numbers out.
-"""
+"""The balancer: :func:`plan_placement` turns one :class:`Holdings` per rank into
+a :class:`Placement` whose pieces tile each item exactly once.  Deterministic
+and pure; :class:`PlanCache` keeps placements by structure."""
 
 from __future__ import annotations
 
@@ -38,26 +30,18 @@ UNSIZED = -1
 
 
 def item_key(fqn: str, offset: Sequence[int] | None) -> int:
-    """A stable 64-bit key of a ``MetadataIndex`` (``fqn`` and chunk
-    ``offset``): the same in every process (unlike ``hash``), so ranks can
-    name their items to the coordinator without sending the names.
-    A collision between two of a checkpoint's items has probability about
-    ``items**2 / 2**65`` (1e-10 for 100,000 items); the planner also refuses
-    a key whose holders disagree on its size."""
+    """A stable 64-bit key of a ``MetadataIndex`` (``fqn`` and chunk ``offset``),
+    the same in every process (unlike ``hash``); the planner refuses a key
+    whose holders disagree on its size."""
     text = fqn + ("\0-" if offset is None else "\0" + ",".join(str(int(o)) for o in offset))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 @dataclasses.dataclass(frozen=True)
 class Holdings:
-    """What one rank holds (recorded by ``prepare_local_plan``).
-
-    ``keys[i]`` (uint64, :func:`item_key`) and ``nbytes[i]`` (int64,
-    ``UNSIZED`` for a bytes item) describe the rank's ``i``-th item in plan
-    order; pieces name items by that position.  ``granularity`` is the
-    alignment split points must keep (a power of two, a multiple of the
-    rank's direct-I/O alignment); items below ``small_bytes`` are never
-    split.  ``digest`` hashes all of it (see :func:`make_holdings`)."""
+    """What one rank holds, in plan order: ``keys[i]`` (:func:`item_key`) and
+    ``nbytes[i]`` (``UNSIZED`` for a bytes item); ``granularity``: the alignment
+    split points keep; items below ``small_bytes`` are never split."""
 
     rank: int
     host: str
@@ -109,10 +93,8 @@ def structure_key(holdings: Sequence[Holdings]) -> str:
 @dataclasses.dataclass(frozen=True)
 class RankPieces:
     """One rank's share: piece ``i`` is bytes ``[offset[i], offset[i] +
-    length[i])`` of the rank's item number ``local[i]`` (its position in the
-    rank's :class:`Holdings`), written to data directory ``device[i]``.
-    ``length[i] == UNSIZED`` means the whole item, of a size known only when
-    it is written (a bytes item)."""
+    length[i])`` of its item ``local[i]``, to data directory ``device[i]``
+    (``length[i] == UNSIZED``: the whole item)."""
 
     local: np.ndarray
     offset: np.ndarray
@@ -207,11 +189,9 @@ def water_fill(loads: np.ndarray, total: int) -> np.ndarray:
 def cut_stream(
     sizes: np.ndarray, quotas: np.ndarray, granularity: int, small_bytes: int
 ) -> np.ndarray:
-    """Cut positions ``c[0] = 0 <= c[1] <= ... <= c[n] = sum(sizes)`` of a
-    stream of items of ``sizes`` (all > 0) into ``n = len(quotas)`` segments
-    of about the quotas' lengths.  A cut inside an item lies at a multiple of
-    ``granularity`` from the item's start (or at its end); items smaller than
-    ``small_bytes`` are not cut."""
+    """Cut positions of a stream of items of ``sizes`` into ``len(quotas)``
+    segments of about the quotas' lengths; cuts inside an item at multiples of
+    ``granularity``, items under ``small_bytes`` not cut."""
     sizes = np.asarray(sizes, dtype=np.int64)
     total = int(sizes.sum())
     n = len(quotas)
@@ -293,11 +273,8 @@ def _segments(starts: np.ndarray, sizes: np.ndarray,
 
 @dataclasses.dataclass
 class _Items:
-    """Every rank's holdings, concatenated in rank order, and the unique
-    items among them.  A holding is a position in the concatenation;
-    ``order`` sorts the holdings by item (each item's holders in rank
-    order), ``first[i]`` is item ``i``'s first position in ``order`` and
-    ``nhold[i]`` its number of holders."""
+    """Every rank's holdings concatenated in rank order, and the unique items
+    (``order``, ``first``, ``nhold``)."""
 
     world: int
     ranks: np.ndarray  # per holding

@@ -1,26 +1,6 @@
-"""A save's commit protocol, and the clean-up around it.
-
-A save becomes visible at one point: the rename of its temporary metadata
-over ``.fp_dcp.meta`` (:func:`commit_metadata`).  Until then the coordinator
-holds the checkpoint directory's lock (:class:`SaveLock`), so two saves into
-one directory never interleave, and the previous checkpoint stays whole.
-With ``options.sync_files`` the directory is synced before the rename (the
-new data files' entries reach the disk first: a crash never leaves committed
-metadata naming lost files) and after it.
-
-What a failure or a crash leaves behind before the rename is garbage:
-:func:`abandon_rank_files` removes a rank's data files when its write failed,
-:func:`commit_metadata` removes the temporary metadata and the new data files
-when the commit itself failed, and :func:`remove_superseded` (after the next
-commit) removes whatever else is left: the data files of earlier saves and
-stale temporary metadata.
-
-Every file operation goes through :mod:`fp_dcp.files` (nothing beneath the
-checkpoint directory is reached through a link), and so through that
-module's ``os``: the crash tests (``tests/_crash.py``) replace it to kill the
-coordinator just before the k-th ``open``, ``write``, ``fsync``, ``replace``
-or ``unlink``.
-"""
+"""A save's commit (the rename over ``.fp_dcp.meta``, under :class:`SaveLock`) and
+the clean-up of what failures leave, through :mod:`fp_dcp.files`
+(docs/FORMAT.md, "Commit protocol")."""
 
 from __future__ import annotations
 
@@ -37,12 +17,9 @@ __all__ = ["SaveLock", "sync_directory", "commit_metadata", "remove_superseded",
 
 
 class SaveLock:
-    """The coordinator's exclusive ``flock`` on the checkpoint directory's
-    lock file, from ``prepare_global_plan`` to the end of ``finish`` (or the
-    failure).  Taken without waiting: a second save into the directory fails
-    at once with a message, it does not queue behind the first.  Rotation
-    (:mod:`fp_dcp.tools.rotation`) takes the same lock before it removes a
-    checkpoint, and skips one whose save holds it."""
+    """The coordinator's exclusive ``flock`` on the checkpoint directory, from
+    ``prepare_global_plan`` to the end of ``finish``; taken without waiting (a
+    second save fails at once).  Rotation takes it too."""
 
     def __init__(self) -> None:
         self.fd: int | None = None
@@ -101,22 +78,17 @@ def sync_directory(directory: str) -> None:
 
 
 def commit_metadata(root: files.Root, blob: bytes, save_id: str, data_files: Iterable[str], sync: bool) -> None:
-    """Write ``blob`` as the checkpoint's metadata in the checkpoint directory
-    ``root``: to a temporary name (``.fp_dcp.meta.<save_id>.tmp``, created
-    exclusively), then renamed over ``.fp_dcp.meta`` (the commit point).
-    ``data_files`` (names in the directory, or absolute paths in data
-    directories) are the new save's data files: if the commit fails before the
-    rename, nothing refers to them or to the temporary file, and both are
-    removed.  ``sync``: fsync the file and the directory (before the rename
-    too: a crash never leaves a committed metadata file whose data files'
-    names were lost)."""
+    """Write ``blob`` as ``root``'s metadata: a temporary name, then the rename
+    over ``.fp_dcp.meta`` (the commit).  If it fails before the rename, the
+    temporary and ``data_files`` are removed.  ``sync``: fsync the file and the
+    directory, before the rename too."""
     tmp = f"{fmt.METADATA_NAME}.{save_id}.tmp"
     try:
         root.replace_bytes(fmt.METADATA_NAME, blob, sync=sync, tmp_name=tmp, sync_rename=False)
     except BaseException as e:
         _abandon_commit(root, data_files)
         if isinstance(e, OSError) and str(e.filename).endswith(tmp) and "cannot write:" in str(e.strerror):
-            raise type(e)(e.errno, e.strerror.replace("cannot write:", "cannot write the checkpoint metadata:"),
+            raise type(e)(e.errno, str(e.strerror).replace("cannot write:", "cannot write the checkpoint metadata:"),
                           e.filename) from None
         raise
     if sync:
@@ -150,13 +122,9 @@ def _remove_in(directory: "str | files.Root", doomed) -> None:
 
 
 def remove_superseded(root: files.Root, data_directories: list[tuple[str, bool]], data_files: list[str]) -> None:
-    """After the commit: remove what the committed checkpoint (its
-    ``data_files``, as recorded in the metadata) does not use, in the
-    checkpoint directory ``root`` and in this checkpoint's sub-directories of
-    the data directories (``data_directories``: ``(directory, named by
-    absolute path)``; one planted as a link is left alone): data files of
-    earlier saves and leftover temporary metadata (a crash before a commit
-    leaves them)."""
+    """After the commit: remove earlier saves' data files and leftover temporary
+    metadata from ``root`` and this checkpoint's data-directory sub-directories
+    (a sub-directory planted as a link is left alone)."""
     _remove_in(root, _stale(set(data_files)))
     for data_dir, by_path in data_directories:
         if by_path:

@@ -1,15 +1,6 @@
-"""CUDA tensors to a data file: device-to-host copies through two page-locked
-buffers, overlapped with the writes.
-
-A save without staging writes CUDA tensors straight from the device: their
-bytes are copied, chunk by chunk, into one of two page-locked host buffers on
-a side stream (which first waits for the tensors' producers), and chunk k is
-written by the engine on a worker thread while chunk k+1 is copied.  Each
-extent starts aligned (so chunk windows never share a checksum block); the
-engine checksums each chunk's part of an extent on the extent's grid, and
-the parts are merged into the extent's ``crc32c``, the same value a CPU save
-of those bytes records.
-"""
+"""CUDA tensors to a data file through two page-locked buffers, each chunk
+written while the next is copied; the extents' checksums equal those of a
+CPU save of the same bytes."""
 
 from __future__ import annotations
 
@@ -39,21 +30,20 @@ def write_cuda(
     checksums: bool,
     sync: bool,
 ) -> tuple[list[int], list[int], int, list[str | None]]:
-    """Write CUDA byte ranges (``flat``: flat uint8 tensors of one device) to
-    a new file ``path``, one aligned extent each, through two page-locked
-    buffers of ``chunk_bytes`` (rounded up to the engine's alignment, at most
-    the whole file) on a side stream, chunk by chunk, writing chunk k while
-    chunk k+1 is copied.  ``checksums``: block checksums of each extent;
-    ``sync``: ``fdatasync`` the file.  Adds the engine's statistics to
-    ``stats``.  Returns the extents' file offsets, their lengths, the end of
-    the last one and their ``Extent.crc32c`` (None without ``checksums``)."""
+    """Write CUDA byte ranges (``flat``: uint8 tensors of one device) to a new file
+    ``path``, one aligned extent each, through two page-locked buffers of
+    ``chunk_bytes``.  Adds the engine's statistics to ``stats``.  Returns the
+    extents' offsets, lengths, the end of the last one and their ``crc32c``
+    (None without ``checksums``)."""
     align = session.alignment
     block = fmt.CHECKSUM_BLOCK_BYTES if checksums else 0
     lengths = [int(f.numel()) for f in flat]
     parts: list[list[tuple[int, int, Any]]] = [[] for _ in flat]  # per extent: (origin, length, crcs)
 
     def done(slot: int) -> None:
-        fut, where = pending[slot]
+        entry = pending[slot]
+        assert entry is not None  # called for a slot with a write in flight
+        fut, where = entry
         s = fut.result()
         add_stats(stats, s)
         if block:
@@ -71,6 +61,8 @@ def write_cuda(
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-cuda-write")
     fd = session.engine.open(path, "w", session.direct if session.direct else False)
     pending: list[tuple[concurrent.futures.Future, list[tuple[int, int, int]]] | None] = [None, None]
+    srcs: list[memoryview] = []
+    host: torch.Tensor | None = None
     try:
         k = -1
         for k, start in enumerate(range(0, align_up(end, align), chunk)):
@@ -112,8 +104,10 @@ def write_cuda(
                 p[0].exception()  # wait before the buffers go away
         pool.shutdown(wait=True)
         os.close(fd)
-        pending = srcs = host = None  # drop the views before freeing the buffers
-        for b in buffers:
-            b.close()
+        # drop the views before freeing the buffers
+        pending.clear()
+        srcs, host = [], None
+        for buffer in buffers:
+            buffer.close()
     crcs = [crc_hex(merge_block_crcs(p, block)) if block else None for p in parts]
     return offsets, lengths, end, crcs

@@ -1,12 +1,6 @@
-"""Where a save's files go, and making those directories ready.
-
-The metadata always goes in the checkpoint directory.  The data files go
-there too by default; with ``options.data_dirs`` (one directory per storage
-device) each rank stripes its bytes over a sub-directory of each data
-directory named after the checkpoint (``fmt.data_subdir_name``), so one data
-directory can serve many checkpoints and cleaning up after a save touches
-only this checkpoint's files.
-"""
+"""Where a save's files go (the checkpoint directory, or with
+``options.data_dirs`` a sub-directory per checkpoint in each data directory),
+and making those directories ready."""
 
 from __future__ import annotations
 

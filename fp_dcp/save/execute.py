@@ -1,28 +1,6 @@
-"""One rank's write: its assigned pieces, from the planner's data into one
-file per device, through the native engine.
-
-:func:`write_rank` resolves each item the assignment names (a tensor's
-bytes, zero-copy where it is on the CPU; a bytes item's buffer), groups the
-pieces by device (data directory), and writes each device's pieces in one
-file for host bytes and one for CUDA bytes, one thread per device (the
-engine releases the GIL).  Host bytes go to the engine as they are: large
-extents aligned so they are written in place, small ones packed
-(:func:`fp_dcp.save.layout.place_extents`); CUDA bytes go through page-locked
-buffers (:mod:`fp_dcp.save.device_copy`).  It returns DCP's write results
-(:class:`fp_dcp.save.results.Written` records) and the rank's statistics.
-
-Durability: the host files are written without ``fdatasync``, then synced
-on threads of their own while this thread turns the written extents into
-the results and runs the caller's ``while_syncing`` work (the coordinator
-prepares its commit there): on a disk whose ``fdatasync`` waits for the
-host's write-back, that work is off the save's critical path.
-:func:`write_rank` returns only once every file is durable.
-
-Checksums: where a staging copy (an async save's arena) already
-checksummed most of a file's bytes on the checksum grid, those are used and
-only the rest is checksummed here; otherwise the engine checksums what it
-writes.
-"""
+"""One rank's write (:func:`write_rank`): its pieces into one host file and one
+CUDA file per device, one thread per device, synced while the caller's
+``while_syncing`` work runs; staged checksums are reused."""
 
 from __future__ import annotations
 
@@ -66,13 +44,10 @@ def write_rank(
     while_syncing: Callable[[list[WriteResult]], None] | None = None,
 ) -> tuple[list[WriteResult], dict[str, Any]]:
     """Write rank ``assignment.rank``'s pieces of ``items`` (resolved by
-    ``resolve_data``, DCP's ``SavePlanner.resolve_data``) into ``dirs``
-    (``(directory, named by absolute path)`` by device), each through
-    ``session_for(directory)``; ``tag_devices``: the data file names carry
-    the device number (``options.data_dirs``).  ``while_syncing``: called
-    with the results once every byte is written, while the files are made
-    durable (what it raises fails the write).  Returns one result per item
-    written and the statistics, once the files are durable."""
+    ``resolve_data``) into ``dirs`` (by device), each through
+    ``session_for(directory)``.  ``while_syncing(results)`` runs while the files
+    are made durable (what it raises fails the write).  Returns the results and
+    the statistics once every file is durable."""
     t0 = time.perf_counter()
     rank = assignment.rank
     pieces = assignment.pieces
@@ -102,7 +77,8 @@ def write_rank(
             if group is None:
                 group = by_device[dev] = ([], [])
             # a whole item is passed as it is (no slice object to make)
-            group[0 if kind == "cpu" else 1].append((li, off, buf if off == 0 and length == n else buf[off : off + length]))
+            piece = buf if off == 0 and length == n else buf[off : off + length]
+            group[0 if kind == "cpu" else 1].append((li, off, piece))
     resolve_s = time.perf_counter() - t0
 
     devices = sorted(by_device)
@@ -215,7 +191,7 @@ class _Sources:
         if item.type == WriteItemType.BYTE_IO:
             if not isinstance(data, io.BytesIO):
                 raise TypeError(f"{name}: the planner resolved a bytes item to {type(data).__name__}, not BytesIO")
-            out = ("cpu", data.getbuffer())
+            out: tuple[str, Any] = ("cpu", data.getbuffer())
         else:
             if not isinstance(data, torch.Tensor):
                 raise TypeError(f"{name}: the planner resolved a tensor item to {type(data).__name__}")
@@ -251,14 +227,9 @@ def _write_device(
     used: set[int],
     unsynced: list[tuple[int, str]],
 ) -> tuple[list[tuple], list[tuple[str, int]], dict[str, Any], str, bool]:
-    """One device's pieces (``groups``: host pieces, CUDA pieces; each
-    ``(item, item_offset, bytes)``): a file for each kind in ``directory``.
-    The host file is written without ``fdatasync`` and left open: its
-    ``(fd, path)`` is added to ``unsynced`` (the caller syncs and closes
-    it; the CUDA file is synced here).  Returns the extents ``(item, file,
-    file_offset, item_offset, length, crc32c)``, the files' sizes, the
-    statistics and the engine's kind and direct-I/O flag.  Records the
-    staging arenas whose checksums it used in ``used``."""
+    """One device's pieces into a file per kind in ``directory``; the host file is
+    left open and unsynced in ``unsynced``.  Returns extents, file sizes, stats
+    and the engine's kind and direct-I/O flag."""
     cpu, cuda = groups
     extents: list[tuple] = []  # (item, file, file_offset, item_offset, length, crc32c)
     file_sizes: list[tuple[str, int]] = []
@@ -301,8 +272,10 @@ def _write_device(
             if reuse:
                 crcs = staged
                 stats["staged_checksum_bytes"] += sum(lengths) - sum(lengths[i] for i in missing)
+            elif "crc32c" in s:
+                crcs = list[str | None](piece_checksums(s, len(group)))
             else:
-                crcs = piece_checksums(s, len(group)) if "crc32c" in s else [None] * len(group)
+                crcs = [None] * len(group)
         else:
             offsets, lengths, end, crcs = write_cuda(
                 session, path, [b for _, _, b in group], stats,
@@ -332,10 +305,8 @@ def _sync_device(files: list[tuple[int, str]], directory: str, by_path: bool) ->
 
 
 def _staged_crc_hex(item: Any, offset: int, length: int, used: set[int]) -> str | None:
-    """``Extent.crc32c`` of bytes ``offset..offset+length`` of an item whose
-    bytes (``item``, the whole item) a staging copy checksummed, when the
-    piece starts on that checksum grid and ends on it or at the item's end;
-    else None.  Records the arena used in ``used``."""
+    """``Extent.crc32c`` of a piece a staging copy already checksummed on its grid,
+    else None; records the arena used in ``used``."""
     if length == 0:
         return crc_hex(np.zeros(1, dtype=np.uint32))  # as the engine reports an empty piece
     if not isinstance(item, np.ndarray):

@@ -1,10 +1,5 @@
 """Pure planning of a save's file layout: where each item's bytes go in the
-data files (:func:`place_extents`); the check that stored extents tile an
-item exactly (:func:`check_extents_cover`) is the format's, in :mod:`fp_dcp.format`.
-
-Nothing here touches a disk or a process group; every function takes and
-returns plain numbers so it can be tested with hypothesis.  Which bytes a
-load needs is :mod:`fp_dcp.load.plan`.
+data files (:func:`place_extents`).
 """
 
 from __future__ import annotations
@@ -27,14 +22,10 @@ def place_extents(
     pack_alignment: int,
     start: int = 0,
 ) -> tuple[list[int], int]:
-    """File offsets for extents of ``lengths`` bytes written in this order.
-
-    An extent of at least ``pack_threshold`` bytes starts on an ``alignment``
-    boundary (so it is written and read in place, without a bounce copy);
-    smaller ones are packed back to back at ``pack_alignment`` (which keeps
-    every element naturally aligned).  Returns the offsets and the end of the
-    last extent (not padded).
-    """
+    """File offsets for extents of ``lengths`` bytes, in order: extents of at
+    least ``pack_threshold`` bytes start ``alignment``-aligned (written in
+    place), smaller ones packed at ``pack_alignment``.  Returns the offsets and
+    the end of the last extent (not padded)."""
     offsets = []
     pos = start
     for n in lengths:

@@ -1,43 +1,6 @@
-"""The save plan: what each rank tells the coordinator, what the coordinator
-assigns each rank, and the per-process records that stand in for the plans
-DCP's plan caching does not send.
-
-* ``prepare_local_plan`` (every rank): :func:`describe_rank` records the
-  rank's items in this process (under a token) and returns a
-  :class:`RankHoldings` (every item's key and size, the host, the number of
-  data directories), which travels to the coordinator in
-  ``SavePlan.storage_data`` and survives the planner's dedup of replicated
-  items;
-* ``prepare_global_plan`` (coordinator): :func:`assign` balances the bytes
-  (:mod:`fp_dcp.save.balance`; the placement is cached by structure in
-  :data:`PLACEMENTS`) and returns one :class:`Assignment` per rank: its
-  pieces (byte ranges of its items, and the data directory of each);
-* ``write_data`` (every rank): :func:`assignment_items` finds the items the
-  pieces index.
-
-DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``): a rank
-whose local plan did not change sends DCP an empty plan (``usable=False``),
-so its ``prepare_local_plan`` sees no items, and the coordinator's
-``prepare_global_plan`` sees an empty plan for each such rank (DCP keeps its
-caches per planner class, in the process).  Per-process records fill the gap:
-
-* on every rank, the items each usable ``prepare_local_plan`` recorded, under
-  a token that travels in ``RankHoldings`` and comes back in that rank's
-  ``Assignment`` (the pieces index those items); and per planner class (DCP's
-  cache key), the assignment this rank last wrote with;
-* on the coordinator, per world size, the last ``RankHoldings`` seen for
-  each rank and the placement made from them (:class:`GlobalRecord`, kept by
-  :func:`keep_global_record` once ``write_data`` knows the planner caches).
-
-Nothing changed anywhere (every plan empty): the coordinator answers each
-rank with a stub ``Assignment(reuse=True)`` carrying this save's ``save_id``
-only, and each rank writes with its own last assignment for this planner
-class.  Some ranks changed: the coordinator plans with its record for the
-others and answers them with a full assignment.  Either way every plan it
-returns is usable, so DCP's ``finish_plan`` hands ``write_data`` this save's
-assignment, never the final plan it cached from an earlier save, and no rank
-ever writes under an earlier save's file names.
-"""
+"""The save plan: :class:`RankHoldings` (each rank to the coordinator),
+:class:`Assignment` (the coordinator to each rank), and the records behind
+DCP's plan caching (docs/ARCHITECTURE.md, "DCP's plan caching")."""
 
 from __future__ import annotations
 
@@ -179,7 +142,9 @@ def assign(
     if all(info is None for info in infos):
         # DCP cached everything: each rank writes with its last
         # assignment for this planner; only the save_id is new.
-        summary = {"cached": True, "dcp_cached": True, "seconds": time.perf_counter() - t0, "ranks": len(infos)}
+        summary: dict[str, Any] = {
+            "cached": True, "dcp_cached": True, "seconds": time.perf_counter() - t0, "ranks": len(infos)
+        }
         return [Assignment(save_id, rank, reuse=True) for rank in range(len(infos))], None, summary
     record = _last_global.get(len(infos))
     known: list[RankHoldings] = []
@@ -198,7 +163,8 @@ def assign(
             known.append(record.infos[rank])
             continue
         known.append(info)
-    holdings = [info.holdings for info in known]
+    holdings = [info.holdings for info in known if info.holdings is not None]
+    assert len(holdings) == len(known)  # prepare_global_plan passes only plans with holdings
     key = balance.structure_key(holdings)
     placement = PLACEMENTS.get(key)
     cached = placement is not None
@@ -217,8 +183,8 @@ def assign(
         "device_bytes": {h: v.tolist() for h, v in placement.device_loads.items()},
     }
     assignments = [
-        Assignment(save_id, rank, placement.pieces[rank], len(info.holdings.keys), key, info.token)
-        for rank, info in enumerate(known)
+        Assignment(save_id, rank, placement.pieces[rank], len(h.keys), key, info.token)
+        for rank, (info, h) in enumerate(zip(known, holdings))
     ]
     return assignments, GlobalRecord(known, key, placement), summary
 
@@ -232,12 +198,10 @@ def keep_global_record(record: GlobalRecord) -> None:
 def assignment_items(
     assignment: Assignment, rank: int, planner_key: str | None, save_token: str | None
 ) -> tuple[Assignment, list[WriteItem]]:
-    """This save's assignment and the items its pieces index: those this
-    rank recorded under ``assignment.token`` (its last usable local plan,
-    or, with DCP's plan caching, an earlier one the coordinator still
-    describes), or with ``reuse`` this rank's last assignment for the
-    planner class ``planner_key`` (DCP's cache key).  ``save_token``: the
-    token of this save's local items (None: DCP sent a cached plan)."""
+    """This save's assignment and the items its pieces index (recorded under
+    ``assignment.token``, or with ``reuse`` this rank's last assignment for the
+    planner class ``planner_key``).  ``save_token``: this save's local items'
+    token (None: DCP sent a cached plan)."""
     way_out = ("save once with a planner without plan caching (or clear SavePlanner's class-level "
                "caches)")
     if assignment.reuse:
@@ -270,6 +234,7 @@ def assignment_items(
             balance.item_key(it.index.fqn, it.index.offset): expected_nbytes(it)
             for it in _local_items[reference]
         }
+        assert assignment.pieces is not None  # every assignment but a reused one has pieces
         for li in set(assignment.pieces.local.tolist()):
             it = items[li]
             k = balance.item_key(it.index.fqn, it.index.offset)

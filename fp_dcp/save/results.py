@@ -1,10 +1,6 @@
-"""What each rank reports of its write, and the coordinator's merge of the
-reports into the checkpoint's storage layout.
-
-Each rank's ``write_data`` returns one DCP ``WriteResult`` per item it wrote,
-whose ``storage_data`` is a :class:`Written` record; ``finish`` merges them
-from all ranks (:func:`layout_from_results`) and checks, before the commit,
-that they store every item's bytes exactly once (:func:`check_layout_covers`).
+"""What each rank reports of its write (:class:`Written`), and the
+coordinator's merge into the storage layout (:func:`layout_from_results`),
+checked to store every item's bytes exactly once.
 """
 
 from __future__ import annotations
@@ -24,15 +20,9 @@ __all__ = ["Written", "add_stats", "layout_from_results", "check_layout_covers"]
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """``WriteResult.storage_data``: where an item's bytes went.
-
-    ``extents`` holds ``(file_name, file_offset, item_offset, length,
-    crc32c)`` (``crc32c``: ``fmt.Extent.crc32c``, or None) (a
-    rank may write several byte ranges of an item, and several ranks parts
-    of one item: each rank sends one result per item it wrote, and
-    ``finish`` merges them); ``file_name`` is a plain name in the checkpoint
-    directory or an absolute path in a data directory; ``file_sizes`` is set
-    on one result per file: its size on disk."""
+    """``WriteResult.storage_data``: where an item's bytes went.  ``extents``:
+    ``(file_name, file_offset, item_offset, length, crc32c)``; ``file_sizes`` is
+    set on one result per file (its size on disk)."""
 
     extents: tuple[tuple[str, int, int, int, str | None], ...]
     file_sizes: tuple[tuple[str, int], ...] = ()

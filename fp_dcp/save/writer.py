@@ -1,41 +1,5 @@
-"""``FastPersistWriter``: a DCP ``StorageWriter`` that writes at the disk's speed.
-
-This module is the DCP protocol only: each method translates one of DCP's
-calls (``torch.distributed.checkpoint.state_dict_saver``) to the save path's
-modules.
-
-1. every rank: ``reset`` / ``set_up_storage_writer`` / ``prepare_local_plan``
-   — makes the directories (:mod:`~fp_dcp.save.directories`) and records
-   what this rank holds (every item and its size, its host, its data
-   directories: :func:`fp_dcp.save.plan.describe_rank`) in
-   ``SavePlan.storage_data``, which survives the planner's dedup of
-   replicated items;
-2. coordinator: ``prepare_global_plan`` — takes the directory's lock
-   (:mod:`~fp_dcp.save.commit`), names this save (``save_id``) and balances
-   the bytes (:func:`fp_dcp.save.plan.assign`, :mod:`fp_dcp.save.balance`):
-   replicated items are divided by byte range among all the ranks that hold
-   them, each host's bytes are striped over its data directories; the
-   placement is cached by structure, and DCP's plan caching is served from
-   per-process records (see :mod:`fp_dcp.save.plan`).  Each rank's plan
-   carries its pieces ``(item, byte range, device)``, including pieces of
-   items the planner's dedup removed from its plan;
-3. every rank: ``write_data`` — lays its pieces out in one file per device
-   and streams them through the native engine (:mod:`fp_dcp.save.execute`;
-   CUDA tensors through :mod:`fp_dcp.save.device_copy`);
-4. coordinator: ``finish`` — merges the ranks' results into the storage
-   layout (:mod:`fp_dcp.save.results`), commits the metadata (a temporary
-   name and a rename, :mod:`fp_dcp.save.commit`), then removes the data files
-   of the checkpoint it superseded.  The coordinator prepares what it can
-   in ``write_data`` already, while its data files are synced
-   (``while_syncing`` of :func:`fp_dcp.save.execute.write_rank`): the
-   metadata's structure (:func:`fp_dcp.format.encode_structure`) and, in a
-   save of one rank, the layout and the metadata's bytes; ``finish`` uses
-   them when DCP hands it the very metadata (and results) they were made
-   from.
-
-The objects that exist when a save starts are kept out of the cyclic GC's
-sight until this rank's part of it ends (:mod:`fp_dcp.gc_freeze`).
-"""
+"""``FastPersistWriter``: the DCP ``StorageWriter`` protocol only, each method
+handing one of DCP's calls to the save path's modules (docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -78,26 +42,12 @@ __all__ = ["FastPersistWriter"]
 class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     """Write a DCP checkpoint into the directory ``path``.
 
-    ``options`` is a :class:`~fp_dcp.FastPersistOptions`; keyword arguments
-    are shorthand for its fields (``FastPersistWriter(path, engine="uring")``).
-    One writer serves a series of saves: DCP calls :meth:`reset` with a new
-    ``checkpoint_id`` (a directory) before each; the engine and its buffers
-    are kept between saves.  Call :meth:`close` (or use ``with``) to release
-    them at once.
-
-    After each save, :attr:`last_stats` holds what happened on this rank:
-    engine, bytes, seconds, throughput, ``sync_seconds`` (the data files'
-    ``fdatasync``) and ``sync_wait_seconds`` (how much of it was left once
-    the results were made; on the coordinator also
-    ``prepare_commit_seconds``, the commit's preparation meanwhile); on the coordinator
-    :attr:`last_plan` describes the placement (balance, planning seconds,
-    whether it came from the cache).
-
-    With several ranks, the bytes of replicated items are divided among all
-    the ranks that hold them and each host's bytes are striped over
-    ``options.data_dirs`` (one directory per storage device; by default the
-    data files go in ``path``).
-    """
+    ``options``: a :class:`~fp_dcp.FastPersistOptions`; keyword arguments are
+    shorthand for its fields.  One writer serves a series of saves (the engine
+    and its buffers are kept); :meth:`close` (or ``with``) releases them.
+    After each save :attr:`last_stats` holds this rank's engine, bytes, seconds,
+    throughput and ``sync_seconds`` / ``sync_wait_seconds``; on the coordinator
+    also ``prepare_commit_seconds``, and :attr:`last_plan` describes the placement."""
 
     def __init__(
         self,
@@ -242,6 +192,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
         def prepare_commit(results: list[WriteResult]) -> None:
             nonlocal prepare_seconds
+            assert metadata is not None  # passed to write_rank on the coordinator only
             t0 = time.perf_counter()
             layout = blob = None
             try:
@@ -299,7 +250,8 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         try:
             if prepared is None or not prepared.made_from(metadata):
                 layout, blob = self._layout_and_metadata(metadata, results)
-            elif prepared.blob is not None and len(results) == 1 and results[0] is prepared.results:
+            elif (prepared.blob is not None and prepared.layout is not None and len(results) == 1
+                  and results[0] is prepared.results):
                 layout, blob = prepared.layout, prepared.blob  # metadata.storage_meta set there too
             else:
                 layout, blob = self._layout_and_metadata(metadata, results, prepared.structure)

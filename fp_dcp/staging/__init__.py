@@ -1,10 +1,5 @@
 """Staging: ``FastPersistWriter`` as DCP's ``AsyncStager`` (docs/STAGING.md).
-
-``stager`` (the protocol) → ``layout`` (where each tensor goes, pure) →
-``arena`` (the memory) ← ``copier`` (the bytes) → ``crc_registry`` (the copy's
-checksums, read by the writer); ``tracking`` follows each save to its end,
-``snapshot`` carries a staged state dict to a checkpoint process.  The rest
-of the package uses only what is exported here.
+The rest of the package uses only what is exported here.
 """
 
 from fp_dcp.staging.crc_registry import any_staged_checksums, forget_staged_checksums, staged_checksums

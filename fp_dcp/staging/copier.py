@@ -76,11 +76,9 @@ class Copier:
 
     def copy(self, buf: Any, layout: Layout, views: list[torch.Tensor | None], leaves, events: dict, spill: Any,
              threads: int, block: int = 0) -> dict[int, tuple[int, np.ndarray]]:
-        """Copy the leaves into the arena ``buf`` (``views``: the resident
-        tensors viewing it) and the spill file (``spill``, a
-        :class:`~fp_dcp.staging.arena.Spill`, or None); returns the CRC-32C
-        of every ``block`` bytes of each tensor that a CPU memcpy copied
-        (``{arena offset: (bytes, CRCs)}``; empty when ``block`` is 0)."""
+        """Copy the leaves into the arena ``buf`` and the ``spill`` file; returns
+        ``{arena offset: (bytes, CRCs)}`` of the CPU-copied tensors (empty when
+        ``block`` is 0)."""
         offsets: list[int] = []
         sources: list[np.ndarray] = []
         slow: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -126,11 +124,8 @@ class Copier:
 
     def _gather(self, buf: Any, offsets: list[int], sources: list[np.ndarray], threads: int,
                 block: int = 0) -> list[np.ndarray] | None:
-        """memcpy every source to its arena offset, the GIL released; split
-        over ``threads`` threads (eager staging: the training is waiting
-        anyway) in pieces of at most ``self.piece_bytes`` bytes.  With
-        ``block``, the copy also checksums every ``block`` bytes of each
-        source (fused: one pass over memory) and returns them per source."""
+        """memcpy every source to its arena offset over ``threads`` threads, the GIL
+        released; with ``block``, checksummed in the same pass."""
         k = threads
         piece_max = self.piece_bytes
         if block and piece_max % block:

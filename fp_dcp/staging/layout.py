@@ -1,9 +1,6 @@
-"""Where each staged tensor goes (pure): :func:`walk` takes a state dict
-apart into a skeleton, its tensors and its other values, :func:`build` puts
-it together again; :func:`plan` places each tensor in the arena (the
-writer's alignment rule, so the engine writes straight from it) or, past
-the memory limit, in the spill file; :func:`views` are the tensors that view
-a buffer laid out so."""
+"""Where each staged tensor goes (pure): :func:`walk` / :func:`build` take a
+state dict apart and back; :func:`plan` places tensors in the arena or the
+spill file; :func:`views` are the tensors viewing a buffer so laid out."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""``FastPersistWriter`` as DCP's ``AsyncStager``: ``dcp.async_save`` calls
-:meth:`~AsyncStagingMixin.stage` on the training thread and saves what it
-returns in the background.
-
-This module is the protocol: the mixin, the lazy future and :class:`Stager`,
-which runs one staging (walk, layout, arena, copy) and keeps the saves in
-flight.  What staging does for a caller (the arena, eager and lazy copies,
-the memory bound, the checkpoint process, failures) is docs/STAGING.md.
+"""``FastPersistWriter`` as DCP's ``AsyncStager``: the mixin, the lazy future
+and :class:`Stager`, which runs one staging and keeps the saves in flight.
+What staging does for a caller is docs/STAGING.md.
 """
 
 from __future__ import annotations
@@ -40,10 +35,8 @@ __all__ = ["AsyncStagingMixin", "Stager"]
 
 class AsyncStagingMixin:
     """The ``AsyncStager`` side of :class:`~fp_dcp.FastPersistWriter`
-    (docs/STAGING.md).  The host class provides ``options``, ``path`` and
-    ``reset()`` and calls :meth:`_close_staging` from its ``close()``; its
-    protocol methods are wrapped to follow each staged save (they behave
-    exactly as before)."""
+    (docs/STAGING.md); the host provides ``options``, ``path``, ``reset()`` and
+    calls :meth:`_close_staging` from ``close()``."""
 
     # AsyncStager protocol: staging is complete when stage() returns (eager) or
     # its future resolves (lazy); async_save never needs synchronize_staging().
@@ -124,16 +117,8 @@ def _track_of(writer: Any, name: str, args: tuple, kwargs: dict) -> Track | Repo
 
 
 class _StagingFuture(concurrent.futures.Future):
-    """The future lazy ``stage`` returns.
-
-    ``dcp.async_save`` (torch 2.13) turns it into ``staging_completion`` with
-    ``if not f.done(): f.add_done_callback(pass_outcome_on) else:
-    staging_completion.set_result(None)`` — a staging that failed before that
-    check would read as a success.  So a *failed* future reports ``done()``
-    False until a callback has been attached to it (a callback attached to a
-    done future runs at once and passes the failure on).  Only DCP sees this
-    future: ``result()`` and ``exception()`` behave as usual.  (Listed with
-    fp_dcp's other dependencies on torch internals in :mod:`fp_dcp._dcp_hooks`.)"""
+    """The future lazy ``stage`` returns: a *failed* one reports ``done()`` False
+    until a callback is attached (hook 4 of docs/ARCHITECTURE.md)."""
 
     _watched = False
 

@@ -1,9 +1,7 @@
-"""Which save is running, and how it ended.  :func:`wrap_hooks` wraps the
-writer's protocol methods (they behave exactly as before) so that each call
-reaches the :class:`Track` of the :class:`Save` its thread runs, or, in a
-checkpoint process, a :class:`Reporter` that posts the outcome on the
-arena's header page.  The next save waits for the last (:meth:`Save.wait`)
-and raises its failure once."""
+"""Which save is running, and how it ended: :func:`wrap_hooks` routes the
+writer's protocol calls to the :class:`Track` of their thread's
+:class:`Save` (or a checkpoint process's :class:`Reporter`); the next save
+waits for the last and raises its failure once."""
 
 # dcp.async_save stages on the training thread and saves in the background,
 # but tells the stager neither which thread runs the save nor how it ends:
@@ -187,10 +185,8 @@ class Track:
 
 
 def attribute(saves: Iterable[Save], name: str, args: tuple, kwargs: dict) -> Track | None:
-    """The :class:`Track` of a hook call on the current thread: the save this
-    thread runs, or — a ``set_up_storage_writer`` call, the start of a save —
-    the staged save no thread has picked up yet; None if neither (a save
-    that was not staged).  The caller holds the lock guarding ``saves``."""
+    """The :class:`Track` of a hook call on this thread (its save, or a staged
+    save not yet picked up), or None.  The caller holds the lock on ``saves``."""
     me = threading.current_thread()
     saves = list(saves)
     for rec in saves:

@@ -1,14 +1,5 @@
-"""Every rank's outcome of one phase of the tiers' work, gathered.
-
-The tiers run collectives in background threads (a save's replication) and
-in restores; a rank whose local work raised between two collectives would
-leave every other rank waiting in the next one until the group's timeout
-(30 minutes by default).  :func:`exchange` ends such a phase with one
-gather of every rank's result or error, so that a failure on one rank
-makes every rank raise at once, naming the rank and its error.  What
-crosses is plain data (:mod:`fp_dcp.wire`), checked against the phase's
-spec on every receiver: no pickle between ranks.
-"""
+"""Every rank's outcome of one phase, gathered as plain data
+(:func:`exchange`), so a failure on one rank makes every rank raise at once."""
 
 from __future__ import annotations
 
@@ -28,11 +19,9 @@ class TierError(RuntimeError):
 
 def exchange(group, world: int, what: str, work: Callable[[], Any],
              error: type[TierError] = TierError, spec: Any = None) -> list[Any]:
-    """Run ``work`` here and gather every rank's result (a list by rank,
-    each decoded against ``spec``); when it raised on any rank, every rank
-    raises ``error`` naming the ranks and their errors (no rank is left
-    waiting in a later collective).  A peer's malformed message is a
-    :class:`~fp_dcp.wire.WireError` on every rank."""
+    """Run ``work`` here and gather every rank's result (decoded against
+    ``spec``); when it raised on any rank, every rank raises ``error`` naming
+    the ranks and their errors."""
     err = mine = local = None
     try:
         mine = work()

@@ -1,25 +1,6 @@
-"""Draining a committed local checkpoint to the persistent tier.
-
-Runs on every rank, on the manager's drain thread, over the manager's own
-gloo group (never the training's).  Each rank copies its own data files of
-the step from its node's local tier to ``<persistent root>/step_<step>/``
-(:class:`DrainIO`: read and written with O_DIRECT, buffers reused from one
-drain to the next, so a drain costs the training almost no CPU), checking
-every checksum block before the copy is named
-(:mod:`fp_dcp.tiers.integrity`) and ``fsync``-ing each file; the ranks then compare outcomes, and only when
-every rank succeeded does rank 0 commit: the metadata written beside the
-data files, synced, renamed over ``.fp_dcp.meta``, the directory synced —
-the writer's commit protocol (``docs/FORMAT.md``).  Then, and only then,
-data files no longer named by the metadata go, and older uncommitted step
-directories (drains that died) are removed.
-
-What a crash leaves: before the rename, the new step's directory without
-metadata (not a checkpoint: nothing loads it, the next drain or retention
-removes it) and every earlier step untouched; after it, the new step.  A
-step is drained into its own directory, so the previous persistent
-checkpoint is never written to.  A failed drain removes what it copied and
-is retried by the manager (``drain_retries``), the failure reported.
-"""
+"""Draining a committed local step to the persistent tier: each rank copies its
+files (checked), then rank 0 commits as the writer does, only if every rank
+succeeded; a failed drain removes its copies and is retried."""
 
 from __future__ import annotations
 
@@ -66,11 +47,9 @@ class DrainResult:
 
 
 class DrainIO:
-    """A drain thread's copies of data files from the local tier to the
-    persistent one: each file read whole with O_DIRECT into a buffer kept
-    for the next drain, checked against the metadata's checksums, written
-    with O_DIRECT under a temporary name, synced, and only then renamed.
-    One thread at a time; :meth:`close` frees the buffers."""
+    """A drain thread's checked O_DIRECT copies of data files to the persistent
+    tier (buffers kept between drains).  One thread at a time; :meth:`close`
+    frees the buffers."""
 
     def __init__(self, options: FastPersistOptions) -> None:
         self.options = options
@@ -147,6 +126,7 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
         if first is None and rank == 0:
             try:
                 _point("before-commit")
+                assert blob is not None and layout is not None  # no rank failed: this one read both
                 store.write_atomic(os.path.join(dest, fmt.METADATA_NAME), blob, sync=sync)  # the commit
                 _point("committed")
                 _tidy(persistent_root, dest, step, layout, keep)
@@ -154,6 +134,7 @@ def drain_step(step: int, local_dir: str, persistent_root: str, rank: int, group
                 first = f"rank 0: committing {dest}: {e}"
         elif first is not None and claimed:
             try:
+                assert layout is not None  # claimed after the layout was read
                 _remove_uncommitted(dest, layout, rank)
             except Exception as e:  # noqa: BLE001 - every rank still meets the broadcast below
                 first = f"{first}; rank {rank}: removing what it copied: {e}"
@@ -184,10 +165,8 @@ def _remove_uncommitted(dest: str, layout: fmt.StorageLayout, rank: int) -> None
 
 
 def _tidy(root: str, dest: str, step: int, layout: fmt.StorageLayout, keep: int | None) -> None:
-    """After a commit: stale files of ``dest`` (an earlier save of the same
-    step), older step directories of the tiers' that never committed (drains
-    that died), and committed ones beyond ``keep``.  Only what the tiers own
-    (``store``): a user's checkpoint or folder in the root is never touched."""
+    """After a commit: stale files of ``dest``, uncommitted older steps, and
+    committed ones beyond ``keep``; only what the tiers own."""
     names = {name for name, _ in layout.files}
     with store.opened(dest) as d:
         for name, kind in d.entries():

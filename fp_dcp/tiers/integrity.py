@@ -1,20 +1,6 @@
-"""Checking a data file's bytes against the checksums its metadata records,
-while they are copied (drain, restore) or received (replication).
-
-Every extent of an fp_dcp data file carries the CRC-32C of each of its
-``checksum_block_bytes`` blocks (``docs/FORMAT.md``).  A file is walked in
-*pieces*: the gaps between extents (padding, copied as they are) and each
-extent cut at block multiples from its start, each piece with the CRCs it
-must have.  One pass reads, checks and (for a copy) writes, so a tier never
-takes bytes it has not verified.  Extents written without checksums pass
-unchecked, as they load.
-
-A restore needs only the extents its ranks read: every function here can
-work on *ranges* of a file instead of all of it (sorted, disjoint
-``(offset, length)`` pairs, each a union of whole extents:
-:func:`extent_ranges`); the bytes of the ranges travel concatenated, and a
-copy leaves the rest of the file a hole.
-"""
+"""Checking a data file's bytes against its metadata's checksums while copied
+or received, in one pass; whole files or *ranges* (unions of whole extents,
+:func:`extent_ranges`).  Extents without checksums pass unchecked."""
 
 from __future__ import annotations
 
@@ -123,10 +109,8 @@ def split_ranges(layout: fmt.StorageLayout, fid: int, ranges: Ranges, limit: int
 
 
 def _pieces_in(layout: fmt.StorageLayout, fid: int, ranges: Ranges | None, path: str) -> Iterator[tuple[_Piece, int]]:
-    """The pieces of file ``fid`` inside ``ranges`` (``None``: the whole
-    file), each with its position in the ranges' concatenated bytes.
-    ``ValueError`` when a range is not a union of whole pieces (then some of
-    its bytes could pass unchecked) or lies beyond the file."""
+    """The pieces of file ``fid`` inside ``ranges`` (``None``: all) with their
+    positions; ``ValueError`` when a range is not whole pieces or past the end."""
     size = layout.files[fid][1]
     if ranges is None:
         ranges = [(0, size)] if size else []
@@ -164,7 +148,7 @@ def check_buffer(data: np.ndarray | memoryview, layout: fmt.StorageLayout, fid: 
     """Raise :class:`IntegrityError` unless ``data`` is file ``fid`` of
     ``layout`` (``ranges``: only those ranges of it, concatenated): the
     recorded size at least, every checksum block right."""
-    view = memoryview(data).cast("B")
+    view = (data if isinstance(data, memoryview) else data.data).cast("B")
     size = layout.files[fid][1] if ranges is None else ranges_bytes(ranges)
     if len(view) < size:
         raise IntegrityError(path, f"short: {len(view)} bytes, the checkpoint recorded {size}")
@@ -190,12 +174,9 @@ def check_file(path: str, layout: fmt.StorageLayout, fid: int, ranges: Ranges | 
 
 def copy_checked(src: str, dst: str | None, layout: fmt.StorageLayout, fid: int, sync: bool = True,
                  ranges: Ranges | None = None) -> int:
-    """Copy data file ``fid`` from ``src`` to ``dst`` (a temporary beside it,
-    renamed when every piece passed; ``None``: only check), checking every
-    piece on the way.  ``ranges``: copy only those (the rest of ``dst`` a
-    hole, its size the recorded one).  Returns the bytes read.  Both
-    directories must be real ones and ``src`` a regular file, opened
-    without following a link or blocking (:mod:`fp_dcp.files`)."""
+    """Copy data file ``fid`` from ``src`` to ``dst`` (a temporary renamed when
+    every piece passed; ``None``: only check), checking every piece.
+    ``ranges``: only those (the rest a hole).  Returns the bytes read."""
     with store.opened(os.path.dirname(src)) as sdir:
         try:
             fd, _ = sdir.open_read(os.path.basename(src))
@@ -235,7 +216,7 @@ def _copy_pieces(fd: int, out: int | None, src: str, layout: fmt.StorageLayout, 
     buf = np.empty(min(size, max(_PIECE, block)) or 1, dtype=np.uint8)
     read = 0
     for p, _ in _pieces_in(layout, fid, ranges, src):
-        view = memoryview(buf)[: p.length]
+        view = buf.data[: p.length]
         try:
             _pread_full(fd, view, p.offset, src)
         except IntegrityError:

@@ -1,36 +1,5 @@
-"""``TierManager``: multi-tier checkpointing of a series of training steps.
-
-::
-
-    mgr = TierManager("/local_nvme/ckpt", "/shared/ckpt", replicas=1, persist_every=10)
-    step = mgr.restore(state_dict)            # newest step complete in any tier, or None
-    for step in range(start, steps):
-        loss = model(batch).sum(); loss.backward()
-        mgr.wait_staged()                      # the last save's copy of the state is done
-        optimizer.step()
-        mgr.save(step, state_dict)             # returns at once
-    mgr.close()                                # waits for replication and drains
-
-Each ``save`` stages the state dict through a ``FastPersistWriter`` (lazy
-staging by default: the copy to host memory overlaps the next
-forward/backward).  The manager's low-priority saver thread writes it to
-the node-local tier with ``dcp.save`` (what ``dcp.async_save`` does on its
-own thread); its replicator thread then, while the saver goes on with the
-next step, gives every node the metadata and sends each node's files to
-``replicas`` other nodes (:mod:`fp_dcp.tiers.replicate`), and queues on
-the drain thread the local retention and, every ``persist_every`` steps,
-a drain to the persistent root (:mod:`fp_dcp.tiers.drain`).  ``restore`` loads the newest
-step that is complete somewhere, from the fastest tier that holds each byte
-(:mod:`fp_dcp.tiers.restore`), on any world size and sharding.
-
-Process groups: the constructor (a collective: every rank, same order)
-creates three gloo groups of all ranks: the DCP saves' (the saver
-thread), replication's (the replicator thread) and the drains' (the
-drain thread) — so no background collective ever shares a
-group with the training or with another thread.  With
-``transport="nccl"`` replication and restore move bytes over an NCCL group
-instead (GPU clusters; written, untested without GPUs).
-"""
+"""``TierManager``: multi-tier checkpointing of a series of training steps
+(docs/TIERS.md)."""
 
 from __future__ import annotations
 
@@ -50,9 +19,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from fp_dcp import FastPersistOptions, FastPersistWriter, wire
-from fp_dcp import format as fmt
 from fp_dcp import files as _files
-from fp_dcp.tiers import drain, integrity, restore as _restore, store
+from fp_dcp import format as fmt
+from fp_dcp.tiers import drain, integrity, store
+from fp_dcp.tiers import restore as _restore
 from fp_dcp.tiers.agree import exchange, share
 from fp_dcp.tiers.replicate import FileIO, Transfer, file_io_for, run_transfers
 from fp_dcp.tiers.topology import Topology, ranks_per_node_from_env
@@ -68,32 +38,20 @@ BEHIND = 1
 
 
 class TierManager:
-    """Checkpoint a training job into tiers: node-local every save,
-    replicated to other nodes, drained to a persistent root every
-    ``persist_every`` steps.
+    """Checkpoint a training job into tiers: node-local every save, replicated to
+    other nodes, drained to ``persistent_root`` (``None``: no drains) every
+    ``persist_every`` steps.  A collective: every rank constructs it.
 
-    ``local_root``: each node's local directory (fast storage on the node).
-    A ``{node}`` in it is replaced by the node number, so that ranks on one
-    machine can act as several nodes (tests, ``FP_DCP_RANKS_PER_NODE``).
-    ``persistent_root``: the shared file system path (``None``: no drains).
-    ``replicas``: copies of each node's files kept on other nodes (fewer,
-    with a warning, when the job has fewer nodes than ``replicas + 1``).  ``persist_every``: drain every step
-    divisible by it.  ``keep_local`` / ``keep_persistent``: retention per
-    tier, in committed steps.  Nodes: ``topology`` (a
-    :class:`~fp_dcp.tiers.topology.Topology`), else ``ranks_per_node``
-    (consecutive ranks), else ``FP_DCP_RANKS_PER_NODE`` or torchrun's
-    ``LOCAL_WORLD_SIZE``, else one node per host name.  ``options``: the
-    ``FastPersistOptions`` of the local saves and of restores (default:
-    from the environment, with lazy staging; eager staging needs no
-    :meth:`wait_staged`).  ``drain_retries``: attempts of a failed drain
-    after the first (``drain_retry_seconds`` apart); a drain that still
-    fails is reported in :attr:`errors` and with a warning, and the next
-    drain is tried as usual.  ``timeout``: of the manager's process groups.
-    ``background_nice``: the nice value (Linux, per thread) of the
-    manager's save/replication and drain threads, of the threads they
-    start and of gloo's threads of the manager's groups, so that the
-    training's threads win the CPU (0: unchanged).
-    """
+    ``local_root``: each node's directory (``{node}`` becomes the node number).
+    ``replicas``: copies of each node's files on other nodes (fewer, with a
+    warning, when there are fewer nodes).  ``keep_local`` / ``keep_persistent``:
+    retention in committed steps.  Nodes: ``topology``, else ``ranks_per_node``,
+    else ``FP_DCP_RANKS_PER_NODE`` or ``LOCAL_WORLD_SIZE``, else one per host.
+    ``options``: of the local saves and restores (default: environment, lazy
+    staging).  ``drain_retries`` (``drain_retry_seconds`` apart): a drain that
+    still fails is reported in :attr:`errors`.  ``timeout``: of the manager's
+    process groups.  ``background_nice``: nice value of the manager's threads
+    (0: unchanged).  Parameters in full: docs/TIERS.md."""
 
     def __init__(
         self,
@@ -186,11 +144,10 @@ class TierManager:
     # ------------------------------------------------------------ the loop
 
     def save(self, step: int, state_dict: dict[str, Any]) -> concurrent.futures.Future:
-        """Checkpoint ``state_dict`` as ``step`` (every rank, same steps).
-        Returns at once with a future of the step's local save and
-        replication; with lazy staging call :meth:`wait_staged` before the
-        state changes (before ``optimizer.step()``).  A failure of an
-        earlier step's local save or replication is raised here."""
+        """Checkpoint ``state_dict`` as ``step`` (every rank, same steps); returns at
+        once with a future of the local save and replication.  With lazy staging
+        call :meth:`wait_staged` before the state changes.  An earlier step's
+        failure is raised here."""
         if self._closed:
             raise RuntimeError("TierManager is closed")
         self._reap(keep=BEHIND)
@@ -287,11 +244,8 @@ class TierManager:
         return {**clock.laps, **clock.cpu_laps, "save_cpu": clock.cpu()}
 
     def _after_save(self, step: int, saved: concurrent.futures.Future) -> dict[str, Any]:
-        """The replicator thread, once the saver has saved ``step``: the
-        metadata to every node, replicas, retention, drain.  Records in
-        :attr:`history` the wall seconds (``*_seconds``) of each phase and
-        the two threads' CPU seconds (``cpu_seconds``; gloo's and the
-        engine's own threads not included)."""
+        """The replicator thread, once ``step`` is saved: metadata to every node,
+        replicas, retention, drain; records each phase's seconds in :attr:`history`."""
         local = saved.result()  # the save's failure is this step's
         clock = _Clock()
         directory = store.step_dir(self.local_root, step)
@@ -334,10 +288,8 @@ class TierManager:
             self._drains.append(self._drainer.submit(work, step))
 
     def _retain(self, step: int) -> None:
-        """Local retention on this node once ``step`` is replicated and
-        named: the steps after it may be saved but not yet replicated, so
-        they do not count (``newest``); a step a queued drain still reads
-        stays (pinned)."""
+        """Local retention once ``step`` is replicated: later steps do not count yet,
+        and steps a queued drain reads stay."""
         t0 = time.perf_counter()
         with self._lock:
             pinned = set(self._pinned)
@@ -348,10 +300,8 @@ class TierManager:
         self.history[step]["retain_seconds"] = time.perf_counter() - t0
 
     def _replicate(self, step: int, directory: str, layout: fmt.StorageLayout, clock: "_Clock") -> dict[str, Any]:
-        """Send this rank's files of the step to its partners and take in
-        theirs: read and written with O_DIRECT through reused buffers, each
-        received file checked against the metadata's checksums, written
-        under a temporary name and renamed only then."""
+        """Send this rank's files of the step to its partners and take in theirs,
+        each received file checked and renamed into place only then."""
         fid_of = {n: i for i, (n, _) in enumerate(layout.files)}
         transfers = [
             Transfer(src, dst, *layout.files[fid])  # (name, size)
@@ -390,6 +340,7 @@ class TierManager:
         return {**stats, **{f"replica_{k}_seconds": v for k, v in phase.items()}}
 
     def _drain(self, step: int) -> drain.DrainResult:
+        assert self.persistent_root is not None  # drains run only with a persistent root
         try:
             for attempt in range(self.drain_retries + 1):
                 result = drain.drain_step(step, store.step_dir(self.local_root, step), self.persistent_root,

@@ -1,11 +1,6 @@
-"""A restore's replica copies: the extents a node needs of a file, read by
-a holder on another node and sent in parts over a process group, each part
-checked on arrival and written at its offsets (``docs/TIERS.md``).
-
-Three stages overlap on each side: the holder reads the next part
-(O_DIRECT, :class:`ReadAhead`) while this one is sent; the receiver checks
-and writes a part on a thread of its own while the next one arrives, in two
-receive buffers used in turn.
+"""A restore's replica copies: the extents a node needs of a file, read by a
+holder on another node and sent in parts, each checked on arrival and written
+at its offsets; reading, sending and writing overlap (docs/TIERS.md).
 """
 
 from __future__ import annotations
@@ -44,11 +39,8 @@ class _PartFailure:
 
 
 class ReplicaMoves:
-    """One round's replica copies of a plan, on this rank: build with the
-    plan (every rank alike), :meth:`run` once.  ``receiving``: the files
-    this rank receives, created empty (each closed and dropped when every
-    part arrived good; what is left is discarded).  ``taken``: the bytes
-    received whole and good."""
+    """One round's replica copies on this rank: build with the plan (every rank
+    alike), :meth:`run` once.  ``taken``: the bytes received whole and good."""
 
     def __init__(self, plan: list[Pick], *, rank: int, layout: fmt.StorageLayout, local_dir: str,
                  receiving: dict[str, store.RangesFile], file_io: Callable[[], FileIO], chunk_bytes: int,

@@ -1,13 +1,5 @@
-"""A restore's records and its planning from gathered facts (pure functions:
-no process group, no disk).
-
-Every rank gathers the same :class:`Inventory`, picks the same
-:class:`Candidate` step (:func:`choose`), lists the extents its own load
-reads (:func:`reads`), and from every rank's reads derives each node's
-:class:`Need` of each data file (:func:`node_needs`).  What crosses between
-ranks is plain data (:mod:`fp_dcp.wire`): each record says its wire form
-and its spec.
-"""
+"""A restore's records and its planning from gathered facts (pure):
+:func:`choose`, :func:`reads`, :func:`node_needs`."""
 
 from __future__ import annotations
 
@@ -78,7 +70,7 @@ class Candidate:
     sizes: dict[str, int]
 
 
-def choose(step: int | None, inv: Inventory, excluded: set[int] = frozenset()) -> Candidate | None:
+def choose(step: int | None, inv: Inventory, excluded: set[int] | frozenset[int] = frozenset()) -> Candidate | None:
     """The newest step (or ``step``) not ``excluded`` whose metadata some tier
     holds and each of whose data files some tier holds at its recorded size."""
     tiers = inv.local + [inv.persistent]

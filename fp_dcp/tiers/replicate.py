@@ -1,37 +1,7 @@
-"""Moving data files between ranks over the tiers' own process group.
-
-A *transfer* is one data file (``name``, ``size``) from the rank that holds
-it (``src``) to the rank that needs it (``dst``).  Every rank computes the
-same list in the same order and runs the transfers it takes part in, in
-that order, each to completion before the next: with blocking pairs in one
-global order no rank waits on a rank that waits on it (the first
-unfinished transfer always has both ends at it).  Files travel as uint8
-tensors in chunks of ``chunk_bytes``.
-
-Transports:
-
-* gloo (CPU): the bytes are CPU tensors (``numpy`` views of the file, no
-  copy beyond the read).  Tested.
-* NCCL (GPU): the same chunks are copied to a ``torch.cuda.current_device()``
-  uint8 tensor, sent, and copied back to host memory on the receiver.
-  Written for GPU clusters (where gloo would cross the slow host network
-  stack), tested only where CUDA and several GPUs exist
-  (``tests/test_tiers.py`` skips otherwise).
-
-The receiver checks every received file against the checksums of its
-metadata (:mod:`fp_dcp.tiers.integrity`) before it names it: a file that
-arrived damaged is never taken for a replica.
-
-:class:`FileIO` is how a rank reads the files it sends and writes the ones
-it receives, at the CPU cost of a DMA: O_DIRECT through the native engine
-(:class:`fp_dcp.engine.IOSession`) into page-aligned buffers allocated
-once and reused by every later step.  The bytes sent are the file's bytes
-as they are on disk (padding included), so a replica is the original file.
-On a machine whose training already takes every core, a buffered read (the
-kernel's copy out of the page cache) and a buffered write (a copy into it,
-then its writeback) are CPU taken from the training; a checkpoint every
-step pays them every step.
-"""
+"""Moving data files between ranks over the tiers' own group: every rank runs
+the same transfer list in one global order (no deadlock), as uint8 chunks
+over gloo or NCCL; received files are checked before they are named.
+:class:`FileIO` does the O_DIRECT file side (docs/TIERS.md)."""
 
 from __future__ import annotations
 
@@ -82,16 +52,11 @@ def run_transfers(
     chunk_bytes: int = CHUNK_BYTES,
     receive_buffer: Callable[[Transfer], np.ndarray] | None = None,
 ) -> tuple[dict[str, int], dict[Transfer, str]]:
-    """Run this rank's part of ``transfers`` (a list every rank holds alike):
-    ``read(t)`` gives the bytes of a file this rank sends, ``receive(t,
-    data)`` takes the bytes of one it received (into
-    ``receive_buffer(t)``, a writable uint8 array of ``t.size`` bytes, when
-    given; else a new array; ``receive`` is done with it when it returns).
-    ``src``/``dst`` are ranks
-    of ``group``.  Returns the bytes sent and received, and the transfers
-    of this rank that failed with why (an error of ``read`` on the sender
-    is announced to the receiver first, so both go on to the next
-    transfer: one bad file never stalls the others)."""
+    """Run this rank's part of ``transfers`` (every rank holds the same list):
+    ``read(t)`` gives a sent file's bytes, ``receive(t, data)`` takes a
+    received one's (into ``receive_buffer(t)`` when given).  Returns the bytes
+    sent and received and this rank's failed transfers with why; a failed read
+    is announced to the receiver, so one bad file never stalls the others."""
     device = group_device(group)
     sent = received = 0
     failed: dict[Transfer, str] = {}
@@ -139,11 +104,9 @@ def run_transfers(
 
 
 class FileIO:
-    """O_DIRECT reads and writes of whole data files under one directory's
-    file system (falling back to buffered I/O where it refuses O_DIRECT),
-    through buffers kept for the next call: one to read into
-    (:meth:`read`), one to receive into (:meth:`buffer`).  One thread at a
-    time; :meth:`close` frees the buffers."""
+    """O_DIRECT reads and writes of whole data files (buffered where O_DIRECT is
+    refused) through buffers kept for the next call.  One thread at a time;
+    :meth:`close` frees the buffers."""
 
     def __init__(self, options: FastPersistOptions, directory: str) -> None:
         self.options = options

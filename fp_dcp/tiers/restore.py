@@ -1,62 +1,6 @@
-"""Restoring from the fastest complete tier, on any world size.
-
-Every rank calls :func:`restore` (the manager's ``restore``), with nothing
-else running on the tiers' process group:
-
-1. *Inventory.*  Each rank scans its node's local root (steps, metadata,
-   data files, sizes); rank 0 also scans the persistent root.  All ranks
-   gather every inventory.
-2. *Agreement.*  From the same gathered facts every rank picks the same
-   step: the newest whose metadata exists somewhere and each of whose data
-   files is held, with its recorded size, by some node or by the
-   persistent tier.
-3. *Needs.*  The metadata travels from one holder to all; each rank plans
-   its load with the DCP load planner against it (the state dict it will
-   load, so any world size and sharding) and lists the extents its read
-   items touch, by data file: a node needs only those bytes of a file, not
-   all of it (a replicated item, such as an optimizer's step counter, is
-   saved once, in some rank's file: a node may need a few bytes of every
-   file).
-4. *Assembly.*  Each node gathers the extents its ranks need into
-   ``<local root>/.restore/``: a file its own local tier holds is
-   hard-linked; one held only by other nodes comes from one of them over
-   the process group (:mod:`fp_dcp.tiers.replicate`), only the extents
-   needed, in parts, each checked on arrival and written at its offsets
-   (the rest of the file a hole); the persistent tier, the same way, only for what no
-   node holds.  A copy that fails its checks is skipped (named in
-   ``RestoreResult.skipped``) and fetched from the next source, in rounds
-   that every rank runs alike.
-5. *Load.*  The node's directory gets a metadata of the same save that
-   names only the files assembled there and the items whose extents they
-   hold, and ``dcp.load`` reads it through ``FastPersistReader`` with
-   ``verify_checksums`` on: every check of a normal load applies (names of
-   this save only, no links, checksums).  The load overlaps the replica
-   transfers of step 4, which run on a thread of their own (over a gloo
-   group the restore makes at the caller's priority): the ranks of a node
-   that receives wait in the load's ``read_data`` until every transfer
-   ended; the others read their local copies at once.
-
-Checks: bytes that crossed from another node or from the persistent tier
-are checked against the metadata's CRCs before they are named.  A local
-copy is not read twice: the load's own verification checks every block of
-the items it reads whole (:func:`fp_dcp.load.jobs.whole_chunk_read`); the
-extents it reads only in part (resharding) are checked at assembly.  When
-the load fails, each node checks the local copies it linked; a bad one is
-marked, named in ``skipped``, fetched from the next tier, and the load
-runs again.  The bytes a restore returns are never unchecked.
-
-Fallback: when no tier holds a good copy of something a step needs, every
-rank (they all know it from the same gathered facts) passes over that step
-to the next older one complete somewhere, and ``skipped`` says which step
-was passed over and why; when no step loads, :class:`TierRestoreError`
-names the files and the tiers tried.
-
-Failures surface at once: each phase's local work (scan, planning,
-assembly, the checks after a failed load) ends with an exchange of every
-rank's outcome, so a rank whose work raised makes every rank raise
-:class:`TierRestoreError` naming it, the file and the error, instead of
-leaving the others in a collective until the group's timeout.
-"""
+"""Restoring from the fastest complete tier, on any world size (docs/TIERS.md,
+**Restore**).  Each phase ends with an exchange of every rank's outcome, so
+a failure anywhere is a :class:`TierRestoreError` on every rank."""
 
 from __future__ import annotations
 
@@ -77,7 +21,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from fp_dcp import FastPersistOptions, FastPersistReader, wire
 from fp_dcp import format as fmt
-from fp_dcp.tiers import integrity, plan as tplan, store
+from fp_dcp.tiers import integrity, store
+from fp_dcp.tiers import plan as tplan
 from fp_dcp.tiers.agree import TierError, exchange, share
 from fp_dcp.tiers.integrity import ranges_bytes
 from fp_dcp.tiers.moves import ReplicaMoves
@@ -169,18 +114,17 @@ def _inventory(group, world: int, rank: int, local_root: str, persistent_root: s
 def restore(state_dict: dict, *, rank: int, topology: Topology, local_root: str, persistent_root: str | None,
             group, bytes_group=None, planner=None, step: int | None = None,
             options: FastPersistOptions | None = None, timeout: timedelta | None = None) -> RestoreResult | None:
-    """``group``: a gloo group of every rank for the restore's own
-    collectives and ``dcp.load``; ``bytes_group``: the group replicas move
-    over (an NCCL group, or ``None``/``group``: gloo); ``timeout``: that of
-    the gloo group the restore makes for the replicas' transfers (the
-    default: torch's)."""
+    """``group``: gloo group of every rank for the restore and ``dcp.load``;
+    ``bytes_group``: the group replicas move over (NCCL, or ``None``: gloo);
+    ``timeout``: of the gloo group made for the transfers."""
     t0 = time.perf_counter()
     world = dist.get_world_size(group)
     # the transfers' gloo group, made while the tiers are scanned, on a
     # thread started here: its threads (gloo's, which move the bytes) run at
     # the caller's priority, not the manager's background one
     pool = concurrent.futures.ThreadPoolExecutor(1, "fp_dcp-restore-group")
-    making = pool.submit(dist.new_group, backend="gloo", **({} if timeout is None else {"timeout": timeout}))
+    group_kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    making = pool.submit(dist.new_group, backend="gloo", **group_kwargs)
     pool.shutdown(wait=False)
     try:
         inv = _inventory(group, world, rank, local_root, persistent_root)
@@ -296,22 +240,22 @@ class _StepRestore:
         inv, s = self.ctx.inventory, self.s
         src = next((r for r in range(self.world) if inv.has_metadata(r, s, self.save_id)), 0)
         root = self.ctx.local_root if inv.has_metadata(self.rank, s, self.save_id) else self.ctx.persistent_root
-        blob = share(self.group, src, f"restore: reading step {s}'s metadata",
-                     lambda: store.read_metadata(store.step_dir(root, s)), error=TierRestoreError)
+
+        def read() -> bytes:
+            assert root is not None  # src holds the metadata in one of its tiers
+            return store.read_metadata(store.step_dir(root, s))
+
+        blob = share(self.group, src, f"restore: reading step {s}'s metadata", read, error=TierRestoreError)
         self.metadata, self.layout, self.extra = store.decode(blob, f"step {s} metadata (from rank {src})")
         self.fid_of = {n: i for i, (n, _) in enumerate(self.layout.files)}
 
     # ---------------------------------------------------------- assembly
 
     def _assemble(self, pending: list[Need], background: bool = False) -> concurrent.futures.Future | None:
-        """Fetch ``pending`` from the fastest good source of each, in rounds
-        (a copy that fails goes to the next source) until every one is in
-        its node's restore directory; :class:`_Unloadable` when some need
-        has no good source left.  With ``background``, a first round whose
-        local and persistent copies all succeeded leaves its replica
-        transfers running on a thread and returns their future (every
-        rank's failed copies, :meth:`_start_transfers`), for the load to
-        overlap."""
+        """Fetch ``pending`` from the fastest good source of each, in rounds, until
+        every one is in its node's restore directory (:class:`_Unloadable` when a
+        need has no good source left).  With ``background``, may return the future
+        of replica transfers still running, for the load to overlap."""
         while pending:
             picks: list[Pick] = []
             missing = []
@@ -330,21 +274,18 @@ class _StepRestore:
             for p in picks:
                 self.chosen[(p.need.node, p.need.name)] = p.tier
             local_failures = _failures(self.group, self.world, f"restore: assembling step {self.s}",
-                                       lambda: self._fetch_here(picks))
+                                       lambda: self._fetch_here(picks))  # noqa: B023 (called before the loop goes on)
             if background and not local_failures:
                 return self._start_transfers(picks)
             moved = _failures(self.ctx.moving, self.world, f"restore: moving replicas of step {self.s}",
-                              lambda: self._transfers(picks))
+                              lambda: self._transfers(picks))  # noqa: B023 (called before the loop goes on)
             failed = self._mark_bad(sorted(set(local_failures) | set(moved)))
             pending = [p.need for p in picks if (p.need.receiver, p.need.name) in failed]
         return None
 
     def _start_transfers(self, picks: list[Pick]) -> concurrent.futures.Future | None:
-        """The replica copies of ``picks`` on a thread of their own (its
-        collectives on ``ctx.moving``, none on ``self.group``): a future of
-        every rank's failed copies, raising :class:`TierRestoreError` on
-        every rank when a transfer raised on some rank.  ``None`` when there
-        is no replica copy."""
+        """The replica copies of ``picks`` on a thread of their own: a future of
+        every rank's failed copies (``None`` when there is none)."""
         if not any(p.tier == "replica" for p in picks):
             return None
         # the current CUDA device is per thread: the NCCL transport's tensors
@@ -368,12 +309,9 @@ class _StepRestore:
             pool.shutdown(wait=False)
 
     def _fetch_here(self, picks: list[Pick]) -> list[Failure]:
-        """This rank's copies from its node's local tier and from the
-        persistent tier, and the files of the replica copies it will
-        receive, created empty (:meth:`_transfers` fills them; the load,
-        whose metadata read wants every file there, reads them only once
-        they are whole and checked).  A copy that fails its checks is
-        returned; any other error raises."""
+        """This rank's local and persistent copies, and the empty files of the
+        replica copies it will receive.  Returns the copies that failed their
+        checks; any other error raises."""
         failures = []
         self.receiving = {}
         for pick in picks:
@@ -454,16 +392,10 @@ class _StepRestore:
     # -------------------------------------------------------------- load
 
     def _load(self, incoming: concurrent.futures.Future | None) -> list[Need]:
-        """``dcp.load`` of every node's assembled files; ``[]`` when it
-        loaded.  ``incoming``: replica transfers still running
-        (:meth:`_start_transfers`): the ranks of a node that receives any
-        wait for them in the load's ``read_data`` (:class:`_ArrivingReader`)
-        while the other ranks already read; then every rank learns every
-        failed copy, which is marked and returned (to fetch from the next
-        tier).  When the load failed otherwise (on every rank: DCP shares
-        the outcome), each node checks the local copies it linked: the bad
-        ones are marked and returned; none bad: the load's error is
-        raised."""
+        """``dcp.load`` of every node's assembled files; ``[]`` when it loaded, else
+        the copies found bad (failed transfers, or local copies that fail their
+        checks), marked, to fetch from the next tier; no bad copy: the load's error
+        is raised."""
         node_needs = [n for n in self.needs if n.node == self.node]
         try:
             if self.leader:
@@ -484,7 +416,7 @@ class _StepRestore:
                 **({} if direct else {"direct_io": False}))
             waits = incoming is not None and any(self.chosen[(n.node, n.name)] == "replica" for n in node_needs)
             reader = _ArrivingReader(self.restore_dir, opts, functools.partial(self._arrived, incoming)
-                                     if waits else None)
+                                     if waits and incoming is not None else None)
             load_error = None
             try:  # what raises in here raises on every rank (DCP gathers every rank's outcome)
                 dcp.load(self.ctx.state_dict, storage_reader=reader, planner=self.ctx.planner, process_group=self.group)
@@ -537,11 +469,8 @@ class _StepRestore:
 
 
 class _ArrivingReader(FastPersistReader):
-    """:class:`FastPersistReader` whose ``read_data`` first waits until
-    ``arrived()`` returns: the files this node receives are complete and
-    checked (it raises when one failed, which fails the load on every
-    rank).  DCP's planning, the other ranks' reads and the transfers run
-    meanwhile."""
+    """A :class:`FastPersistReader` whose ``read_data`` first waits for
+    ``arrived()`` (this node's received files complete and checked)."""
 
     def __init__(self, path: str, options: FastPersistOptions, arrived: Callable[[], None] | None) -> None:
         super().__init__(path, options=options)
@@ -562,10 +491,8 @@ def _source_key(tier: str, src: int, topology: Topology) -> str:
 
 
 def _link_or_copy(src: str, dst: str) -> None:
-    """``src`` (a scanned regular file of the local tier) at ``dst``: a hard
-    link, else a copy; both directories held open (no link followed in
-    them), the file itself never followed (a link swapped in since the scan
-    is linked as a link, which the load then refuses; copied, refused)."""
+    """``src`` (a scanned local-tier file) at ``dst``: a hard link, else a copy;
+    no link followed (one swapped in is refused by the load)."""
     with store.opened(os.path.dirname(src)) as sdir, store.opened(os.path.dirname(dst)) as ddir:
         try:
             os.link(os.path.basename(src), os.path.basename(dst), src_dir_fd=sdir.fd, dst_dir_fd=ddir.fd,

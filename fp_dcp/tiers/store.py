@@ -1,26 +1,6 @@
-"""The tiers' directories on disk: where each step lives, which of them the
-tiers own, what a directory holds, atomic small writes, retention.
-
-Layout (``docs/TIERS.md``)::
-
-    <local root of node n>/step_<step>/      one fp_dcp checkpoint directory per step:
-        .fp_dcp.tier                          the tiers' ownership marker (written first)
-        .fp_dcp.meta                          the metadata (the commit point), on every node
-        <save_id>.r<rank>.0.fpd               data files of node n's own ranks
-        <save_id>.r<rank>.0.fpd               ... and replicas of the nodes n holds for
-    <local root>/.restore/                    a restore being assembled (marked, removed after it)
-    <persistent root>/step_<step>/            a plain fp_dcp checkpoint (every file of the step)
-
-Ownership: a step directory is the tiers' only when it is a real directory
-(no link) under the one spelling ``step_<9 or more ASCII digits>`` that
-:func:`step_name` gives, holding the marker whose bytes name that step.
-Retention, tidy-ups and restores act on owned directories only, and inside
-one remove only regular files with fp_dcp's own names; whatever else sits in
-a root (a user's checkpoint, another job's, a folder named like a step) is
-never read, written or deleted.  Links are never followed below a root, and
-a FIFO, socket or device in a step directory is a :class:`TierPathError`
-before anything opens it.
-"""
+"""The tiers' directories on disk (docs/TIERS.md, "Where things live"): only
+owned step directories (:func:`step_name` plus the marker) are ever read,
+written or deleted, and in them only fp_dcp's regular files."""
 
 from __future__ import annotations
 
@@ -253,13 +233,9 @@ class Holding:
 
 
 def decode(blob: bytes, where: str) -> tuple:
-    """A step's metadata decoded (:func:`fp_dcp.format.decode_metadata`),
-    with the tiers' confinement rule on top: every data file is a plain name
-    the writer gives this save (no path, no data directory), so nothing a
-    tier copies, links, sends, receives or deletes lies outside a step
-    directory, whatever a crafted metadata names.  Every place the tiers read
-    a metadata (a local or persistent step, one sent by a peer) goes
-    through here."""
+    """A step's metadata decoded, with the tiers' confinement rule on top: every
+    data file is a plain name this save's writer gives (nothing outside a step
+    directory).  Every metadata the tiers read goes through here."""
     metadata, layout, extra = fmt.decode_metadata(blob, where)
     for name, _ in layout.files:
         if "/" in name or not name.isascii() or not fmt.valid_data_file_name(name, layout.save_id):
@@ -313,13 +289,9 @@ def write_atomic(path: str, data: bytes | memoryview, sync: bool = True) -> None
 
 
 class RangesFile:
-    """A file of ``size`` bytes created at ``path`` (never over an existing
-    entry: a name taken, by a link to a local copy say, is an error; the
-    directory a real one), holes everywhere, then written range by range
-    (:meth:`write`); :meth:`close` when every range is written,
-    :meth:`discard` removes it.  Not synced: a restore's scratch, which the
-    restore reads only once every range written was checked
-    (``docs/TIERS.md``)."""
+    """A new file of ``size`` bytes at ``path`` (an existing entry is an error),
+    holes everywhere, written range by range; :meth:`close` when done,
+    :meth:`discard` removes it.  Not synced: a restore's scratch."""
 
     def __init__(self, path: str, size: int) -> None:
         self.path, self.size = path, size
@@ -357,13 +329,11 @@ class RangesFile:
         unlink_in(self.path)
 
 
-def retain(root: str, keep: int, pinned: set[int] = frozenset(), newest: int | None = None) -> list[str]:
-    """Keep the ``keep`` newest owned steps under ``root`` that have
-    metadata; remove every older owned step directory (committed or not)
-    except the ``pinned`` ones (a drain still reads them).  Steps newer than
-    the oldest kept one stay, committed or not (a save in progress).
-    ``newest``: steps after it do not count as committed (saved, not yet
-    replicated).  Directories the tiers do not own are never touched."""
+def retain(root: str, keep: int, pinned: set[int] | frozenset[int] = frozenset(),
+           newest: int | None = None) -> list[str]:
+    """Keep the ``keep`` newest owned steps under ``root`` that have metadata and
+    remove older owned step directories, except ``pinned``; newer ones stay.
+    ``newest``: steps after it do not count as committed.  Returns what was removed."""
     if keep < 1:
         raise ValueError(f"retention keeps at least 1 step, got {keep}")
     held = sorted(owned_steps(root))
@@ -396,12 +366,12 @@ def _ours(name: str) -> bool:
 
 def remove_owned(root: str, step: int | None, name: str | None = None) -> bool:
     """Remove the owned directory ``root/<name>`` (default: step ``step``'s):
-    the metadata first (nothing half removed is ever taken for a step),
-    then its regular files with fp_dcp's names, the marker last, then the
-    directory when nothing else is left in it.  Nothing is followed or
-    opened; a directory without the marker is left alone.  Returns whether
-    the directory is gone."""
-    name = step_name(step) if name is None else name
+    metadata first, then fp_dcp's files, the marker last, the directory when
+    empty; nothing followed, an unmarked directory left alone.  Returns whether
+    it is gone."""
+    if name is None:
+        assert step is not None  # a step or a name
+        name = step_name(step)
     with opened(root, user=True) as r:
         try:
             with opened_sub(r, name) as d:

@@ -1,18 +1,5 @@
-"""Which ranks form a node, and where each node's replicas go.
-
-Pure functions over rank numbers: no process group, no disk.  A node is a
-set of ranks that share a local tier (one local directory, one disk, one
-failure).  Replicas of a node's checkpoint files go to the ``replicas``
-nodes that follow it on a ring (node ``n``'s holders are ``n+1 .. n+r``
-modulo the node count), so a replica never shares a node with its original
-and every node holds the same number of other nodes' files (the placement
-of nvidia-resiliency-ext's ``CliqueReplicationStrategy`` with a jump of 1,
-without requiring the node count to be a multiple of ``r+1``).
-
-Inside a node pair, each rank sends its own files to its *partner*: the
-rank of the holder node with the same local index (modulo the holder's
-size, nodes may differ in size after a restart on fewer ranks).
-"""
+"""Which ranks form a node, and where each node's replicas go (nodes
+``n+1 .. n+r`` on a ring; each rank to the same local index there).  Pure."""
 
 from __future__ import annotations
 
@@ -88,7 +75,7 @@ class Topology:
     def replication_pairs(self, replicas: int) -> list[tuple[int, int]]:
         """Every ``(sender, receiver)`` of one replication round, in one
         global order that every rank computes alike."""
-        pairs = []
+        pairs: list[tuple[int, int]] = []
         for node, ranks in enumerate(self.nodes):
             for holder in self.holders(node, replicas):
                 pairs.extend((r, self.partner(r, holder)) for r in ranks)

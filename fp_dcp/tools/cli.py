@@ -178,7 +178,7 @@ def _inspect(args: argparse.Namespace) -> int:
           f"{plural(len(d['files']), 'data file')} ({format_size(d['file_bytes'])})")
     if d["tensors"]:
         print()
-        rows = [("tensor", "dtype", "shape", "chunks", "bytes", "files")]
+        rows: list[tuple[str, ...]] = [("tensor", "dtype", "shape", "chunks", "bytes", "files")]
         for t in d["tensors"]:
             rows.append((t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", str(len(t["chunks"])),
                          format_size(t["bytes"]), ",".join(map(str, t["files"]))))

@@ -1,28 +1,6 @@
-"""Inspecting and converting checkpoints: what ``fp-dcp inspect`` and
-``fp-dcp convert`` run.
-
-* :func:`describe` — an fp_dcp checkpoint's metadata as plain data: format
-  version, writer, tensors (dtype, shape, chunks, bytes), other items, data
-  files and their sizes.  Reads only the metadata (nothing unpickled).
-* :func:`to_torch_save` — one consolidated ``torch.save`` file (every tensor
-  whole, the nested structure and non-tensor values kept), for inference or
-  for tools that want one file; streamed from fp_dcp (memory: the non-tensor
-  values), the reader filling the file's tensors in place.
-* :func:`to_safetensors` — one ``.safetensors`` file, streamed tensor by
-  tensor (memory: one batch of tensors, never the whole checkpoint).  Written
-  by this module from the format's specification, so the ``safetensors``
-  package is not needed to write it (it reads it).  Non-tensor values have no
-  place in that format: they are listed and skipped.
-* :func:`fp_dcp_to_dcp` / :func:`dcp_to_fp_dcp` — to and from a stock
-  ``torch.distributed.checkpoint`` directory, through DCP's own
-  ``_load_state_dict`` / ``_save_state_dict`` in one process (``no_dist``).
-  The result holds every tensor whole (one chunk): it loads into any
-  sharding.
-
-Conversions that hold a whole state dict (DCP in either direction, and
-torch.save from a stock DCP checkpoint) need the checkpoint's size in memory;
-``to_safetensors`` and ``to_torch_save`` from fp_dcp do not.
-"""
+"""``fp-dcp inspect`` and ``fp-dcp convert``: :func:`describe`,
+:func:`to_torch_save`, :func:`to_safetensors` (streamed from fp_dcp), and
+:func:`fp_dcp_to_dcp` / :func:`dcp_to_fp_dcp` (whole state dict in memory)."""
 
 from __future__ import annotations
 
@@ -121,7 +99,8 @@ class Progress:
     def _line(self, frac: float, now: float) -> str:
         dt = now - self.t0
         rate = self.done / dt / 1e9 if dt > 0 else 0.0
-        return f"{self.label}: {format_size(self.done)} / {format_size(self.total)} ({100 * frac:5.1f}%) {rate:.2f} GB/s"
+        done, total = format_size(self.done), format_size(self.total)
+        return f"{self.label}: {done} / {total} ({100 * frac:5.1f}%) {rate:.2f} GB/s"
 
     def close(self) -> None:
         if self.enabled and self.tty:
@@ -160,12 +139,12 @@ def describe(path: str) -> dict[str, Any]:
     version, _, _ = fmt.read_header(data, meta_path)
     md, layout, extra = fmt.decode_metadata(data, meta_path)
     tensors, others = [], []
-    extents = {}
+    extents: dict[str, list[fmt.Extent]] = {}
     for index, exts in layout.extents.items():
         extents.setdefault(index.fqn, []).extend(exts)
     for name, item in sorted(md.state_dict_metadata.items()):
         exts = extents.get(name, [])
-        files = sorted({e.file for e in exts})
+        item_files = sorted({e.file for e in exts})
         if isinstance(item, TensorStorageMetadata):
             esize = item.properties.dtype.itemsize
             tensors.append({
@@ -175,10 +154,10 @@ def describe(path: str) -> dict[str, Any]:
                 "bytes": math.prod(item.size) * esize,
                 "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in item.chunks],
                 "extents": len(exts),
-                "files": files,
+                "files": item_files,
             })
         else:
-            others.append({"name": name, "bytes": sum(e.length for e in exts), "files": files})
+            others.append({"name": name, "bytes": sum(e.length for e in exts), "files": item_files})
     files = []
     for i, ((name, size), full) in enumerate(zip(layout.files, fmt.data_file_paths(path, layout))):
         try:
@@ -242,10 +221,8 @@ def _total_bytes(path: str) -> int:
 
 @contextlib.contextmanager
 def _atomic_output(out: str, force: bool) -> Iterator[tuple[int, str]]:
-    """``(descriptor, a path that reopens it)`` of the output's temporary,
-    created beside ``out`` with ``O_EXCL | O_NOFOLLOW`` (never through a link
-    planted at its name); renamed over ``out`` when the block ends (a link at
-    ``out`` itself is replaced, not followed), removed if it fails."""
+    """``(descriptor, path)`` of the output's temporary beside ``out`` (``O_EXCL |
+    O_NOFOLLOW``), renamed over ``out`` at the end, removed on failure."""
     parent = os.path.dirname(os.path.abspath(out))
     try:
         root = files.Root(parent)
@@ -263,11 +240,8 @@ def _atomic_output(out: str, force: bool) -> Iterator[tuple[int, str]]:
 
 
 def to_torch_save(src: str, out: str, *, force: bool = False, progress: bool = True) -> dict[str, Any]:
-    """fp_dcp checkpoint (or a stock DCP one) -> one ``torch.save`` file.
-
-    From fp_dcp the file is streamed (:func:`_stream_torch_save`): memory
-    holds the non-tensor values, never the tensors' bytes.  From stock DCP
-    the whole state dict is loaded first."""
+    """fp_dcp checkpoint (streamed: memory holds only the non-tensor values) or a
+    stock DCP one (loaded whole) -> one ``torch.save`` file."""
     kind = checkpoint_kind(src)
     if kind not in ("fp_dcp", "dcp"):
         raise ConvertError(f"{src}: already a torch.save file; nothing to convert")
@@ -283,16 +257,8 @@ def to_torch_save(src: str, out: str, *, force: bool = False, progress: bool = T
 
 def _stream_torch_save(src: str, fd: int, tmp: str, progress: bool) -> None:
     """Write ``torch.save`` of an fp_dcp checkpoint without holding its bytes:
-
-    1. the state dict's skeleton: the non-tensor values loaded, each tensor
-       an uninitialised ``torch.empty`` (address space, no memory);
-    2. ``torch.save`` of it under ``torch.serialization.skip_data()``: the
-       archive with every record in place and the tensors' bytes left empty;
-    3. ``torch.load(mmap=True)`` of that file with ``MAP_SHARED``: tensors
-       backed by their places in the file; the reader fills them in place,
-       so the bytes go through the page cache (written back and dropped by
-       the kernel as needed), never anonymous memory.
-    """
+    an archive with empty tensor records (``skip_data``), mapped back shared and
+    filled in place by the reader, so the bytes go through the page cache only."""
     import dataclasses
     import gc
     import mmap
@@ -314,8 +280,8 @@ def _stream_torch_save(src: str, fd: int, tmp: str, progress: bool) -> None:
     skeleton: dict[str, Any] = {}
     with FastPersistReader(src) as reader:
         allow_pickle = reader.options.allow_pickle  # the objects pass the restricted unpickler unless set
-        _load_state_dict(skeleton, storage_reader=reader, planner=only(LoadItemType.BYTE_IO, _EmptyStateDictLoadPlanner),
-                         no_dist=True)
+        planner = only(LoadItemType.BYTE_IO, _EmptyStateDictLoadPlanner)
+        _load_state_dict(skeleton, storage_reader=reader, planner=planner, no_dist=True)
     with torch.serialization.skip_data(), os.fdopen(fd, "wb", closefd=False) as f:
         torch.save(skeleton, f)
     del skeleton
@@ -335,8 +301,9 @@ def _stream_torch_save(src: str, fd: int, tmp: str, progress: bool) -> None:
 
 
 def _flat_tensor_keys(path: str) -> tuple[list[tuple[str, torch.dtype, list[int]]], list[str]]:
-    from fp_dcp.load.reader import read_checkpoint_metadata
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from fp_dcp.load.reader import read_checkpoint_metadata
 
     md, _, _ = read_checkpoint_metadata(path)
     tensors, others = [], []
@@ -412,7 +379,8 @@ def to_safetensors(src: str, out: str, *, force: bool = False, progress: bool = 
 
 
 def _batches(tensors, limit: int) -> Iterator[list]:
-    batch, size = [], 0
+    batch: list[tuple] = []
+    size = 0
     for t in tensors:
         n = math.prod(t[2]) * t[1].itemsize
         if batch and size + n > limit:
@@ -426,9 +394,8 @@ def _batches(tensors, limit: int) -> Iterator[list]:
 
 def _load_dcp(src: str) -> dict:
     """A stock DCP checkpoint's state dict, read without running its code (:mod:`fp_dcp.load.stock`)."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from fp_dcp.load.stock import SafeStockReader
 

@@ -1,23 +1,6 @@
-"""Checkpoint rotation: keep the newest N checkpoints of a run.
-
-A training loop that saves every K steps into ``root/step<N>`` calls
-``keep_last(root, 3)`` after each save::
-
-    dcp.save(state, storage_writer=writer, checkpoint_id=f"{root}/step{step:06d}")
-    fp_dcp.tools.rotation.keep_last(root, 3)
-
-Only committed fp_dcp checkpoints (directories holding ``.fp_dcp.meta``)
-directly under ``root`` count and are removed, oldest commit first.  A
-directory whose save is in progress (its ``.fp_dcp.lock`` is held) is never
-touched, nor is anything without metadata (an interrupted save: load it to
-see why, remove it by hand).  A checkpoint's data files in data directories
-(``FastPersistOptions.data_dirs``) are removed with it — only those its
-metadata names by the writer's rule in this checkpoint's own sub-directory of
-a data directory (``docs/FORMAT.md``, "Files"): crafted metadata cannot make
-rotation delete anything else.  A symbolic link under ``root`` is never
-followed, and only fp_dcp's own files are removed from a checkpoint
-directory: one that holds anything else keeps it.
-"""
+"""Checkpoint rotation (``keep_last(root, 3)``): only committed, unlocked fp_dcp
+checkpoints directly under ``root`` are removed, oldest first, with only the
+files the writer's naming rule gives them; links are never followed."""
 
 from __future__ import annotations
 

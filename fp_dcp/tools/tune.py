@@ -1,23 +1,6 @@
-"""``fp-dcp tune PATH``: measure the device under PATH and choose fp_dcp's
-request size and queue depth for it.
-
-The measurement is fp_dcp's own engine (``fp_dcp._native.Engine``, O_DIRECT,
-as the writer and the reader drive it) moving a scratch file to and from one
-page-locked buffer, no checkpoint format: for each request size x queue depth
-of a grid, a sequential write of a new file (fsync inside the clock) and a
-read of it back.  The file is written with O_DIRECT and dropped from the page
-cache before it is read (``posix_fadvise(DONTNEED)``), and read with O_DIRECT,
-so no read is served from this machine's page cache.  :func:`engine_pass` is
-also the "engine into a plain buffer" raw reference of ``tools/demo.py`` and
-the benchmarks.
-
-The choice (:func:`choose`): the built-in rule's shape stays unless cells of
-the grid beat it by more than a margin (10 %: this class of disk swings more
-than that from minute to minute) in every round; then the fastest of them.
-The record (:mod:`fp_dcp.tuning`) is what the writer and the reader of that
-device use when the options leave ``queue_depth`` and ``block_size_bytes``
-open.
-"""
+"""``fp-dcp tune PATH``: measure O_DIRECT writes and cold reads of a grid of
+request sizes x queue depths through fp_dcp's engine and record a shape
+(:mod:`fp_dcp.tuning`) when one clearly beats the built-in rule."""
 
 from __future__ import annotations
 
@@ -59,14 +42,10 @@ class TuneError(ValueError):
 
 def engine_pass(op: str, path: str, nbytes: int, block_size: int, queue_depth: int, *,
                 buffer: Any = None, kind: str = "auto", direct: bool | None = True) -> dict:
-    """A sequential ``op`` ("write": a new file, fsync inside the clock;
-    "read") of ``nbytes`` at ``path`` through fp_dcp's engine, ``block_size``
-    requests ``queue_depth`` in flight, to / from one aligned, page-locked
-    ``buffer`` (an ``AlignedBuffer``; one of up to ``BUFFER_BYTES``, random
-    bytes, when None) that every piece of the file reuses: no checkpoint
-    format, no bounce copies, just the device.  ``direct``: as
-    ``Engine.open``.  Returns ``{"op", "bytes", "seconds", "kind",
-    "block_size", "queue_depth", "direct"}``."""
+    """A sequential ``op`` ("write": a new file, fsync in the clock; "read") of
+    ``nbytes`` at ``path`` through fp_dcp's engine, to / from one aligned,
+    page-locked ``buffer`` reused for every piece.  Returns ``{"op", "bytes",
+    "seconds", "kind", "block_size", "queue_depth", "direct"}``."""
     if op not in ("write", "read"):
         raise ValueError(f"op must be write or read, not {op!r}")
     own = buffer is None
@@ -187,12 +166,9 @@ def check_directory(directory: str, file_bytes: int) -> None:
 
 def measure(directory: str, shapes: list[tuning.Shape], file_bytes: int, *, repeat: int = DEFAULT_REPEAT,
             progress: Callable[[int, int], None] | None = None) -> dict[str, dict[tuning.Shape, list[float]]]:
-    """GB/s of each shape in each of ``repeat`` rounds, ``{"write": {shape:
-    [GB/s, ...]}, "read": {...}}``: per round and shape, a write of a new
-    ``file_bytes`` file in ``directory`` then a read of it; every other round
-    runs the shapes in reverse order (a disk that drifts during the run
-    favours no end of the grid).  The scratch file is removed at the end (also
-    on errors and Ctrl-C)."""
+    """GB/s of each shape in each of ``repeat`` rounds (``{"write": {shape:
+    [GB/s, ...]}, "read": {...}}``), alternate rounds in reverse order; the
+    scratch file is removed at the end, also on errors and Ctrl-C."""
     root = files.Root(directory)
     name = f".fp_dcp-tune-{os.getpid()}-{secrets.token_hex(4)}.tmp"
     os.close(root.create_exclusive(name))  # a new regular file: nothing planted at the name is opened
@@ -223,12 +199,9 @@ def mean(samples: list[float]) -> float:
 
 
 def choose(samples: dict[tuning.Shape, list[float]], builtin: tuning.Shape, margin: float = MARGIN) -> tuning.Shape:
-    """The built-in shape, unless some cells beat it by more than ``margin``
-    in every round (``samples``: GB/s per round, the rounds in the same
-    order for every shape): then the fastest of them on average.  This class
-    of disk swings by more than 10 % from minute to minute, so a smaller or a
-    one-off win is noise, and the built-in rule was measured on two device
-    profiles (docs/NATIVE.md, "Request sizes")."""
+    """The built-in shape, unless some cells beat it by more than ``margin`` in
+    every round (the disk swings from minute to minute, so a smaller or one-off
+    win is noise); then the fastest of them on average."""
     if builtin not in samples:
         return max(samples, key=lambda s: mean(samples[s]))
     base = samples[builtin]
@@ -254,7 +227,7 @@ def format_tables(result: dict[str, Any]) -> str:
         grid = {tuning.Shape(c["block_size_bytes"], c["queue_depth"]): c["gbps"] for c in result["grid"][op]}
         chosen = tuning.Shape(result["chosen"][op]["block_size_bytes"], result["chosen"][op]["queue_depth"])
         builtin = tuning.Shape(result["builtin"][op]["block_size_bytes"], result["builtin"][op]["queue_depth"])
-        best = max(grid, key=grid.get)
+        best = max(grid, key=lambda s: grid[s])
         sizes = sorted({s.block_size for s in grid})
         depths = sorted({s.queue_depth for s in grid})
         what = ("new file, fsync in the clock" if op == "write" else "cold: O_DIRECT, file dropped from the page cache")

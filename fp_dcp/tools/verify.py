@@ -1,16 +1,5 @@
-"""``fp-dcp verify PATH``: read every byte of a checkpoint and check it.
-
-Every extent of every data file is read (in parallel: one engine per worker
-thread, each worker a share of the files) and every checksum block is
-compared with the CRC-32C stored at save time.  Missing or truncated data
-files and read errors are reported too.  Nothing stops at the first problem:
-the report lists every bad extent with its tensor, file and offset.
-
-Exit code 0 when everything checked is good, 1 when anything is bad (or the
-metadata cannot be read), 2 for a usage error.  The command line itself
-(arguments, progress, errors) is ``fp_dcp.tools.cli``; this module checks and
-reports.
-"""
+"""``fp-dcp verify PATH``: read every byte of a checkpoint and check every
+checksum block; reports every problem, not only the first."""
 
 from __future__ import annotations
 
@@ -26,9 +15,9 @@ import numpy as np
 
 from fp_dcp import _native
 from fp_dcp import format as fmt
-from fp_dcp.files import lstat_data_file, read_metadata_bytes
 from fp_dcp.checksums import BadBlock, ReadVerifier, item_name
 from fp_dcp.engine import IOSession
+from fp_dcp.files import lstat_data_file, read_metadata_bytes
 from fp_dcp.options import FastPersistOptions, format_size, plural
 
 __all__ = ["verify_checkpoint", "print_report", "VerifyReport", "BadExtent"]
@@ -109,7 +98,7 @@ def verify_checkpoint(
                 report.unchecked_extents += 1
             by_file.setdefault(e.file, []).append((index, e))
     readable: list[int] = []
-    for fid, (name, size) in enumerate(layout.files):
+    for fid, (_name, size) in enumerate(layout.files):
         if fid not in by_file:
             continue
         try:
@@ -122,14 +111,15 @@ def verify_checkpoint(
         except OSError as e:
             report.errors.append(f"{paths[fid]}: {e.strerror}")
             for index, ext in by_file[fid]:
-                report.bad.append(_unreadable(index, ext, paths[fid], f"data file {e.strerror.lower()}"))
+                report.bad.append(_unreadable(index, ext, paths[fid], f"data file {(e.strerror or str(e)).lower()}"))
             continue
         if actual < size:
             report.errors.append(f"{paths[fid]}: truncated ({actual} bytes, the checkpoint recorded {size})")
             ok_exts = []
             for index, ext in by_file[fid]:
                 if ext.file_offset + ext.length > actual:
-                    report.bad.append(_unreadable(index, ext, paths[fid], f"beyond the end of the truncated file ({actual} bytes)"))
+                    why = f"beyond the end of the truncated file ({actual} bytes)"
+                    report.bad.append(_unreadable(index, ext, paths[fid], why))
                 else:
                     ok_exts.append((index, ext))
             by_file[fid] = ok_exts
@@ -229,7 +219,8 @@ def _worker(directory, opts, verifier, paths, next_task, tick):
             except OSError as e:
                 failed.add(fid)
                 errors.append(f"{paths[fid]}: {e}")
-                bad.extend(_unreadable(i, x, paths[fid], f"cannot open: {e.strerror}") for i, x, r, _ in pieces if r == 0)
+                why = f"cannot open: {e.strerror}"
+                bad.extend(_unreadable(i, x, paths[fid], why) for i, x, r, _ in pieces if r == 0)
                 continue
             pos, starts = 0, []
             for _, _, _, n in pieces:
@@ -252,7 +243,8 @@ def _worker(directory, opts, verifier, paths, next_task, tick):
                                         coalesce_gap=0)
             except OSError as e:
                 errors.append(f"{paths[fid]}: {e}")
-                bad.extend(_unreadable(i, x, paths[fid], f"read failed: {e.strerror}") for i, x, r, _ in pieces if r == 0)
+                why = f"read failed: {e.strerror}"
+                bad.extend(_unreadable(i, x, paths[fid], why) for i, x, r, _ in pieces if r == 0)
             finally:
                 for view in views:
                     view.release()

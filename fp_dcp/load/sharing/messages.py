@@ -1,15 +1,6 @@
-"""Short texts between the ranks of a shared read, as plain bytes (no pickle).
-
-A rank whose part of a round failed tells the others why; what a peer
-sends is decoded like a checkpoint's metadata, never unpickled, so a buggy
-or compromised rank can make the others raise at most a named error
-(:class:`PeerMessageError`), never run code.
-
-Each rank's message is one fixed-layout ``uint8`` row of
-``MESSAGE_ROW_BYTES``: a flag byte (0: no message, 1: a text), the text's
-length (``uint32``, little-endian) and at most ``MESSAGE_TEXT_BYTES`` of
-UTF-8, zeros after it.  Longer texts are cut at a character boundary.
-"""
+"""Short texts between the ranks of a shared read, as fixed ``uint8`` rows of
+``MESSAGE_ROW_BYTES`` (flag, ``uint32`` length, at most ``MESSAGE_TEXT_BYTES``
+of UTF-8), never pickled; a malformed row is a :class:`PeerMessageError`."""
 
 from __future__ import annotations
 

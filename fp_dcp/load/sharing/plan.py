@@ -1,10 +1,6 @@
-"""The coordinator's plan of shared reads: which boxes of stored chunks are
-read once and shared, who reads each (its owner), and in which rounds.
-
-Built by the coordinator in ``prepare_global_plan`` from every rank's read
-items and sent to every rank in its ``LoadPlan.storage_data``, so every rank
-runs the same sequence of collectives.  Pure: no disk, no process group.
-"""
+"""The coordinator's plan of shared reads (boxes read once, their owners, the
+rounds), sent to every rank in its ``LoadPlan.storage_data`` so every rank
+runs the same collectives.  Pure."""
 
 from __future__ import annotations
 
@@ -94,11 +90,9 @@ def read_key(req: ReadItem) -> tuple:
 def plan_sharing(plans: list[LoadPlan], state_dict_metadata: dict[str, Any],
                  chunk_sizes: Callable[[str, Any], tuple[list[int], Any]], *, budget: int, interleave: bool,
                  interleave_auto: bool, replicate: bool, transport: str) -> SharePlan | None:
-    """The shared units of the load, each with one owner, in rounds bounded
-    by the buffer ``budget``; None when nothing is shared.  ``interleave``:
-    row slabs of fragmented boxes (``interleave_auto``: only among ranks of
-    one machine); ``replicate``: boxes several ranks need whole;
-    ``chunk_sizes(fqn, chunk)``: a stored chunk's shape and dtype."""
+    """The shared units of the load, each with one owner, in rounds bounded by
+    ``budget``; None when nothing is shared.  ``interleave`` / ``replicate``:
+    which kinds of units to make."""
     # Owners: the rank with the most of its quota left (assign_owners), its
     # quota being its share of the shared bytes in proportion to what it needs
     # of them, so each rank reads about what it needs.

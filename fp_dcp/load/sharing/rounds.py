@@ -135,16 +135,10 @@ class _Round:
 
 
 class SharedReads:
-    """One rank's part in a load's shared reads.
-
-    ``run``: this rank's executor (None when setting it up failed:
-    ``setup_error``, which the other ranks learn in the first round);
-    ``twin_session(i)``: the ``i``-th other pair of engine sessions
-    (scattered runs, long runs: None without one), for the rounds read at
-    once; ``items``: the planner of this rank's jobs; ``planner``: DCP's,
-    which resolves and commits targets.  Call :meth:`run`; its stats
-    (``shared_*``, merged into the reader's ``last_stats``) count the bytes
-    moved and the seconds of each phase."""
+    """One rank's part in a load's shared reads.  ``run``: this rank's executor
+    (None when setting it up failed: ``setup_error``, which the others learn in
+    the first round); ``twin_session(i)``: the ``i``-th other engine pair.
+    Call :meth:`run`; its ``shared_*`` stats join the reader's ``last_stats``."""
 
     def __init__(self, group: Any, share: SharePlan, run: Run | None,
                  twin_session: Callable[[int], tuple[IOSession, IOSession | None]],
@@ -207,10 +201,8 @@ class SharedReads:
 
     def _runs(self, run: Run | None,
               twin_session: Callable[[int], tuple[IOSession, IOSession | None]]) -> list[Run]:
-        """The READ_AHEAD rounds read ahead are read at once, each by its own
-        engine, so the disk is not idle while one engine call drains its last
-        requests.  A second engine is only faster: when it cannot be had
-        (locked memory, the kernel's AIO limit) one engine reads every round."""
+        """The rounds read ahead, each by its own engine when a second one can be had
+        (else one engine reads every round)."""
         runs: list[Run] = [] if run is None else [run]
         if run is not None and self.setup_error is None:
             while len(runs) < min(READ_AHEAD, len(self.share.rounds)):
@@ -221,12 +213,8 @@ class SharedReads:
         return runs
 
     def _make_buffers(self, alignment: int) -> None:
-        """The rings of a round's buffers.  Round ``i + READ_AHEAD`` is prepared
-        once round ``i - 1`` has completed, so a ring of ``READ_AHEAD + 1``
-        frees each buffer in time.  A box others pull from (in ``temps``) is
-        reused once they have pulled it: when this rank can read their
-        progress counters, as soon as they show it; else once every rank has
-        passed the next round's status (one box more)."""
+        """The rings of a round's buffers (``READ_AHEAD + 1`` each, freed in time);
+        a box peers pull from is reused once they have pulled it."""
         ring = READ_AHEAD + 1
         self.counted = all(self.peers.can_pull(self.rank, r) for plan in self.plans for r in plan.pullers)
         self.temps = _Ring([Scratch(_CPU, alignment) for _ in range(ring + (0 if self.counted else 1))])

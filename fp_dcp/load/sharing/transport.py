@@ -108,12 +108,9 @@ class Scratch:
 
 
 class PeerMemory:
-    """Which ranks can copy from which ranks' memory, and the copies.
-
-    With ``probe`` (the ``"auto"`` transport) :meth:`_probe` builds the
-    table; else no rank pulls.  ``progress[0]`` is this rank's progress
-    counter: the rounds it has pulled its parts of, which owners read
-    (8 bytes, the same way) before they reuse the box of a round."""
+    """Which ranks can copy from which ranks' memory (probed with ``probe``, the
+    ``"auto"`` transport), and the copies; ``progress[0]``: the rounds this rank
+    has pulled its parts of."""
 
     def __init__(self, group: Any, rank: int, world: int, device: torch.device, probe: bool) -> None:
         self.world = world
@@ -176,9 +173,7 @@ class PeerMemory:
 
     def wait_pulled(self, pullers: set[int], round_index: int) -> None:
         """Until every rank of ``pullers`` shows a progress counter past
-        ``round_index``.  They pull right after that round's status, which
-        this rank has passed, so this waits for nothing this rank still has
-        to do."""
+        ``round_index``."""
         cell = np.zeros(1, dtype=np.int64)
         for r in sorted(pullers):
             while True:
