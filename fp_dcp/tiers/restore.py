@@ -431,8 +431,8 @@ class _StepRestore:
                              f"failed load", lambda: self._check_linked(node_needs))
             if not flat:
                 raise load_error
-            failed = self._mark_bad([dataclasses.replace(f, why=f"{f.why} (found after the load failed: {_first_line(load_error)})")
-                                     for f in flat])
+            after = f"(found after the load failed: {_first_line(load_error)})"
+            failed = self._mark_bad([dataclasses.replace(f, why=f"{f.why} {after}") for f in flat])
             redo = [need for need in self.needs if (need.receiver, need.name) in failed]
             for need in redo:
                 if need.receiver == self.rank:
