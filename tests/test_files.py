@@ -16,6 +16,8 @@ import pytest
 
 from fp_dcp import files
 from fp_dcp import format as fmt
+from tests._canary import assert_canary as _assert_canary
+from tests._canary import canary as _canary
 
 
 @pytest.fixture(params=["openat2", "walk"])
@@ -27,19 +29,6 @@ def resolver(request, monkeypatch):
     return request.param
 
 
-def _canary(path) -> tuple[str, bytes, int]:
-    data = b"canary outside the root " * 100
-    with open(path, "wb") as f:
-        f.write(data)
-    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
-    return str(path), data, os.stat(path).st_mtime_ns
-
-
-def _assert_canary(canary) -> None:
-    path, data, mtime = canary
-    with open(path, "rb") as f:
-        assert f.read() == data, f"{path} was changed"
-    assert os.stat(path).st_mtime_ns == mtime, f"{path} was written"
 
 
 @pytest.fixture

@@ -25,24 +25,12 @@ from fp_dcp import format as fmt
 from fp_dcp import tuning
 from fp_dcp.tools import rotation
 from tests._sd import assert_sd_equal, failed_load, load, save
+from tests._canary import assert_canary as _assert_canary
+from tests._canary import canary as _canary
 
 _SECONDS = 20  # far beyond what any of these takes; a hang is released and fails
 
 
-def _canary(path) -> tuple[str, bytes, int]:
-    data = b"canary bytes outside the checkpoint " * 200
-    with open(path, "wb") as f:
-        f.write(data)
-    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
-    return str(path), data, os.stat(path).st_mtime_ns
-
-
-def _assert_canary(canary) -> None:
-    path, data, mtime = canary
-    assert os.path.exists(path), f"{path} was deleted"
-    with open(path, "rb") as f:
-        assert f.read() == data, f"{path} was changed"
-    assert os.stat(path).st_mtime_ns == mtime, f"{path} was written"
 
 
 def _bounded(fn, fifos):

@@ -40,6 +40,8 @@ from fp_dcp.tools.convert import describe, dcp_to_fp_dcp, to_torch_save
 from fp_dcp.load.objects import UnsafeObjectError
 from fp_dcp.tools.verify import verify_checkpoint as verify
 from tests._sd import FAILED, assert_sd_equal, failed_load, load, root_error, save
+from tests._canary import assert_canary as _assert_canary
+from tests._canary import canary as _canary
 
 MARKER = "PWNED"
 
@@ -64,20 +66,6 @@ def _marker(tmp_path) -> str:
     return str(tmp_path / MARKER)
 
 
-def _canary(path) -> tuple[str, bytes, int]:
-    data = b"canary bytes outside the checkpoint " * 200
-    with open(path, "wb") as f:
-        f.write(data)
-    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
-    return str(path), data, os.stat(path).st_mtime_ns
-
-
-def _assert_canary(canary) -> None:
-    path, data, mtime = canary
-    assert os.path.exists(path), f"{path} was deleted"
-    with open(path, "rb") as f:
-        assert f.read() == data, f"{path} was changed"
-    assert os.stat(path).st_mtime_ns == mtime, f"{path} was written"
 
 
 def _doc(path) -> dict:
