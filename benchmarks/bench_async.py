@@ -63,7 +63,7 @@ from fp_dcp.options import parse_size  # noqa: E402
 SCRIPT = Path(__file__).resolve()
 REPO = SCRIPT.parents[1]
 
-# Targets of issue 4 ("Done when").
+# Targets.
 STAGING_VS_MEMCPY = 0.70  # steady-state eager staging bandwidth / warm memcpy
 LAZY_RETURN_MAX_S = 0.050  # lazy async_save returns within, for 4 GiB
 TRAIN_COST_MAX = 0.10  # throughput lost to per-iteration checkpointing

@@ -54,7 +54,7 @@ SCRIPT = Path(__file__).resolve()
 REPO = SCRIPT.parents[1]
 PHASE = "@@PHASE "
 
-# Targets ("Done when", issue 3)
+# Targets
 BALANCE_MAX = 1.02  # max / mean per-rank bytes written, replicated, 4 ranks
 SAVE_VS_RAW = 0.85  # aggregate save throughput, 2 and 4 ranks, vs raw O_DIRECT write
 SIM_BALANCE_MAX = 1.02

@@ -34,7 +34,7 @@ own 8 KiB of every row, one request per run) and ``fp_dcp+overread``
 (that, with ``max_overread_percent=100``: the rows are read whole, twice the
 bytes in large requests).
 
-Targets (issue 5), printed PASS/FAIL: bytes read per rank <= 1.05 x needed +
+Targets, printed PASS/FAIL: bytes read per rank <= 1.05 x needed +
 one 4 KiB block per needed run (fp_dcp); aggregate resharded throughput >=
 0.85 x raw O_DIRECT sequential read measured in the same run (the best of fio
 and of the native engine reading into one huge-page buffer, no format).

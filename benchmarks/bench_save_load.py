@@ -324,7 +324,7 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
         cs.append({"name": "fp_dcp", "kind": "fp_dcp", "engine": None, "role": "fp_dcp"})
         if not args.no_verify_row:
             # the same default reader with verification off, in the same rounds:
-            # the row that catches a verifier slower than the device (issue 15)
+            # the row that catches a verifier slower than the device
             # it loads fp_dcp's checkpoint of the round, right before or after
             # fp_dcp's own load (alternating), so the device is the same
             cs.append({"name": "fp_dcp[noverify]", "kind": "fp_dcp", "engine": None, "verify": False,

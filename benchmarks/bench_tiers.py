@@ -1,4 +1,4 @@
-"""Multi-tier checkpointing (issue 17): the cost per training iteration and
+"""Multi-tier checkpointing: the cost per training iteration and
 the recovery time of ``fp_dcp.TierManager``, against no checkpointing and
 stock ``dcp.async_save`` to the persistent path.
 
@@ -390,6 +390,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.state_mb is not None:
         a.layers = max(1, round(a.state_mb * 1e6 / _layer_state_bytes(a.width)))
+    if a.iters < 3:
+        ap.error("--iters must be at least 3 (the first two steps are warm-up, left out of the per-step costs)")
     if a.iters % a.persist_every:
         ap.error("--persist-every must divide --iters (the last step is then in every tier)")
     if a.dir.exists():

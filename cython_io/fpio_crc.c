@@ -135,7 +135,7 @@ static uint32_t crc_sw_copy(uint32_t c, unsigned char *d, const unsigned char *p
  * 0: 2.8 against 6.7; 128: 4.2 / 5.7; from 224 on streaming is level with or
  * faster than plain stores (6-9 GB/s).  A tensor from torch's allocator
  * starts 64 bytes past a page, the bounce buffers on a page: the scatter of
- * every verified read sat at 0.13 GB/s (issue 15).  A destination not 8-byte
+ * every verified read sat far below the device.  A destination not 8-byte
  * aligned relative to the source would split every streaming store: plain
  * stores there too. */
 #define CRC_NT_MIN_DELTA 256

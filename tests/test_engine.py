@@ -910,7 +910,7 @@ def test_fused_copy_crc_streams_only_where_the_destination_is_not_just_ahead():
     destination 8-byte aligned relative to the source and at least 256 bytes
     past it modulo 4 KiB: a destination 64 bytes past a page (torch's large
     tensors) read from a page-aligned bounce buffer made every store flush a
-    half-full write-combining buffer (0.13 GB/s, issue 15)."""
+    half-full write-combining buffer."""
     hw = hooks.crc32c_impl() == "hw"
     base = 1 << 30
     assert not hooks.crc_copy_streams(base + 64, base, 1 << 20)

@@ -1,4 +1,4 @@
-"""A load's items planned in chunks while the chunk before is read (issue 15,
+"""A load's items planned in chunks while the chunk before is read (the
 per-item cost): the reader's ``Run.stream``.  The reads run on a thread of
 their own; each batch's copies and DCP callbacks run on the loading thread,
 in order.  Checked here: bit-exact results over many chunks (casts through

@@ -376,7 +376,7 @@ def test_a_write_failure_on_one_rank_fails_all_and_keeps_the_previous_checkpoint
 def test_planner_plan_caching_is_accepted(tmp_path):
     """DefaultSavePlanner(enable_plan_caching=True) sends an empty plan from a
     rank whose plan did not change; the writer takes that rank's items from
-    its record of the last save and writes the new values (issue 16; the
+    its record of the last save and writes the new values (the
     multi-rank cases are in tests/test_plan_caching.py)."""
     import torch
     import torch.distributed.checkpoint as dcp

@@ -1,4 +1,4 @@
-"""Requests sized by what is moved and by the device (issue 15): the reader
+"""Requests sized by what is moved and by the device: the reader
 reads long runs through an engine of large requests (the device's largest
 whole request, bounded) and short scattered runs through one of many small
 requests; explicit engine options override the rule."""

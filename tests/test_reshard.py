@@ -759,7 +759,7 @@ def _interleaved_reads(root, rank, ws):
     for key in ((None, "auto"), (True, "process_group")):
         transport = key[1]
         _, coop, _, st = out[key]
-        # the target of issue 5, and tighter: 5% plus one 64 KiB slab of owner imbalance
+        # the reshard target, and tighter: 5% plus one 64 KiB slab of owner imbalance
         assert coop <= 1.05 * needed + 4096 * runs, (coop, needed, runs)
         assert coop <= 1.05 * needed + (64 << 10), (coop, needed, st)
         assert 0 < st["shared_buffer_bytes"] <= budget, st  # the rounds' buffers, all of them
