@@ -238,6 +238,23 @@ def _raw_copy(src: Path, dst: Path, nbytes: int) -> dict:
                     "buffers, bs=4 MiB qd=16 each, + fsync"}
 
 
+def child_load(cfg: dict) -> dict:
+    """dcp.load of the checkpoint through FastPersistReader into preallocated
+    whole tensors, one process: the export's read alone, for reference."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    fp_dcp = C.import_fp_dcp()
+    md = fp_dcp.FastPersistReader(cfg["src"]).read_metadata()
+    sd = {k: torch.zeros(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+          if hasattr(v, "chunks")}
+    C.drop_caches()  # the metadata read above
+    t0 = time.perf_counter()
+    dcp.load(sd, storage_reader=fp_dcp.FastPersistReader(cfg["src"]), no_dist=True)
+    seconds = time.perf_counter() - t0
+    return {"ok": True, "seconds": seconds, "bytes": sum(t.nbytes for t in sd.values())}
+
+
 def child_raw(cfg: dict) -> dict:
     """The device alone: a sequential write, a read of what it wrote, and a
     copy (read and write at once), the page cache dropped before each."""
@@ -255,7 +272,7 @@ def child_raw(cfg: dict) -> dict:
 
 
 CHILDREN = {"save": child_save, "export": child_export, "consolidate": child_consolidate, "verify": child_verify,
-            "raw": child_raw}
+            "raw": child_raw, "load": child_load}
 
 
 def child_main(arg: str) -> None:
@@ -281,7 +298,10 @@ def _ranks(cfg: dict, world: int, workdir: Path, timeout: float) -> dict:
     if bad:
         return bad[0]
     slowest = max(results, key=lambda r: r.get("seconds", 0))
-    return dict(slowest, ranks=results)
+    merged = dict(slowest, ranks=results)
+    if any("sync_seconds" in r for r in results):  # one rank syncs the files of all
+        merged["sync_seconds"] = max(r.get("sync_seconds", 0.0) for r in results)
+    return merged
 
 
 def _dir_bytes(path: Path) -> int:
@@ -343,6 +363,11 @@ def _run(args, bench: C.Bench) -> int:
         print(f"saving FAILED: {saved.get('error')}\n{saved.get('trace', '')}")
         return 1
     raws = [_raw(args, workdir)]
+    load = C.run_child(SCRIPT, {"kind": "load", "src": str(ckpt)}, timeout_s=args.child_timeout)
+    if load.get("ok"):
+        load["gbps"] = load["bytes"] / load["seconds"] / 1e9
+    print(f"dcp.load through FastPersistReader (the export's read alone): {C.fmt_num(load.get('gbps'))} GB/s"
+          + ("" if load.get("ok") else f" FAILED {load.get('error')}"), flush=True)
     out = workdir / "out"
     ex = {"src": str(ckpt), "out": str(out), "max_shard_size": args.max_shard_size, "kind": "export"}
     runs = {
@@ -390,6 +415,8 @@ def _run(args, bench: C.Bench) -> int:
         f"raw device (best of before and after): write {C.fmt_num(raw)} GB/s ({raws[0].get('note', '')}), "
         f"read {C.fmt_num(raw_read)} GB/s, copy {C.fmt_num(raw_copy)} GB/s (the faster of: read and write at "
         f"once, {good_raws[0]['copy']['note'] if good_raws else '-'}; or one after the other)",
+        f"dcp.load of the fp_dcp checkpoint through FastPersistReader into whole tensors, 1 process (the "
+        f"export's read alone): {C.fmt_num(load.get('gbps'))} GB/s in {C.fmt_num(load.get('seconds'))} s",
         "", C.format_table(["export", "seconds", "GB/s", "vs raw write", "vs raw copy", "of which fsync s",
                             "imports s (not timed)", "verified"], rows),
         "", C.format_table(["target", "value", "beside", "verdict"],
@@ -397,7 +424,7 @@ def _run(args, bench: C.Bench) -> int:
     text = "\n".join(lines)
     print("\n" + text)
     report = bench.report(size_bytes=args.size_bytes, seed=args.seed, hardware=hw, world=WORLD,
-                          max_shard_size=args.max_shard_size, files=len(plan.files), save=saved, raw=raws,
+                          max_shard_size=args.max_shard_size, files=len(plan.files), save=saved, raw=raws, load=load,
                           results=results, targets=targets, table=text)
     bench.write(report)
     return 1 if any(not r.get("ok") or not r.get("verified") for rs in results.values() for r in rs) else 0
