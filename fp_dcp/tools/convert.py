@@ -301,11 +301,16 @@ def _stream_torch_save(src: str, fd: int, tmp: str, progress: bool) -> None:
 
 
 def _flat_tensor_keys(path: str) -> tuple[list[tuple[str, torch.dtype, list[int]]], list[str]]:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     from fp_dcp.load.reader import read_checkpoint_metadata
 
     md, _, _ = read_checkpoint_metadata(path)
+    return tensor_keys(md)
+
+
+def tensor_keys(md: Any) -> tuple[list[tuple[str, torch.dtype, list[int]]], list[str]]:
+    """A DCP ``Metadata``'s tensors as (key, dtype, shape), and its other keys."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     tensors, others = [], []
     for name, item in md.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):

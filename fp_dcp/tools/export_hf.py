@@ -493,18 +493,9 @@ class _Ranks:
 def _source_tensors(path: str, kind: str) -> tuple[list[tuple[str, torch.dtype, list[int]]], list[str]]:
     if kind == "fp_dcp":
         return convert._flat_tensor_keys(path)  # checks the data files are all there, whole
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     from fp_dcp.load.stock import SafeStockReader
 
-    md = SafeStockReader(path).read_metadata()
-    tensors, others = [], []
-    for name, item in md.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
-            tensors.append((name, item.properties.dtype, list(item.size)))
-        else:
-            others.append(name)
-    return tensors, others
+    return convert.tensor_keys(SafeStockReader(path).read_metadata())
 
 
 def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
