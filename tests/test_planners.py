@@ -168,6 +168,68 @@ def test_dedup_global_plan_and_validation_equal_dcps(plans, lowest):
     assert a == b
 
 
+def _gathered(plans):
+    """The plans as the coordinator receives them from our local planners:
+    items pickled as columns, unpickled as columns not yet made into items."""
+    import pickle
+
+    from fp_dcp.planners import _compact
+
+    out = []
+    for p in plans:
+        items = _compact.WriteItems(p.items)
+        items.lazy = True
+        out.append(pickle.loads(pickle.dumps(dataclasses.replace(p, items=items))))
+    return out
+
+
+@_SETTINGS
+@given(plans=_sharded_plans(), lowest=st.booleans())
+def test_global_plan_from_columns_equals_dcps(plans, lowest):
+    """Planned from the gathered columns (no items made): the same global
+    plans (hints included), Metadata and validation errors as DCP's, and the
+    global plans pickle as columns that come back as those plans."""
+    import pickle
+
+    from fp_dcp.planners import _columns, _compact
+
+    gathered = _gathered(plans)
+    assert all(type(p.items) is _compact.WriteItems and p.items._cols is not None for p in gathered)
+    planned = _columns.plan(gathered, lowest)
+    deduped = dedup_save_plans(plans, lowest)
+    if planned is not None:
+        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+        theirs = create_default_global_save_plan(deduped)
+        assert repr(planned[:2]) == repr(theirs)
+        for p in planned[0]:
+            back = pickle.loads(pickle.dumps(p))
+            assert repr(back) == repr(p) and type(back.items) is _compact.WriteItems
+    gathered = _gathered(plans)
+    a = _outcome(lambda: FastPersistSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(gathered))
+    b = _outcome(lambda: DefaultSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(plans))
+    assert a == b
+
+
+def test_replicated_and_sharded_items_plan_from_columns():
+    """A key on every rank (dedup by planned bytes), shards of one tensor and
+    a scalar: planned from the columns, equal to DCP's."""
+    from fp_dcp.planners import _columns
+
+    plans = []
+    for r in range(3):
+        items = [_shard("w", [r * 2, 0], [2, 3], [6, 3]), _shard("rep", [0], [5], [5], WriteItemType.TENSOR),
+                 WriteItem(index=MetadataIndex("step"), type=WriteItemType.BYTE_IO)]
+        if r == 1:
+            items.append(_shard("big", [0, 0], [7, 7], [7, 7], WriteItemType.TENSOR))
+        plans.append(SavePlan(items))
+    for lowest in (False, True):
+        assert _columns.plan(_gathered(plans), lowest) is not None
+        a = _outcome(lambda: FastPersistSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(
+            _gathered(plans)))
+        assert a == _outcome(lambda: DefaultSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(plans))
+
+
 def test_validation_finds_an_overlap_only_a_sweep_sees():
     """A 2-D grid of chunks (no single dimension separates them) with one
     overlap: the column check hands the tensor to DCP's sweep, which names it."""

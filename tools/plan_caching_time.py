@@ -161,8 +161,9 @@ def _sim_local_plans(world: int, items: int, kind: str) -> list[bytes]:
                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(off, torch.Size(sizes)),
                                                 properties=p, size=torch.Size(size))))
         plan_items.append(WriteItem(index=MetadataIndex("step"), type=WriteItemType.BYTE_IO))
-        if kind == "fp":  # gathered as columns
+        if kind == "fp":  # gathered as columns, planned from them (as FastPersistSavePlanner's local plans)
             plan_items = _compact.WriteItems(plan_items)
+            plan_items.lazy = True
         mappings = {it.index.fqn: (it.index.fqn,) for it in plan_items}
         out.append(pickle.dumps(SavePlan(plan_items, planner_data=mappings)))
     return out

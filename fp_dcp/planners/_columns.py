@@ -1,0 +1,273 @@
+"""The coordinator's share of a save's planning (dedup, global plan,
+``Metadata``, validation), computed from the plans' columns.
+
+Every rank's local plan reaches the coordinator as columns
+(:class:`fp_dcp.planners._compact.WriteColumns`); :func:`plan` dedups and
+numbers them with numpy, hands the global plans back as columns (scattered as
+they are) and makes, as real objects, only the ``Metadata`` the storage
+writes.  The result equals what ``dedup_save_plans`` followed by
+``create_default_global_save_plan`` make.  It returns None where the
+plans hold anything it does not decide the way DCP does (an item without
+tensor data, a key twice in one plan, a non-shard key on several ranks
+after dedup, ...): the caller then plans from the items
+(:mod:`fp_dcp.planners._global`), which hands those to DCP's own code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+from fp_dcp.planners import _compact, _items
+
+__all__ = ["plan"]
+
+_W_KINDS = list(WriteItemType)
+_SHARD, _BYTE_IO = _W_KINDS.index(WriteItemType.SHARD), _W_KINDS.index(WriteItemType.BYTE_IO)
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+class _All:
+    """Every plan's columns, concatenated (one row per item)."""
+
+    def __init__(self, cols: list[_compact.WriteColumns]) -> None:
+        self.cols = cols
+        self.counts = np.array([len(c.kinds) for c in cols], dtype=np.int64)
+        self.rank = np.repeat(np.arange(len(cols), dtype=np.int64), self.counts)
+        self.kinds = np.concatenate([c.kinds for c in cols]).astype(np.int64)
+        self.ndims = np.concatenate([c.ndims for c in cols])
+        self.fqns = [f for c in cols for f in c.fqns]
+        names = dict.fromkeys(self.fqns)
+        self.names = list(names)
+        ids = dict(zip(names, range(len(names))))
+        self.fid = np.fromiter(map(ids.__getitem__, self.fqns), dtype=np.int64, count=len(self.fqns))
+        self.width = max(int(self.ndims.max()) if len(self.ndims) else 0, 0)
+        n = len(self.kinds)
+        # per item: offsets, sizes and global size, padded with zeros
+        self.off, self.len, self.size = (np.zeros((n, self.width), dtype=np.int64) for _ in range(3))
+        flat = np.concatenate([c.flat for c in cols])
+        flat_base = np.cumsum([len(c.flat) for c in cols]) - np.array([len(c.flat) for c in cols])
+        starts = np.concatenate([c.starts + b for c, b in zip(cols, flat_base.tolist())])
+        for nd in np.flatnonzero(np.bincount(np.maximum(self.ndims, 0))).tolist():
+            if nd == 0:
+                continue
+            r = np.flatnonzero(self.ndims == nd)
+            block = flat[starts[r][:, None] + np.arange(3 * nd)]
+            self.off[r, :nd] = block[:, :nd]
+            self.len[r, :nd] = block[:, nd:2 * nd]
+            self.size[r, :nd] = block[:, 2 * nd:]
+        itemsizes = [np.array([p.dtype.itemsize for p in c.table] or [0], dtype=np.int64) for c in cols]
+        self.itemsize = np.concatenate([s[c.props.clip(0)] for s, c in zip(itemsizes, cols)]) if n else \
+            np.zeros(0, dtype=np.int64)
+
+
+def _keys(a: _All) -> tuple[np.ndarray, np.ndarray] | None:
+    """(per item: the number of its (fqn, offset) key, numbered in the order
+    the keys are first seen; per key: its first item), or None where two
+    keys cannot be told apart here."""
+    h = a.fid.astype(np.uint64) * _MIX + (a.ndims + 2).astype(np.uint64)
+    for d in range(a.width):
+        h = (h ^ a.off[:, d].astype(np.uint64)) * _MIX
+    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
+    rep = first[inverse]  # each item's first item with the same hash
+    same = (a.fid == a.fid[rep]) & (a.ndims == a.ndims[rep]) & (a.off == a.off[rep]).all(axis=1)
+    if not same.all():  # a hash collision: the items decide
+        return None
+    order = np.argsort(first, kind="stable")
+    number = np.empty_like(order)
+    number[order] = np.arange(len(order))
+    return number[inverse.reshape(-1)], first[order]
+
+
+def _dedup(a: _All, key: np.ndarray, first: np.ndarray, lowest: bool) -> np.ndarray | None:
+    """``dedup_save_plans`` as a mask of the items kept; None where a key is
+    twice in one plan."""
+    keep = np.ones(len(key), dtype=bool)
+    holders = np.bincount(key, minlength=len(first))
+    rows = np.flatnonzero(holders[key] > 1)
+    if not len(rows):
+        return keep
+    rows = rows[np.argsort(key[rows], kind="stable")]  # each shared key's items, in plan order
+    ks, rs = key[rows], a.rank[rows]
+    if ((ks[1:] == ks[:-1]) & (rs[1:] == rs[:-1])).any():
+        return None
+    dims = np.arange(a.width) < a.ndims[:, None]
+    weight = np.maximum(np.prod(np.where(dims, a.size, 1), axis=1) * a.itemsize, 1)
+    weight[a.kinds == _BYTE_IO] = 1
+    reps = np.flatnonzero(holders > 1)
+    ends = np.cumsum(holders[reps])
+    key_weight = weight[first]
+    key_weight[reps] = weight[rows[ends - 1]]  # DCP weighs a shared key by its last item
+    owner = a.rank[first]
+    plan_size = [0] * len(a.cols)
+    start = 0
+    for k, end, n in zip(reps.tolist(), ends.tolist(), holders[reps].tolist()):
+        if k > start:  # the keys of one plan visited before this one
+            acc = np.bincount(owner[start:k], weights=key_weight[start:k], minlength=len(a.cols))
+            for p in np.flatnonzero(acc).tolist():
+                plan_size[p] += int(acc[p])
+        items = rows[end - n:end]
+        cands = set(a.rank[items].tolist())  # in rank order, as DCP's set
+        sel = min(cands) if lowest else min(cands, key=plan_size.__getitem__)
+        plan_size[sel] += int(key_weight[k])
+        keep[items[a.rank[items] != sel]] = False
+        start = k + 1
+    return keep
+
+
+def plan(all_plans: list[SavePlan], lowest: bool) -> tuple[list[SavePlan], Metadata, Any] | None:
+    """(global plans, Metadata, per-item columns for validation) as DCP's
+    dedup and default global plan make them, or None."""
+    cols = [p.items.columns() if type(p.items) is _compact.WriteItems else None for p in all_plans]
+    if not cols or any(c is None for c in cols):
+        return None
+    a = _All(cols)
+    tensor = a.ndims >= 0
+    if ((a.kinds == _BYTE_IO) == tensor).any():  # bytes with tensor data, or a tensor without
+        return None
+    keys = _keys(a)
+    keep = None if keys is None else _dedup(a, *keys, lowest)
+    if keep is None:
+        return None
+    kept = np.flatnonzero(keep)
+    fid = a.fid[kept]
+    n_names = len(a.names)
+    per_name = np.bincount(fid, minlength=n_names)
+    lone = np.zeros(n_names, dtype=bool)
+    lone[fid[a.kinds[kept] != _SHARD]] = True
+    if (lone & (per_name > 1)).any():  # DCP's global plan refuses it
+        return None
+    # index hints: each tensor item's place among its tensor's chunks
+    by_name = np.argsort(fid, kind="stable")
+    ends = np.cumsum(per_name)
+    place = np.empty(len(kept), dtype=np.int64)
+    place[by_name] = np.arange(len(kept)) - np.repeat(ends - per_name, per_name)
+    hints = np.concatenate([c.hints for c in cols])[kept]
+    tensor_kept = tensor[kept]
+    hints[tensor_kept] = place[tensor_kept]
+    first = np.full(n_names, -1, dtype=np.int64)
+    named = per_name > 0
+    first[named] = kept[by_name[(ends - per_name)[named]]]  # each key's first kept item
+    return _global_plans(all_plans, a, kept, hints), _metadata(a, kept, fid, by_name, per_name), (a, kept, first)
+
+
+def _global_plans(all_plans: list[SavePlan], a: _All, kept: np.ndarray, hints: np.ndarray) -> list[SavePlan]:
+    bounds = np.searchsorted(kept, np.cumsum(a.counts) - a.counts)
+    bounds = np.append(bounds, len(kept))
+    base = np.cumsum(a.counts) - a.counts
+    out = []
+    for r, (p, c) in enumerate(zip(all_plans, a.cols)):
+        rows = kept[bounds[r]:bounds[r + 1]] - base[r]
+        if len(rows) == len(c.kinds):
+            flat = c.flat
+            fqns = c.fqns
+        else:
+            nd = np.maximum(c.ndims[rows], 0)
+            at = np.repeat(c.starts[rows], 3 * nd) + (np.arange(int(3 * nd.sum())) -
+                                                       np.repeat(np.cumsum(3 * nd) - 3 * nd, 3 * nd))
+            flat = c.flat[at]
+            fqns = [c.fqns[i] for i in rows.tolist()]
+        new = _compact.WriteColumns(c.kinds[rows], fqns, hints[bounds[r]:bounds[r + 1]], c.ndims[rows], flat,
+                                    c.table, c.props[rows])
+        out.append(dataclasses.replace(p, items=_compact.WriteItems.of_columns(new)))
+    return out
+
+
+def _sizes(rows: np.ndarray, nds: np.ndarray) -> list:
+    """One ``torch.Size`` per row (its first ``nd`` numbers); equal rows
+    share one object."""
+    if not len(rows):
+        return []
+    packed = np.concatenate([nds[:, None], rows], axis=1)
+    lo, hi = packed.min(axis=0), packed.max(axis=0)
+    span = [int(h) - int(l) + 1 for l, h in zip(lo.tolist(), hi.tolist())]
+    if np.prod(np.array(span, dtype=float)) < 2.0 ** 62:  # each row as one number
+        code = np.zeros(len(packed), dtype=np.int64)
+        for d, n in enumerate(span):
+            code = code * n + (packed[:, d] - lo[d])
+        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+        uniq = packed[first]
+    else:
+        uniq, inverse = np.unique(packed, axis=0, return_inverse=True)
+    made = [torch.Size(u[1:1 + u[0]]) for u in uniq.tolist()]
+    return [made[i] for i in inverse.reshape(-1).tolist()]
+
+
+def _metadata(a: _All, kept: np.ndarray, fid: np.ndarray, by_name: np.ndarray, per_name: np.ndarray) -> Metadata:
+    order = kept[by_name]  # the kept items, grouped by tensor, each group in plan order
+    nds = a.ndims[order]
+    t = nds >= 0
+    offs = _sizes(a.off[order[t]], nds[t])
+    lens = _sizes(a.len[order[t]], nds[t])
+    chunk = _items.chunk
+    first_at = np.cumsum(per_name) - per_name
+    firsts = order[first_at[per_name > 0]]
+    names_in_order = np.flatnonzero(per_name > 0)
+    # Metadata keeps the keys in the order the plans first name them
+    seen = np.argsort(by_name[first_at[per_name > 0]], kind="stable")
+    groups: dict[int, Any] = {}
+    base = np.cumsum(a.counts) - a.counts
+    pos = 0
+    for name, first in zip(names_in_order.tolist(), firsts.tolist()):
+        count = int(per_name[name])
+        if a.ndims[first] < 0:
+            groups[name] = BytesStorageMetadata()
+        else:
+            c = a.cols[int(a.rank[first])]
+            local = first - int(base[a.rank[first]])
+            nd = int(a.ndims[first])
+            groups[name] = TensorStorageMetadata(properties=c.table[int(c.props[local])],
+                                                 size=torch.Size(a.size[first, :nd].tolist()),
+                                                 chunks=list(map(chunk, offs[pos:pos + count],
+                                                                 lens[pos:pos + count])))
+            pos += count
+    md = {a.names[name]: groups[name] for name in names_in_order[seen].tolist()}
+    return Metadata(md)
+
+
+def suspects(state: Any, n_plans: int) -> tuple[bool, list[str]]:
+    """(whether validation certainly finds an error, keys whose chunks need
+    DCP's overlap sweep), from the columns :func:`plan` returned: the
+    checks of :func:`fp_dcp.planners._global.validate`."""
+    from fp_dcp.planners._global import _separated
+
+    a, kept, first = state
+    t = kept[a.ndims[kept] >= 0]
+    if not len(t):
+        return False, []
+    tf = a.fid[t]
+    nd_md = a.ndims[first[tf]]
+    if (a.ndims[t] != nd_md).any():  # a chunk with more or fewer dimensions than its tensor
+        return True, []
+    t, tf, nd = t[nd_md > 0], tf[nd_md > 0], nd_md[nd_md > 0]
+    if not len(t):
+        return False, []
+    size = a.size[first[tf]]
+    off, ln = a.off[t], a.len[t]
+    end = off + ln
+    if (off < 0).any() or (ln < 0).any() or (end > size).any():
+        return True, []
+    order = np.argsort(tf, kind="stable")
+    kid_names, kid = np.unique(tf[order], return_inverse=True)
+    kid = kid.reshape(-1)
+    off, end, ln, size, nd = off[order], end[order], ln[order], size[order], nd[order]
+    counts = np.bincount(kid, minlength=len(kid_names))
+    if n_plans > 1:
+        pad = np.arange(a.width) >= nd[:, None]
+        volume = np.zeros(len(kid_names), dtype=np.int64)
+        np.add.at(volume, kid, np.prod(np.where(pad, 1, ln), axis=1))
+        first_row = np.cumsum(counts) - counts
+        tensor_volume = np.prod(np.where(pad, 1, size), axis=1)[first_row]
+        if (volume != tensor_volume).any():
+            return True, []
+    multi = counts > 1
+    if not multi.any():
+        return False, []
+    end = np.where(np.arange(a.width) >= nd[:, None], 1, end)  # a missing dimension separates nothing
+    sep = _separated(kid, off, end, multi)
+    return False, [a.names[k] for k in kid_names[np.flatnonzero(multi & ~sep)].tolist()]
