@@ -178,6 +178,20 @@ def _global_plans(all_plans: list[SavePlan], a: _All, kept: np.ndarray, hints: n
     return out
 
 
+def _numbered(code: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the first row of each distinct value of ``code``, in value order;
+    each row's number among them) for codes in ``range(span)``."""
+    if span <= 4 * len(code) + 1024:  # a table, not a sort
+        first = np.full(span, len(code), dtype=np.int64)
+        np.minimum.at(first, code, np.arange(len(code)))
+        present = np.flatnonzero(first < len(code))
+        number = np.empty(span, dtype=np.int64)
+        number[present] = np.arange(len(present))
+        return first[present], number[code]
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)
+
+
 def _sizes(rows: np.ndarray, nds: np.ndarray) -> list:
     """One ``torch.Size`` per row (its first ``nd`` numbers); equal rows
     share one object."""
@@ -190,12 +204,13 @@ def _sizes(rows: np.ndarray, nds: np.ndarray) -> list:
         code = np.zeros(len(packed), dtype=np.int64)
         for d, n in enumerate(span):
             code = code * n + (packed[:, d] - lo[d])
-        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+        first, inverse = _numbered(code, int(np.prod(np.array(span, dtype=object))))
         uniq = packed[first]
     else:
         uniq, inverse = np.unique(packed, axis=0, return_inverse=True)
-    made = [torch.Size(u[1:1 + u[0]]) for u in uniq.tolist()]
-    return [made[i] for i in inverse.reshape(-1).tolist()]
+    made = np.empty(len(uniq), dtype=object)
+    made[:] = [torch.Size(u[1:1 + u[0]]) for u in uniq.tolist()]
+    return made[inverse.reshape(-1)].tolist()
 
 
 def _metadata(a: _All, kept: np.ndarray, fid: np.ndarray, by_name: np.ndarray, per_name: np.ndarray) -> Metadata:
