@@ -564,3 +564,19 @@ def test_column_pickles_are_smaller_and_odd_items_pickle_as_lists():
     back = pickle.loads(pickle.dumps(odd))
     assert type(back) is list and repr(back) == repr(odd)
 
+
+
+def test_flat_mappings_pickle_as_their_keys_and_others_as_dicts():
+    import pickle
+
+    from fp_dcp.planners import _compact
+
+    flat = {f"layer{i}.w": (f"layer{i}.w",) for i in range(300)}
+    m = _compact.FlatMappings(flat)
+    back = pickle.loads(pickle.dumps(m))
+    assert type(back) is dict and back == flat and list(back) == list(flat)
+    assert len(pickle.dumps(m)) < len(pickle.dumps(flat)) / 2
+    assert pickle.loads(pickle.dumps(_compact.FlatMappings())) == {}
+    for odd in ({"a": ("b",)}, {"a.b": ("a", "b")}, {"a\0": ("a\0",)}, {1: (1,)}):
+        back = pickle.loads(pickle.dumps(_compact.FlatMappings(odd)))
+        assert type(back) is dict and back == odd

@@ -165,6 +165,8 @@ def _sim_local_plans(world: int, items: int, kind: str) -> list[bytes]:
             plan_items = _compact.WriteItems(plan_items)
             plan_items.lazy = True
         mappings = {it.index.fqn: (it.index.fqn,) for it in plan_items}
+        if kind == "fp":  # as FastPersistSavePlanner's local plans
+            mappings = _compact.FlatMappings(mappings)
         out.append(pickle.dumps(SavePlan(plan_items, planner_data=mappings)))
     return out
 

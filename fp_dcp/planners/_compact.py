@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteIt
 from fp_dcp.gc_freeze import paused as gc_paused
 from fp_dcp.planners import _items
 
-__all__ = ["WriteItems", "WriteColumns", "ReadItems"]
+__all__ = ["WriteItems", "WriteColumns", "ReadItems", "FlatMappings"]
 
 _W_KINDS = list(WriteItemType)
 _R_KINDS = list(LoadItemType)
@@ -160,7 +160,9 @@ def _decode_write(kinds: bytes, fqns: str, hints: tuple, ndims: tuple, flat: tup
                   props: tuple, lazy: bool = False) -> "WriteItems":
     cols = WriteColumns.unpacked(kinds, fqns, hints, ndims, flat, table, props)
     if lazy:  # a local plan on the coordinator: planned from its columns
-        return WriteItems.of_columns(cols)
+        out = WriteItems.of_columns(cols)
+        out.lazy = True
+        return out
     return WriteItems(cols.items())
 
 
@@ -295,3 +297,22 @@ class ReadItems(list):
         except (OverflowError, TypeError):  # numbers beyond int64, or not numbers: an ordinary list
             cols = None
         return (list, (list(self),)) if cols is None else (_decode_read, cols)
+
+
+def _flat_mappings(keys: str, n: int) -> dict:
+    names = _fqns(keys, n)
+    return dict(zip(names, zip(names)))
+
+
+class FlatMappings(dict):
+    """A save plan's ``planner_data`` (DCP's flattening mappings): where every
+    key maps to ``(key,)`` (a flat state dict), pickled as the keys alone
+    and unpickled as the same plain dict; otherwise pickled as a dict."""
+
+    def __reduce__(self) -> Any:
+        if all(type(k) is str and type(v) is tuple and len(v) == 1 and type(v[0]) is str and v[0] == k
+               for k, v in self.items()):
+            joined = "\0".join(self)
+            if joined.count("\0") == max(len(self) - 1, 0):
+                return (_flat_mappings, (joined, len(self)))
+        return (dict, (dict(self),))

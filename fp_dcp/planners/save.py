@@ -129,7 +129,7 @@ class FastPersistSavePlanner(DefaultSavePlanner):
         items.lazy = True  # gathered as columns, planned from them
         plan = SavePlan(items)
         if self.flatten_state_dict:
-            plan = dataclasses.replace(plan, planner_data=self.mappings)
+            plan = dataclasses.replace(plan, planner_data=_compact.FlatMappings(self.mappings))
         self.plan = plan
         if self._enable_plan_caching:
             key = self._cached_plans_key
