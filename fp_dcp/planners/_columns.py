@@ -41,29 +41,45 @@ class _All:
         self.rank = np.repeat(np.arange(len(cols), dtype=np.int64), self.counts)
         self.kinds = np.concatenate([c.kinds for c in cols]).astype(np.int64)
         self.ndims = np.concatenate([c.ndims for c in cols])
-        self.fqns = [f for c in cols for f in c.fqns]
-        names = dict.fromkeys(self.fqns)
-        self.names = list(names)
-        ids = dict(zip(names, range(len(names))))
-        self.fid = np.fromiter(map(ids.__getitem__, self.fqns), dtype=np.int64, count=len(self.fqns))
+        self.fid = self._name_ids(cols)
         self.width = max(int(self.ndims.max()) if len(self.ndims) else 0, 0)
         n = len(self.kinds)
         # per item: offsets, sizes and global size, padded with zeros
         self.off, self.len, self.size = (np.zeros((n, self.width), dtype=np.int64) for _ in range(3))
         flat = np.concatenate([c.flat for c in cols])
-        flat_base = np.cumsum([len(c.flat) for c in cols]) - np.array([len(c.flat) for c in cols])
-        starts = np.concatenate([c.starts + b for c, b in zip(cols, flat_base.tolist())])
-        for nd in np.flatnonzero(np.bincount(np.maximum(self.ndims, 0))).tolist():
-            if nd == 0:
-                continue
+        present = np.bincount(np.maximum(self.ndims, 0), minlength=1)
+        present[0] = 0
+        for nd in np.flatnonzero(present).tolist():
             r = np.flatnonzero(self.ndims == nd)
-            block = flat[starts[r][:, None] + np.arange(3 * nd)]
+            if len(r) == int(np.count_nonzero(self.ndims > 0)):  # one kind of tensor: flat is its rows
+                block = flat.reshape(-1, 3 * nd)
+            else:
+                flat_base = np.cumsum([len(c.flat) for c in cols]) - np.array([len(c.flat) for c in cols])
+                starts = np.concatenate([c.starts + b for c, b in zip(cols, flat_base.tolist())])
+                block = flat[starts[r][:, None] + np.arange(3 * nd)]
             self.off[r, :nd] = block[:, :nd]
             self.len[r, :nd] = block[:, nd:2 * nd]
             self.size[r, :nd] = block[:, 2 * nd:]
         itemsizes = [np.array([p.dtype.itemsize for p in c.table] or [0], dtype=np.int64) for c in cols]
         self.itemsize = np.concatenate([s[c.props.clip(0)] for s, c in zip(itemsizes, cols)]) if n else \
             np.zeros(0, dtype=np.int64)
+
+    def _name_ids(self, cols: list[_compact.WriteColumns]) -> np.ndarray:
+        """Per item: the number of its fqn, numbered in the order first seen
+        (``self.names``).  A plan naming the same keys as the one before it
+        (every rank of a sharded model) reuses its numbers."""
+        ids: dict[str, int] = {}
+        out = []
+        last_fqns, last = None, None
+        for c in cols:
+            if c.fqns != last_fqns:
+                fresh = [f for f in dict.fromkeys(c.fqns) if f not in ids]
+                ids.update(zip(fresh, range(len(ids), len(ids) + len(fresh))))
+                last = np.fromiter(map(ids.__getitem__, c.fqns), dtype=np.int64, count=len(c.fqns))
+                last_fqns = c.fqns
+            out.append(last)
+        self.names = list(ids)
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
 def _keys(a: _All) -> tuple[np.ndarray, np.ndarray] | None:
@@ -153,7 +169,7 @@ def plan(all_plans: list[SavePlan], lowest: bool) -> tuple[list[SavePlan], Metad
     first = np.full(n_names, -1, dtype=np.int64)
     named = per_name > 0
     first[named] = kept[by_name[(ends - per_name)[named]]]  # each key's first kept item
-    return _global_plans(all_plans, a, kept, hints), _metadata(a, kept, fid, by_name, per_name), (a, kept, first)
+    return _global_plans(all_plans, a, kept, hints), _metadata(a, kept, fid, by_name, per_name), (a, kept[by_name], first)
 
 
 def _global_plans(all_plans: list[SavePlan], a: _All, kept: np.ndarray, hints: np.ndarray) -> list[SavePlan]:
@@ -251,38 +267,34 @@ def suspects(state: Any, n_plans: int) -> tuple[bool, list[str]]:
     checks of :func:`fp_dcp.planners._global.validate`."""
     from fp_dcp.planners._global import _separated
 
-    a, kept, first = state
-    t = kept[a.ndims[kept] >= 0]
+    a, grouped, first = state
+    t = grouped[a.ndims[grouped] >= 0]  # tensor items, grouped by key, each group in plan order
     if not len(t):
         return False, []
-    tf = a.fid[t]
-    nd_md = a.ndims[first[tf]]
+    kid = a.fid[t]
+    nd_md = a.ndims[first[kid]]
     if (a.ndims[t] != nd_md).any():  # a chunk with more or fewer dimensions than its tensor
         return True, []
-    t, tf, nd = t[nd_md > 0], tf[nd_md > 0], nd_md[nd_md > 0]
+    t, kid, nd = t[nd_md > 0], kid[nd_md > 0], nd_md[nd_md > 0]
     if not len(t):
         return False, []
-    size = a.size[first[tf]]
+    size = a.size[first[kid]]
     off, ln = a.off[t], a.len[t]
     end = off + ln
     if (off < 0).any() or (ln < 0).any() or (end > size).any():
         return True, []
-    order = np.argsort(tf, kind="stable")
-    kid_names, kid = np.unique(tf[order], return_inverse=True)
-    kid = kid.reshape(-1)
-    off, end, ln, size, nd = off[order], end[order], ln[order], size[order], nd[order]
-    counts = np.bincount(kid, minlength=len(kid_names))
+    starts = np.flatnonzero(np.r_[True, kid[1:] != kid[:-1]])
+    counts = np.diff(np.r_[starts, len(kid)])
     if n_plans > 1:
         pad = np.arange(a.width) >= nd[:, None]
-        volume = np.zeros(len(kid_names), dtype=np.int64)
-        np.add.at(volume, kid, np.prod(np.where(pad, 1, ln), axis=1))
-        first_row = np.cumsum(counts) - counts
-        tensor_volume = np.prod(np.where(pad, 1, size), axis=1)[first_row]
+        volume = np.add.reduceat(np.prod(np.where(pad, 1, ln), axis=1), starts)
+        tensor_volume = np.prod(np.where(pad, 1, size), axis=1)[starts]
         if (volume != tensor_volume).any():
             return True, []
-    multi = counts > 1
+    multi = np.zeros(len(a.names), dtype=bool)
+    multi[kid[starts[counts > 1]]] = True
     if not multi.any():
         return False, []
     end = np.where(np.arange(a.width) >= nd[:, None], 1, end)  # a missing dimension separates nothing
     sep = _separated(kid, off, end, multi)
-    return False, [a.names[k] for k in kid_names[np.flatnonzero(multi & ~sep)].tolist()]
+    return False, [a.names[k] for k in np.flatnonzero(multi & ~sep).tolist()]
