@@ -29,7 +29,6 @@ __all__ = ["plan"]
 
 _W_KINDS = list(WriteItemType)
 _SHARD, _BYTE_IO = _W_KINDS.index(WriteItemType.SHARD), _W_KINDS.index(WriteItemType.BYTE_IO)
-_MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
 class _All:
@@ -82,22 +81,28 @@ class _All:
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-def _keys(a: _All) -> tuple[np.ndarray, np.ndarray] | None:
-    """(per item: the number of its (fqn, offset) key, numbered in the order
-    the keys are first seen; per key: its first item), or None where two
-    keys cannot be told apart here."""
-    h = a.fid.astype(np.uint64) * _MIX + (a.ndims + 2).astype(np.uint64)
-    for d in range(a.width):
-        h = (h ^ a.off[:, d].astype(np.uint64)) * _MIX
-    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
-    rep = first[inverse]  # each item's first item with the same hash
-    same = (a.fid == a.fid[rep]) & (a.ndims == a.ndims[rep]) & (a.off == a.off[rep]).all(axis=1)
-    if not same.all():  # a hash collision: the items decide
-        return None
-    order = np.argsort(first, kind="stable")
-    number = np.empty_like(order)
-    number[order] = np.arange(len(order))
-    return number[inverse.reshape(-1)], first[order]
+def _row_numbers(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the first row of each distinct row, each row's number among them)."""
+    if not len(rows):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    lo, hi = rows.min(axis=0), rows.max(axis=0)
+    span = [int(h) - int(l) + 1 for l, h in zip(lo.tolist(), hi.tolist())]
+    if np.prod(np.array(span, dtype=float)) >= 2.0 ** 62:  # not one number per row
+        _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+        return first, inverse.reshape(-1)
+    code = np.zeros(len(rows), dtype=np.int64)
+    for d, n in enumerate(span):
+        code = code * n + (rows[:, d] - lo[d])
+    return _numbered(code, int(np.prod(np.array(span, dtype=object))))
+
+
+def _keys(a: _All) -> tuple[np.ndarray, np.ndarray]:
+    """(per item: the number of its (fqn, offset) key; per key: its first
+    item)."""
+    _, off_num = _row_numbers(np.concatenate([a.ndims[:, None], a.off], axis=1))
+    n_off = int(off_num.max()) + 1 if len(off_num) else 1
+    first, number = _numbered(a.fid * n_off + off_num, len(a.names) * n_off)
+    return number, first
 
 
 def _dedup(a: _All, key: np.ndarray, first: np.ndarray, lowest: bool) -> np.ndarray | None:
@@ -105,7 +110,8 @@ def _dedup(a: _All, key: np.ndarray, first: np.ndarray, lowest: bool) -> np.ndar
     twice in one plan."""
     keep = np.ones(len(key), dtype=bool)
     holders = np.bincount(key, minlength=len(first))
-    rows = np.flatnonzero(holders[key] > 1)
+    shared = holders[key] > 1
+    rows = np.flatnonzero(shared)
     if not len(rows):
         return keep
     rows = rows[np.argsort(key[rows], kind="stable")]  # each shared key's items, in plan order
@@ -117,22 +123,25 @@ def _dedup(a: _All, key: np.ndarray, first: np.ndarray, lowest: bool) -> np.ndar
     weight[a.kinds == _BYTE_IO] = 1
     reps = np.flatnonzero(holders > 1)
     ends = np.cumsum(holders[reps])
-    key_weight = weight[first]
-    key_weight[reps] = weight[rows[ends - 1]]  # DCP weighs a shared key by its last item
-    owner = a.rank[first]
+    rep_weight = weight[rows[ends - 1]]  # DCP weighs a shared key by its last item
+    starts = ends - holders[reps]
     plan_size = [0] * len(a.cols)
-    start = 0
-    for k, end, n in zip(reps.tolist(), ends.tolist(), holders[reps].tolist()):
-        if k > start:  # the keys of one plan visited before this one
-            acc = np.bincount(owner[start:k], weights=key_weight[start:k], minlength=len(a.cols))
+    done = 0  # items before this position are counted
+    lone = ~shared
+    for i in np.argsort(first[reps], kind="stable").tolist():  # DCP visits keys in the order first seen
+        at = int(first[reps[i]])
+        if at > done:  # the keys of one plan each, visited before this one
+            m = lone[done:at]
+            acc = np.zeros(len(a.cols), dtype=np.int64)
+            np.add.at(acc, a.rank[done:at][m], weight[done:at][m])
             for p in np.flatnonzero(acc).tolist():
                 plan_size[p] += int(acc[p])
-        items = rows[end - n:end]
+            done = at
+        items = rows[starts[i]:ends[i]]
         cands = set(a.rank[items].tolist())  # in rank order, as DCP's set
         sel = min(cands) if lowest else min(cands, key=plan_size.__getitem__)
-        plan_size[sel] += int(key_weight[k])
+        plan_size[sel] += int(rep_weight[i])
         keep[items[a.rank[items] != sel]] = False
-        start = k + 1
     return keep
 
 
@@ -146,8 +155,7 @@ def plan(all_plans: list[SavePlan], lowest: bool) -> tuple[list[SavePlan], Metad
     tensor = a.ndims >= 0
     if ((a.kinds == _BYTE_IO) == tensor).any():  # bytes with tensor data, or a tensor without
         return None
-    keys = _keys(a)
-    keep = None if keys is None else _dedup(a, *keys, lowest)
+    keep = _dedup(a, *_keys(a), lowest)
     if keep is None:
         return None
     kept = np.flatnonzero(keep)
@@ -208,34 +216,23 @@ def _numbered(code: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
     return first, inverse.reshape(-1)
 
 
-def _sizes(rows: np.ndarray, nds: np.ndarray) -> list:
-    """One ``torch.Size`` per row (its first ``nd`` numbers); equal rows
-    share one object."""
-    if not len(rows):
-        return []
-    packed = np.concatenate([nds[:, None], rows], axis=1)
-    lo, hi = packed.min(axis=0), packed.max(axis=0)
-    span = [int(h) - int(l) + 1 for l, h in zip(lo.tolist(), hi.tolist())]
-    if np.prod(np.array(span, dtype=float)) < 2.0 ** 62:  # each row as one number
-        code = np.zeros(len(packed), dtype=np.int64)
-        for d, n in enumerate(span):
-            code = code * n + (packed[:, d] - lo[d])
-        first, inverse = _numbered(code, int(np.prod(np.array(span, dtype=object))))
-        uniq = packed[first]
-    else:
-        uniq, inverse = np.unique(packed, axis=0, return_inverse=True)
-    made = np.empty(len(uniq), dtype=object)
-    made[:] = [torch.Size(u[1:1 + u[0]]) for u in uniq.tolist()]
-    return made[inverse.reshape(-1)].tolist()
+def _chunks(nds: np.ndarray, off: np.ndarray, ln: np.ndarray) -> np.ndarray:
+    """One ``ChunkStorageMetadata`` per row, as an object array; equal rows
+    share one (never mutated) object, as equal offsets and sizes share one
+    ``torch.Size``."""
+    first, number = _row_numbers(np.concatenate([nds[:, None], off, ln], axis=1))
+    made = np.empty(len(first), dtype=object)
+    chunk, size_of = _items.chunk, torch.Size
+    made[:] = [chunk(size_of(o[:n]), size_of(s[:n]))
+               for n, o, s in zip(nds[first].tolist(), off[first].tolist(), ln[first].tolist())]
+    return made[number]
 
 
 def _metadata(a: _All, kept: np.ndarray, fid: np.ndarray, by_name: np.ndarray, per_name: np.ndarray) -> Metadata:
     order = kept[by_name]  # the kept items, grouped by tensor, each group in plan order
     nds = a.ndims[order]
     t = nds >= 0
-    offs = _sizes(a.off[order[t]], nds[t])
-    lens = _sizes(a.len[order[t]], nds[t])
-    chunk = _items.chunk
+    chunks = _chunks(nds[t], a.off[order[t]], a.len[order[t]])
     first_at = np.cumsum(per_name) - per_name
     firsts = order[first_at[per_name > 0]]
     names_in_order = np.flatnonzero(per_name > 0)
@@ -254,8 +251,7 @@ def _metadata(a: _All, kept: np.ndarray, fid: np.ndarray, by_name: np.ndarray, p
             nd = int(a.ndims[first])
             groups[name] = TensorStorageMetadata(properties=c.table[int(c.props[local])],
                                                  size=torch.Size(a.size[first, :nd].tolist()),
-                                                 chunks=list(map(chunk, offs[pos:pos + count],
-                                                                 lens[pos:pos + count])))
+                                                 chunks=chunks[pos:pos + count].tolist())
             pos += count
     md = {a.names[name]: groups[name] for name in names_in_order[seen].tolist()}
     return Metadata(md)
