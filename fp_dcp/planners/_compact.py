@@ -90,8 +90,21 @@ def _unpack(packed: tuple[str, bytes]) -> list:
     return a.tolist()
 
 
+_last_split: tuple[str, list] = ("", [])
+
+
 def _fqns(joined: str, n: int) -> list:
-    return joined.split("\0") if n else []
+    """``joined`` split at NULs, as a new list.  The plans of a sharded
+    model name the same keys on every rank: the last split is copied."""
+    global _last_split
+    if not n:
+        return []
+    last = _last_split
+    if last[0] == joined:
+        return list(last[1])
+    names = joined.split("\0")
+    _last_split = (joined, names)
+    return list(names)
 
 
 class WriteColumns:
@@ -299,9 +312,18 @@ class ReadItems(list):
         return (list, (list(self),)) if cols is None else (_decode_read, cols)
 
 
+_last_mappings: tuple[str, dict] = ("", {})
+
+
 def _flat_mappings(keys: str, n: int) -> dict:
+    global _last_mappings
+    last = _last_mappings
+    if last[0] == keys:  # (the tuples are shared: immutable)
+        return dict(last[1])
     names = _fqns(keys, n)
-    return dict(zip(names, zip(names)))
+    out = dict(zip(names, zip(names)))
+    _last_mappings = (keys, out)
+    return dict(out)
 
 
 class FlatMappings(dict):
