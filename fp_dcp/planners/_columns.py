@@ -82,7 +82,7 @@ class _All:
 
 
 def _row_numbers(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the first row of each distinct row, each row's number among them)."""
+    """(one row of each distinct row, each row's number among them)."""
     if not len(rows):
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     lo, hi = rows.min(axis=0), rows.max(axis=0)
@@ -96,20 +96,18 @@ def _row_numbers(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _numbered(code, int(np.prod(np.array(span, dtype=object))))
 
 
-def _keys(a: _All) -> tuple[np.ndarray, np.ndarray]:
-    """(per item: the number of its (fqn, offset) key; per key: its first
-    item)."""
+def _keys(a: _All) -> np.ndarray:
+    """Per item: the number of its (fqn, offset) key."""
     _, off_num = _row_numbers(np.concatenate([a.ndims[:, None], a.off], axis=1))
     n_off = int(off_num.max()) + 1 if len(off_num) else 1
-    first, number = _numbered(a.fid * n_off + off_num, len(a.names) * n_off)
-    return number, first
+    return _numbered(a.fid * n_off + off_num, len(a.names) * n_off)[1]
 
 
-def _dedup(a: _All, key: np.ndarray, first: np.ndarray, lowest: bool) -> np.ndarray | None:
+def _dedup(a: _All, key: np.ndarray, lowest: bool) -> np.ndarray | None:
     """``dedup_save_plans`` as a mask of the items kept; None where a key is
     twice in one plan."""
     keep = np.ones(len(key), dtype=bool)
-    holders = np.bincount(key, minlength=len(first))
+    holders = np.bincount(key)
     shared = holders[key] > 1
     rows = np.flatnonzero(shared)
     if not len(rows):
@@ -128,8 +126,9 @@ def _dedup(a: _All, key: np.ndarray, first: np.ndarray, lowest: bool) -> np.ndar
     plan_size = [0] * len(a.cols)
     done = 0  # items before this position are counted
     lone = ~shared
-    for i in np.argsort(first[reps], kind="stable").tolist():  # DCP visits keys in the order first seen
-        at = int(first[reps[i]])
+    firsts = rows[starts]  # each shared key's first item
+    for i in np.argsort(firsts, kind="stable").tolist():  # DCP visits keys in the order first seen
+        at = int(firsts[i])
         if at > done:  # the keys of one plan each, visited before this one
             m = lone[done:at]
             acc = np.zeros(len(a.cols), dtype=np.int64)
@@ -155,7 +154,7 @@ def plan(all_plans: list[SavePlan], lowest: bool) -> tuple[list[SavePlan], Metad
     tensor = a.ndims >= 0
     if ((a.kinds == _BYTE_IO) == tensor).any():  # bytes with tensor data, or a tensor without
         return None
-    keep = _dedup(a, *_keys(a), lowest)
+    keep = _dedup(a, _keys(a), lowest)
     if keep is None:
         return None
     kept = np.flatnonzero(keep)
@@ -203,17 +202,21 @@ def _global_plans(all_plans: list[SavePlan], a: _All, kept: np.ndarray, hints: n
 
 
 def _numbered(code: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
-    """(the first row of each distinct value of ``code``, in value order;
-    each row's number among them) for codes in ``range(span)``."""
+    """(a row holding each distinct value of ``code``, in value order; each
+    row's number among them) for codes in ``range(span)``."""
     if span <= 4 * len(code) + 1024:  # a table, not a sort
-        first = np.full(span, len(code), dtype=np.int64)
-        np.minimum.at(first, code, np.arange(len(code)))
-        present = np.flatnonzero(first < len(code))
+        seen = np.zeros(span, dtype=bool)
+        seen[code] = True
+        present = np.flatnonzero(seen)
         number = np.empty(span, dtype=np.int64)
         number[present] = np.arange(len(present))
-        return first[present], number[code]
-    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
-    return first, inverse.reshape(-1)
+        number = number[code]
+    else:
+        present, number = np.unique(code, return_inverse=True)
+        number = number.reshape(-1)
+    some = np.empty(len(present), dtype=np.int64)
+    some[number] = np.arange(len(code))  # any row of each value will do
+    return some, number
 
 
 def _chunks(nds: np.ndarray, off: np.ndarray, ln: np.ndarray) -> np.ndarray:
