@@ -162,7 +162,7 @@ def test_dedup_global_plan_and_validation_equal_dcps(plans, lowest):
     deduped = dedup_save_plans(plans, lowest)
     ours, theirs = _global.global_plan(deduped), create_default_global_save_plan(deduped)
     assert repr(ours) == repr(theirs)
-    assert _global.validate(theirs[0], theirs[1]) == _validate_global_plan(theirs[0], theirs[1])
+    assert _global.validate(theirs[0], theirs[1]) == _global._errors(_validate_global_plan(theirs[0], theirs[1]))
     a = _outcome(lambda: FastPersistSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(plans))
     b = _outcome(lambda: DefaultSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(plans))
     assert a == b
@@ -238,7 +238,9 @@ def test_validation_finds_an_overlap_only_a_sweep_sees():
     plans = [SavePlan([_shard("g", o, s, size)]) for o, s in boxes]
     gp, md = _global.global_plan(plans)
     errors = _global.validate(gp, md)
-    assert errors == _validate_global_plan(gp, md) and any("overlapping" in e and "g" in e for e in errors)
+    assert errors == _global._errors(_validate_global_plan(gp, md))
+    if errors != [None]:  # a torch whose check has no text: DCP's "Failed to validate global plan"
+        assert any("overlapping" in e and "g" in e for e in errors)
 
 
 def test_fast_builders_match_the_constructors_on_this_torch():

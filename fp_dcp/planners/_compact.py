@@ -33,12 +33,13 @@ _NONE = -1
 
 
 def _props_key(p: TensorProperties) -> tuple:
-    return (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
+    return tuple(vars(p).values())  # every field this torch has (strides too, where it has them)
 
 
 def _encode_write(items: list) -> tuple | None:
     kinds, fqns, hints, ndims, flat, props = [], [], [], [], [], []
     table: dict[tuple, int] = {}
+    objs: list = []
     for it in items:
         if type(it) is not WriteItem or it.bytes_io_data is not None:
             return None
@@ -67,11 +68,12 @@ def _encode_write(items: list) -> tuple | None:
         pi = table.get(key)
         if pi is None:
             pi = table[key] = len(table)
+            objs.append(td.properties)
         props.append(pi)
     if any("\0" in f for f in fqns):
         return None
     return (bytes(kinds), "\0".join(fqns), _pack(hints), _pack(ndims), _pack(flat),
-            [TensorProperties(*k) for k in table], _pack(props))
+            objs, _pack(props))
 
 
 def _pack(ints: list) -> tuple[str, bytes]:
