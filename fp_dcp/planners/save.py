@@ -5,8 +5,9 @@ What changes is only how: a flat state dict is not walked
 (:mod:`fp_dcp.planners._flat`); a plain tensor's ``WriteItem`` is built
 directly, sharing one ``TensorProperties`` per kind of tensor
 (:mod:`fp_dcp.planners._items`: smaller plans to gather, too); the
-coordinator's dedup, global plan and validation run over columns
-(:mod:`fp_dcp.planners._global`).  DTensors, ShardedTensors and tensor
+coordinator plans from the gathered plans' columns without making their
+items (:mod:`fp_dcp.planners._columns`), or over the items where the
+columns cannot decide (:mod:`fp_dcp.planners._global`).  DTensors, ShardedTensors and tensor
 subclasses go through DCP's own per-item code.  DCP's plan caching
 (``enable_plan_caching=True``) works as with the default planner.
 
