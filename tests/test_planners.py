@@ -162,10 +162,72 @@ def test_dedup_global_plan_and_validation_equal_dcps(plans, lowest):
     deduped = dedup_save_plans(plans, lowest)
     ours, theirs = _global.global_plan(deduped), create_default_global_save_plan(deduped)
     assert repr(ours) == repr(theirs)
-    assert _global.validate(theirs[0], theirs[1]) == _validate_global_plan(theirs[0], theirs[1])
+    assert _global.validate(theirs[0], theirs[1]) == _global._errors(_validate_global_plan(theirs[0], theirs[1]))
     a = _outcome(lambda: FastPersistSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(plans))
     b = _outcome(lambda: DefaultSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(plans))
     assert a == b
+
+
+def _gathered(plans):
+    """The plans as the coordinator receives them from our local planners:
+    items pickled as columns, unpickled as columns not yet made into items."""
+    import pickle
+
+    from fp_dcp.planners import _compact
+
+    out = []
+    for p in plans:
+        items = _compact.WriteItems(p.items)
+        items.lazy = True
+        out.append(pickle.loads(pickle.dumps(dataclasses.replace(p, items=items))))
+    return out
+
+
+@_SETTINGS
+@given(plans=_sharded_plans(), lowest=st.booleans())
+def test_global_plan_from_columns_equals_dcps(plans, lowest):
+    """Planned from the gathered columns (no items made): the same global
+    plans (hints included), Metadata and validation errors as DCP's, and the
+    global plans pickle as columns that come back as those plans."""
+    import pickle
+
+    from fp_dcp.planners import _columns, _compact
+
+    gathered = _gathered(plans)
+    assert all(type(p.items) is _compact.WriteItems and p.items._cols is not None for p in gathered)
+    planned = _columns.plan(gathered, lowest)
+    deduped = dedup_save_plans(plans, lowest)
+    if planned is not None:
+        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+        theirs = create_default_global_save_plan(deduped)
+        assert repr(planned[:2]) == repr(theirs)
+        for p in planned[0]:
+            back = pickle.loads(pickle.dumps(p))
+            assert repr(back) == repr(p) and type(back.items) is _compact.WriteItems
+    gathered = _gathered(plans)
+    a = _outcome(lambda: FastPersistSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(gathered))
+    b = _outcome(lambda: DefaultSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(plans))
+    assert a == b
+
+
+def test_replicated_and_sharded_items_plan_from_columns():
+    """A key on every rank (dedup by planned bytes), shards of one tensor and
+    a scalar: planned from the columns, equal to DCP's."""
+    from fp_dcp.planners import _columns
+
+    plans = []
+    for r in range(3):
+        items = [_shard("w", [r * 2, 0], [2, 3], [6, 3]), _shard("rep", [0], [5], [5], WriteItemType.TENSOR),
+                 WriteItem(index=MetadataIndex("step"), type=WriteItemType.BYTE_IO)]
+        if r == 1:
+            items.append(_shard("big", [0, 0], [7, 7], [7, 7], WriteItemType.TENSOR))
+        plans.append(SavePlan(items))
+    for lowest in (False, True):
+        assert _columns.plan(_gathered(plans), lowest) is not None
+        a = _outcome(lambda: FastPersistSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(
+            _gathered(plans)))
+        assert a == _outcome(lambda: DefaultSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(plans))
 
 
 def test_validation_finds_an_overlap_only_a_sweep_sees():
@@ -176,7 +238,9 @@ def test_validation_finds_an_overlap_only_a_sweep_sees():
     plans = [SavePlan([_shard("g", o, s, size)]) for o, s in boxes]
     gp, md = _global.global_plan(plans)
     errors = _global.validate(gp, md)
-    assert errors == _validate_global_plan(gp, md) and any("overlapping" in e and "g" in e for e in errors)
+    assert errors == _global._errors(_validate_global_plan(gp, md))
+    if errors != [None]:  # a torch whose check has no text: DCP's "Failed to validate global plan"
+        assert any("overlapping" in e and "g" in e for e in errors)
 
 
 def test_fast_builders_match_the_constructors_on_this_torch():
@@ -502,3 +566,19 @@ def test_column_pickles_are_smaller_and_odd_items_pickle_as_lists():
     back = pickle.loads(pickle.dumps(odd))
     assert type(back) is list and repr(back) == repr(odd)
 
+
+
+def test_flat_mappings_pickle_as_their_keys_and_others_as_dicts():
+    import pickle
+
+    from fp_dcp.planners import _compact
+
+    flat = {f"layer{i}.w": (f"layer{i}.w",) for i in range(300)}
+    m = _compact.FlatMappings(flat)
+    back = pickle.loads(pickle.dumps(m))
+    assert type(back) is dict and back == flat and list(back) == list(flat)
+    assert len(pickle.dumps(m)) < len(pickle.dumps(flat)) / 2
+    assert pickle.loads(pickle.dumps(_compact.FlatMappings())) == {}
+    for odd in ({"a": ("b",)}, {"a.b": ("a", "b")}, {"a\0": ("a\0",)}, {1: (1,)}):
+        back = pickle.loads(pickle.dumps(_compact.FlatMappings(odd)))
+        assert type(back) is dict and back == odd

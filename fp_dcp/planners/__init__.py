@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
+from fp_dcp.planners import _stateful
 from fp_dcp.planners.load import FastPersistLoadPlanner
 from fp_dcp.planners.save import FastPersistSavePlanner
 
@@ -42,7 +43,9 @@ def _binds_default(module: Any, name: str) -> bool:
 
 def install_as_default(saved: dict[tuple[str, str], Any], module: Callable[[str], Any] | None = None) -> list[str]:
     """Make ``dcp.save`` / ``dcp.load`` use these planners when called without
-    one, by rebinding the names DCP makes its default planner from.  The
+    one, by rebinding the names DCP makes its default planner from, and
+    ``dcp.save`` copy the state dict without DCP's per-key debug logging
+    while nobody receives it (:mod:`fp_dcp.planners._stateful`).  The
     stock objects go into ``saved`` (``(module, name) -> object``, kept if
     already there) for the default-storage switch to restore.  Returns what
     was not installed (a torch that makes its default planner elsewhere):
@@ -56,4 +59,13 @@ def install_as_default(saved: dict[tuple[str, str], Any], module: Callable[[str]
             continue
         saved.setdefault((mod_name, name), getattr(mod, name))
         setattr(mod, name, ours)
+    # the copy of the state dict dcp.save makes before planning, without its per-key logging
+    mod_name, name = _stateful.NAME
+    mod = module(mod_name)
+    stock = saved.get((mod_name, name), getattr(mod, name, None))
+    if _stateful.installable(mod, stock):
+        saved.setdefault((mod_name, name), stock)
+        setattr(mod, name, _stateful.make(stock))
+    else:
+        skipped.append(f"{mod_name}.{name}")
     return skipped

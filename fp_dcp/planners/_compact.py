@@ -17,6 +17,7 @@ from __future__ import annotations
 import array
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItem, WriteItemType
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteIt
 from fp_dcp.gc_freeze import paused as gc_paused
 from fp_dcp.planners import _items
 
-__all__ = ["WriteItems", "ReadItems"]
+__all__ = ["WriteItems", "WriteColumns", "ReadItems", "FlatMappings"]
 
 _W_KINDS = list(WriteItemType)
 _R_KINDS = list(LoadItemType)
@@ -32,12 +33,13 @@ _NONE = -1
 
 
 def _props_key(p: TensorProperties) -> tuple:
-    return (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
+    return tuple(vars(p).values())  # every field this torch has (strides too, where it has them)
 
 
 def _encode_write(items: list) -> tuple | None:
     kinds, fqns, hints, ndims, flat, props = [], [], [], [], [], []
     table: dict[tuple, int] = {}
+    objs: list = []
     for it in items:
         if type(it) is not WriteItem or it.bytes_io_data is not None:
             return None
@@ -66,11 +68,12 @@ def _encode_write(items: list) -> tuple | None:
         pi = table.get(key)
         if pi is None:
             pi = table[key] = len(table)
+            objs.append(td.properties)
         props.append(pi)
     if any("\0" in f for f in fqns):
         return None
     return (bytes(kinds), "\0".join(fqns), _pack(hints), _pack(ndims), _pack(flat),
-            [TensorProperties(*k) for k in table], _pack(props))
+            objs, _pack(props))
 
 
 def _pack(ints: list) -> tuple[str, bytes]:
@@ -89,42 +92,155 @@ def _unpack(packed: tuple[str, bytes]) -> list:
     return a.tolist()
 
 
+_last_split: tuple[str, list] = ("", [])
+
+
 def _fqns(joined: str, n: int) -> list:
-    return joined.split("\0") if n else []
+    """``joined`` split at NULs, as a new list.  The plans of a sharded
+    model name the same keys on every rank: the last split is copied."""
+    global _last_split
+    if not n:
+        return []
+    last = _last_split
+    if last[0] == joined:
+        return list(last[1])
+    names = joined.split("\0")
+    _last_split = (joined, names)
+    return list(names)
+
+
+class WriteColumns:
+    """One plan's write items as columns: ``kinds`` (index into
+    ``WriteItemType``), ``fqns``, ``hints`` (-1: None), ``ndims`` (-1: no
+    tensor data), ``flat`` (per tensor item: offsets, sizes, global size),
+    ``starts`` (each item's place in ``flat``), ``table`` (the distinct
+    ``TensorProperties``) and ``props`` (index into it)."""
+
+    __slots__ = ("kinds", "fqns", "hints", "ndims", "flat", "starts", "table", "props")
+
+    def __init__(self, kinds: np.ndarray, fqns: list, hints: np.ndarray, ndims: np.ndarray, flat: np.ndarray,
+                 table: list, props: np.ndarray) -> None:
+        self.kinds, self.fqns, self.hints, self.ndims = kinds, fqns, hints, ndims
+        self.flat, self.table, self.props = flat, table, props
+        width = 3 * np.maximum(ndims, 0)
+        self.starts = np.cumsum(width) - width
+
+    @classmethod
+    def unpacked(cls, kinds: bytes, fqns: str, hints: tuple, ndims: tuple, flat: tuple, table: list,
+                 props: tuple) -> "WriteColumns":
+        return cls(np.frombuffer(kinds, dtype=np.uint8), _fqns(fqns, len(kinds)), _array(hints), _array(ndims),
+                   _array(flat), table, _array(props))
+
+    def packed(self) -> tuple:
+        return (self.kinds.astype(np.uint8).tobytes(), "\0".join(self.fqns), _pack_array(self.hints),
+                _pack_array(self.ndims), _pack_array(self.flat), self.table, _pack_array(self.props))
+
+    def items(self) -> list:
+        index, chunk, write_item, tensor_data = _items.index, _items.chunk, _items.write_item, _items.tensor_data
+        size_of = torch.Size
+        out = []
+        append = out.append
+        pos = 0
+        flat = self.flat.tolist()
+        table = self.table
+        with gc_paused():
+            for k, fqn, h, nd, pi in zip(self.kinds.tolist(), self.fqns, self.hints.tolist(), self.ndims.tolist(),
+                                         self.props.tolist()):
+                hint = None if h == _NONE else h
+                if nd == _NONE:
+                    append(write_item(index(fqn, None, hint), _W_KINDS[k], None))
+                    continue
+                off = size_of(flat[pos:pos + nd])
+                sizes = size_of(flat[pos + nd:pos + 2 * nd])
+                size = size_of(flat[pos + 2 * nd:pos + 3 * nd])
+                pos += 3 * nd
+                append(write_item(index(fqn, off, hint), _W_KINDS[k],
+                                  tensor_data(chunk(off, sizes), table[pi], size)))
+        return out
+
+
+def _array(packed: tuple[str, bytes]) -> np.ndarray:
+    return np.frombuffer(packed[1], dtype=np.dtype(packed[0])).astype(np.int64)
+
+
+def _pack_array(a: np.ndarray) -> tuple[str, bytes]:
+    lo, hi = (int(a.min()), int(a.max())) if len(a) else (0, 0)
+    for code, bound in (("b", 1 << 7), ("h", 1 << 15), ("i", 1 << 31)):
+        if -bound <= lo and hi < bound:
+            return code, a.astype(np.dtype(code)).tobytes()
+    return "q", a.astype(np.int64).tobytes()
 
 
 def _decode_write(kinds: bytes, fqns: str, hints: tuple, ndims: tuple, flat: tuple, table: list,
-                  props: tuple) -> "WriteItems":
-    index, chunk, write_item, tensor_data = _items.index, _items.chunk, _items.write_item, _items.tensor_data
-    size_of = torch.Size
-    out = WriteItems()
-    append = out.append
-    pos = 0
-    flat = _unpack(flat)
-    with gc_paused():
-        for k, fqn, h, nd, pi in zip(kinds, _fqns(fqns, len(kinds)), _unpack(hints), _unpack(ndims),
-                                     _unpack(props)):
-            hint = None if h == _NONE else h
-            if nd == _NONE:
-                append(write_item(index(fqn, None, hint), _W_KINDS[k], None))
-                continue
-            off = size_of(flat[pos:pos + nd])
-            sizes = size_of(flat[pos + nd:pos + 2 * nd])
-            size = size_of(flat[pos + 2 * nd:pos + 3 * nd])
-            pos += 3 * nd
-            append(write_item(index(fqn, off, hint), _W_KINDS[k], tensor_data(chunk(off, sizes), table[pi], size)))
-    return out
+                  props: tuple, lazy: bool = False) -> "WriteItems":
+    cols = WriteColumns.unpacked(kinds, fqns, hints, ndims, flat, table, props)
+    if lazy:  # a local plan on the coordinator: planned from its columns
+        out = WriteItems.of_columns(cols)
+        out.lazy = True
+        return out
+    return WriteItems(cols.items())
+
+
+def _filled(name: str) -> Any:
+    base = getattr(list, name)
+
+    def method(self: "WriteItems", *args: Any, **kwargs: Any) -> Any:
+        if self._cols is not None:
+            self._fill()
+        return base(self, *args, **kwargs)
+
+    method.__name__ = name
+    return method
 
 
 class WriteItems(list):
-    """A list of ``WriteItem`` that pickles as columns."""
+    """A list of ``WriteItem`` that pickles as columns.
+
+    One made by :meth:`of_columns` holds only the columns until something
+    reads it as a list (every list method makes the items first): the
+    coordinator plans a save from the columns of the gathered plans
+    (:mod:`fp_dcp.planners._columns`) without making millions of items.
+    ``lazy`` (set on a local plan): unpickled that way."""
+
+    _cols: WriteColumns | None = None
+    lazy = False
+
+    @classmethod
+    def of_columns(cls, cols: WriteColumns) -> "WriteItems":
+        out = cls()
+        out._cols = cols
+        return out
+
+    def columns(self) -> WriteColumns | None:
+        """The items as columns (None: they cannot be)."""
+        if self._cols is not None:
+            return self._cols
+        try:
+            packed = _encode_write(self)
+        except (OverflowError, TypeError):
+            return None
+        return None if packed is None else WriteColumns.unpacked(*packed)
+
+    def _fill(self) -> None:
+        cols, self._cols = self._cols, None
+        list.extend(self, cols.items())
 
     def __reduce__(self) -> Any:
+        if self._cols is not None:
+            return (_decode_write, (*self._cols.packed(), self.lazy))
         try:
             cols = _encode_write(self)
         except (OverflowError, TypeError):  # numbers beyond int64, or not numbers: an ordinary list
             cols = None
-        return (list, (list(self),)) if cols is None else (_decode_write, cols)
+        return (list, (list(self),)) if cols is None else (_decode_write, (*cols, self.lazy))
+
+
+for _name in ("__iter__", "__len__", "__getitem__", "__contains__", "__eq__", "__ne__", "__lt__", "__le__",
+              "__gt__", "__ge__", "__repr__", "__reversed__", "__add__", "__mul__", "__rmul__", "__iadd__",
+              "__imul__", "__setitem__", "__delitem__", "__sizeof__", "append", "extend", "insert", "pop",
+              "remove", "index", "count", "copy", "sort", "reverse", "clear"):
+    setattr(WriteItems, _name, _filled(_name))
+WriteItems.__hash__ = None  # type: ignore[assignment]
 
 
 def _encode_read(items: list) -> tuple | None:
@@ -196,3 +312,31 @@ class ReadItems(list):
         except (OverflowError, TypeError):  # numbers beyond int64, or not numbers: an ordinary list
             cols = None
         return (list, (list(self),)) if cols is None else (_decode_read, cols)
+
+
+_last_mappings: tuple[str, dict] = ("", {})
+
+
+def _flat_mappings(keys: str, n: int) -> dict:
+    global _last_mappings
+    last = _last_mappings
+    if last[0] == keys:  # (the tuples are shared: immutable)
+        return dict(last[1])
+    names = _fqns(keys, n)
+    out = dict(zip(names, zip(names)))
+    _last_mappings = (keys, out)
+    return dict(out)
+
+
+class FlatMappings(dict):
+    """A save plan's ``planner_data`` (DCP's flattening mappings): where every
+    key maps to ``(key,)`` (a flat state dict), pickled as the keys alone
+    and unpickled as the same plain dict; otherwise pickled as a dict."""
+
+    def __reduce__(self) -> Any:
+        if all(type(k) is str and type(v) is tuple and len(v) == 1 and type(v[0]) is str and v[0] == k
+               for k, v in self.items()):
+            joined = "\0".join(self)
+            if joined.count("\0") == max(len(self) - 1, 0):
+                return (_flat_mappings, (joined, len(self)))
+        return (dict, (dict(self),))

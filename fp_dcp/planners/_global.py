@@ -216,13 +216,23 @@ def _separated(kid: np.ndarray, off: np.ndarray, end: np.ndarray, multi: np.ndar
     return done
 
 
-def validate(all_plans: list[SavePlan], metadata: Metadata) -> list[str]:
+def validate(all_plans: list[SavePlan], metadata: Metadata,
+             found: tuple[bool, list[str]] | None = None) -> list[str]:
     """``_validate_global_plan(all_plans, metadata)``: the list of errors
-    (empty: valid)."""
+    (empty: valid).  ``found``: the checks' outcome, already made from the
+    plans' columns."""
     from torch.distributed.checkpoint.default_planner import _validate_global_plan
 
-    wrong, suspects = _suspects(metadata, len(all_plans))
+    wrong, suspects = found if found is not None else _suspects(metadata, len(all_plans))
     if not wrong and suspects:
         sub = Metadata({k: metadata.state_dict_metadata[k] for k in suspects})
-        wrong = bool(_validate_global_plan(all_plans, sub))
-    return _validate_global_plan(all_plans, metadata) if wrong else []
+        wrong = bool(_errors(_validate_global_plan(all_plans, sub)))
+    return _errors(_validate_global_plan(all_plans, metadata)) if wrong else []
+
+
+def _errors(found: Any) -> list:
+    """DCP's answer as a list of errors: a torch whose check answers only
+    valid (True) or not gives ``[None]`` for not (no text)."""
+    if isinstance(found, bool):
+        return [] if found else [None]
+    return found

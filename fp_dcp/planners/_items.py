@@ -53,6 +53,7 @@ def paused(method: Callable) -> Callable:
     return step
 _ZEROS: dict[int, torch.Size] = {}
 _PROPS: dict[tuple, TensorProperties] = {}
+_STRIDES = "strides" in {f.name for f in dataclasses.fields(TensorProperties)}  # a torch that records them
 
 
 def zeros(ndim: int) -> torch.Size:
@@ -66,7 +67,7 @@ def zeros(ndim: int) -> torch.Size:
 def properties(t: torch.Tensor) -> TensorProperties:
     """``TensorProperties.create_from_tensor(t)``, one shared (never mutated)
     object per distinct value: pickled once per message."""
-    key = (t.dtype, t.layout, t.requires_grad, t.is_pinned())
+    key = (t.dtype, t.layout, t.requires_grad, t.is_pinned(), t.stride() if _STRIDES else None)
     p = _PROPS.get(key)
     if p is None:
         p = _PROPS[key] = TensorProperties.create_from_tensor(t)

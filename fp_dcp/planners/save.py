@@ -5,8 +5,9 @@ What changes is only how: a flat state dict is not walked
 (:mod:`fp_dcp.planners._flat`); a plain tensor's ``WriteItem`` is built
 directly, sharing one ``TensorProperties`` per kind of tensor
 (:mod:`fp_dcp.planners._items`: smaller plans to gather, too); the
-coordinator's dedup, global plan and validation run over columns
-(:mod:`fp_dcp.planners._global`).  DTensors, ShardedTensors and tensor
+coordinator plans from the gathered plans' columns without making their
+items (:mod:`fp_dcp.planners._columns`), or over the items where the
+columns cannot decide (:mod:`fp_dcp.planners._global`).  DTensors, ShardedTensors and tensor
 subclasses go through DCP's own per-item code.  DCP's plan caching
 (``enable_plan_caching=True``) works as with the default planner.
 
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
-from fp_dcp.planners import _compact, _flat, _global, _items
+from fp_dcp.planners import _columns, _compact, _flat, _global, _items
 
 __all__ = ["FastPersistSavePlanner", "local_save_items", "CAPABILITIES"]
 
@@ -125,9 +126,11 @@ class FastPersistSavePlanner(DefaultSavePlanner):
             return super().create_local_plan()
         from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 
-        plan = SavePlan(_compact.WriteItems(local_save_items(self.state_dict)))  # gathered as columns
+        items = _compact.WriteItems(local_save_items(self.state_dict))
+        items.lazy = True  # gathered as columns, planned from them
+        plan = SavePlan(items)
         if self.flatten_state_dict:
-            plan = dataclasses.replace(plan, planner_data=self.mappings)
+            plan = dataclasses.replace(plan, planner_data=_compact.FlatMappings(self.mappings))
         self.plan = plan
         if self._enable_plan_caching:
             key = self._cached_plans_key
@@ -145,11 +148,20 @@ class FastPersistSavePlanner(DefaultSavePlanner):
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         if not CAPABILITIES["global_plan"]:
             return super()._create_global_plan(all_plans)
-        global_plan, metadata = _global.global_plan(self._dedup_save_plans(all_plans))
+        planned = _columns.plan(all_plans, self.dedup_save_to_lowest_rank)
+        if planned is None:
+            global_plan, metadata = _global.global_plan(self._dedup_save_plans(all_plans))
+        else:
+            global_plan, metadata, state = planned
         if self.flatten_state_dict:
             merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
             metadata = dataclasses.replace(metadata, planner_data=merged)
-        errors = _global.validate(global_plan, metadata)
+        if planned is None:
+            errors = _global.validate(global_plan, metadata)
+        else:
+            errors = _global.validate(global_plan, metadata, _columns.suspects(state, len(all_plans)))
+        if errors == [None]:  # as a torch whose check has no text says it
+            raise ValueError("Failed to validate global plan")
         if errors:
             summary = "; ".join(errors)
             if len(summary) > 500:

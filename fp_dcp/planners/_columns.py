@@ -1,0 +1,299 @@
+"""The coordinator's share of a save's planning (dedup, global plan,
+``Metadata``, validation), computed from the plans' columns.
+
+Every rank's local plan reaches the coordinator as columns
+(:class:`fp_dcp.planners._compact.WriteColumns`); :func:`plan` dedups and
+numbers them with numpy, hands the global plans back as columns (scattered as
+they are) and makes, as real objects, only the ``Metadata`` the storage
+writes.  The result equals what ``dedup_save_plans`` followed by
+``create_default_global_save_plan`` make.  It returns None where the
+plans hold anything it does not decide the way DCP does (an item without
+tensor data, a key twice in one plan, a non-shard key on several ranks
+after dedup, ...): the caller then plans from the items
+(:mod:`fp_dcp.planners._global`), which hands those to DCP's own code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+from fp_dcp.planners import _compact, _items
+
+__all__ = ["plan"]
+
+_W_KINDS = list(WriteItemType)
+_SHARD, _BYTE_IO = _W_KINDS.index(WriteItemType.SHARD), _W_KINDS.index(WriteItemType.BYTE_IO)
+
+
+class _All:
+    """Every plan's columns, concatenated (one row per item)."""
+
+    def __init__(self, cols: list[_compact.WriteColumns]) -> None:
+        self.cols = cols
+        self.counts = np.array([len(c.kinds) for c in cols], dtype=np.int64)
+        self.rank = np.repeat(np.arange(len(cols), dtype=np.int64), self.counts)
+        self.kinds = np.concatenate([c.kinds for c in cols]).astype(np.int64)
+        self.ndims = np.concatenate([c.ndims for c in cols])
+        self.fid = self._name_ids(cols)
+        self.width = max(int(self.ndims.max()) if len(self.ndims) else 0, 0)
+        n = len(self.kinds)
+        # per item: offsets, sizes and global size, padded with zeros
+        self.off, self.len, self.size = (np.zeros((n, self.width), dtype=np.int64) for _ in range(3))
+        flat = np.concatenate([c.flat for c in cols])
+        present = np.bincount(np.maximum(self.ndims, 0), minlength=1)
+        present[0] = 0
+        for nd in np.flatnonzero(present).tolist():
+            r = np.flatnonzero(self.ndims == nd)
+            if len(r) == int(np.count_nonzero(self.ndims > 0)):  # one kind of tensor: flat is its rows
+                block = flat.reshape(-1, 3 * nd)
+            else:
+                flat_base = np.cumsum([len(c.flat) for c in cols]) - np.array([len(c.flat) for c in cols])
+                starts = np.concatenate([c.starts + b for c, b in zip(cols, flat_base.tolist())])
+                block = flat[starts[r][:, None] + np.arange(3 * nd)]
+            self.off[r, :nd] = block[:, :nd]
+            self.len[r, :nd] = block[:, nd:2 * nd]
+            self.size[r, :nd] = block[:, 2 * nd:]
+        itemsizes = [np.array([p.dtype.itemsize for p in c.table] or [0], dtype=np.int64) for c in cols]
+        self.itemsize = np.concatenate([s[c.props.clip(0)] for s, c in zip(itemsizes, cols)]) if n else \
+            np.zeros(0, dtype=np.int64)
+
+    def _name_ids(self, cols: list[_compact.WriteColumns]) -> np.ndarray:
+        """Per item: the number of its fqn, numbered in the order first seen
+        (``self.names``).  A plan naming the same keys as the one before it
+        (every rank of a sharded model) reuses its numbers."""
+        ids: dict[str, int] = {}
+        out = []
+        last_fqns, last = None, None
+        for c in cols:
+            if c.fqns != last_fqns:
+                fresh = [f for f in dict.fromkeys(c.fqns) if f not in ids]
+                ids.update(zip(fresh, range(len(ids), len(ids) + len(fresh))))
+                last = np.fromiter(map(ids.__getitem__, c.fqns), dtype=np.int64, count=len(c.fqns))
+                last_fqns = c.fqns
+            out.append(last)
+        self.names = list(ids)
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+def _row_numbers(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(one row of each distinct row, each row's number among them)."""
+    if not len(rows):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    lo, hi = rows.min(axis=0), rows.max(axis=0)
+    span = [int(h) - int(l) + 1 for l, h in zip(lo.tolist(), hi.tolist())]
+    if np.prod(np.array(span, dtype=float)) >= 2.0 ** 62:  # not one number per row
+        _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+        return first, inverse.reshape(-1)
+    code = np.zeros(len(rows), dtype=np.int64)
+    for d, n in enumerate(span):
+        code = code * n + (rows[:, d] - lo[d])
+    return _numbered(code, int(np.prod(np.array(span, dtype=object))))
+
+
+def _keys(a: _All) -> np.ndarray:
+    """Per item: the number of its (fqn, offset) key."""
+    _, off_num = _row_numbers(np.concatenate([a.ndims[:, None], a.off], axis=1))
+    n_off = int(off_num.max()) + 1 if len(off_num) else 1
+    return _numbered(a.fid * n_off + off_num, len(a.names) * n_off)[1]
+
+
+def _dedup(a: _All, key: np.ndarray, lowest: bool) -> np.ndarray | None:
+    """``dedup_save_plans`` as a mask of the items kept; None where a key is
+    twice in one plan."""
+    keep = np.ones(len(key), dtype=bool)
+    holders = np.bincount(key)
+    shared = holders[key] > 1
+    rows = np.flatnonzero(shared)
+    if not len(rows):
+        return keep
+    rows = rows[np.argsort(key[rows], kind="stable")]  # each shared key's items, in plan order
+    ks, rs = key[rows], a.rank[rows]
+    if ((ks[1:] == ks[:-1]) & (rs[1:] == rs[:-1])).any():
+        return None
+    dims = np.arange(a.width) < a.ndims[:, None]
+    weight = np.maximum(np.prod(np.where(dims, a.size, 1), axis=1) * a.itemsize, 1)
+    weight[a.kinds == _BYTE_IO] = 1
+    reps = np.flatnonzero(holders > 1)
+    ends = np.cumsum(holders[reps])
+    rep_weight = weight[rows[ends - 1]]  # DCP weighs a shared key by its last item
+    starts = ends - holders[reps]
+    plan_size = [0] * len(a.cols)
+    done = 0  # items before this position are counted
+    lone = ~shared
+    firsts = rows[starts]  # each shared key's first item
+    for i in np.argsort(firsts, kind="stable").tolist():  # DCP visits keys in the order first seen
+        at = int(firsts[i])
+        if at > done:  # the keys of one plan each, visited before this one
+            m = lone[done:at]
+            acc = np.zeros(len(a.cols), dtype=np.int64)
+            np.add.at(acc, a.rank[done:at][m], weight[done:at][m])
+            for p in np.flatnonzero(acc).tolist():
+                plan_size[p] += int(acc[p])
+            done = at
+        items = rows[starts[i]:ends[i]]
+        cands = set(a.rank[items].tolist())  # in rank order, as DCP's set
+        sel = min(cands) if lowest else min(cands, key=plan_size.__getitem__)
+        plan_size[sel] += int(rep_weight[i])
+        keep[items[a.rank[items] != sel]] = False
+    return keep
+
+
+def plan(all_plans: list[SavePlan], lowest: bool) -> tuple[list[SavePlan], Metadata, Any] | None:
+    """(global plans, Metadata, per-item columns for validation) as DCP's
+    dedup and default global plan make them, or None."""
+    cols = [p.items.columns() if type(p.items) is _compact.WriteItems else None for p in all_plans]
+    if not cols or any(c is None for c in cols):
+        return None
+    a = _All(cols)
+    tensor = a.ndims >= 0
+    if ((a.kinds == _BYTE_IO) == tensor).any():  # bytes with tensor data, or a tensor without
+        return None
+    keep = _dedup(a, _keys(a), lowest)
+    if keep is None:
+        return None
+    kept = np.flatnonzero(keep)
+    fid = a.fid[kept]
+    n_names = len(a.names)
+    per_name = np.bincount(fid, minlength=n_names)
+    lone = np.zeros(n_names, dtype=bool)
+    lone[fid[a.kinds[kept] != _SHARD]] = True
+    if (lone & (per_name > 1)).any():  # DCP's global plan refuses it
+        return None
+    # index hints: each tensor item's place among its tensor's chunks
+    by_name = np.argsort(fid, kind="stable")
+    ends = np.cumsum(per_name)
+    place = np.empty(len(kept), dtype=np.int64)
+    place[by_name] = np.arange(len(kept)) - np.repeat(ends - per_name, per_name)
+    hints = np.concatenate([c.hints for c in cols])[kept]
+    tensor_kept = tensor[kept]
+    hints[tensor_kept] = place[tensor_kept]
+    first = np.full(n_names, -1, dtype=np.int64)
+    named = per_name > 0
+    first[named] = kept[by_name[(ends - per_name)[named]]]  # each key's first kept item
+    return _global_plans(all_plans, a, kept, hints), _metadata(a, kept, fid, by_name, per_name), (a, kept[by_name], first)
+
+
+def _global_plans(all_plans: list[SavePlan], a: _All, kept: np.ndarray, hints: np.ndarray) -> list[SavePlan]:
+    bounds = np.searchsorted(kept, np.cumsum(a.counts) - a.counts)
+    bounds = np.append(bounds, len(kept))
+    base = np.cumsum(a.counts) - a.counts
+    out = []
+    for r, (p, c) in enumerate(zip(all_plans, a.cols)):
+        rows = kept[bounds[r]:bounds[r + 1]] - base[r]
+        if len(rows) == len(c.kinds):
+            flat = c.flat
+            fqns = c.fqns
+        else:
+            nd = np.maximum(c.ndims[rows], 0)
+            at = np.repeat(c.starts[rows], 3 * nd) + (np.arange(int(3 * nd.sum())) -
+                                                       np.repeat(np.cumsum(3 * nd) - 3 * nd, 3 * nd))
+            flat = c.flat[at]
+            fqns = [c.fqns[i] for i in rows.tolist()]
+        new = _compact.WriteColumns(c.kinds[rows], fqns, hints[bounds[r]:bounds[r + 1]], c.ndims[rows], flat,
+                                    c.table, c.props[rows])
+        out.append(dataclasses.replace(p, items=_compact.WriteItems.of_columns(new)))
+    return out
+
+
+def _numbered(code: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
+    """(a row holding each distinct value of ``code``, in value order; each
+    row's number among them) for codes in ``range(span)``."""
+    if span <= 4 * len(code) + 1024:  # a table, not a sort
+        seen = np.zeros(span, dtype=bool)
+        seen[code] = True
+        present = np.flatnonzero(seen)
+        number = np.empty(span, dtype=np.int64)
+        number[present] = np.arange(len(present))
+        number = number[code]
+    else:
+        present, number = np.unique(code, return_inverse=True)
+        number = number.reshape(-1)
+    some = np.empty(len(present), dtype=np.int64)
+    some[number] = np.arange(len(code))  # any row of each value will do
+    return some, number
+
+
+def _chunks(nds: np.ndarray, off: np.ndarray, ln: np.ndarray) -> np.ndarray:
+    """One ``ChunkStorageMetadata`` per row, as an object array; equal rows
+    share one (never mutated) object, as equal offsets and sizes share one
+    ``torch.Size``."""
+    first, number = _row_numbers(np.concatenate([nds[:, None], off, ln], axis=1))
+    made = np.empty(len(first), dtype=object)
+    chunk, size_of = _items.chunk, torch.Size
+    made[:] = [chunk(size_of(o[:n]), size_of(s[:n]))
+               for n, o, s in zip(nds[first].tolist(), off[first].tolist(), ln[first].tolist())]
+    return made[number]
+
+
+def _metadata(a: _All, kept: np.ndarray, fid: np.ndarray, by_name: np.ndarray, per_name: np.ndarray) -> Metadata:
+    order = kept[by_name]  # the kept items, grouped by tensor, each group in plan order
+    nds = a.ndims[order]
+    t = nds >= 0
+    chunks = _chunks(nds[t], a.off[order[t]], a.len[order[t]])
+    first_at = np.cumsum(per_name) - per_name
+    firsts = order[first_at[per_name > 0]]
+    names_in_order = np.flatnonzero(per_name > 0)
+    # Metadata keeps the keys in the order the plans first name them
+    seen = np.argsort(by_name[first_at[per_name > 0]], kind="stable")
+    groups: dict[int, Any] = {}
+    base = np.cumsum(a.counts) - a.counts
+    pos = 0
+    for name, first in zip(names_in_order.tolist(), firsts.tolist()):
+        count = int(per_name[name])
+        if a.ndims[first] < 0:
+            groups[name] = BytesStorageMetadata()
+        else:
+            c = a.cols[int(a.rank[first])]
+            local = first - int(base[a.rank[first]])
+            nd = int(a.ndims[first])
+            groups[name] = TensorStorageMetadata(properties=c.table[int(c.props[local])],
+                                                 size=torch.Size(a.size[first, :nd].tolist()),
+                                                 chunks=chunks[pos:pos + count].tolist())
+            pos += count
+    md = {a.names[name]: groups[name] for name in names_in_order[seen].tolist()}
+    return Metadata(md)
+
+
+def suspects(state: Any, n_plans: int) -> tuple[bool, list[str]]:
+    """(whether validation certainly finds an error, keys whose chunks need
+    DCP's overlap sweep), from the columns :func:`plan` returned: the
+    checks of :func:`fp_dcp.planners._global.validate`."""
+    from fp_dcp.planners._global import _separated
+
+    a, grouped, first = state
+    t = grouped[a.ndims[grouped] >= 0]  # tensor items, grouped by key, each group in plan order
+    if not len(t):
+        return False, []
+    kid = a.fid[t]
+    nd_md = a.ndims[first[kid]]
+    if (a.ndims[t] != nd_md).any():  # a chunk with more or fewer dimensions than its tensor
+        return True, []
+    t, kid, nd = t[nd_md > 0], kid[nd_md > 0], nd_md[nd_md > 0]
+    if not len(t):
+        return False, []
+    size = a.size[first[kid]]
+    off, ln = a.off[t], a.len[t]
+    end = off + ln
+    if (off < 0).any() or (ln < 0).any() or (end > size).any():
+        return True, []
+    starts = np.flatnonzero(np.r_[True, kid[1:] != kid[:-1]])
+    counts = np.diff(np.r_[starts, len(kid)])
+    if n_plans > 1:
+        pad = np.arange(a.width) >= nd[:, None]
+        volume = np.add.reduceat(np.prod(np.where(pad, 1, ln), axis=1), starts)
+        tensor_volume = np.prod(np.where(pad, 1, size), axis=1)[starts]
+        if (volume != tensor_volume).any():
+            return True, []
+    multi = np.zeros(len(a.names), dtype=bool)
+    multi[kid[starts[counts > 1]]] = True
+    if not multi.any():
+        return False, []
+    end = np.where(np.arange(a.width) >= nd[:, None], 1, end)  # a missing dimension separates nothing
+    sep = _separated(kid, off, end, multi)
+    return False, [a.names[k] for k in np.flatnonzero(multi & ~sep).tolist()]
