@@ -63,7 +63,7 @@ def install_as_default(saved: dict[tuple[str, str], Any], module: Callable[[str]
     mod_name, name = _stateful.NAME
     mod = module(mod_name)
     stock = saved.get((mod_name, name), getattr(mod, name, None))
-    if _stateful.installable(mod, stock):
+    if stock is not None and _stateful.installable(mod, stock):
         saved.setdefault((mod_name, name), stock)
         setattr(mod, name, _stateful.make(stock))
     else:

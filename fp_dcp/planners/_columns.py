@@ -68,8 +68,9 @@ class _All:
         (``self.names``).  A plan naming the same keys as the one before it
         (every rank of a sharded model) reuses its numbers."""
         ids: dict[str, int] = {}
-        out = []
-        last_fqns, last = None, None
+        out: list[np.ndarray] = []
+        last_fqns: Any = None
+        last = np.zeros(0, dtype=np.int64)
         for c in cols:
             if c.fqns != last_fqns:
                 fresh = [f for f in dict.fromkeys(c.fqns) if f not in ids]
@@ -86,7 +87,7 @@ def _row_numbers(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if not len(rows):
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     lo, hi = rows.min(axis=0), rows.max(axis=0)
-    span = [int(h) - int(l) + 1 for l, h in zip(lo.tolist(), hi.tolist())]
+    span = [int(high) - int(low) + 1 for low, high in zip(lo.tolist(), hi.tolist())]
     if np.prod(np.array(span, dtype=float)) >= 2.0 ** 62:  # not one number per row
         _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
         return first, inverse.reshape(-1)
@@ -147,8 +148,9 @@ def _dedup(a: _All, key: np.ndarray, lowest: bool) -> np.ndarray | None:
 def plan(all_plans: list[SavePlan], lowest: bool) -> tuple[list[SavePlan], Metadata, Any] | None:
     """(global plans, Metadata, per-item columns for validation) as DCP's
     dedup and default global plan make them, or None."""
-    cols = [p.items.columns() if type(p.items) is _compact.WriteItems else None for p in all_plans]
-    if not cols or any(c is None for c in cols):
+    maybe = [p.items.columns() if type(p.items) is _compact.WriteItems else None for p in all_plans]
+    cols = [c for c in maybe if c is not None]
+    if not cols or len(cols) != len(maybe):
         return None
     a = _All(cols)
     tensor = a.ndims >= 0
@@ -176,7 +178,8 @@ def plan(all_plans: list[SavePlan], lowest: bool) -> tuple[list[SavePlan], Metad
     first = np.full(n_names, -1, dtype=np.int64)
     named = per_name > 0
     first[named] = kept[by_name[(ends - per_name)[named]]]  # each key's first kept item
-    return _global_plans(all_plans, a, kept, hints), _metadata(a, kept, fid, by_name, per_name), (a, kept[by_name], first)
+    plans, metadata = _global_plans(all_plans, a, kept, hints), _metadata(a, kept, fid, by_name, per_name)
+    return plans, metadata, (a, kept[by_name], first)
 
 
 def _global_plans(all_plans: list[SavePlan], a: _All, kept: np.ndarray, hints: np.ndarray) -> list[SavePlan]:

@@ -37,7 +37,12 @@ def _props_key(p: TensorProperties) -> tuple:
 
 
 def _encode_write(items: list) -> tuple | None:
-    kinds, fqns, hints, ndims, flat, props = [], [], [], [], [], []
+    kinds: list[int] = []
+    fqns: list[str] = []
+    hints: list = []
+    ndims: list[int] = []
+    flat: list[int] = []
+    props: list = []
     table: dict[tuple, int] = {}
     objs: list = []
     for it in items:
@@ -138,7 +143,7 @@ class WriteColumns:
     def items(self) -> list:
         index, chunk, write_item, tensor_data = _items.index, _items.chunk, _items.write_item, _items.tensor_data
         size_of = torch.Size
-        out = []
+        out: list = []
         append = out.append
         pos = 0
         flat = self.flat.tolist()
@@ -223,6 +228,7 @@ class WriteItems(list):
 
     def _fill(self) -> None:
         cols, self._cols = self._cols, None
+        assert cols is not None  # _fill runs only while the columns are held
         list.extend(self, cols.items())
 
     def __reduce__(self) -> Any:
@@ -280,23 +286,23 @@ def _decode_read(kinds: bytes, fqns: str, ints: tuple) -> "ReadItems":
     out = ReadItems()
     append = out.append
     pos = 0
-    ints = _unpack(ints)
+    values = _unpack(ints)
     with gc_paused():
         for k, fqn in zip(kinds, _fqns(fqns, len(kinds))):
-            nd, dh, sh = ints[pos], ints[pos + 1], ints[pos + 2]
+            nd, dh, sh = values[pos], values[pos + 1], values[pos + 2]
             pos += 3
-            offs = []
+            offs: list[torch.Size | None] = []
             for _ in range(2):
-                has = ints[pos]
+                has = values[pos]
                 pos += 1
                 if has:
-                    offs.append(size_of(ints[pos:pos + nd]))
+                    offs.append(size_of(values[pos:pos + nd]))
                     pos += nd
                 else:
                     offs.append(None)
-            dest = size_of(ints[pos:pos + nd])
-            stor = size_of(ints[pos + nd:pos + 2 * nd])
-            lengths = size_of(ints[pos + 2 * nd:pos + 3 * nd])
+            dest = size_of(values[pos:pos + nd])
+            stor = size_of(values[pos + nd:pos + 2 * nd])
+            lengths = size_of(values[pos + 2 * nd:pos + 3 * nd])
             pos += 3 * nd
             append(read_item(_R_KINDS[k], index(fqn, offs[0], None if dh == _NONE else dh), dest,
                              index(fqn, offs[1], None if sh == _NONE else sh), stor, lengths))

@@ -142,7 +142,7 @@ def _suspects(metadata: Metadata, n_plans: int) -> tuple[bool, list[str]]:
     overlap sweep)."""
     by_ndim: dict[int, tuple[list, list, list, list, list]] = {}
     for key, value in metadata.state_dict_metadata.items():
-        if type(value) is BytesStorageMetadata:
+        if not isinstance(value, TensorStorageMetadata):
             continue
         size = value.size
         nd = len(size)
@@ -168,19 +168,19 @@ def _suspects(metadata: Metadata, n_plans: int) -> tuple[bool, list[str]]:
         if set(map(len, offs)) != {nd} or set(map(len, lens)) != {nd}:
             return True, []  # a chunk with more or fewer dimensions than its tensor: DCP's checks decide
         try:
-            size = np.fromiter(flat(sizes), dtype=np.int64, count=len(keys) * nd).reshape(len(keys), nd)
+            shape = np.fromiter(flat(sizes), dtype=np.int64, count=len(keys) * nd).reshape(len(keys), nd)
             off = np.fromiter(flat(offs), dtype=np.int64, count=len(offs) * nd).reshape(-1, nd)
             ln = np.fromiter(flat(lens), dtype=np.int64, count=len(lens) * nd).reshape(-1, nd)
         except (ValueError, TypeError, OverflowError):  # not int64 numbers: DCP's checks decide
             return True, []
         kid = np.repeat(np.arange(len(keys)), counts)
         end = off + ln
-        if (off < 0).any() or (ln < 0).any() or (end > size[kid]).any():
+        if (off < 0).any() or (ln < 0).any() or (end > shape[kid]).any():
             return True, []
         if n_plans > 1:
             volume = np.zeros(len(keys), dtype=np.int64)
             np.add.at(volume, kid, np.prod(ln, axis=1))
-            if (volume != np.prod(size, axis=1)).any():
+            if (volume != np.prod(shape, axis=1)).any():
                 return True, []
         multi = counts > 1
         if multi.any():

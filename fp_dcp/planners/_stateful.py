@@ -72,7 +72,8 @@ def _nobody_listens() -> bool:
     from torch.distributed.checkpoint import logger as dcp_logger
 
     lg = dcp_logger._dcp_logger
-    return (type(lg) is logging.Logger and not lg.propagate and not lg.filters and all(type(h) is logging.NullHandler for h in lg.handlers))
+    quiet = all(type(h) is logging.NullHandler for h in lg.handlers)
+    return type(lg) is logging.Logger and not lg.propagate and not lg.filters and quiet
 
 
 def make(stock: Callable[[dict], dict]) -> Callable[[dict], dict]:

@@ -11,7 +11,7 @@ per-item code.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -48,13 +48,12 @@ def local_read_items(state_dict: dict[str, Any], metadata: Metadata, strict: boo
         md = sdm.get(fqn)
         if md is None:
             if fqn in sdm:  # an entry that is None: DCP's own code says what is wrong
-                items += _create_read_items(fqn, md, obj)
+                items += _create_read_items(fqn, cast(Any, md), obj)
                 continue
             if strict:
                 raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
             continue
-        tmd = isinstance(md, TensorStorageMetadata)
-        if tmd and getattr(obj, "size", None) is not None and md.size != obj.size():
+        if isinstance(md, TensorStorageMetadata) and getattr(obj, "size", None) is not None and md.size != obj.size():
             raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
         if type(md) is BytesStorageMetadata and not isinstance(obj, DTensor):
             append(read_item(_BYTE_IO, index(fqn, None, None), zero1, index(fqn, None, None), zero1, zero1))

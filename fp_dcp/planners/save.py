@@ -91,6 +91,7 @@ def local_save_items(state_dict: dict[str, Any]) -> list:
             items += made
             if len(made) == 1 and type(local) in _PLAIN_TENSORS and made[0].type == _SHARD:
                 td = made[0].tensor_data
+                assert td is not None  # a SHARD item carries its tensor data
                 boxes[key] = (td.chunk.offsets, td.chunk.sizes, td.size)
         elif isinstance(obj, DTensor):
             if obj.device_mesh.get_coordinate() is not None:
