@@ -61,15 +61,16 @@ def _bounded_dataclass(base: type[DataclassInstance], budget: _Budget) -> type:
     created empty, then given only its own fields (``__setstate__``), then
     turned into a plain ``base`` object."""
     fields = frozenset(base.__dataclass_fields__)
+    sizes = (5, 6) if "strides" in fields else (5,)
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         raise pickle.UnpicklingError(f"the metadata calls {base.__name__}(...) itself, which DCP never writes")
 
     def __setstate__(self: Any, state: Any) -> None:
-        if hasattr(base, "__setstate__"):  # TensorProperties: a 5-tuple
-            if type(state) is not tuple or len(state) != 5:
+        if hasattr(base, "__setstate__"):  # TensorProperties: a 5-tuple, or 6 with the strides where torch has them
+            if type(state) is not tuple or len(state) not in sizes or (len(state) == 6 and not _strides(state[5])):
                 raise pickle.UnpicklingError(f"malformed {base.__name__} state")
-            budget.charge(len(state))
+            budget.charge(len(state) + (len(state[5] or ()) if len(state) == 6 else 0))
             object.__setattr__(self, "__class__", base)
             base.__setstate__(self, state)
             return
@@ -80,6 +81,11 @@ def _bounded_dataclass(base: type[DataclassInstance], budget: _Budget) -> type:
         vars(self).update(state)
 
     return type(base.__name__, (base,), {"__slots__": (), "__init__": __init__, "__setstate__": __setstate__})
+
+
+def _strides(value: Any) -> bool:
+    """Whether ``value`` is what a ``TensorProperties`` records as its strides."""
+    return value is None or (type(value) in (tuple, list, torch.Size) and all(type(v) is int for v in value))
 
 
 class _MemoryFormatCode:
