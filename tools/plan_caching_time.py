@@ -38,17 +38,60 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _planners(kind: str, caching: bool):
+# the steps --phases stamps (each one's start and end), in DCP's order
+_SAVE_STEPS = ("set_up_planner", "set_up_storage_writer", "create_local_plan", "prepare_local_plan",
+               "create_global_plan", "prepare_global_plan", "finish_plan", "write_data")
+_LOAD_STEPS = ("read_metadata", "set_up_planner", "set_up_storage_reader", "create_local_plan",
+               "prepare_local_plan", "create_global_plan", "prepare_global_plan", "finish_plan", "read_data")
+
+
+def _stamped(cls: type, steps: tuple, stamps: dict) -> type:
+    """``cls`` with each of ``steps`` recording its start and end time in
+    ``stamps`` (the latest call's)."""
+    import functools
+
+    def wrap(name):
+        fn = getattr(cls, name)
+
+        @functools.wraps(fn)
+        def step(self, *args, **kwargs):
+            stamps[name + "<"] = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                stamps[name + ">"] = time.perf_counter()
+        return step
+
+    return type(cls.__name__, (cls,), {n: wrap(n) for n in steps if hasattr(cls, n)})
+
+
+def _phases(stamps: dict, steps: tuple, t0: float) -> dict:
+    """Seconds per step and between steps (the gaps: DCP's own code and its
+    collectives), from the call at ``t0``."""
+    out: dict = {}
+    last, last_name = t0, "call"
+    for n in steps:
+        if n + "<" not in stamps:
+            continue
+        out[f"{last_name}..{n}"] = stamps[n + "<"] - last
+        out[n] = stamps[n + ">"] - stamps[n + "<"]
+        last, last_name = stamps[n + ">"], n
+    return out
+
+
+def _planners(kind: str, caching: bool, stamps: dict | None = None):
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
     from fp_dcp.planners import FastPersistLoadPlanner, FastPersistSavePlanner
 
-    if kind == "fp":
-        return FastPersistSavePlanner(enable_plan_caching=caching), FastPersistLoadPlanner()
-    return DefaultSavePlanner(enable_plan_caching=caching), DefaultLoadPlanner()
+    save, load = (FastPersistSavePlanner, FastPersistLoadPlanner) if kind == "fp" else \
+        (DefaultSavePlanner, DefaultLoadPlanner)
+    if stamps is not None:
+        save, load = _stamped(save, _SAVE_STEPS, stamps["save"]), _stamped(load, _LOAD_STEPS, stamps["load"])
+    return save(enable_plan_caching=caching), load()
 
 
-def _rank(rank, world_size, root, n_tensors, saves, caching, kind):
+def _rank(rank, world_size, root, n_tensors, saves, caching, kind, phases=False):
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -87,9 +130,13 @@ def _rank(rank, world_size, root, n_tensors, saves, caching, kind):
     g = torch.Generator().manual_seed(0)
     sd = {f"layer{i // 8}.p{i % 8}": torch.randn(256, generator=g) for i in range(n_tensors)}
     sd["shared_embed"] = torch.randn(1024, 256, generator=torch.Generator().manual_seed(1))
+    stamps: dict = {"save": {}, "load": {}}
+    if phases:
+        TimedWriter = _stamped(TimedWriter, _SAVE_STEPS, stamps["save"])  # noqa: N806
+        TimedReader = _stamped(TimedReader, _LOAD_STEPS, stamps["load"])  # noqa: N806
     out = []
     for s in range(saves):
-        save_planner, load_planner = _planners(kind, caching)
+        save_planner, load_planner = _planners(kind, caching, stamps if phases else None)
         w = TimedWriter(os.path.join(root, f"s{s}"))
         w.t_ours = 0.0
         dist.barrier()
@@ -109,19 +156,22 @@ def _rank(rank, world_size, root, n_tensors, saves, caching, kind):
             "load_planning_s": r.t_read - t2, "load_s": t3 - t2,
             "save_plan_bytes": len(pickle.dumps(w.sent)), "load_plan_bytes": len(pickle.dumps(r.sent)),
             "dcp_cached": w.last_plan.get("dcp_cached"),
+            **({"save_phases": _phases(stamps["save"], _SAVE_STEPS, t0),
+                "load_phases": _phases(stamps["load"], _LOAD_STEPS, t2)} if phases else {}),
         })
     return out
 
 
-def real_ranks(ranks: list[int], n_tensors: int, saves: int, kinds: list[str]) -> dict:
+def real_ranks(ranks: list[int], n_tensors: int, saves: int, kinds: list[str], cachings: tuple = (False, True),
+               phases: bool = False) -> dict:
     from tests._dist import run_ranks
 
     results: dict = {}
     for ws in ranks:
-        for caching in (False, True):
+        for caching in cachings:
             for kind in kinds:
                 with tempfile.TemporaryDirectory() as d:
-                    res = run_ranks(ws, _rank, d, n_tensors, saves, caching, kind, timeout=1800)[0]
+                    res = run_ranks(ws, _rank, d, n_tensors, saves, caching, kind, phases, timeout=1800)[0]
                 results[f"{ws}r/{'caching' if caching else 'no_caching'}/{kind}"] = res
                 for i, r in enumerate(res):
                     print(f"ranks={ws} caching={caching!s:5} planners={kind:3} save {i + 1}: "
@@ -129,6 +179,9 @@ def real_ranks(ranks: list[int], n_tensors: int, saves: int, kinds: list[str]) -
                           f"load planning {r['load_planning_s'] * 1e3:7.1f} ms, plans sent "
                           f"{r['save_plan_bytes'] / 1e6:.2f} / {r['load_plan_bytes'] / 1e6:.2f} MB, "
                           f"dcp_cached={r['dcp_cached']}", flush=True)
+                    for op in ("save", "load") if phases else ():
+                        print(f"    {op} phases on the coordinator (ms): " + ", ".join(
+                            f"{k} {v * 1e3:.1f}" for k, v in r[f"{op}_phases"].items()), flush=True)
     return results
 
 
@@ -200,11 +253,16 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--planners", default="dcp,fp", help="comma list from: dcp (DCP's defaults), fp (fp_dcp's)")
     ap.add_argument("--simulate", default="", help="comma list of RANKSxITEMS, e.g. 64x1000,1024x2000")
+    ap.add_argument("--caching", default="off,on", help="comma list from: off, on (DCP's plan caching)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also print the coordinator's time per planning step and between steps")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     kinds = [k for k in args.planners.split(",") if k]
     ranks = [int(r) for r in args.ranks.split(",") if int(r) > 0]
-    results: dict = {"real": real_ranks(ranks, args.tensors, args.saves, kinds) if ranks else {}, "simulated": []}
+    cachings = tuple({"off": False, "on": True}[c] for c in args.caching.split(",") if c)
+    results: dict = {"real": real_ranks(ranks, args.tensors, args.saves, kinds, cachings, args.phases) if ranks else {},
+                     "simulated": []}
     for spec in [s for s in args.simulate.split(",") if s]:
         world, items = (int(x) for x in spec.lower().split("x"))
         for kind in kinds:
