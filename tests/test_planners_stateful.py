@@ -16,6 +16,7 @@ from torch.distributed.checkpoint import logger as dcp_logger
 
 import fp_dcp
 from fp_dcp.planners import _stateful
+from torch.distributed.checkpoint.stateful import Stateful
 
 STOCK = saver._stateful_to_state_dict
 
@@ -116,3 +117,59 @@ def test_the_switch_installs_it_and_puts_dcps_back(tmp_path):
     finally:
         fp_dcp.restore_default()
     assert saver._stateful_to_state_dict is STOCK
+
+
+def _odd_values():
+    """Values whose Stateful answer is easy to get wrong."""
+    class Registered:  # a virtual subclass: Stateful without the methods
+        pass
+
+    Stateful.register(Registered)
+    odd = torch.zeros(2)
+    odd.state_dict = lambda: {}  # instance attributes make a plain tensor Stateful
+    odd.load_state_dict = lambda sd: None
+    half = torch.zeros(2)
+    half.state_dict = lambda: {}  # one of the two methods: not Stateful
+    blocked = torch.zeros(2)
+    blocked.state_dict = None  # a method set to None blocks the protocol
+    blocked.load_state_dict = lambda sd: None
+
+    class Sub(torch.Tensor):
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, sd):
+            pass
+
+    return [torch.ones(3), torch.nn.Parameter(torch.ones(2)), 3, 0.5, True, "s", b"b", None, odd, half, blocked,
+            torch.zeros(1).as_subclass(Sub), Registered(), torch.nn.Linear(2, 2), {"a": 1}, [1], _Box("x", [])]
+
+
+def test_quick_stateful_answers_as_the_protocol():
+    quick = _stateful.quick_stateful(Stateful)
+    for v in _odd_values():
+        assert isinstance(v, quick) is isinstance(v, Stateful), v
+        assert issubclass(type(v), quick) is issubclass(type(v), Stateful), type(v)
+
+
+def test_a_planner_installs_both_and_the_switch_puts_dcps_back(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict_loader as loader
+
+    from fp_dcp.planners import FastPersistLoadPlanner, FastPersistSavePlanner
+
+    try:
+        FastPersistSavePlanner()
+        assert saver._stateful_to_state_dict is not STOCK and loader.Stateful is not Stateful
+        assert loader.Stateful.__wrapped_stock__ is Stateful
+        sd = {"w": torch.arange(6.0), "box": _Box("box", []), "step": 4}
+        dcp.save(sd, checkpoint_id=str(tmp_path / "c"), planner=FastPersistSavePlanner(), no_dist=True)
+        back = {"w": torch.zeros(6), "box": _Box("box", []), "step": 0}
+        dcp.load(back, checkpoint_id=str(tmp_path / "c"), planner=FastPersistLoadPlanner(), no_dist=True)
+        assert torch.equal(back["w"], sd["w"]) and back["step"] == 4
+        fp_dcp.use_as_default()  # over the planners' installation: keeps DCP's own objects to restore
+        fp_dcp.restore_default()
+        assert saver._stateful_to_state_dict is STOCK and loader.Stateful is Stateful
+    finally:
+        saver._stateful_to_state_dict = STOCK
+        loader.Stateful = Stateful

@@ -10,6 +10,11 @@ plans, global plans and ``Metadata`` as ``DefaultSavePlanner`` /
 switch on (``fp_dcp.use_as_default()``, ``FP_DCP_DEFAULT_STORAGE=1``,
 ``python -m fp_dcp.launch``), ``dcp.save`` / ``dcp.load`` called without a
 planner use them; a planner passed explicitly is used as given.
+
+Making one of these planners also makes ``dcp.save`` copy the state dict
+without DCP's per-key debug records while nobody receives them, and
+``dcp.load`` check values against ``Stateful`` faster: the same results,
+the same ``state_dict()`` calls (:mod:`fp_dcp.planners._stateful`).
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ def install_as_default(saved: dict[tuple[str, str], Any], module: Callable[[str]
     """Make ``dcp.save`` / ``dcp.load`` use these planners when called without
     one, by rebinding the names DCP makes its default planner from, and
     ``dcp.save`` copy the state dict without DCP's per-key debug logging
-    while nobody receives it (:mod:`fp_dcp.planners._stateful`).  The
+    while nobody receives it and ``dcp.load`` check for ``Stateful``
+    values quickly (:mod:`fp_dcp.planners._stateful`).  The
     stock objects go into ``saved`` (``(module, name) -> object``, kept if
     already there) for the default-storage switch to restore.  Returns what
     was not installed (a torch that makes its default planner elsewhere):
@@ -59,13 +65,7 @@ def install_as_default(saved: dict[tuple[str, str], Any], module: Callable[[str]
             continue
         saved.setdefault((mod_name, name), getattr(mod, name))
         setattr(mod, name, ours)
-    # the copy of the state dict dcp.save makes before planning, without its per-key logging
-    mod_name, name = _stateful.NAME
-    mod = module(mod_name)
-    stock = saved.get((mod_name, name), getattr(mod, name, None))
-    if stock is not None and _stateful.installable(mod, stock):
-        saved.setdefault((mod_name, name), stock)
-        setattr(mod, name, _stateful.make(stock))
-    else:
-        skipped.append(f"{mod_name}.{name}")
+    # the copy of the state dict dcp.save makes before planning, without its
+    # per-key logging, and dcp.load's protocol check, made quick
+    skipped += _stateful.install(saved, module)
     return skipped

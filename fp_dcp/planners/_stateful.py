@@ -1,5 +1,6 @@
-"""DCP's ``_stateful_to_state_dict`` without its per-key logging, for the
-default-storage switch.
+"""DCP's ``_stateful_to_state_dict`` without its per-key logging, and a
+faster ``isinstance(value, Stateful)`` for ``dcp.load``: installed by the
+default-storage switch and by fp_dcp's planners.
 
 Before any planner runs, ``dcp.save`` / ``dcp.async_save`` copy the state
 dict through ``_stateful_to_state_dict``: per key it builds a log message
@@ -15,20 +16,30 @@ protocol only where the answer is not known from the value's type.
 :func:`installable` says whether the installed torch's function is the one
 this replaces (its source and its logger's, compared with the known text),
 and whether ``save`` / ``async_save`` find it by its module-level name.
+
+``dcp.load`` checks every value with ``isinstance(value, Stateful)``, a
+runtime protocol check of tens of microseconds.  :func:`quick_stateful`
+gives the same answer for a plain tensor or scalar in a fraction of that
+(the protocol's own steps, minus the attribute look-ups that cannot
+succeed), and asks the protocol for anything else.
 """
 
 from __future__ import annotations
 
+import abc
 import hashlib
+import importlib
 import inspect
 import logging
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["installable", "make", "NAME"]
+__all__ = ["installable", "make", "NAME", "LOAD_NAME", "quick_stateful", "install"]
 
 NAME = ("state_dict_saver", "_stateful_to_state_dict")
+# where dcp.load finds the protocol it checks every value against
+LOAD_NAME = ("state_dict_loader", "Stateful")
 
 # sha256 of the source of DCP's _stateful_to_state_dict and of the logging
 # it goes through (the same text in torch 2.10 to 2.15).
@@ -97,3 +108,71 @@ def make(stock: Callable[[dict], dict]) -> Callable[[dict], dict]:
 
     _stateful_to_state_dict.__wrapped_stock__ = stock  # type: ignore[attr-defined]
     return _stateful_to_state_dict
+
+
+def quick_stateful(stateful: Any) -> type:
+    """A stand-in for DCP's ``Stateful`` protocol: ``isinstance`` and
+    ``issubclass`` answer as with ``stateful``."""
+    plain = _NEVER | _TENSORS
+    abc_check = abc.ABCMeta.__instancecheck__
+
+    class _Meta(type):
+        def __instancecheck__(cls, obj: Any) -> bool:
+            t = type(obj)
+            # the protocol's answer when the value has no state_dict at all,
+            # neither on its type nor its own (getattr_static's look-up)
+            if t in plain and "state_dict" not in getattr(obj, "__dict__", ()) \
+                    and not any("state_dict" in vars(k) for k in t.__mro__):
+                return abc_check(stateful, obj)
+            return isinstance(obj, stateful)
+
+        def __subclasscheck__(cls, sub: Any) -> bool:
+            return issubclass(sub, stateful)
+
+    return _Meta("Stateful", (), {"__doc__": stateful.__doc__, "__module__": __name__,
+                                  "__wrapped_stock__": stateful})
+
+
+def _ours(obj: Any) -> bool:
+    return getattr(obj, "__wrapped_stock__", None) is not None
+
+
+def install(saved: dict[tuple[str, str], Any] | None = None, module: Callable[[str], Any] | None = None) -> list[str]:
+    """Install the state-dict copy without logging in ``dcp.save`` and the
+    quick protocol check in ``dcp.load`` (each where the installed torch is
+    the one they replace); idempotent.  ``saved``: where to keep DCP's own
+    objects (kept if already there) for the caller to restore.  Returns the
+    names not installed."""
+    module = module or (lambda name: importlib.import_module(f"torch.distributed.checkpoint.{name}"))
+    skipped = []
+    for (mod_name, name), fits, replacement in ((NAME, _save_fits, make), (LOAD_NAME, _load_fits, quick_stateful)):
+        try:
+            mod = module(mod_name)
+        except ImportError:
+            skipped.append(f"{mod_name}.{name}")
+            continue
+        current = getattr(mod, name, None)
+        stock = getattr(current, "__wrapped_stock__", current)
+        if stock is None or not fits(mod, stock):
+            skipped.append(f"{mod_name}.{name}")
+            continue
+        if saved is not None:
+            saved.setdefault((mod_name, name), stock)
+        if not _ours(current):
+            setattr(mod, name, replacement(stock))
+    return skipped
+
+
+def _save_fits(mod: Any, stock: Any) -> bool:
+    return installable(mod, stock)
+
+
+def _load_fits(mod: Any, stock: Any) -> bool:
+    """Whether ``stock`` is DCP's ``Stateful`` and ``dcp.load`` looks it up
+    by its module-level name."""
+    try:
+        from torch.distributed.checkpoint.stateful import Stateful
+
+        return stock is Stateful and LOAD_NAME[1] in inspect.unwrap(mod.load).__code__.co_names
+    except (AttributeError, ImportError, TypeError):
+        return False

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
-from fp_dcp.planners import _compact, _flat, _items
+from fp_dcp.planners import _compact, _flat, _items, _stateful
 
 __all__ = ["FastPersistLoadPlanner", "local_read_items", "CAPABILITIES"]
 
@@ -79,6 +79,10 @@ class FastPersistLoadPlanner(DefaultLoadPlanner):
 
         dcp.load(state_dict, storage_reader=..., planner=FastPersistLoadPlanner())
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _stateful.install()  # dcp.save's state-dict copy and dcp.load's Stateful check, faster
 
     @_items.paused
     def set_up_planner(

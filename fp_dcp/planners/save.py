@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
-from fp_dcp.planners import _columns, _compact, _flat, _global, _items
+from fp_dcp.planners import _columns, _compact, _flat, _global, _items, _stateful
 
 __all__ = ["FastPersistSavePlanner", "local_save_items", "CAPABILITIES"]
 
@@ -107,6 +107,10 @@ class FastPersistSavePlanner(DefaultSavePlanner):
 
         dcp.save(state_dict, storage_writer=..., planner=FastPersistSavePlanner())
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _stateful.install()  # dcp.save's state-dict copy and dcp.load's Stateful check, faster
 
     @_items.paused
     def set_up_planner(
