@@ -582,3 +582,33 @@ def test_flat_mappings_pickle_as_their_keys_and_others_as_dicts():
     for odd in ({"a": ("b",)}, {"a.b": ("a", "b")}, {"a\0": ("a\0",)}, {1: (1,)}):
         back = pickle.loads(pickle.dumps(_compact.FlatMappings(odd)))
         assert type(back) is dict and back == odd
+
+
+def test_load_plans_pass_the_coordinator_as_columns_and_come_back_as_sent():
+    """A gathered load plan is passed on as the columns it came as (no
+    items made); one that comes back to the process that sent it is made of
+    the items sent; any other is decoded, equal field for field."""
+    import pickle
+
+    from fp_dcp.planners import _compact
+
+    sd = {f"layer{i}.w": torch.zeros(4, 3) for i in range(50)}
+    sd["step"] = 3
+    p = FastPersistSavePlanner()
+    p.set_up_planner(sd, None, True)
+    _, md = p.create_global_plan([p.create_local_plan()])
+    lp = FastPersistLoadPlanner()
+    lp.set_up_planner(dict(sd), md, True)
+    plan = lp.create_local_plan()
+    sent = pickle.dumps(plan)
+    at_coordinator = pickle.loads(sent)
+    assert at_coordinator.items._cols is not None
+    scattered = [pickle.dumps(x) for x in DefaultLoadPlanner().create_global_plan([at_coordinator])]
+    assert scattered == [sent] and at_coordinator.items._cols is not None
+    back = pickle.loads(scattered[0])
+    assert repr(back) == repr(plan) and all(a is b for a, b in zip(back.items, plan.items, strict=True))
+    _compact._last_sent = None  # another process's plan: decoded
+    other = pickle.loads(scattered[0])
+    assert repr(other) == repr(plan) and not any(a is b for a, b in zip(other.items, plan.items))
+    other.items.append(other.items[0])  # a plain list once read
+    assert len(other.items) == len(plan.items) + 1 and type(other.items) is _compact.ReadItems

@@ -179,23 +179,30 @@ def _pack_array(a: np.ndarray) -> tuple[str, bytes]:
 def _decode_write(kinds: bytes, fqns: str, hints: tuple, ndims: tuple, flat: tuple, table: list,
                   props: tuple, lazy: bool = False) -> "WriteItems":
     cols = WriteColumns.unpacked(kinds, fqns, hints, ndims, flat, table, props)
-    if lazy:  # a local plan on the coordinator: planned from its columns
-        out = WriteItems.of_columns(cols)
-        out.lazy = True
-        return out
-    return WriteItems(cols.items())
+    # made into items when first read as a list: a global plan's items are
+    # not read by a storage that keeps the rank's local items (fp_dcp's)
+    out = WriteItems.of_columns(cols)
+    out.lazy = lazy  # a local plan on the coordinator: planned from its columns
+    return out
 
 
 def _filled(name: str) -> Any:
     base = getattr(list, name)
 
-    def method(self: "WriteItems", *args: Any, **kwargs: Any) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._cols is not None:
             self._fill()
         return base(self, *args, **kwargs)
 
     method.__name__ = name
     return method
+
+
+# every list method that reads or changes the items: each fills them in first
+_LIST_METHODS = ("__iter__", "__len__", "__getitem__", "__contains__", "__eq__", "__ne__", "__lt__", "__le__",
+                 "__gt__", "__ge__", "__repr__", "__reversed__", "__add__", "__mul__", "__rmul__", "__iadd__",
+                 "__imul__", "__setitem__", "__delitem__", "__sizeof__", "append", "extend", "insert", "pop",
+                 "remove", "index", "count", "copy", "sort", "reverse", "clear")
 
 
 class WriteItems(list):
@@ -241,10 +248,7 @@ class WriteItems(list):
         return (list, (list(self),)) if cols is None else (_decode_write, (*cols, self.lazy))
 
 
-for _name in ("__iter__", "__len__", "__getitem__", "__contains__", "__eq__", "__ne__", "__lt__", "__le__",
-              "__gt__", "__ge__", "__repr__", "__reversed__", "__add__", "__mul__", "__rmul__", "__iadd__",
-              "__imul__", "__setitem__", "__delitem__", "__sizeof__", "append", "extend", "insert", "pop",
-              "remove", "index", "count", "copy", "sort", "reverse", "clear"):
+for _name in _LIST_METHODS:
     setattr(WriteItems, _name, _filled(_name))
 WriteItems.__hash__ = None  # type: ignore[assignment]
 
@@ -280,10 +284,10 @@ def _encode_read(items: list) -> tuple | None:
     return (bytes(kinds), "\0".join(fqns), _pack(ints))
 
 
-def _decode_read(kinds: bytes, fqns: str, ints: tuple) -> "ReadItems":
+def _read_items(kinds: bytes, fqns: str, ints: tuple) -> list:
     index, read_item = _items.index, _items.read_item
     size_of = torch.Size
-    out = ReadItems()
+    out: list = []
     append = out.append
     pos = 0
     values = _unpack(ints)
@@ -309,15 +313,49 @@ def _decode_read(kinds: bytes, fqns: str, ints: tuple) -> "ReadItems":
     return out
 
 
+# (columns, items) of the last ReadItems this process pickled: a plan that
+# comes back unchanged (DCP's default global load plan) is those items again
+_last_sent: tuple[tuple, tuple] | None = None
+
+
+def _decode_read(kinds: bytes, fqns: str, ints: tuple) -> "ReadItems":
+    out = ReadItems()
+    out._cols = (kinds, fqns, ints)  # made into items when first read as a list
+    return out
+
+
 class ReadItems(list):
-    """A list of ``ReadItem`` that pickles as columns."""
+    """A list of ``ReadItem`` that pickles as columns.  Unpickled, it holds
+    the columns until something reads it as a list (the coordinator of a
+    load passes the gathered plans on unread); a plan that comes back to
+    the process that sent it, unchanged, is made of the items it sent
+    (frozen objects, equal field for field)."""
+
+    _cols: tuple | None = None
+
+    def _fill(self) -> None:
+        cols, self._cols = self._cols, None
+        assert cols is not None  # _fill runs only while the columns are held
+        last = _last_sent
+        list.extend(self, last[1] if last is not None and last[0] == cols else _read_items(*cols))
 
     def __reduce__(self) -> Any:
+        global _last_sent
+        if self._cols is not None:
+            return (_decode_read, self._cols)
         try:
             cols = _encode_read(self)
         except (OverflowError, TypeError):  # numbers beyond int64, or not numbers: an ordinary list
             cols = None
-        return (list, (list(self),)) if cols is None else (_decode_read, cols)
+        if cols is None:
+            return (list, (list(self),))
+        _last_sent = (cols, tuple(self))
+        return (_decode_read, cols)
+
+
+for _name in _LIST_METHODS:
+    setattr(ReadItems, _name, _filled(_name))
+ReadItems.__hash__ = None  # type: ignore[assignment]
 
 
 _last_mappings: tuple[str, dict] = ("", {})
