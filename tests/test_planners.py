@@ -211,6 +211,25 @@ def test_global_plan_from_columns_equals_dcps(plans, lowest):
     assert a == b
 
 
+@_SETTINGS
+@given(plans=_sharded_plans(), lowest=st.booleans())
+def test_dedup_without_its_table_equals_dcps(plans, lowest):
+    """The dedup's way for many shared keys x ranks (one-rank items counted
+    as the visit reaches them) keeps the items DCP's keeps."""
+    from fp_dcp.planners import _columns
+
+    was = _columns.TABLE_CELLS
+    _columns.TABLE_CELLS = 0
+    try:
+        planned = _columns.plan(_gathered(plans), lowest)
+    finally:
+        _columns.TABLE_CELLS = was
+    if planned is not None:
+        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+        assert repr(planned[:2]) == repr(create_default_global_save_plan(dedup_save_plans(plans, lowest)))
+
+
 def test_replicated_and_sharded_items_plan_from_columns():
     """A key on every rank (dedup by planned bytes), shards of one tensor and
     a scalar: planned from the columns, equal to DCP's."""

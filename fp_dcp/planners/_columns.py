@@ -28,6 +28,7 @@ from fp_dcp.planners import _compact, _items
 __all__ = ["plan"]
 
 _W_KINDS = list(WriteItemType)
+TABLE_CELLS = 1 << 22  # the most shared keys x ranks the dedup counts in one table
 _SHARD, _BYTE_IO = _W_KINDS.index(WriteItemType.SHARD), _W_KINDS.index(WriteItemType.BYTE_IO)
 
 
@@ -122,26 +123,50 @@ def _dedup(a: _All, key: np.ndarray, lowest: bool) -> np.ndarray | None:
     weight[a.kinds == _BYTE_IO] = 1
     reps = np.flatnonzero(holders > 1)
     ends = np.cumsum(holders[reps])
-    rep_weight = weight[rows[ends - 1]]  # DCP weighs a shared key by its last item
     starts = ends - holders[reps]
-    plan_size = [0] * len(a.cols)
-    done = 0  # items before this position are counted
-    lone = ~shared
+    rep_weight = weight[rows[ends - 1]].tolist()  # DCP weighs a shared key by its last item
     firsts = rows[starts]  # each shared key's first item
-    for i in np.argsort(firsts, kind="stable").tolist():  # DCP visits keys in the order first seen
-        at = int(firsts[i])
-        if at > done:  # the keys of one plan each, visited before this one
-            m = lone[done:at]
-            acc = np.zeros(len(a.cols), dtype=np.int64)
-            np.add.at(acc, a.rank[done:at][m], weight[done:at][m])
-            for p in np.flatnonzero(acc).tolist():
-                plan_size[p] += int(acc[p])
-            done = at
-        items = rows[starts[i]:ends[i]]
-        cands = set(a.rank[items].tolist())  # in rank order, as DCP's set
-        sel = min(cands) if lowest else min(cands, key=plan_size.__getitem__)
-        plan_size[sel] += int(rep_weight[i])
-        keep[items[a.rank[items] != sel]] = False
+    visit = np.argsort(firsts, kind="stable")  # DCP visits keys in the order first seen
+    # the bytes of the one-rank items each rank holds before each shared key's first item
+    lone_w = np.where(shared, 0, weight)
+    lone_before = None
+    if len(reps) * len(a.cols) <= TABLE_CELLS:  # one row per shared key, one column per rank
+        cum = np.concatenate([[0], np.cumsum(lone_w)])
+        base = np.cumsum(a.counts) - a.counts
+        at = np.clip(firsts[:, None], base, base + a.counts)
+        lone_before = cum[at] - cum[base]
+    held = a.rank[rows].tolist()
+    starts_l, ends_l, firsts_l = starts.tolist(), ends.tolist(), firsts.tolist()
+    assigned = [0] * len(a.cols)
+    sel_of = np.empty(len(reps), dtype=np.int64)
+    if lone_before is None:  # many keys x ranks: the one-rank items counted as the visit reaches them
+        plan_size = assigned
+        done = 0
+        for i in visit.tolist():
+            at_i = firsts_l[i]
+            if at_i > done:
+                m = ~shared[done:at_i]
+                acc = np.zeros(len(a.cols), dtype=np.int64)
+                np.add.at(acc, a.rank[done:at_i][m], weight[done:at_i][m])
+                for p in np.flatnonzero(acc).tolist():
+                    plan_size[p] += int(acc[p])
+                done = at_i
+            cands = set(held[starts_l[i]:ends_l[i]])  # in rank order, as DCP's set
+            sel = min(cands) if lowest else min(cands, key=plan_size.__getitem__)
+            plan_size[sel] += rep_weight[i]
+            sel_of[i] = sel
+    else:
+        lone = lone_before.tolist()
+        for i in visit.tolist():
+            cands = set(held[starts_l[i]:ends_l[i]])  # in rank order, as DCP's set
+            if lowest:
+                sel = min(cands)
+            else:
+                before = lone[i]
+                sel = min(cands, key=lambda p: assigned[p] + before[p])  # noqa: B023 - used at once
+            assigned[sel] += rep_weight[i]
+            sel_of[i] = sel
+    keep[rows] = a.rank[rows] == np.repeat(sel_of, holders[reps])
     return keep
 
 
