@@ -631,3 +631,35 @@ def test_load_plans_pass_the_coordinator_as_columns_and_come_back_as_sent():
     assert repr(other) == repr(plan) and not any(a is b for a, b in zip(other.items, plan.items))
     other.items.append(other.items[0])  # a plain list once read
     assert len(other.items) == len(plan.items) + 1 and type(other.items) is _compact.ReadItems
+
+
+def test_tensor_reads_of_held_columns_are_those_of_the_items():
+    """``ReadItems.tensor_reads``: the same items, whether the columns are
+    still held (only those decoded), came back to their sender, or were
+    made into items; index offsets and hints of every kind."""
+    import pickle
+
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    from fp_dcp.planners import _compact
+
+    def item(kind, fqn, nd, off, hint):
+        z, s = torch.Size([1] * nd), torch.Size(range(2, 2 + nd))
+        return ReadItem(type=kind, dest_index=MetadataIndex(fqn, z if off else None, hint), dest_offsets=z,
+                        storage_index=MetadataIndex(fqn, None if off else z, None), storage_offsets=z, lengths=s)
+
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    items = [item(LoadItemType.TENSOR if i % 5 else LoadItemType.BYTE_IO, f"k{i}", i % 4, i % 2, i % 3 or None)
+             for i in range(40)]
+    want = [r for r in items if r.type == LoadItemType.TENSOR and len(r.lengths) >= 2]
+    sent = pickle.dumps(_compact.ReadItems(items))
+    _compact._last_sent = None
+    held = pickle.loads(sent)
+    got = held.tensor_reads(2)
+    assert held._cols is not None and repr(got) == repr(want) and not any(a is b for a, b in zip(got, want))
+    assert repr(held.tensor_reads(0)) == repr([r for r in items if r.type == LoadItemType.TENSOR])
+    assert repr(list(held)) == repr(items) and repr(held.tensor_reads(2)) == repr(want)
+    pickle.dumps(_compact.ReadItems(items))  # sent by this process: its own items back
+    back = pickle.loads(sent)
+    assert all(a is b for a, b in zip(back.tensor_reads(2), want, strict=True))

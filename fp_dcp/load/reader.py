@@ -31,6 +31,7 @@ from fp_dcp.load.sharing.plan import MachineInfo, SharePlan, plan_sharing
 from fp_dcp.load.sharing.rounds import SharedReads
 from fp_dcp.load.sharing.transport import machine_id, transfer_device
 from fp_dcp.options import FastPersistOptions
+from fp_dcp.planners._compact import ReadItems
 
 __all__ = ["FastPersistReader", "read_checkpoint_metadata"]
 
@@ -416,6 +417,10 @@ class FastPersistReader(StorageReader):
             )
             return None
         assert self._items is not None
+        if not opts.share_replicated_reads:
+            # only reads of two or more dimensions can be interleaved: the
+            # rest make no shared unit, and are not looked at (nor decoded)
+            plans = [dataclasses.replace(p, items=_interleavable(p.items)) for p in plans]
         return plan_sharing(plans, self.state_dict_metadata, self._items.chunk_sizes,
                             budget=opts.read_buffer_budget_bytes, interleave=interleave,
                             interleave_auto=opts.share_interleaved_reads is None,
@@ -432,3 +437,10 @@ class FastPersistReader(StorageReader):
         if not (dist.is_available() and dist.is_initialized()):
             return None
         return share
+
+
+def _interleavable(items: list) -> list:
+    """The tensor reads of two or more dimensions among ``items``."""
+    if isinstance(items, ReadItems):
+        return items.tensor_reads(2)
+    return [r for r in items if r.type == LoadItemType.TENSOR and len(r.lengths) >= 2]

@@ -254,61 +254,84 @@ WriteItems.__hash__ = None  # type: ignore[assignment]
 
 
 def _encode_read(items: list) -> tuple | None:
-    kinds, fqns, ints = [], [], []
+    """(kinds, fqns, ndims, hints (dest, storage per item), whether each
+    index has an offset (2 per item), the numbers: per item the index
+    offsets it has, then dest offsets, storage offsets, lengths)."""
+    kinds: list[int] = []
+    fqns: list[str] = []
+    nds: list[int] = []
+    hints: list[int] = []
+    has: list[int] = []
+    flat: list[int] = []
+    kind_of = {k: i for i, k in enumerate(_R_KINDS)}
     for it in items:
         if type(it) is not ReadItem:
             return None
         d, s = it.dest_index, it.storage_index
         if d.fqn != s.fqn:
             return None
-        nd = len(it.lengths)
-        kinds.append(_R_KINDS.index(it.type))
-        fqns.append(d.fqn)
-        parts = (d.offset, s.offset, it.dest_offsets, it.storage_offsets)
-        if any(p is not None and len(p) != nd for p in parts):
+        lengths = it.lengths
+        nd = len(lengths)
+        do, so = d.offset, s.offset
+        if len(it.dest_offsets) != nd or len(it.storage_offsets) != nd or \
+                (do is not None and len(do) != nd) or (so is not None and len(so) != nd):
             return None
-        ints.append(nd)
-        ints.append(_NONE if d.index is None else d.index)
-        ints.append(_NONE if s.index is None else s.index)
-        for p in parts[:2]:  # index offsets may be None
-            if p is None:
-                ints.append(0)
-            else:
-                ints.append(1)
-                ints += p
-        ints += it.dest_offsets
-        ints += it.storage_offsets
-        ints += it.lengths
+        kinds.append(kind_of[it.type])
+        fqns.append(d.fqn)
+        nds.append(nd)
+        hints.append(_NONE if d.index is None else d.index)
+        hints.append(_NONE if s.index is None else s.index)
+        if do is None:
+            has.append(0)
+        else:
+            has.append(1)
+            flat += do
+        if so is None:
+            has.append(0)
+        else:
+            has.append(1)
+            flat += so
+        flat += it.dest_offsets
+        flat += it.storage_offsets
+        flat += lengths
     if any("\0" in f for f in fqns):
         return None
-    return (bytes(kinds), "\0".join(fqns), _pack(ints))
+    return (bytes(kinds), "\0".join(fqns), _pack(nds), _pack(hints), bytes(has), _pack(flat))
 
 
-def _read_items(kinds: bytes, fqns: str, ints: tuple) -> list:
+def _read_items(kinds: bytes, fqns: str, nds: tuple, hints: tuple, has: bytes, flat: tuple,
+                rows: list | None = None) -> list:
+    """The items (``rows``: only those, in that order)."""
     index, read_item = _items.index, _items.read_item
     size_of = torch.Size
+    names = _fqns(fqns, len(kinds))
+    nd_l, hint_l, values = _unpack(nds), _unpack(hints), _unpack(flat)
+    starts = None
+    if rows is not None:
+        nd_a = np.array(nd_l, dtype=np.int64)
+        has_a = np.frombuffer(has, dtype=np.uint8).reshape(-1, 2).sum(axis=1, dtype=np.int64)
+        width = nd_a * (has_a + 3)
+        starts = (np.cumsum(width) - width).tolist()
     out: list = []
     append = out.append
     pos = 0
-    values = _unpack(ints)
     with gc_paused():
-        for k, fqn in zip(kinds, _fqns(fqns, len(kinds))):
-            nd, dh, sh = values[pos], values[pos + 1], values[pos + 2]
-            pos += 3
-            offs: list[torch.Size | None] = []
-            for _ in range(2):
-                has = values[pos]
-                pos += 1
-                if has:
-                    offs.append(size_of(values[pos:pos + nd]))
+        for i in range(len(kinds)) if rows is None else rows:
+            if starts is not None:
+                pos = starts[i]
+            nd = nd_l[i]
+            offs: list[torch.Size | None] = [None, None]
+            for j in (0, 1):
+                if has[2 * i + j]:
+                    offs[j] = size_of(values[pos:pos + nd])
                     pos += nd
-                else:
-                    offs.append(None)
             dest = size_of(values[pos:pos + nd])
             stor = size_of(values[pos + nd:pos + 2 * nd])
             lengths = size_of(values[pos + 2 * nd:pos + 3 * nd])
             pos += 3 * nd
-            append(read_item(_R_KINDS[k], index(fqn, offs[0], None if dh == _NONE else dh), dest,
+            dh, sh = hint_l[2 * i], hint_l[2 * i + 1]
+            fqn = names[i]
+            append(read_item(_R_KINDS[kinds[i]], index(fqn, offs[0], None if dh == _NONE else dh), dest,
                              index(fqn, offs[1], None if sh == _NONE else sh), stor, lengths))
     return out
 
@@ -316,11 +339,12 @@ def _read_items(kinds: bytes, fqns: str, ints: tuple) -> list:
 # (columns, items) of the last ReadItems this process pickled: a plan that
 # comes back unchanged (DCP's default global load plan) is those items again
 _last_sent: tuple[tuple, tuple] | None = None
+_TENSOR_KIND = _R_KINDS.index(LoadItemType.TENSOR)
 
 
-def _decode_read(kinds: bytes, fqns: str, ints: tuple) -> "ReadItems":
+def _decode_read(*cols: Any) -> "ReadItems":
     out = ReadItems()
-    out._cols = (kinds, fqns, ints)  # made into items when first read as a list
+    out._cols = cols  # made into items when first read as a list
     return out
 
 
@@ -338,6 +362,24 @@ class ReadItems(list):
         assert cols is not None  # _fill runs only while the columns are held
         last = _last_sent
         list.extend(self, last[1] if last is not None and last[0] == cols else _read_items(*cols))
+
+    def tensor_reads(self, min_ndim: int) -> list:
+        """The tensor items of at least ``min_ndim`` dimensions, in order;
+        where the columns are still held, only those are made."""
+        cols = self._cols
+        if cols is None:
+            return [r for r in self if r.type == LoadItemType.TENSOR and len(r.lengths) >= min_ndim]
+        if self._sent_back():
+            self._fill()
+            return self.tensor_reads(min_ndim)
+        kind_a = np.frombuffer(cols[0], dtype=np.uint8)
+        rows = np.flatnonzero((kind_a == _TENSOR_KIND) & (_array(cols[2]) >= min_ndim)).tolist()
+        kinds_b, fqns_s, nds, hints, has, flat = cols
+        return _read_items(kinds_b, fqns_s, nds, hints, has, flat, rows) if rows else []
+
+    def _sent_back(self) -> bool:
+        last = _last_sent
+        return last is not None and last[0] == self._cols
 
     def __reduce__(self) -> Any:
         global _last_sent
