@@ -16,6 +16,7 @@ after dedup, ...): the caller then plans from the items
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import numpy as np
@@ -217,12 +218,11 @@ def _global_plans(all_plans: list[SavePlan], a: _All, kept: np.ndarray, hints: n
         if len(rows) == len(c.kinds):
             flat = c.flat
             fqns = c.fqns
-        else:
-            nd = np.maximum(c.ndims[rows], 0)
-            at = np.repeat(c.starts[rows], 3 * nd) + (np.arange(int(3 * nd.sum())) -
-                                                       np.repeat(np.cumsum(3 * nd) - 3 * nd, 3 * nd))
-            flat = c.flat[at]
-            fqns = [c.fqns[i] for i in rows.tolist()]
+        else:  # the rank's items dedup moved to other ranks left out
+            mask = np.zeros(len(c.kinds), dtype=bool)
+            mask[rows] = True
+            flat = c.flat[np.repeat(mask, 3 * np.maximum(c.ndims, 0))]
+            fqns = list(itertools.compress(c.fqns, mask.tolist()))
         new = _compact.WriteColumns(c.kinds[rows], fqns, hints[bounds[r]:bounds[r + 1]], c.ndims[rows], flat,
                                     c.table, c.props[rows])
         out.append(dataclasses.replace(p, items=_compact.WriteItems.of_columns(new)))

@@ -153,13 +153,16 @@ def install(saved: dict[tuple[str, str], Any] | None = None, module: Callable[[s
             continue
         current = getattr(mod, name, None)
         stock = getattr(current, "__wrapped_stock__", current)
+        if _ours(current):  # installed already (checked then)
+            if saved is not None:
+                saved.setdefault((mod_name, name), stock)
+            continue
         if stock is None or not fits(mod, stock):
             skipped.append(f"{mod_name}.{name}")
             continue
         if saved is not None:
             saved.setdefault((mod_name, name), stock)
-        if not _ours(current):
-            setattr(mod, name, replacement(stock))
+        setattr(mod, name, replacement(stock))
     return skipped
 
 
