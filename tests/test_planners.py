@@ -663,3 +663,45 @@ def test_tensor_reads_of_held_columns_are_those_of_the_items():
     pickle.dumps(_compact.ReadItems(items))  # sent by this process: its own items back
     back = pickle.loads(sent)
     assert all(a is b for a, b in zip(back.tensor_reads(2), want, strict=True))
+
+
+def test_sharing_plan_from_interleavable_reads_equals_the_whole_plans():
+    """The reader's coordinator plans shared reads from the reads of two or
+    more dimensions only (decoded alone from held columns): the same
+    sharing plan as from every read."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as Chunk
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from fp_dcp.load.reader import _interleavable
+    from fp_dcp.load.sharing.plan import MachineInfo, plan_sharing
+    from fp_dcp.planners import _compact
+
+    props = TensorProperties.create_from_tensor(torch.zeros(1))
+    z2, z1 = torch.Size([0, 0]), torch.Size([0])
+    md = {"m": TensorStorageMetadata(props, torch.Size([8, 40]), [Chunk(z2, torch.Size([8, 40]))]),
+          "v": TensorStorageMetadata(props, torch.Size([40]), [Chunk(z1, torch.Size([40]))]),
+          "step": BytesStorageMetadata()}
+
+    def reads(r):
+        cols = torch.Size([0, 20 * r])
+        return [ReadItem(LoadItemType.TENSOR, MetadataIndex("m", cols, 0), z2, MetadataIndex("m", z2, 0), cols,
+                         torch.Size([8, 20])),
+                ReadItem(LoadItemType.TENSOR, MetadataIndex("v", z1, 0), z1, MetadataIndex("v", z1, 0), z1,
+                         torch.Size([40])),
+                ReadItem(LoadItemType.BYTE_IO, MetadataIndex("step"), z1, MetadataIndex("step"), z1, z1)]
+
+    def sizes(fqn, chunk):
+        return list(md[fqn].chunks[0].sizes), torch.float32
+
+    plans = [LoadPlan(reads(r), storage_data=MachineInfo(7)) for r in range(2)]
+    _compact._last_sent = None
+    held = [pickle.loads(pickle.dumps(dataclasses.replace(p, items=_compact.ReadItems(p.items)))) for p in plans]
+    _compact._last_sent = None
+    kw = dict(budget=1 << 20, interleave=True, interleave_auto=True, replicate=False, transport="auto")
+    whole = plan_sharing(plans, md, sizes, **kw)
+    assert whole is not None and whole.units
+    only = plan_sharing([dataclasses.replace(p, items=_interleavable(p.items)) for p in held], md, sizes, **kw)
+    assert repr(only) == repr(whole) and all(p.items._cols is not None for p in held)
