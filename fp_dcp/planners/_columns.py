@@ -106,6 +106,14 @@ def _keys(a: _All) -> np.ndarray:
     return _numbered(a.fid * n_off + off_num, len(a.names) * n_off)[1]
 
 
+def _weights(a: _All, at: Any) -> np.ndarray:
+    """DCP's dedup weight of the items ``at``: their tensor's bytes, or 1."""
+    dims = np.arange(a.width) < a.ndims[at, None]
+    weight = np.maximum(np.prod(np.where(dims, a.size[at], 1), axis=1) * a.itemsize[at], 1)
+    weight[a.kinds[at] == _BYTE_IO] = 1
+    return weight
+
+
 def _dedup(a: _All, key: np.ndarray, lowest: bool) -> np.ndarray | None:
     """``dedup_save_plans`` as a mask of the items kept; None where a key is
     twice in one plan."""
@@ -119,14 +127,15 @@ def _dedup(a: _All, key: np.ndarray, lowest: bool) -> np.ndarray | None:
     ks, rs = key[rows], a.rank[rows]
     if ((ks[1:] == ks[:-1]) & (rs[1:] == rs[:-1])).any():
         return None
-    dims = np.arange(a.width) < a.ndims[:, None]
-    weight = np.maximum(np.prod(np.where(dims, a.size, 1), axis=1) * a.itemsize, 1)
-    weight[a.kinds == _BYTE_IO] = 1
     reps = np.flatnonzero(holders > 1)
     ends = np.cumsum(holders[reps])
     starts = ends - holders[reps]
-    rep_weight = weight[rows[ends - 1]].tolist()  # DCP weighs a shared key by its last item
+    rep_weight = _weights(a, rows[ends - 1]).tolist()  # DCP weighs a shared key by its last item
     firsts = rows[starts]  # each shared key's first item
+    # only the items before the last shared key's first one count towards a choice
+    limit = int(firsts.max()) + 1
+    weight = _weights(a, slice(0, limit))
+    shared = shared[:limit]
     visit = np.argsort(firsts, kind="stable")  # DCP visits keys in the order first seen
     # the bytes of the one-rank items each rank holds before each shared key's first item
     lone_w = np.where(shared, 0, weight)
@@ -134,8 +143,8 @@ def _dedup(a: _All, key: np.ndarray, lowest: bool) -> np.ndarray | None:
     if len(reps) * len(a.cols) <= TABLE_CELLS:  # one row per shared key, one column per rank
         cum = np.concatenate([[0], np.cumsum(lone_w)])
         base = np.cumsum(a.counts) - a.counts
-        at = np.clip(firsts[:, None], base, base + a.counts)
-        lone_before = cum[at] - cum[base]
+        at = np.minimum(np.clip(firsts[:, None], base, base + a.counts), limit)
+        lone_before = cum[at] - cum[np.minimum(base, limit)]
     held = a.rank[rows].tolist()
     starts_l, ends_l, firsts_l = starts.tolist(), ends.tolist(), firsts.tolist()
     assigned = [0] * len(a.cols)
@@ -194,7 +203,7 @@ def plan(all_plans: list[SavePlan], lowest: bool) -> tuple[list[SavePlan], Metad
     if (lone & (per_name > 1)).any():  # DCP's global plan refuses it
         return None
     # index hints: each tensor item's place among its tensor's chunks
-    by_name = np.argsort(fid, kind="stable")
+    by_name = _stable_order(fid, n_names)
     ends = np.cumsum(per_name)
     place = np.empty(len(kept), dtype=np.int64)
     place[by_name] = np.arange(len(kept)) - np.repeat(ends - per_name, per_name)
@@ -204,8 +213,11 @@ def plan(all_plans: list[SavePlan], lowest: bool) -> tuple[list[SavePlan], Metad
     first = np.full(n_names, -1, dtype=np.int64)
     named = per_name > 0
     first[named] = kept[by_name[(ends - per_name)[named]]]  # each key's first kept item
-    plans, metadata = _global_plans(all_plans, a, kept, hints), _metadata(a, kept, fid, by_name, per_name)
-    return plans, metadata, (a, kept[by_name], first)
+    order = kept[by_name]  # the kept items, grouped by tensor, each group in plan order
+    tens = order[a.ndims[order] >= 0]
+    boxes = (tens, a.off[tens], a.len[tens])  # the tensor items' chunks, gathered once for both
+    plans, metadata = _global_plans(all_plans, a, kept, hints), _metadata(a, order, by_name, per_name, boxes)
+    return plans, metadata, (a, first, boxes)
 
 
 def _global_plans(all_plans: list[SavePlan], a: _All, kept: np.ndarray, hints: np.ndarray) -> list[SavePlan]:
@@ -227,6 +239,14 @@ def _global_plans(all_plans: list[SavePlan], a: _All, kept: np.ndarray, hints: n
                                     c.table, c.props[rows])
         out.append(dataclasses.replace(p, items=_compact.WriteItems.of_columns(new)))
     return out
+
+
+def _stable_order(values: np.ndarray, bound: int) -> np.ndarray:
+    """``np.argsort(values, kind="stable")`` for values in ``range(bound)``
+    (a radix sort where they fit 16 bits)."""
+    if bound <= 1 << 16:
+        return np.argsort(values.astype(np.uint16), kind="stable")
+    return np.argsort(values, kind="stable")
 
 
 def _numbered(code: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
@@ -259,11 +279,9 @@ def _chunks(nds: np.ndarray, off: np.ndarray, ln: np.ndarray) -> np.ndarray:
     return made[number]
 
 
-def _metadata(a: _All, kept: np.ndarray, fid: np.ndarray, by_name: np.ndarray, per_name: np.ndarray) -> Metadata:
-    order = kept[by_name]  # the kept items, grouped by tensor, each group in plan order
-    nds = a.ndims[order]
-    t = nds >= 0
-    chunks = _chunks(nds[t], a.off[order[t]], a.len[order[t]])
+def _metadata(a: _All, order: np.ndarray, by_name: np.ndarray, per_name: np.ndarray, boxes: tuple) -> Metadata:
+    tens, off, ln = boxes
+    chunks = _chunks(a.ndims[tens], off, ln)
     first_at = np.cumsum(per_name) - per_name
     firsts = order[first_at[per_name > 0]]
     names_in_order = np.flatnonzero(per_name > 0)
@@ -294,19 +312,20 @@ def suspects(state: Any, n_plans: int) -> tuple[bool, list[str]]:
     checks of :func:`fp_dcp.planners._global.validate`."""
     from fp_dcp.planners._global import _separated
 
-    a, grouped, first = state
-    t = grouped[a.ndims[grouped] >= 0]  # tensor items, grouped by key, each group in plan order
+    a, first, (t, off, ln) = state  # tensor items, grouped by key, each group in plan order
     if not len(t):
         return False, []
     kid = a.fid[t]
     nd_md = a.ndims[first[kid]]
     if (a.ndims[t] != nd_md).any():  # a chunk with more or fewer dimensions than its tensor
         return True, []
-    t, kid, nd = t[nd_md > 0], kid[nd_md > 0], nd_md[nd_md > 0]
+    some = nd_md > 0
+    if not some.all():
+        t, kid, off, ln = t[some], kid[some], off[some], ln[some]
+    nd = nd_md[some] if not some.all() else nd_md
     if not len(t):
         return False, []
     size = a.size[first[kid]]
-    off, ln = a.off[t], a.len[t]
     end = off + ln
     if (off < 0).any() or (ln < 0).any() or (end > size).any():
         return True, []
