@@ -44,6 +44,7 @@ class _All:
         self.ndims = np.concatenate([c.ndims for c in cols])
         self.fid = self._name_ids(cols)
         self.width = max(int(self.ndims.max()) if len(self.ndims) else 0, 0)
+        self.off_num, self.n_off = np.zeros(0, dtype=np.int64), 1  # numbered by _keys
         n = len(self.kinds)
         # per item: offsets, sizes and global size, padded with zeros
         self.off, self.len, self.size = (np.zeros((n, self.width), dtype=np.int64) for _ in range(3))
@@ -100,9 +101,11 @@ def _row_numbers(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _keys(a: _All) -> np.ndarray:
-    """Per item: the number of its (fqn, offset) key."""
+    """Per item: the number of its (fqn, offset) key (its offsets' number
+    kept in ``a.off_num``, ``a.n_off`` of them)."""
     _, off_num = _row_numbers(np.concatenate([a.ndims[:, None], a.off], axis=1))
     n_off = int(off_num.max()) + 1 if len(off_num) else 1
+    a.off_num, a.n_off = off_num, n_off
     return _numbered(a.fid * n_off + off_num, len(a.names) * n_off)[1]
 
 
@@ -267,11 +270,17 @@ def _numbered(code: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
     return some, number
 
 
-def _chunks(nds: np.ndarray, off: np.ndarray, ln: np.ndarray) -> np.ndarray:
+def _chunks(nds: np.ndarray, off: np.ndarray, ln: np.ndarray, off_num: np.ndarray, n_off: int) -> np.ndarray:
     """One ``ChunkStorageMetadata`` per row, as an object array; equal rows
     share one (never mutated) object, as equal offsets and sizes share one
-    ``torch.Size``."""
-    first, number = _row_numbers(np.concatenate([nds[:, None], off, ln], axis=1))
+    ``torch.Size``.  ``off_num``: each row's number of (ndim, offsets), of
+    ``n_off``."""
+    _, len_num = _row_numbers(np.concatenate([nds[:, None], ln], axis=1))
+    n_len = int(len_num.max()) + 1 if len(len_num) else 1
+    if float(n_off) * n_len < 2.0 ** 62:
+        first, number = _numbered(off_num * n_len + len_num, n_off * n_len)
+    else:  # not one number per pair
+        first, number = _row_numbers(np.stack([off_num, len_num], axis=1))
     made = np.empty(len(first), dtype=object)
     chunk, size_of = _items.chunk, torch.Size
     made[:] = [chunk(size_of(o[:n]), size_of(s[:n]))
@@ -281,7 +290,7 @@ def _chunks(nds: np.ndarray, off: np.ndarray, ln: np.ndarray) -> np.ndarray:
 
 def _metadata(a: _All, order: np.ndarray, by_name: np.ndarray, per_name: np.ndarray, boxes: tuple) -> Metadata:
     tens, off, ln = boxes
-    chunks = _chunks(a.ndims[tens], off, ln)
+    chunks = _chunks(a.ndims[tens], off, ln, a.off_num[tens], a.n_off)
     first_at = np.cumsum(per_name) - per_name
     firsts = order[first_at[per_name > 0]]
     names_in_order = np.flatnonzero(per_name > 0)
