@@ -5,6 +5,7 @@ coordinator's global planning of a save at simulated scale.
 
     PYTHONPATH=. python tools/plan_caching_time.py --ranks 1,2,4 --tensors 9245 --saves 3
     PYTHONPATH=. python tools/plan_caching_time.py --ranks 0 --simulate 64x1000,1024x2000
+    PYTHONPATH=. python tools/plan_caching_time.py --ranks 4 --saves 3 --caching off --phases
 
 Real ranks (gloo on the CPU; every rank holds the same ``--tensors`` small
 tensors, DDP style, so the coordinator deduplicates them):
@@ -15,7 +16,10 @@ tensors, DDP style, so the coordinator deduplicates them):
   scatter); ``ours`` = fp_dcp's storage steps alone;
 * load planning = from the call of ``dcp.load`` to the moment ``read_data``
   starts on the coordinator (metadata read, planning, gather, scatter);
-* ``plan_bytes``: the pickled local plan rank 0 sends to the coordinator.
+* ``plan_bytes``: the pickled local plan rank 0 sends to the coordinator;
+* ``--phases``: the coordinator's time in each planning step (set-up, local
+  plan, the storage's hooks, global plan) and between them (DCP's own code
+  and its gather / scatter), for the save and for the load.
 
 Simulated (one process, ``RANKSxITEMS``): every rank holds ITEMS tensors
 sharded along dim 0 across all ranks (FSDP style) and one replicated
