@@ -31,7 +31,6 @@ from fp_dcp.load.sharing.plan import MachineInfo, SharePlan, plan_sharing
 from fp_dcp.load.sharing.rounds import SharedReads
 from fp_dcp.load.sharing.transport import machine_id, transfer_device
 from fp_dcp.options import FastPersistOptions
-from fp_dcp.planners._compact import ReadItems
 
 __all__ = ["FastPersistReader", "read_checkpoint_metadata"]
 
@@ -440,7 +439,10 @@ class FastPersistReader(StorageReader):
 
 
 def _interleavable(items: list) -> list:
-    """The tensor reads of two or more dimensions among ``items``."""
-    if isinstance(items, ReadItems):
-        return items.tensor_reads(2)
+    """The tensor reads of two or more dimensions among ``items`` (a plan
+    whose items still travel as columns, fp_dcp's planners', decodes only
+    those)."""
+    pick = getattr(items, "tensor_reads", None)
+    if callable(pick):
+        return pick(2)
     return [r for r in items if r.type == LoadItemType.TENSOR and len(r.lengths) >= 2]
