@@ -71,15 +71,9 @@ def _x(v: float | None) -> str:
 
 def mix_table(mix: dict[str, Any], profile: dict[str, Any]) -> list[str]:
     """One table: each contender's medians and ratios, then the raw reference."""
-    (bw, bw_name), (br, br_name) = profile["raw"]["save"], profile["raw"]["load"]
     lines = ["| contender | save GB/s | save, x raw write | cold load GB/s | load, x raw read |",
              "| --- | --- | --- | --- | --- |"]
-    for c in profile["contenders"]:
-        warm = "" if c["cold"] or c["load"] is None else " (warm)"
-        lines.append(f"| {c['name']} | {plot._gbps(c['save'])} | {_x(c['save'] and bw and c['save'] / bw)} | "
-                     f"{plot._gbps(c['load'])}{warm} | {_x(c['load'] and br and c['load'] / br)} |")
-    lines.append(f"| raw reference (write: {bw_name or '-'}; read: {br_name or '-'}) | {plot._gbps(bw)} | 1.00x | "
-                 f"{plot._gbps(br)} | 1.00x |")
+    lines += plot.figure_rows(profile, "raw reference (write: {write}; read: {read})")
     rows = _ratio_rows(mix)
     notes = []
     for op, vs, what in (("save", "stock default", "fp_dcp saves at {} the stock writer's speed"),
