@@ -16,8 +16,8 @@ object is still referenced.
 before the interpreter finalizes, waits with the GIL released until every
 gloo worker thread of the process sleeps on its empty queue, for at most
 :data:`WAIT_SECONDS`: a worker busy in a collective that does not end (a peer
-that is gone) is left as it is.  Linux only (``/proc/self/task``); elsewhere
-the hook does nothing."""
+that is gone) is left as it is.  Linux only (``/proc/self/task``), and only with a torch
+that names the workers (2.11 and later); elsewhere the hook does nothing."""
 
 from __future__ import annotations
 
