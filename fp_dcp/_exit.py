@@ -8,16 +8,17 @@ to finalize is ended by CPython (before 3.14) with ``pthread_exit``, whose
 unwinding through torch's ``noexcept`` destructor calls ``std::terminate``:
 the process aborts at exit ("terminate called without an active exception",
 SIGABRT) after all its work succeeded.  It happens when the worker runs late
-(a loaded machine) and the collective is among the last before exit (a rank
-that destroys its process group and ends), whether or not the process group
-object is still referenced.
+(a loaded machine), the collective is among the last before exit, and the
+process group outlives ``destroy_process_group`` (a DeviceMesh or a DTensor
+keeps it; a process group freed joins its workers first) or is never
+destroyed.
 
 :func:`install` (called when fp_dcp makes engines) adds an exit hook that,
 before the interpreter finalizes, waits with the GIL released until every
 gloo worker thread of the process sleeps on its empty queue, for at most
 :data:`WAIT_SECONDS`: a worker busy in a collective that does not end (a peer
-that is gone) is left as it is.  Linux only (``/proc/self/task``), and only with a torch
-that names the workers (2.11 and later); elsewhere the hook does nothing."""
+that is gone) is left as it is.  Linux only (``/proc/self/task``), and only with a
+torch that names the workers (2.11 and later); elsewhere the hook does nothing."""
 
 from __future__ import annotations
 
