@@ -120,8 +120,9 @@ def page(paths: list[str], notes: list[str], argv: list[str]) -> str:
                 + f" (`--raw {report.get('raw_method', '?')}`).", ""]
         out += [f"Note: {n}" for n in notes] + ([""] if notes else [])
         for mix, prof in zip(report.get("mixes", []), profiles):
+            objects = mix.get("objects")
             what = (f"{plot.MIX_NAMES.get(mix['mix'], mix['mix'])}: {mix.get('tensors', '?'):,} tensors"
-                    + (f" + {mix['objects']:,} object{'s' if mix['objects'] != 1 else ''}" if mix.get("objects") else "")
+                    + (f" + {objects:,} object{'s' if objects != 1 else ''}" if objects else "")
                     + f", {plot._size(mix.get('payload_bytes'))}")
             out += [f"### {what}, profile {_profile_text(report, mix.get('profile', 'bare'))}", ""]
             out += mix_table(mix, prof) + [""]
