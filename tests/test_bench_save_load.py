@@ -8,24 +8,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import sys
 
 import pytest
 
+from tests import _bench
+
+bench = _bench.bench  # the fixture: benchmarks/bench_save_load.py as a module
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "fp_dcp_bench_save_load", os.path.join(REPO, "benchmarks", "bench_save_load.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.path.remove(os.path.join(REPO, "benchmarks"))
 
 
 def test_dcp_floor_runs_dcp_without_io_and_reports_its_time(bench, tmp_path):
