@@ -2,7 +2,7 @@
 they use DCP's defaults.
 
 PyTorch's test files are not part of this repository: point
-``FP_DCP_UPSTREAM_TESTS`` at a PyTorch checkout's
+``DCP_UPSTREAM_TESTS`` at a PyTorch checkout's
 ``test/distributed/checkpoint`` (of the torch release installed, or near it)
 and this module runs the files of :data:`FILES` found there, each three
 times in its own pytest process (``tests/upstream/swap.py``):
@@ -16,7 +16,7 @@ times in its own pytest process (``tests/upstream/swap.py``):
 
 Every test that passes stock must pass swapped, or be listed in
 ``swap.KNOWN`` (skipped, with the reason) or ``swap.DIFFERENCES`` (an
-expected failure, strict).  Without ``FP_DCP_UPSTREAM_TESTS`` these tests
+expected failure, strict).  Without ``DCP_UPSTREAM_TESTS`` these tests
 skip; the scenarios of those files are also written out in
 ``tests/test_upstream_scenarios.py``, which runs everywhere.
 """
@@ -35,13 +35,14 @@ from tests.upstream import swap
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "tests" / "upstream" / "site"
-ENV = "FP_DCP_UPSTREAM_TESTS"
+ENV = "DCP_UPSTREAM_TESTS"
 
 # PyTorch's DCP test files that save or load through a planner DCP makes
 # or that the test names (DefaultSavePlanner / DefaultLoadPlanner), and run
 # on the CPU; seconds each stock run takes here (2 cores), for the timeout
 FILES = {
     "test_planner.py": 120,
+    "test_checkpoint.py": 300,
     "test_file_system_checkpoint_cpu.py": 600,
     "test_file_system_checkpoint.py": 600,
     "test_dtensor_resharding.py": 900,
@@ -115,8 +116,10 @@ def test_upstream_file_passes_with_fp_dcp_swapped_in(name, mode, tmp_path_factor
     out = tmp_path_factory.mktemp("upstream")
     if name not in _stock:
         _stock[name] = run_file(directory, name, "stock", out, FILES[name])
-    ours = run_file(directory, name, mode, out, FILES[name])
     stock = _stock[name]
+    if not any(o == "passed" for o, _ in stock.values()):
+        pytest.skip(f"{name}: no test passes here even with DCP's own classes (CUDA, another torch release)")
+    ours = run_file(directory, name, mode, out, FILES[name])
     lost = {}
     for test, (outcome, _) in stock.items():
         got, message = ours.get(test, ("missing", ""))
@@ -128,4 +131,3 @@ def test_upstream_file_passes_with_fp_dcp_swapped_in(name, mode, tmp_path_factor
     print(f"{name} [{mode}]: stock {stock_counts}, fp_dcp {counts}")
     assert not lost, f"{name}: passes with DCP's defaults, not with fp_dcp's ({mode}):\n" + "\n".join(
         f"  {t}: {m}" for t, m in sorted(lost.items()))
-    assert any(o == "passed" for o, _ in stock.values()), f"{name}: no test passes even stock here: {stock}"

@@ -10,7 +10,9 @@ planners where those tests use DCP's default ones and with both storages:
   saved under one sharding and loaded under another, bytes items, sharded
   and plain tensors swapped between save and load;
 - ``test_dtensor_resharding.py``: a DTensor saved under one placement and
-  mesh and loaded under another, on 4 gloo ranks;
+  mesh and loaded under another, on 4 gloo ranks; ``test_dtensor_checkpoint.py``:
+  DTensors on a sub-mesh beside a module's extra state;
+- ``test_checkpoint.py``: a storage failing at each step, planners made by DCP;
 - ``test_save_load_api.py``: storage detected from ``checkpoint_id``.
 
 Values are compared bit for bit (upstream compares with ``allclose``).
@@ -224,6 +226,120 @@ def test_fp_dcp_checkpoint_records_dcps_version(tmp_path, planners):
     planner = load_cls()
     _load({"module": torch.nn.Linear(2, 2)}, tmp_path, "fp_dcp", planner)
     assert planner.metadata.version == CURRENT_DCP_VERSION
+
+
+# ------------------------------------------------------ test_checkpoint.py
+
+
+class _Faulty:
+    """A storage that holds nothing and raises ``ValueError`` at the step named."""
+
+    def __init__(self, fail: str | None, metadata=None) -> None:
+        self.fail, self.metadata = fail, metadata
+
+    def _step(self, name: str, result=None):
+        if self.fail == name:
+            raise ValueError(f"failed in {name}")
+        return result
+
+    def _later(self, name: str, result=None):
+        from torch.futures import Future
+
+        fut: Future = Future()
+        if self.fail == name + "_async":
+            fut.set_exception(ValueError(f"failed in {name}_async"))
+        else:
+            fut.set_result(result)
+        return fut
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def prepare_local_plan(self, plan):
+        return self._step("prepare_local_plan", plan)
+
+    def prepare_global_plan(self, plans):
+        return self._step("prepare_global_plan", plans)
+
+
+def _faulty_writer(fail):
+    from torch.distributed.checkpoint import StorageWriter
+
+    class Writer(_Faulty, StorageWriter):
+        def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+            self._step("set_up_storage_writer")
+
+        def write_data(self, plan, planner):
+            self._step("write_data")
+            return self._later("write_data", [])
+
+        def finish(self, metadata, results):
+            self._step("finish")
+
+    return Writer(fail)
+
+
+def _faulty_reader(fail, metadata):
+    from torch.distributed.checkpoint import StorageReader
+
+    class Reader(_Faulty, StorageReader):
+        def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+            self._step("set_up_storage_reader")
+
+        def read_metadata(self):
+            return self._step("read_metadata", self.metadata)
+
+        def read_data(self, plan, planner):
+            self._step("read_data")
+            return self._later("read_data")
+
+    return Reader(fail, metadata)
+
+
+_SAVE_STEPS = ("set_up_storage_writer", "prepare_local_plan", "prepare_global_plan", "write_data",
+               "write_data_async", "finish")
+_LOAD_STEPS = ("set_up_storage_reader", "read_metadata", "prepare_local_plan", "prepare_global_plan",
+               "read_data", "read_data_async")
+
+
+def test_storage_failures_surface_through_our_default_planners(monkeypatch):
+    """``TestDistributedFailure``'s single-process cases: a storage failing
+    at each step of a save or a load made with no planner given (ours, with
+    the switch on) fails it with that step's error, and one that fails
+    nowhere completes; our planners made every plan."""
+    from torch.distributed.checkpoint.default_planner import _create_default_local_metadata
+
+    made = []
+    for cls in (FastPersistSavePlanner, FastPersistLoadPlanner):
+        monkeypatch.setattr(cls, "create_local_plan",
+                            lambda self, _f=cls.create_local_plan: made.append(type(self)) or _f(self))
+    sd = {"replicated": torch.arange(100.0).view(10, 10), "bytes": [1, 2, 3, 4]}
+    with fp_dcp.default_storage():
+        for fail in (None,) + _SAVE_STEPS:
+            if fail is None:
+                dcp.save(sd, storage_writer=_faulty_writer(None), no_dist=True)
+                continue
+            with pytest.raises(CheckpointException) as info:
+                dcp.save(sd, storage_writer=_faulty_writer(fail), no_dist=True)
+            (error, _), = info.value.failures.values()
+            assert isinstance(error, ValueError) and str(error) == f"failed in {fail}", error
+        metadata = _create_default_local_metadata(sd)
+        for fail in (None,) + _LOAD_STEPS:
+            if fail is None:
+                dcp.load(sd, storage_reader=_faulty_reader(None, metadata), no_dist=True)
+                continue
+            with pytest.raises(CheckpointException) as info:
+                dcp.load(sd, storage_reader=_faulty_reader(fail, metadata), no_dist=True)
+            (error, _), = info.value.failures.values()
+            if fail != "read_metadata":  # torch 2.10-2.12 turn that one into "metadata is None"
+                assert f"failed in {fail}" in str(error), error
+    assert set(made) == {FastPersistSavePlanner, FastPersistLoadPlanner}
+    # the save that succeeds and the five that fail after the storage's set-up
+    assert made.count(FastPersistSavePlanner) == len(_SAVE_STEPS)
 
 
 # ------------------------------------------------- test_save_load_api.py
@@ -443,11 +559,43 @@ def _reshard_dtensors(rank: int, world: int, root: str, storage: str) -> int:
             got = target["dtensor"].redistribute(meshes[dims1], [Replicate()] * dims1).to_local()
             assert bits_equal(got, whole), f"{p0} -> {p1}"
             checked += 1
-    return checked
+    return checked + _submesh_and_extra_state(rank, world, os.path.join(root, "submesh"), storage)
+
+
+def _submesh_and_extra_state(rank: int, world: int, path: str, storage: str) -> int:
+    """``test_dtensor_checkpoint``'s model: DTensors on a mesh of the even
+    ranks only (the odd ones hold nothing of them) beside a module's extra
+    state (an int and a tensor in a dict), through our planners."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, zeros
+
+    writer_cls, reader_cls = _STORAGES[storage]
+    sub = DeviceMesh("cpu", [r for r in range(world) if r % 2 == 0])
+    values = torch.arange(6.0) + 0.25
+    sd = {"sdt": distribute_tensor(values, sub, [Shard(0)]),
+          "rdt": distribute_tensor(values * 2, sub, [Replicate()]),
+          "_extra_state": {"extra_state": 1, "extra_state_tensor": torch.tensor([0.5])}}
+    writer = writer_cls(path)
+    dcp.save(sd, storage_writer=writer, planner=FastPersistSavePlanner())
+    getattr(writer, "close", lambda: None)()
+    target = {"sdt": zeros([6], device_mesh=sub, placements=[Shard(0)]),
+              "rdt": zeros([6], device_mesh=sub, placements=[Replicate()]),
+              "_extra_state": {"extra_state": 10, "extra_state_tensor": torch.tensor([10.0])}}
+    reader = reader_cls(path)
+    dcp.load(target, storage_reader=reader, planner=FastPersistLoadPlanner())
+    getattr(reader, "close", lambda: None)()
+    if rank % 2 == 0:
+        assert bits_equal(target["sdt"].to_local(), sd["sdt"].to_local())
+        assert bits_equal(target["rdt"].to_local(), values * 2)
+    else:
+        assert target["sdt"].to_local().numel() == 0 and target["rdt"].to_local().numel() == 0
+    assert target["_extra_state"]["extra_state"] == 1
+    assert bits_equal(target["_extra_state"]["extra_state_tensor"], torch.tensor([0.5]))
+    return 1
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("storage", list(_STORAGES))
 def test_dtensors_reshard_between_placements_and_meshes(tmp_path, storage):
     checked = run_ranks(4, _reshard_dtensors, str(tmp_path), storage, timeout=400)
-    assert checked == [30] * 4
+    assert checked == [30 + 1] * 4

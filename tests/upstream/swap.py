@@ -18,7 +18,7 @@ runs on the CPU with gloo where its helper allows it (``allow_cpu``).
 Rank processes that the tests spawn start a fresh interpreter: the runner
 puts ``tests/upstream/site`` on ``PYTHONPATH`` so that its
 ``sitecustomize`` calls :func:`install` there too, from
-``FP_DCP_UPSTREAM_SWAP``.  Loaded as a pytest plugin (``-p
+``DCP_UPSTREAM_SWAP``.  Loaded as a pytest plugin (``-p
 tests.upstream.swap``) it also skips the tests listed in :data:`KNOWN` and
 expects the failures listed in :data:`DIFFERENCES`.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-ENV = "FP_DCP_UPSTREAM_SWAP"
+ENV = "DCP_UPSTREAM_SWAP"
 MODES = ("stock", "planners", "storage")
 
 # (file, test name) -> why the test does not apply to a drop-in planner: skipped
