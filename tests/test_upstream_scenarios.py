@@ -13,7 +13,9 @@ planners where those tests use DCP's default ones and with both storages:
   mesh and loaded under another, on 4 gloo ranks; ``test_dtensor_checkpoint.py``:
   DTensors on a sub-mesh beside a module's extra state;
 - ``test_checkpoint.py``: a storage failing at each step, planners made by DCP;
-- ``test_save_load_api.py``: storage detected from ``checkpoint_id``.
+- ``test_save_load_api.py``: storage detected from ``checkpoint_id``;
+- ``e2e/test_e2e_save_and_load.py``: Stateful values loaded in place, plain
+  ones replaced; model and optimizer state dicts loaded in place.
 
 Values are compared bit for bit (upstream compares with ``allclose``).
 """
@@ -363,6 +365,138 @@ def test_storage_detected_from_checkpoint_id_with_the_switch(tmp_path):
             dcp.save(model.state_dict(), checkpoint_id="abc://abc.abc", no_dist=True)
         with pytest.raises(RuntimeError, match="Cannot detect"):
             dcp.load(model.state_dict(), checkpoint_id="abc://abc.abc", no_dist=True)
+
+
+# -------------------------------------------- e2e/test_e2e_save_and_load.py
+
+
+def _save_load_implicit(storage: str, path: str):
+    """``dcp.save`` / ``dcp.load`` as the e2e tests call them, with no
+    planner given: fp_dcp's storage and planners through the switch, or
+    DCP's storage with our planners made by DCP (installed as its default)."""
+    import contextlib
+
+    from fp_dcp.planners import install_as_default
+
+    @contextlib.contextmanager
+    def ours():
+        if storage == "fp_dcp":
+            with fp_dcp.default_storage():
+                yield
+            return
+        saved: dict = {}
+        install_as_default(saved)
+        try:
+            yield
+        finally:
+            import importlib
+
+            for (mod, name), value in saved.items():
+                setattr(importlib.import_module(f"torch.distributed.checkpoint.{mod}"), name, value)
+
+    def save(sd):
+        with ours():
+            dcp.save(sd, checkpoint_id=path, no_dist=True)
+
+    def load(sd):
+        with ours():
+            dcp.load(sd, checkpoint_id=path, no_dist=True)
+
+    return save, load
+
+
+@pytest.mark.parametrize("storage", list(_STORAGES))
+def test_stateful_loaded_in_place_and_plain_dicts_replaced(tmp_path, storage):
+    """``test_stateful_and_non_stateful_loads``: a Stateful value is loaded
+    through its ``load_state_dict``, the state dict's entry left as it is;
+    a plain dict value is replaced by the loaded one, bit for bit."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    class Tracking(dict):
+        set_item_called = False
+
+        def __setitem__(self, key, value):
+            self.set_item_called = True
+            super().__setitem__(key, value)
+
+    class Foo(Stateful):
+        loaded = None
+
+        def state_dict(self):
+            return {"w": torch.arange(4.0) + 0.5}
+
+        def load_state_dict(self, state_dict):
+            self.loaded = state_dict
+
+    save, load = _save_load_implicit(storage, str(tmp_path / "stateful"))
+    foo = Foo()
+    sd = Tracking(foo=foo)
+    sd.set_item_called = False
+    save(sd)
+    load(sd)
+    assert sd["foo"] is foo and not sd.set_item_called
+    assert bits_equal(foo.loaded["w"], torch.arange(4.0) + 0.5)
+
+    save, load = _save_load_implicit(storage, str(tmp_path / "plain"))
+    values = torch.arange(100.0).view(10, 10) / 3
+    sd = Tracking(foo={"replicated": values, "bytes": [1, 2, 3, 4]})
+    save(sd)
+    sd = Tracking(foo={"replicated": torch.zeros(10, 10), "bytes": []})
+    sd.set_item_called = False
+    load(sd)
+    assert sd.set_item_called
+    assert bits_equal(sd["foo"]["replicated"], values) and sd["foo"]["bytes"] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("storage", list(_STORAGES))
+def test_model_and_optimizer_state_loaded_in_place(tmp_path, storage):
+    """``test_init_state_dict`` (and the e2e train state): a model's and an
+    Adam optimizer's state dicts load into the very dicts passed, the
+    optimizer's learning rate (not a tensor) comes back, and a BytesIO of
+    the train state's losses round-trips."""
+    import io
+
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_state_dict,
+    )
+
+    def model_and_optim(lr):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        optim = torch.optim.Adam(model.parameters(), lr=lr)
+        model(torch.rand(3, 8)).sum().backward()
+        optim.step()
+        return model, optim
+
+    save, load = _save_load_implicit(storage, str(tmp_path / "ckpt"))
+    model, optim = model_and_optim(0.1)
+    losses = io.BytesIO()
+    torch.save([0.5, 0.25], losses)
+    save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optim),
+          "train_state": {"step": torch.tensor(2, dtype=torch.int32), "losses": losses}})
+
+    model2, optim2 = model_and_optim(0.2)
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(1.0)
+    msd, osd = get_model_state_dict(model2), get_optimizer_state_dict(model2, optim2)
+    train_state = {"step": torch.tensor(0, dtype=torch.int32), "losses": io.BytesIO()}
+    target = {"model": msd, "optimizer": osd, "train_state": train_state}
+    load(target)
+    assert target["model"] is msd and target["optimizer"] is osd
+    set_state_dict(model2, optim2, model_state_dict=msd, optim_state_dict=osd)
+    assert optim2.param_groups[0]["lr"] == 0.1
+    for (name, a), b in zip(get_model_state_dict(model).items(), get_model_state_dict(model2).values()):
+        assert bits_equal(a, b), name
+    want, got = get_optimizer_state_dict(model, optim)["state"], get_optimizer_state_dict(model2, optim2)["state"]
+    for name in want:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert bits_equal(want[name][key], got[name][key]), (name, key)
+    assert target["train_state"]["step"].item() == 2
+    target["train_state"]["losses"].seek(0)
+    assert torch.load(target["train_state"]["losses"]) == [0.5, 0.25]
 
 
 # ------------------------------------- test_file_system_checkpoint_cpu.py
