@@ -56,7 +56,7 @@ FILES = {
     "e2e/test_e2e_save_and_load.py": 900,
 }
 
-pytestmark = [pytest.mark.upstream, pytest.mark.slow]
+pytestmark = pytest.mark.upstream
 
 
 def _upstream_dir() -> Path:
@@ -105,6 +105,7 @@ def run_file(directory: Path, name: str, mode: str, out: Path, timeout: float) -
 _stock: dict[str, dict[str, tuple[str, str]]] = {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(3 * max(FILES.values()) + 300)
 @pytest.mark.parametrize("mode", ["planners", "storage"])
 @pytest.mark.parametrize("name", list(FILES))
@@ -131,3 +132,45 @@ def test_upstream_file_passes_with_fp_dcp_swapped_in(name, mode, tmp_path_factor
     print(f"{name} [{mode}]: stock {stock_counts}, fp_dcp {counts}")
     assert not lost, f"{name}: passes with DCP's defaults, not with fp_dcp's ({mode}):\n" + "\n".join(
         f"  {t}: {m}" for t, m in sorted(lost.items()))
+
+
+_PROBE = """
+import os, sys, torch, warnings
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import default_planner, state_dict_loader, state_dict_saver
+from fp_dcp._dcp_hooks import checkpoint_kind
+warnings.simplefilter("ignore")
+print(dcp.DefaultSavePlanner.__name__, default_planner.DefaultLoadPlanner.__name__,
+      state_dict_saver.DefaultSavePlanner.__name__, state_dict_loader.DefaultLoadPlanner.__name__)
+sd = {"w": torch.arange(12.0).view(3, 4) / 7, "step": 3}
+path = sys.argv[1]
+dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, thread_count=2))
+back = {"w": torch.zeros(3, 4), "step": 0}
+dcp.load(back, storage_reader=dcp.FileSystemReader(path))
+print(checkpoint_kind(path), torch.equal(back["w"], sd["w"]), back["step"])
+"""
+
+
+_OURS = "FastPersistSavePlanner FastPersistLoadPlanner FastPersistSavePlanner FastPersistLoadPlanner"
+
+
+@pytest.mark.parametrize("mode,names,kind", [
+    pytest.param("stock", _OURS.replace("FastPersist", "Default"), "stock", id="stock", marks=pytest.mark.slow),
+    pytest.param("planners", _OURS, "stock", id="planners"),
+    pytest.param("storage", _OURS, "fp_dcp", id="storage"),
+])
+def test_swap_installs_what_each_mode_says_in_a_fresh_interpreter(tmp_path, mode, names, kind):
+    """What the runner's rank processes get: ``sitecustomize`` swaps fp_dcp
+    in from the environment alone, before the test imports anything; a
+    checkpoint made through the names PyTorch's tests use round-trips."""
+    env = dict(os.environ, **{swap.ENV: mode})
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(SITE)])
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path / "ckpt")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [names, f"{kind} True 3"], out.stdout + out.stderr[-3000:]
+
+
+def test_swap_refuses_an_unknown_mode():
+    with pytest.raises(ValueError, match="DCP_UPSTREAM_SWAP='planner': use one of stock, planners, storage"):
+        swap.install("planner")

@@ -54,7 +54,10 @@ def _run_on_cpu() -> None:
 
     if torch.cuda.is_available():
         return
-    from torch.testing._internal import common_distributed as cd
+    try:
+        from torch.testing._internal import common_distributed as cd
+    except ImportError:  # PyTorch's test helpers need expecttest: no test of theirs runs here
+        return
 
     stock = cd.skip_if_lt_x_gpu
     if "allow_cpu" not in inspect.signature(stock).parameters:
