@@ -209,8 +209,6 @@ def test_load_planner_partial_strict_size_and_version(tmp_path, storage, planner
         assert planner.metadata.version == CURRENT_DCP_VERSION
 
 
-@pytest.mark.xfail(strict=True, reason="FastPersistWriter keeps the Metadata's version as the planner made it "
-                   "(None); DCP's FileSystemWriter sets it to CURRENT_DCP_VERSION when it finishes")
 @pytest.mark.parametrize("planners", list(_PLANNERS))
 def test_fp_dcp_checkpoint_records_dcps_version(tmp_path, planners):
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION

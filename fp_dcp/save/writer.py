@@ -38,6 +38,9 @@ from fp_dcp.staging import AsyncStagingMixin
 
 __all__ = ["FastPersistWriter"]
 
+# the DCP version FileSystemWriter records in the metadata it writes
+_DCP_VERSION = getattr(torch.distributed.checkpoint.filesystem, "CURRENT_DCP_VERSION", None)
+
 
 class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     """Write a DCP checkpoint into the directory ``path``.
@@ -244,6 +247,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             layout = layout_from_results(results, self.save_id, self._engine().alignment)
             check_layout_covers(metadata, layout)
             metadata.storage_meta = self.storage_meta()
+            metadata.version = _DCP_VERSION  # as DCP's own writer records it
             blob = fmt.encode_metadata(
                 metadata,
                 layout,

@@ -35,11 +35,7 @@ MODES = ("stock", "planners", "storage")
 KNOWN: dict[tuple[str, str], str] = {}
 # (file, test name) -> (mode, what fp_dcp does differently): an expected
 # failure in that mode, strict (once fixed, the entry must go)
-DIFFERENCES: dict[tuple[str, str], tuple[str, str]] = {
-    ("test_planner.py", "test_version_key_in_planner_data"): (
-        "storage", "FastPersistWriter keeps the Metadata's version as the planner made it (None); "
-        "DCP's FileSystemWriter sets it to CURRENT_DCP_VERSION"),
-}
+DIFFERENCES: dict[tuple[str, str], tuple[str, str]] = {}
 
 _installed: str | None = None
 
