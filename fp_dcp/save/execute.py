@@ -105,8 +105,8 @@ def write_rank(
             beside = _Beside(while_writing)
             try:
                 if len(devices) > 1:  # one thread per device: the engine releases the GIL
-                    with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="fp_dcp-device") as pool:
-                        done = list(pool.map(write_device, devices))
+                    with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="fp_dcp-device") as p:
+                        done = list(p.map(write_device, devices))
                 else:
                     done = [write_device(d) for d in devices]
             finally:
