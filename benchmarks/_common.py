@@ -624,10 +624,11 @@ def fio_path() -> str | None:
 
 
 def raw_device_io(op: str, path: str | Path, nbytes: int, method: str = "auto",
-                  block_size: int = 4 * MiB, iodepth: int = 16) -> dict:
+                  block_size: int = 4 * MiB, iodepth: int = 16, numjobs: int = 1) -> dict:
     """Sequential O_DIRECT ``op`` ("write" or "read") of ``nbytes`` at ``path``.
 
-    ``method``: "fio" (libaio, one job, ``iodepth``), "python" (one request
+    ``method``: "fio" (libaio, ``numjobs`` jobs of ``iodepth`` each, every
+    job on its own contiguous slice of the file), "python" (one request
     at a time: os.pwritev/os.preadv of a page-aligned buffer), or "auto"
     (fio if on PATH). A write ends with fsync. Returns
     ``{"method", "bytes", "seconds", "note"}``; the read reads the file the
@@ -635,15 +636,18 @@ def raw_device_io(op: str, path: str | Path, nbytes: int, method: str = "auto",
     """
     if method == "auto":
         method = "fio" if fio_path() else "python"
-    nbytes = -(-nbytes // block_size) * block_size
+    nbytes = -(-nbytes // (block_size * numjobs)) * block_size * numjobs
     path = str(path)
+    if numjobs != 1 and method != "fio":
+        raise ValueError(f"numjobs={numjobs} needs method='fio', not {method!r}")
     if method == "fio":
         fio = fio_path()
         if fio is None:
             raise RuntimeError("fio requested but not on PATH")
         cmd = [fio, "--name=raw", f"--filename={path}", f"--rw={op}", f"--bs={block_size}",
-               f"--size={nbytes}", f"--iodepth={iodepth}", "--ioengine=libaio", "--direct=1",
-               "--numjobs=1", "--output-format=json", "--group_reporting"]
+               f"--size={nbytes // numjobs}", f"--offset_increment={nbytes // numjobs}",
+               f"--iodepth={iodepth}", "--ioengine=libaio", "--direct=1",
+               f"--numjobs={numjobs}", "--output-format=json", "--group_reporting"]
         if op == "write":
             cmd += ["--end_fsync=1"]
         t0 = time.perf_counter()
@@ -656,7 +660,7 @@ def raw_device_io(op: str, path: str | Path, nbytes: int, method: str = "auto",
         io_bytes = int(job["io_bytes"])
         seconds = io_bytes / float(job["bw_bytes"]) if job["bw_bytes"] else float("inf")
         return {"method": "fio", "bytes": io_bytes, "seconds": seconds, "wall_s": wall,
-                "note": f"fio {op} O_DIRECT libaio bs={fmt_size(block_size)} iodepth={iodepth} numjobs=1"
+                "note": f"fio {op} O_DIRECT libaio bs={fmt_size(block_size)} iodepth={iodepth} numjobs={numjobs}"
                         + (" end_fsync=1" if op == "write" else ""),
                 "fio_version": data.get("fio version")}
     if method == "hugebuf":

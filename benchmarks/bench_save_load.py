@@ -184,7 +184,8 @@ def _child(spec: dict) -> dict:
         r = C.raw_device_io("read" if load else "write", path / "raw.bin",
                             spec["bytes"], method=spec["method"],
                             block_size=spec.get("read_block_size", spec["block_size"]) if load else spec["block_size"],
-                            iodepth=spec.get("read_iodepth", spec["iodepth"]) if load else spec["iodepth"])
+                            iodepth=spec.get("read_iodepth", spec["iodepth"]) if load else spec["iodepth"],
+                            numjobs=spec.get("numjobs", 1))
         return {"ok": True, "verified": None, **r}
 
     import torch
@@ -317,6 +318,15 @@ def _short(err: str | None, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _jobs_by_depth(shape: str) -> tuple[int, int]:
+    """``"4x32"`` -> (4 jobs, queue depth 32)."""
+    try:
+        jobs, qd = (int(x) for x in shape.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--raw-jobs: {shape!r} is not JOBSxDEPTH (e.g. 4x32)") from None
+    return jobs, qd
+
+
 def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
     cs: list[dict] = []
     want = set(args.contenders.split(","))
@@ -355,11 +365,15 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
         # the same with fp_dcp's planners: the ceiling of a storage used with them
         cs.append({"name": "dcp_floor_fp", "kind": "dcp_floor", "role": "dcp_floor", "planners": "fp"})
     if "raw" in want:
+        shapes = [(1, args.raw_iodepth)]
+        if raw_method == "fio":
+            shapes += [_jobs_by_depth(s) for s in filter(None, args.raw_jobs.split(","))]
         for bs in args.raw_bs.split(","):
             b = parse_size(bs)
-            cs.append({"name": f"raw[{raw_method},{bs.strip()}]", "kind": "raw",
-                       "method": raw_method, "block_size": b,
-                       "iodepth": args.raw_iodepth if raw_method == "fio" else 1, "role": "raw"})
+            for jobs, qd in shapes:
+                cs.append({"name": f"raw[{raw_method},{bs.strip()}" + (f",{jobs}x{qd}]" if jobs > 1 else "]"),
+                           "kind": "raw", "method": raw_method, "block_size": b, "numjobs": jobs,
+                           "iodepth": qd if raw_method == "fio" else 1, "role": "raw"})
         # the device without fio's 4 KiB-page buffers: fp_dcp's engine, one
         # huge-page buffer, the engine's default shapes (write 4M x 8, read 256K x 64)
         cs.append({"name": "raw[hugebuf]", "kind": "raw", "method": "hugebuf", "role": "raw",
@@ -655,7 +669,10 @@ def parse_args(argv=None):
     p.add_argument("--raw-bs", default="1M,4M,16M",
                    help="raw block sizes (one fio contender each, plus raw[hugebuf]; the raw reference "
                         "of every ratio is the fastest of them in the same run)")
-    p.add_argument("--raw-iodepth", type=int, default=16, help="fio iodepth")
+    p.add_argument("--raw-iodepth", type=int, default=16, help="fio iodepth of the one-job raw contenders")
+    p.add_argument("--raw-jobs", default="4x32",
+                   help="more fio shapes per --raw-bs, JOBSxDEPTH each (every job writes / reads its own slice "
+                        "of one file): several submitters, the device's best at a deep queue ('' for none)")
     p.add_argument("--no-drop-caches", action="store_true",
                    help="do not drop the page cache before each run (loads are then WARM)")
     args = p.parse_args(argv)

@@ -104,19 +104,28 @@ def _ratio(v: float | None, best: float | None) -> str:
     return f"{v / best:.2f}x" if v and best else "-"
 
 
+def figure_rows(profile: dict[str, Any], raw_label: str, lead: tuple[str, ...] = ()) -> list[str]:
+    """A profile's Markdown rows: each contender's save GB/s, save / best raw
+    write, load GB/s (``(warm)`` where no cold load was measured) and load /
+    best raw read, then the raw reference's row, labelled ``raw_label``
+    (``{write}`` and ``{read}``: the raw contenders' names); ``lead``: cells
+    put before each row's."""
+    (bw, bw_name), (br, br_name) = profile["raw"]["save"], profile["raw"]["load"]
+    rows = []
+    for c in profile["contenders"]:
+        warm = "" if c["cold"] or c["load"] is None else " (warm)"
+        rows.append([c["name"], _gbps(c["save"]), _ratio(c["save"], bw), _gbps(c["load"]) + warm,
+                     _ratio(c["load"], br)])
+    rows.append([raw_label.format(write=bw_name or "-", read=br_name or "-"), _gbps(bw), "1.00x", _gbps(br), "1.00x"])
+    return ["| " + " | ".join([*lead, *cells]) + " |" for cells in rows]
+
+
 def markdown(profiles: list[dict[str, Any]]) -> str:
     """The figures of the plot as a Markdown table (GB/s = 10^9 B/s, medians)."""
     lines = ["| device profile | contender | save GB/s | save / device best | cold load GB/s | load / device best |",
              "| --- | --- | --- | --- | --- | --- |"]
     for p in profiles:
-        where = f"{p['device']}: {p['title']}"
-        (bw, bw_name), (br, br_name) = p["raw"]["save"], p["raw"]["load"]
-        for c in p["contenders"]:
-            warm = "" if c["cold"] or c["load"] is None else " (warm)"
-            lines.append(f"| {where} | {c['name']} | {_gbps(c['save'])} | {_ratio(c['save'], bw)} | "
-                         f"{_gbps(c['load'])}{warm} | {_ratio(c['load'], br)} |")
-        lines.append(f"| {where} | **device best** (raw: write {bw_name or '-'}, read {br_name or '-'}) | "
-                     f"{_gbps(bw)} | 1.00x | {_gbps(br)} | 1.00x |")
+        lines += figure_rows(p, "**device best** (raw: write {write}, read {read})", (f"{p['device']}: {p['title']}",))
     sources = []
     for p in profiles:
         s = f"`{p['command']}` ({os.path.basename(p['source'])}, {p['timestamp']})"

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from fp_dcp import _native, pinned, tuning
+from fp_dcp import _exit, _native, pinned, tuning
 from fp_dcp.options import FastPersistOptions
 
 __all__ = ["IOSession", "EngineSet", "tensor_bytes", "PinnedBuffer", "device_max_request_bytes",
@@ -271,6 +271,7 @@ class EngineSet:
     the options or the file system change."""
 
     def __init__(self) -> None:
+        _exit.install()  # a process that reads or writes with fp_dcp does not abort at exit (fp_dcp/_exit.py)
         self.primary: IOSession | None = None
         self.large: IOSession | None = None
         self.more: list[IOSession] = []

@@ -45,17 +45,8 @@ def argv(command: str) -> list[str]:
     return args
 
 
-# A rank of a multi-process block that has finished its work and destroyed its
-# process group sometimes aborts at interpreter exit ("terminate called without an
-# active exception", SIGABRT) on a loaded machine; not yet explained (an open bug).
-# Such a run is tried once more; any other failure, or a second abort, fails.
-_EXIT_ABORT = "terminate called without an active exception"
-
-
 def run(args: list[str], cwd: str, timeout: float = 600) -> subprocess.CompletedProcess:
     r = subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0 and "torch.distributed.run" in args and _EXIT_ABORT in r.stderr and "exitcode: -6" in r.stderr:
-        r = subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{' '.join(args)} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return r
 

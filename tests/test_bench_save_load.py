@@ -7,24 +7,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
+import shutil
 
 import pytest
 
+from tests import _bench
+
+bench = _bench.bench  # the fixture: benchmarks/bench_save_load.py as a module
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "fp_dcp_bench_save_load", os.path.join(REPO, "benchmarks", "bench_save_load.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.path.remove(os.path.join(REPO, "benchmarks"))
 
 
 def test_dcp_floor_runs_dcp_without_io_and_reports_its_time(bench, tmp_path):
@@ -85,3 +76,22 @@ def test_plot_leaves_the_floor_out(tmp_path):
     path.write_text(json.dumps(report))
     names = [c["name"] for c in plot.load_profiles([str(path)])[0]["contenders"]]
     assert names == ["fp_dcp"]
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not on PATH")
+def test_raw_jobs_write_and_read_their_own_slices_of_one_file(bench, tmp_path):
+    """``--raw-jobs 4x8``: four fio jobs, each on its own quarter of the file,
+    together move the byte count asked for (not four times the first quarter)."""
+    import _common as C
+
+    f = tmp_path / "raw.bin"
+    w = C.raw_device_io("write", f, 4 << 20, method="fio", block_size=256 << 10, iodepth=8, numjobs=4)
+    assert w["bytes"] == 4 << 20 and "numjobs=4" in w["note"]
+    assert f.stat().st_size == 4 << 20
+    with open(f, "rb") as fh:  # fio's pattern in every quarter: none left a hole
+        assert all(fh.read(1 << 20).count(0) < (1 << 20) for _ in range(4))
+    r = C.raw_device_io("read", f, 4 << 20, method="fio", block_size=256 << 10, iodepth=8, numjobs=4)
+    assert r["bytes"] == 4 << 20
+    args = bench.parse_args(["--contenders", "raw", "--raw-bs", "4M", "--raw-jobs", "4x32", "--raw", "fio"])
+    names = [c["name"] for c in bench.build_contenders(args, False, "fio")]
+    assert "raw[fio,4M]" in names and "raw[fio,4M,4x32]" in names

@@ -300,39 +300,26 @@ def test_the_freeze_does_nothing_on_python_3_12():
 
 # a load step shaped as torch 2.11's (the reader's exception swallowed, the
 # read retried with rank=) and as 2.13's (the exception kept and reported)
-_SWALLOWING_STEP = '''
-def local_step(reader):
-    metadata = None
-    try:
-        metadata = reader.read_metadata()
-    except Exception:
-        pass
-    if not metadata:
-        try:
-            metadata = reader.read_metadata(rank=0)
-        except Exception:
-            pass
-    if metadata is None:
-        raise AssertionError("metadata is None")
-    reader.set_up_storage_reader(metadata, True)
-'''
-_REPORTING_STEP = '''
+_STEP = '''
 def local_step(reader):
     metadata = None
     first = None
     try:
         metadata = reader.read_metadata()
     except Exception as e:
-        first = e
+        {on_error}
     if not metadata:
         try:
             metadata = reader.read_metadata(rank=0)
         except Exception:
             pass
     if metadata is None:
-        raise AssertionError(f"metadata is None; global metadata read failed: {first}")
+        raise AssertionError({message})
     reader.set_up_storage_reader(metadata, True)
 '''
+_SWALLOWING_STEP = _STEP.format(on_error="pass", message='"metadata is None"')
+_REPORTING_STEP = _STEP.format(on_error="first = e",
+                               message='f"metadata is None; global metadata read failed: {first}"')
 
 
 def _step(source):

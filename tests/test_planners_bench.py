@@ -4,26 +4,11 @@ ceiling row, and ``--planners fp`` for the fp_dcp contenders."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import _bench
 
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "fp_dcp_bench_save_load_planners", os.path.join(REPO, "benchmarks", "bench_save_load.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.path.remove(os.path.join(REPO, "benchmarks"))
+bench = _bench.bench  # the fixture: benchmarks/bench_save_load.py as a module
 
 
 def test_planner_kwargs_pick_our_planners_only_for_fp(bench):

@@ -71,15 +71,9 @@ def _x(v: float | None) -> str:
 
 def mix_table(mix: dict[str, Any], profile: dict[str, Any]) -> list[str]:
     """One table: each contender's medians and ratios, then the raw reference."""
-    (bw, bw_name), (br, br_name) = profile["raw"]["save"], profile["raw"]["load"]
     lines = ["| contender | save GB/s | save, x raw write | cold load GB/s | load, x raw read |",
              "| --- | --- | --- | --- | --- |"]
-    for c in profile["contenders"]:
-        warm = "" if c["cold"] or c["load"] is None else " (warm)"
-        lines.append(f"| {c['name']} | {plot._gbps(c['save'])} | {_x(c['save'] and bw and c['save'] / bw)} | "
-                     f"{plot._gbps(c['load'])}{warm} | {_x(c['load'] and br and c['load'] / br)} |")
-    lines.append(f"| raw reference (write: {bw_name or '-'}; read: {br_name or '-'}) | {plot._gbps(bw)} | 1.00x | "
-                 f"{plot._gbps(br)} | 1.00x |")
+    lines += plot.figure_rows(profile, "raw reference (write: {write}; read: {read})")
     rows = _ratio_rows(mix)
     notes = []
     for op, vs, what in (("save", "stock default", "fp_dcp saves at {} the stock writer's speed"),
@@ -126,8 +120,9 @@ def page(paths: list[str], notes: list[str], argv: list[str]) -> str:
                 + f" (`--raw {report.get('raw_method', '?')}`).", ""]
         out += [f"Note: {n}" for n in notes] + ([""] if notes else [])
         for mix, prof in zip(report.get("mixes", []), profiles):
+            objects = mix.get("objects")
             what = (f"{plot.MIX_NAMES.get(mix['mix'], mix['mix'])}: {mix.get('tensors', '?'):,} tensors"
-                    + (f" + {mix['objects']:,} object{'s' if mix['objects'] != 1 else ''}" if mix.get("objects") else "")
+                    + (f" + {objects:,} object{'s' if objects != 1 else ''}" if objects else "")
                     + f", {plot._size(mix.get('payload_bytes'))}")
             out += [f"### {what}, profile {_profile_text(report, mix.get('profile', 'bare'))}", ""]
             out += mix_table(mix, prof) + [""]

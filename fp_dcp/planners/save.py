@@ -51,6 +51,10 @@ def _capabilities() -> dict[str, bool]:
 
 
 CAPABILITIES = _capabilities()
+# where the local plan waits for the save to succeed before it is cached: a
+# torch whose finish_plan promotes it from _pending_local_plan, else (older
+# releases) create_local_plan caches it at once
+_PENDING_LOCAL_PLAN = "_pending_local_plan" in DefaultSavePlanner.finish_plan.__code__.co_names
 _TENSOR, _BYTE_IO, _SHARD = WriteItemType.TENSOR, WriteItemType.BYTE_IO, WriteItemType.SHARD
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _OBJECTS = frozenset({int, float, bool, str, bytes, type(None)})
@@ -143,7 +147,10 @@ class FastPersistSavePlanner(DefaultSavePlanner):
             if cached is not None and _compare_save_plans(plan, cached):
                 logger.info("No change in the local plan. Skipping sending the plan to the coordinator")
                 return SavePlan([], usable=False)
-            self._pending_local_plan = plan  # promoted to the cache by finish_plan
+            if _PENDING_LOCAL_PLAN:
+                self._pending_local_plan = plan  # promoted to the cache by finish_plan
+            else:
+                SavePlanner._cached_save_plan[key] = plan
         return self.plan
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:

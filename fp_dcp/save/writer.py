@@ -38,6 +38,9 @@ from fp_dcp.staging import AsyncStagingMixin
 
 __all__ = ["FastPersistWriter"]
 
+# the DCP version FileSystemWriter records in the metadata it writes
+_DCP_VERSION = getattr(torch.distributed.checkpoint.filesystem, "CURRENT_DCP_VERSION", None)
+
 
 class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     """Write a DCP checkpoint into the directory ``path``.
@@ -186,25 +189,38 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
     def _write(self, assignment: Assignment, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         self._prepared = None
-        # The coordinator prepares the commit while the data files are synced.
+        # The coordinator encodes the metadata's structure while the data is
+        # written and prepares the rest of the commit while the files are synced.
         metadata = _dcp_hooks.planner_metadata(planner) if self.is_coordinator else None
         prepare_seconds = 0.0
+        encoded: list[fmt.EncodedStructure] = []
 
-        def prepare_commit(results: list[WriteResult]) -> None:
+        def encode_structure() -> None:
             nonlocal prepare_seconds
             assert metadata is not None  # passed to write_rank on the coordinator only
             t0 = time.perf_counter()
-            layout = blob = None
             try:
                 with paused():
-                    structure = fmt.encode_structure(metadata)
+                    encoded.append(fmt.encode_structure(metadata))
+            except Exception:
+                pass  # finish does it again, and reports the error
+            prepare_seconds += time.perf_counter() - t0
+
+        def prepare_commit(results: list[WriteResult]) -> None:
+            nonlocal prepare_seconds
+            assert metadata is not None
+            if not encoded:
+                return
+            t0 = time.perf_counter()
+            layout = blob = None
+            try:
                 if self._world_size == 1:  # these results are all finish will get
-                    layout, blob = self._layout_and_metadata(metadata, [results], structure)
+                    layout, blob = self._layout_and_metadata(metadata, [results], encoded[0])
             except Exception:
                 return  # finish does it again, and reports the error
             self._prepared = _PreparedCommit(metadata, metadata.state_dict_metadata, metadata.planner_data,
-                                             structure, results, layout, blob)
-            prepare_seconds = time.perf_counter() - t0
+                                             encoded[0], results, layout, blob)
+            prepare_seconds += time.perf_counter() - t0
 
         out, self.last_stats = execute.write_rank(
             assignment,
@@ -214,6 +230,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             session_for=self._engine_for,
             tag_devices=bool(self.data_dirs),
             options=self.options,
+            while_writing=None if metadata is None else encode_structure,
             while_syncing=None if metadata is None else prepare_commit,
         )
         if metadata is not None:
@@ -230,6 +247,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             layout = layout_from_results(results, self.save_id, self._engine().alignment)
             check_layout_covers(metadata, layout)
             metadata.storage_meta = self.storage_meta()
+            metadata.version = _DCP_VERSION  # as DCP's own writer records it
             blob = fmt.encode_metadata(
                 metadata,
                 layout,
