@@ -20,24 +20,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 import fp_dcp
-from fp_dcp import FastPersistReader, FastPersistWriter
 from fp_dcp.planners import FastPersistLoadPlanner, FastPersistSavePlanner
 from tests._dist import run_ranks
 from tests._sd import bits_equal
+from tests.upstream.pairs import PLANNERS, STORAGES
 
 pytestmark = pytest.mark.upstream
 
-_STORAGES = {
-    "stock": (FileSystemWriter, FileSystemReader),
-    "fp_dcp": (FastPersistWriter, FastPersistReader),
-}
-_PLANNERS = {
-    "dcp": (DefaultSavePlanner, DefaultLoadPlanner),
-    "fp_dcp": (FastPersistSavePlanner, FastPersistLoadPlanner),
-}
 
 
 # ------------------------------------- test_file_system_checkpoint_cpu.py
@@ -97,7 +88,7 @@ def _io(storage: str, planners: str, path: str):
                 dcp.load(sd, checkpoint_id=path)
 
         return save, load
-    save_cls, load_cls = _PLANNERS[planners]
+    save_cls, load_cls = PLANNERS[planners]
 
     def save_stock(sd):
         dcp.save(sd, storage_writer=FileSystemWriter(path, thread_count=2), planner=save_cls())
@@ -212,7 +203,7 @@ def _reshard_dtensors(rank: int, world: int, root: str, storage: str) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor, zeros
 
-    writer_cls, reader_cls = _STORAGES[storage]
+    writer_cls, reader_cls = STORAGES[storage]
     one_d, two_d = _placements()
     meshes = {1: init_device_mesh("cpu", (world,)), 2: init_device_mesh("cpu", (2, world // 2))}
     layouts = [(1, p) for p in one_d] + [(2, p) for p in two_d]
@@ -244,7 +235,7 @@ def _submesh_and_extra_state(rank: int, world: int, path: str, storage: str) -> 
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, zeros
 
-    writer_cls, reader_cls = _STORAGES[storage]
+    writer_cls, reader_cls = STORAGES[storage]
     sub = DeviceMesh("cpu", [r for r in range(world) if r % 2 == 0])
     values = torch.arange(6.0) + 0.25
     sd = {"sdt": distribute_tensor(values, sub, [Shard(0)]),
@@ -270,7 +261,7 @@ def _submesh_and_extra_state(rank: int, world: int, path: str, storage: str) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("storage", list(_STORAGES))
+@pytest.mark.parametrize("storage", list(STORAGES))
 def test_dtensors_reshard_between_placements_and_meshes(tmp_path, storage):
     checked = run_ranks(4, _reshard_dtensors, str(tmp_path), storage, timeout=400)
     assert checked == [30 + 1] * 4

@@ -20,16 +20,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 import fp_dcp
-from fp_dcp import FastPersistReader, FastPersistWriter
 from fp_dcp._dcp_hooks import checkpoint_kind
 from fp_dcp.planners import FastPersistLoadPlanner, FastPersistSavePlanner
 from tests._sd import bits_equal
+from tests.upstream.pairs import PLANNERS, STORAGES
 
 pytestmark = pytest.mark.upstream
 
@@ -150,18 +149,10 @@ def test_finish_plan_returns_the_cached_final_plan_for_an_unusable_one(cls, fres
     assert again.create_local_plan() == SavePlan([], usable=False)
 
 
-_STORAGES = {
-    "stock": (FileSystemWriter, FileSystemReader),
-    "fp_dcp": (FastPersistWriter, FastPersistReader),
-}
-_PLANNERS = {
-    "dcp": (DefaultSavePlanner, DefaultLoadPlanner),
-    "fp_dcp": (FastPersistSavePlanner, FastPersistLoadPlanner),
-}
 
 
 def _save(sd, path, storage: str, planner=None) -> None:
-    writer = _STORAGES[storage][0](str(path))
+    writer = STORAGES[storage][0](str(path))
     try:
         dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
     finally:
@@ -169,15 +160,15 @@ def _save(sd, path, storage: str, planner=None) -> None:
 
 
 def _load(sd, path, storage: str, planner) -> None:
-    reader = _STORAGES[storage][1](str(path))
+    reader = STORAGES[storage][1](str(path))
     try:
         dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True)
     finally:
         getattr(reader, "close", lambda: None)()
 
 
-@pytest.mark.parametrize("planners", list(_PLANNERS))
-@pytest.mark.parametrize("storage", list(_STORAGES))
+@pytest.mark.parametrize("planners", list(PLANNERS))
+@pytest.mark.parametrize("storage", list(STORAGES))
 def test_load_planner_partial_strict_size_and_version(tmp_path, storage, planners):
     """``TestLoadPlanner``: a model with a parameter the checkpoint lacks
     loads with ``allow_partial_load=True`` (the others bit for bit) and
@@ -186,7 +177,7 @@ def test_load_planner_partial_strict_size_and_version(tmp_path, storage, planner
     (DCP's writer's: fp_dcp's, see the next test)."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
-    save_cls, load_cls = _PLANNERS[planners]
+    save_cls, load_cls = PLANNERS[planners]
     torch.manual_seed(1)
     original = torch.nn.Linear(2, 2)
     _save({"module": original}, tmp_path, storage, save_cls())
@@ -209,11 +200,11 @@ def test_load_planner_partial_strict_size_and_version(tmp_path, storage, planner
         assert planner.metadata.version == CURRENT_DCP_VERSION
 
 
-@pytest.mark.parametrize("planners", list(_PLANNERS))
+@pytest.mark.parametrize("planners", list(PLANNERS))
 def test_fp_dcp_checkpoint_records_dcps_version(tmp_path, planners):
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
-    save_cls, load_cls = _PLANNERS[planners]
+    save_cls, load_cls = PLANNERS[planners]
     _save({"module": torch.nn.Linear(2, 2)}, tmp_path, "fp_dcp", save_cls())
     planner = load_cls()
     _load({"module": torch.nn.Linear(2, 2)}, tmp_path, "fp_dcp", planner)
@@ -395,7 +386,7 @@ def _save_load_implicit(storage: str, path: str):
     return save, load
 
 
-@pytest.mark.parametrize("storage", list(_STORAGES))
+@pytest.mark.parametrize("storage", list(STORAGES))
 def test_stateful_loaded_in_place_and_plain_dicts_replaced(tmp_path, storage):
     """``test_stateful_and_non_stateful_loads``: a Stateful value is loaded
     through its ``load_state_dict``, the state dict's entry left as it is;
@@ -438,7 +429,7 @@ def test_stateful_loaded_in_place_and_plain_dicts_replaced(tmp_path, storage):
     assert bits_equal(sd["foo"]["replicated"], values) and sd["foo"]["bytes"] == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("storage", list(_STORAGES))
+@pytest.mark.parametrize("storage", list(STORAGES))
 def test_model_and_optimizer_state_loaded_in_place(tmp_path, storage):
     """``test_init_state_dict`` (and the e2e train state): a model's and an
     Adam optimizer's state dicts load into the very dicts passed, the
