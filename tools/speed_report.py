@@ -85,7 +85,10 @@ def mix_table(mix: dict[str, Any], profile: dict[str, Any]) -> list[str]:
         r = rows.get((op, "ceiling: raw + DCP's own time, any storage"))
         if r and r.get("ratio"):
             notes.append(f"no DCP storage could {op} faster than {_x(r['ratio'])} of raw in this run "
-                         f"(the raw transfer plus DCP's own time, `dcp_floor`)")
+                         f"with DCP's default planners (the raw transfer plus DCP's own time, `dcp_floor`)")
+        r = rows.get((op, "ceiling: raw + DCP's own time with fp_dcp's planners"))
+        if r and r.get("ratio"):
+            notes.append(f"with fp_dcp's planners, {_x(r['ratio'])} (`dcp_floor_fp`)")
     for key, what in ((("load", "verify off (same checkpoint, back to back; worst round)"),
                        "verified loads against unverified ones of the same checkpoint: {}"),):
         r = rows.get(key)
