@@ -9,9 +9,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # 10 s of CPU: the whole suite runs it
 def test_gpu_check_dry_run(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))

@@ -248,7 +248,8 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["env", "launch", pytest.param("launch -m", marks=pytest.mark.slow),
+@pytest.mark.parametrize("how", ["env", pytest.param("launch", marks=pytest.mark.slow),
+                                 pytest.param("launch -m", marks=pytest.mark.slow),
                                  pytest.param("off", marks=pytest.mark.slow)])
 def test_unmodified_script(tmp_path, how):
     script = tmp_path / "train.py"

@@ -369,6 +369,7 @@ def test_a_rank_that_fails_fails_every_rank_and_writes_nothing(tmp_path):
 # ------------------------------------------------------------------ transformers
 
 
+@pytest.mark.slow
 def test_transformers_loads_an_exported_llama(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -156,7 +156,7 @@ _OURS = "FastPersistSavePlanner FastPersistLoadPlanner FastPersistSavePlanner Fa
 
 @pytest.mark.parametrize("mode,names,kind", [
     pytest.param("stock", _OURS.replace("FastPersist", "Default"), "stock", id="stock", marks=pytest.mark.slow),
-    pytest.param("planners", _OURS, "stock", id="planners"),
+    pytest.param("planners", _OURS, "stock", id="planners", marks=pytest.mark.slow),
     pytest.param("storage", _OURS, "fp_dcp", id="storage"),
 ])
 def test_swap_installs_what_each_mode_says_in_a_fresh_interpreter(tmp_path, mode, names, kind):
