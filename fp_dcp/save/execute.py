@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import os
-import threading
 import time
 from typing import Any, Callable
 
@@ -42,15 +41,13 @@ def write_rank(
     session_for: Callable[[str], IOSession],
     tag_devices: bool,
     options: FastPersistOptions,
-    while_writing: Callable[[], None] | None = None,
     while_syncing: Callable[[list[WriteResult]], None] | None = None,
 ) -> tuple[list[WriteResult], dict[str, Any]]:
     """Write rank ``assignment.rank``'s pieces of ``items`` (resolved by
     ``resolve_data``) into ``dirs`` (by device), each through
-    ``session_for(directory)``.  ``while_writing()`` runs on a thread of its
-    own while the engines write (they release the GIL), ``while_syncing(results)``
-    while the files are made durable; what either raises fails the write.
-    Returns the results and the statistics once every file is durable."""
+    ``session_for(directory)``.  ``while_syncing(results)`` runs while the files
+    are made durable (what it raises fails the write).  Returns the results and
+    the statistics once every file is durable."""
     t0 = time.perf_counter()
     rank = assignment.rank
     pieces = assignment.pieces
@@ -102,15 +99,11 @@ def write_rank(
                              "staged_checksum_bytes": 0}
     try:
         try:
-            beside = _Beside(while_writing)
-            try:
-                if len(devices) > 1:  # one thread per device: the engine releases the GIL
-                    with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="fp_dcp-device") as p:
-                        done = list(p.map(write_device, devices))
-                else:
-                    done = [write_device(d) for d in devices]
-            finally:
-                beside.join()
+            if len(devices) > 1:  # one thread per device: the engine releases the GIL
+                with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="fp_dcp-device") as pool:
+                    done = list(pool.map(write_device, devices))
+            else:
+                done = [write_device(d) for d in devices]
         finally:
             forget_staged_checksums(used)  # they belong to this save only
         # Each device's files are made durable on a thread of its own (the
@@ -147,30 +140,6 @@ def write_rank(
         devices=len(devices),
     )
     return results, stats
-
-
-class _Beside:
-    """``fn()`` on a thread of its own from now until :meth:`join`, which
-    raises what it raised; nothing when ``fn`` is None."""
-
-    def __init__(self, fn: Callable[[], None] | None) -> None:
-        self._error: BaseException | None = None
-        self._thread = None
-        if fn is not None:
-            self._thread = threading.Thread(target=self._run, args=(fn,), name="fp_dcp-beside", daemon=True)
-            self._thread.start()
-
-    def _run(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except BaseException as e:  # handed to the caller by join
-            self._error = e
-
-    def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            if self._error is not None:
-                raise self._error
 
 
 def _results(items: list[WriteItem], done: list[tuple], stats: dict[str, Any]) -> list[WriteResult]:

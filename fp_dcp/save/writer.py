@@ -3,6 +3,7 @@ handing one of DCP's calls to the save path's modules (docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import secrets
@@ -189,50 +190,53 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
     def _write(self, assignment: Assignment, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         self._prepared = None
-        # The coordinator encodes the metadata's structure while the data is
-        # written and prepares the rest of the commit while the files are synced.
+        # The coordinator encodes the metadata's structure on a thread while the
+        # data is written (the engines release the GIL) and prepares the rest of
+        # the commit while the files are synced.
         metadata = _dcp_hooks.planner_metadata(planner) if self.is_coordinator else None
         prepare_seconds = 0.0
-        encoded: list[fmt.EncodedStructure] = []
 
-        def encode_structure() -> None:
+        def encode_structure() -> fmt.EncodedStructure | None:
             nonlocal prepare_seconds
-            assert metadata is not None  # passed to write_rank on the coordinator only
+            assert metadata is not None  # encoded on the coordinator only
             t0 = time.perf_counter()
             try:
                 with paused():
-                    encoded.append(fmt.encode_structure(metadata))
+                    return fmt.encode_structure(metadata)
             except Exception:
-                pass  # finish does it again, and reports the error
-            prepare_seconds += time.perf_counter() - t0
+                return None  # finish does it again, and reports the error
+            finally:
+                prepare_seconds += time.perf_counter() - t0
 
         def prepare_commit(results: list[WriteResult]) -> None:
             nonlocal prepare_seconds
-            assert metadata is not None
-            if not encoded:
+            assert metadata is not None and encoding is not None
+            structure = encoding.result()
+            if structure is None:
                 return
             t0 = time.perf_counter()
             layout = blob = None
             try:
                 if self._world_size == 1:  # these results are all finish will get
-                    layout, blob = self._layout_and_metadata(metadata, [results], encoded[0])
+                    layout, blob = self._layout_and_metadata(metadata, [results], structure)
             except Exception:
                 return  # finish does it again, and reports the error
             self._prepared = _PreparedCommit(metadata, metadata.state_dict_metadata, metadata.planner_data,
-                                             encoded[0], results, layout, blob)
+                                             structure, results, layout, blob)
             prepare_seconds += time.perf_counter() - t0
 
-        out, self.last_stats = execute.write_rank(
-            assignment,
-            items,
-            planner.resolve_data,
-            dirs=self._data_directories(),
-            session_for=self._engine_for,
-            tag_devices=bool(self.data_dirs),
-            options=self.options,
-            while_writing=None if metadata is None else encode_structure,
-            while_syncing=None if metadata is None else prepare_commit,
-        )
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-encode") as encoder:
+            encoding = None if metadata is None else encoder.submit(encode_structure)
+            out, self.last_stats = execute.write_rank(
+                assignment,
+                items,
+                planner.resolve_data,
+                dirs=self._data_directories(),
+                session_for=self._engine_for,
+                tag_devices=bool(self.data_dirs),
+                options=self.options,
+                while_syncing=None if metadata is None else prepare_commit,
+            )
         if metadata is not None:
             self.last_stats["prepare_commit_seconds"] = prepare_seconds
         return out
