@@ -298,3 +298,102 @@ def test_a_failed_fdatasync_fails_the_save_names_the_file_and_keeps_the_checkpoi
     out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
     dcp.load(out, storage_reader=FastPersistReader(path))
     assert all(torch.equal(out[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor))
+
+
+def _extents_of(path):
+    from fp_dcp import format as fmt
+
+    with open(path / fmt.METADATA_NAME, "rb") as f:
+        _, layout, _ = fmt.decode_metadata(f.read(), str(path))
+    return {index: [(e.file_offset, e.item_offset, e.length, e.crc32c) for e in exts]
+            for index, exts in layout.extents.items()}
+
+
+def test_host_pieces_are_resolved_batch_by_batch_while_the_batch_before_is_written(tmp_path, monkeypatch,
+                                                                                   aio_no_leaks):
+    """A one-device save resolves its pieces in growing batches and writes
+    each on a thread while the next is resolved (the first write waits
+    until a later piece is resolved); each batch starts on an aligned block
+    (a write covers whole blocks), so the checkpoint loads bit for bit with
+    every checksum checked, and its checksums are the ones a save in one
+    batch stores."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from fp_dcp import FastPersistReader
+    from fp_dcp.engine import IOSession
+    from fp_dcp.save import execute
+
+    sd = _small_state_dict(40)
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path / "one"))  # one batch: every piece < 16 MiB in all
+
+    writing, later = threading.Event(), threading.Event()
+    calls: list[tuple[int, bool]] = []
+    resolved: list[str] = []
+    real_write = IOSession.write_fds
+
+    class Planner(DefaultSavePlanner):
+        def resolve_data(self, item):
+            resolved.append(item.index.fqn)
+            if writing.is_set():
+                later.set()  # a piece resolved after the first batch was handed to the engine
+            return super().resolve_data(item)
+
+    def write_fds(self, fds, paths, file_index, file_offset, sources, **kw):
+        first = not writing.is_set()
+        writing.set()
+        calls.append((len(sources), later.wait(30) if first else True))
+        return real_write(self, fds, paths, file_index, file_offset, sources, **kw)
+
+    monkeypatch.setattr(execute, "_FIRST_BATCH_BYTES", 512)
+    monkeypatch.setattr(execute, "_BATCH_GROWTH", 2)
+    monkeypatch.setattr(IOSession, "write_fds", write_fds)
+    with FastPersistWriter(tmp_path / "batched") as w:
+        dcp.save(sd, storage_writer=w, planner=Planner())
+    assert len(calls) >= 4 and all(overlapped for _, overlapped in calls)
+    assert sum(n for n, _ in calls) == len(sd)  # every piece written once
+    assert len(resolved) == len(set(resolved)) == len(sd)  # ... and resolved once
+    batched, one = _extents_of(tmp_path / "batched"), _extents_of(tmp_path / "one")
+    assert {i: [e[1:] for e in x] for i, x in batched.items()} == {i: [e[1:] for e in x] for i, x in one.items()}
+    starts = sorted(e[0] for x in batched.values() for e in x)
+    assert starts != sorted(e[0] for x in one.values() for e in x)  # the batches' padding
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+    dcp.load(out, storage_reader=FastPersistReader(tmp_path / "batched"))
+    assert out["step"] == 7
+    assert all(torch.equal(out[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor))
+
+
+def test_a_piece_that_fails_to_resolve_in_a_later_batch_fails_the_save_and_keeps_the_checkpoint(tmp_path,
+                                                                                               monkeypatch,
+                                                                                               aio_no_leaks):
+    """A planner whose resolve_data fails for a tensor after earlier batches
+    were written: the save fails naming it, the new data files are removed
+    and the previous checkpoint stays the one committed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fp_dcp import format as fmt
+    from fp_dcp.save import execute
+
+    path = tmp_path / "c"
+    sd = _small_state_dict(40)
+    dcp.save(sd, storage_writer=FastPersistWriter(path))
+    before = sorted(os.listdir(path))
+    with open(path / fmt.METADATA_NAME, "rb") as f:
+        committed = f.read()
+
+    class Planner(DefaultSavePlanner):
+        def resolve_data(self, item):
+            if item.index.fqn == "t39":
+                return "not a tensor"
+            return super().resolve_data(item)
+
+    monkeypatch.setattr(execute, "_FIRST_BATCH_BYTES", 512)
+    with pytest.raises((TypeError, CheckpointException), match="t39"):
+        dcp.save(sd, storage_writer=FastPersistWriter(path), planner=Planner())
+    assert sorted(os.listdir(path)) == before
+    with open(path / fmt.METADATA_NAME, "rb") as f:
+        assert f.read() == committed

@@ -8,7 +8,7 @@ import concurrent.futures
 import io
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -58,32 +58,45 @@ def write_rank(
             f"but its prepare_local_plan recorded {len(items)} (was the writer reused by another save?)"
         )
     sources = _Sources(items, resolve_data)
+    resolve_s = 0.0
 
-    # device -> ([(item, item_offset, host bytes)], [(item, item_offset, CUDA bytes)])
-    by_device: dict[int, tuple[list, list]] = {}
-    with paused():  # a few objects per item, no cyclic garbage: no collections walking them
-        for li, off, length, dev in zip(
-            pieces.local.tolist(), pieces.offset.tolist(), pieces.length.tolist(), pieces.device.tolist()
-        ):
-            kind, buf = sources.get(li)
-            n = len(buf) if kind == "cpu" else int(buf.numel())
-            if length == balance.UNSIZED:
-                off, length = 0, n
-            if off + length > n:
-                raise RuntimeError(
-                    f"{item_name(items[li])}: the plan assigns bytes {off}..{off + length} of an item of {n} bytes"
-                )
-            group = by_device.get(dev)
-            if group is None:
-                group = by_device[dev] = ([], [])
-            # a whole item is passed as it is (no slice object to make)
-            piece = buf if off == 0 and length == n else buf[off : off + length]
-            group[0 if kind == "cpu" else 1].append((li, off, piece))
-    resolve_s = time.perf_counter() - t0
+    def resolved(which: np.ndarray) -> tuple[list, list]:
+        """The pieces ``which`` (indices, in order) resolved:
+        ([(item, item_offset, host bytes)], [(item, item_offset, CUDA bytes)])."""
+        nonlocal resolve_s
+        t = time.perf_counter()
+        out: tuple[list, list] = ([], [])
+        with paused():  # a few objects per item, no cyclic garbage: no collections walking them
+            for li, off, length in zip(
+                pieces.local[which].tolist(), pieces.offset[which].tolist(), pieces.length[which].tolist()
+            ):
+                kind, buf = sources.get(li)
+                n = len(buf) if kind == "cpu" else int(buf.numel())
+                if length == balance.UNSIZED:
+                    off, length = 0, n
+                if off + length > n:
+                    raise RuntimeError(
+                        f"{item_name(items[li])}: the plan assigns bytes {off}..{off + length} of an item of {n} bytes"
+                    )
+                # a whole item is passed as it is (no slice object to make)
+                piece = buf if off == 0 and length == n else buf[off : off + length]
+                out[0 if kind == "cpu" else 1].append((li, off, piece))
+        resolve_s += time.perf_counter() - t
+        return out
 
-    devices = sorted(by_device)
+    devices = sorted(set(pieces.device.tolist()))
     if any(d >= len(dirs) for d in devices):
         raise RuntimeError(f"rank {rank}: the plan uses device {max(devices)} but this rank has {len(dirs)}")
+    # device -> (batches of host pieces, CUDA pieces): with one device, the
+    # pieces are resolved batch by batch while the batch before is written
+    by_device: dict[int, tuple[Iterable[list], list]] = {}
+    if len(devices) == 1:
+        cuda: list = []
+        by_device[devices[0]] = (_batches(resolved, pieces.length, cuda), cuda)
+    else:
+        for d in devices:
+            cpu, cuda = resolved(np.flatnonzero(pieces.device == d))
+            by_device[d] = ([cpu], cuda)
 
     used: set[int] = set()  # arenas whose staging checksums this save used
     unsynced: dict[int, list[tuple[int, str]]] = {d: [] for d in devices}  # device -> its open host files
@@ -173,6 +186,30 @@ def _results(items: list[WriteItem], done: list[tuple], stats: dict[str, Any]) -
     ]
 
 
+# A one-device write resolves its pieces in batches, each written while the
+# next is resolved: the first of this many bytes (the disk starts early),
+# each next at most _BATCH_GROWTH times the one before (the resolving, ~15 us
+# a piece, keeps ahead of the disk), so a save of thousands of small tensors
+# makes a few engine calls instead of waiting for every piece first.
+_FIRST_BATCH_BYTES = 16 << 20
+_BATCH_GROWTH = 8
+
+
+def _batches(resolved: Callable[[np.ndarray], tuple[list, list]], lengths: np.ndarray, cuda: list) -> Iterator[list]:
+    """The host pieces in batches of growing size (``resolved`` of consecutive
+    pieces, by ``lengths``); the CUDA pieces are added to ``cuda`` as they come."""
+    ends = np.cumsum(np.maximum(lengths, 0))
+    at, goal = 0, _FIRST_BATCH_BYTES
+    while at < len(lengths):
+        done = int(ends[at - 1]) if at else 0
+        stop = max(at + 1, int(np.searchsorted(ends, done + goal, side="right")))
+        host, device = resolved(np.arange(at, stop))
+        cuda += device
+        if host:
+            yield host
+        at, goal = stop, goal * _BATCH_GROWTH
+
+
 class _Sources:
     """Each item's bytes, resolved once: ``("cpu", uint8 numpy array /
     memoryview)`` or ``("cuda", flat uint8 tensor)``."""
@@ -218,7 +255,7 @@ def _write_device(
     session: IOSession,
     directory: str,
     by_path: bool,
-    groups: tuple[list, list],
+    groups: tuple[Iterable[list], list],
     sources: _Sources,
     save_id: str,
     rank: int,
@@ -227,66 +264,98 @@ def _write_device(
     used: set[int],
     unsynced: list[tuple[int, str]],
 ) -> tuple[list[tuple], list[tuple[str, int]], dict[str, Any], str, bool]:
-    """One device's pieces into a file per kind in ``directory``; the host file is
-    left open and unsynced in ``unsynced``.  Returns extents, file sizes, stats
-    and the engine's kind and direct-I/O flag."""
-    cpu, cuda = groups
+    """One device's pieces into a file per kind in ``directory``: the host
+    pieces batch by batch (each written on a thread while the next is
+    resolved), then the CUDA pieces; the host file is left open and unsynced
+    in ``unsynced``.  Returns extents, file sizes, stats and the engine's kind
+    and direct-I/O flag."""
+    batches, cuda = groups
     extents: list[tuple] = []  # (item, file, file_offset, item_offset, length, crc32c)
     file_sizes: list[tuple[str, int]] = []
     stats: dict[str, Any] = {"bytes": 0, "requests": 0, "staged_checksum_bytes": 0}
-    for k, group in ((0, cpu), (1, cuda)):
-        if not group:
-            continue
-        name = fmt.data_file_name(save_id, rank, k, tag)
+    name = fmt.data_file_name(save_id, rank, 0, tag)
+    path = os.path.join(directory, name)
+    recorded = path if by_path else name
+    end = 0
+    fd = -1
+
+    def write(batch: list, offsets: list[int]) -> list[tuple]:
+        crcs, s = _write_host_batch(session, fd, path, batch, offsets, sources, options, used)
+        add_stats(stats, s)
+        return [(li, recorded, fo, io_, len(b), crc) for (li, io_, b), fo, crc in zip(batch, offsets, crcs)]
+
+    pending: concurrent.futures.Future | None = None
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-write") as writer:
+        try:
+            for batch in batches:  # the next batch is resolved here while the one before is written
+                if fd < 0:
+                    fd = session.engine.open(path, "w", session.direct if session.direct else False)
+                    unsynced.append((fd, path))
+                # each batch from an aligned offset: a write covers whole blocks
+                offsets, end = place_extents(
+                    [len(b) for _, _, b in batch], session.alignment,
+                    options.pack_threshold_bytes, options.pack_alignment_bytes, start=align_up(end, session.alignment),
+                )
+                if pending is not None:
+                    extents += pending.result()
+                pending = writer.submit(write, batch, offsets)
+            if pending is not None:
+                extents += pending.result()
+        finally:
+            if pending is not None:
+                concurrent.futures.wait([pending])  # (a batch that failed to resolve: the write before ends first)
+    if fd >= 0:
+        file_sizes.append((recorded, align_up(end, session.alignment)))
+    if cuda:
+        name = fmt.data_file_name(save_id, rank, 1, tag)
         path = os.path.join(directory, name)
         recorded = path if by_path else name
-        if k == 0:
-            lengths = [len(b) for _, _, b in group]
-            offsets, end = place_extents(
-                lengths, session.alignment, options.pack_threshold_bytes, options.pack_alignment_bytes
-            )
-            # The staging copy may have checksummed these bytes already
-            # (an async save's arena): then the engine need not read them twice.
-            reuse = options.write_checksums and any_staged_checksums()  # (a save that staged nothing: no look-ups)
-            if reuse:
-                staged = [_staged_crc_hex(sources.get(li)[1], io_, len(b), used) for li, io_, b in group]
-                # ... or most of them: the rest (pickled values, tensors
-                # the staging copy did not checksum) are checksummed here.
-                missing = [i for i, c in enumerate(staged) if c is None]
-                reuse = 2 * sum(lengths[i] for i in missing) <= sum(lengths)
-            if reuse:
-                for i in missing:
-                    staged[i] = crc_hex(_native.crc32c_blocks(group[i][2], fmt.CHECKSUM_BLOCK_BYTES))
-            fd = session.engine.open(path, "w", session.direct if session.direct else False)
-            unsynced.append((fd, path))
-            s = session.write_fds(
-                [fd],
-                [path],
-                np.zeros(len(group), dtype=np.int64),
-                np.asarray(offsets, dtype=np.int64),
-                [b for _, _, b in group],
-                sync=False,  # the caller syncs it while it makes the results
-                checksums=fmt.CHECKSUM_BLOCK_BYTES if options.write_checksums and not reuse else False,
-            )
-            add_stats(stats, s)
-            if reuse:
-                crcs = staged
-                stats["staged_checksum_bytes"] += sum(lengths) - sum(lengths[i] for i in missing)
-            elif "crc32c" in s:
-                crcs = list[str | None](piece_checksums(s, len(group)))
-            else:
-                crcs = [None] * len(group)
-        else:
-            offsets, lengths, end, crcs = write_cuda(
-                session, path, [b for _, _, b in group], stats,
-                chunk_bytes=options.cuda_chunk_bytes, checksums=options.write_checksums, sync=options.sync_files,
-            )
+        offsets, lengths, end, crcs = write_cuda(
+            session, path, [b for _, _, b in cuda], stats,
+            chunk_bytes=options.cuda_chunk_bytes, checksums=options.write_checksums, sync=options.sync_files,
+        )
         file_sizes.append((recorded, align_up(end, session.alignment)))
         extents += [
             (li, recorded, fo, io_, n, crc)
-            for (li, io_, _), fo, n, crc in zip(group, offsets, lengths, crcs)
+            for (li, io_, _), fo, n, crc in zip(cuda, offsets, lengths, crcs)
         ]
     return extents, file_sizes, stats, session.kind, session.direct
+
+
+def _write_host_batch(
+    session: IOSession, fd: int, path: str, batch: list, offsets: list[int], sources: _Sources,
+    options: FastPersistOptions, used: set[int],
+) -> tuple[list[str | None], dict[str, Any]]:
+    """Write a batch of host pieces at ``offsets`` of ``fd``: each piece's
+    ``Extent.crc32c`` (None without checksums) and the engine's statistics."""
+    lengths = [len(b) for _, _, b in batch]
+    # The staging copy may have checksummed these bytes already
+    # (an async save's arena): then the engine need not read them twice.
+    reuse = options.write_checksums and any_staged_checksums()  # (a save that staged nothing: no look-ups)
+    if reuse:
+        staged = [_staged_crc_hex(sources.get(li)[1], io_, len(b), used) for li, io_, b in batch]
+        # ... or most of them: the rest (pickled values, tensors
+        # the staging copy did not checksum) are checksummed here.
+        missing = [i for i, c in enumerate(staged) if c is None]
+        reuse = 2 * sum(lengths[i] for i in missing) <= sum(lengths)
+    if reuse:
+        for i in missing:
+            staged[i] = crc_hex(_native.crc32c_blocks(batch[i][2], fmt.CHECKSUM_BLOCK_BYTES))
+    s = session.write_fds(
+        [fd],
+        [path],
+        np.zeros(len(batch), dtype=np.int64),
+        np.asarray(offsets, dtype=np.int64),
+        [b for _, _, b in batch],
+        sync=False,  # the caller syncs it while it makes the results
+        checksums=fmt.CHECKSUM_BLOCK_BYTES if options.write_checksums and not reuse else False,
+    )
+    if reuse:
+        s["staged_checksum_bytes"] = sum(lengths) - sum(lengths[i] for i in missing)
+        return list[str | None](staged), s
+    if "crc32c" in s:
+        return list[str | None](piece_checksums(s, len(batch))), s
+    return [None] * len(batch), s
 
 
 def _sync_device(files: list[tuple[int, str]], directory: str, by_path: bool) -> float:
