@@ -347,6 +347,7 @@ def test_host_pieces_are_resolved_batch_by_batch_while_the_batch_before_is_writt
         calls.append((len(sources), later.wait(30) if first else True))
         return real_write(self, fds, paths, file_index, file_offset, sources, **kw)
 
+    monkeypatch.setattr(execute, "_BATCHED_PIECES", 2)
     monkeypatch.setattr(execute, "_FIRST_BATCH_BYTES", 512)
     monkeypatch.setattr(execute, "_BATCH_GROWTH", 2)
     monkeypatch.setattr(IOSession, "write_fds", write_fds)
@@ -391,6 +392,7 @@ def test_a_piece_that_fails_to_resolve_in_a_later_batch_fails_the_save_and_keeps
                 return "not a tensor"
             return super().resolve_data(item)
 
+    monkeypatch.setattr(execute, "_BATCHED_PIECES", 2)
     monkeypatch.setattr(execute, "_FIRST_BATCH_BYTES", 512)
     with pytest.raises((TypeError, CheckpointException), match="t39"):
         dcp.save(sd, storage_writer=FastPersistWriter(path), planner=Planner())

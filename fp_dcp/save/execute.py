@@ -87,10 +87,10 @@ def write_rank(
     devices = sorted(set(pieces.device.tolist()))
     if any(d >= len(dirs) for d in devices):
         raise RuntimeError(f"rank {rank}: the plan uses device {max(devices)} but this rank has {len(dirs)}")
-    # device -> (batches of host pieces, CUDA pieces): with one device, the
-    # pieces are resolved batch by batch while the batch before is written
+    # device -> (batches of host pieces, CUDA pieces): with one device and
+    # many pieces, they are resolved batch by batch while the batch before is written
     by_device: dict[int, tuple[Iterable[list], list]] = {}
-    if len(devices) == 1:
+    if len(devices) == 1 and len(pieces) >= _BATCHED_PIECES:
         cuda: list = []
         by_device[devices[0]] = (_batches(resolved, pieces.length, cuda), cuda)
     else:
@@ -186,11 +186,13 @@ def _results(items: list[WriteItem], done: list[tuple], stats: dict[str, Any]) -
     ]
 
 
-# A one-device write resolves its pieces in batches, each written while the
-# next is resolved: the first of this many bytes (the disk starts early),
-# each next at most _BATCH_GROWTH times the one before (the resolving, ~15 us
-# a piece, keeps ahead of the disk), so a save of thousands of small tensors
-# makes a few engine calls instead of waiting for every piece first.
+# A one-device write of at least _BATCHED_PIECES pieces resolves them in
+# batches, each written while the next is resolved: the first of this many
+# bytes (the disk starts early), each next at most _BATCH_GROWTH times the one
+# before (the resolving, ~15 us a piece, keeps ahead of the disk), so a save
+# of thousands of small tensors makes a few engine calls instead of waiting
+# for every piece first.  Fewer pieces resolve in a few ms: one call.
+_BATCHED_PIECES = 512
 _FIRST_BATCH_BYTES = 16 << 20
 _BATCH_GROWTH = 8
 
