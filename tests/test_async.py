@@ -130,13 +130,26 @@ def _extent_crcs(path) -> dict:
     return {(i.fqn, tuple(i.offset or ())): [e.crc32c for e in exts] for i, exts in layout.extents.items()}
 
 
-@pytest.mark.parametrize("mode,piece", [("eager", None), ("lazy", None), ("eager", 3 * MiB)])
-def test_staging_copy_checksums_are_the_files_checksums(tmp_path, mode, piece, aio_no_leaks):
+@pytest.mark.parametrize("mode,piece,batched", [("eager", None, False), ("lazy", None, False),
+                                                ("eager", 3 * MiB, False), ("lazy", None, True)])
+def test_staging_copy_checksums_are_the_files_checksums(tmp_path, mode, piece, batched, monkeypatch, aio_no_leaks):
     """The staging copy checksums what it copies (one pass over memory); the
     writer stores those CRCs instead of reading the arena again.  They must be
-    exactly the CRCs the engine computes for the same bytes."""
+    exactly the CRCs the engine computes for the same bytes (``batched``:
+    the pieces written in several batches, see fp_dcp.save.execute)."""
+    from fp_dcp.save import execute
     from fp_dcp.staging import crc_registry
     from fp_dcp.tools.verify import verify_checkpoint
+
+    calls = []
+    if batched:
+        from fp_dcp.engine import IOSession
+
+        real = IOSession.write_fds
+        monkeypatch.setattr(execute, "_BATCHED_PIECES", 2)
+        monkeypatch.setattr(execute, "_FIRST_BATCH_BYTES", 4096)
+        monkeypatch.setattr(execute, "_BATCH_GROWTH", 2)
+        monkeypatch.setattr(IOSession, "write_fds", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
 
     sd = _sd(3)
     sd["large"]["c"] = torch.randn(5 * MiB // 4 + 77)  # blocks and a partial last block
@@ -150,6 +163,7 @@ def test_staging_copy_checksums_are_the_files_checksums(tmp_path, mode, piece, a
             large = sum(t.numel() * t.element_size() for t in sd["large"].values())
             assert w.last_stats["staged_checksum_bytes"] >= large
             assert not crc_registry._STAGED  # used by this save only
+            assert len(calls) >= (3 if batched else 0)
             if piece:
                 assert w._stager().copier.copy_pool is not None
     finally:
