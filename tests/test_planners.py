@@ -635,6 +635,32 @@ def test_flat_mappings_pickle_as_their_keys_and_others_as_dicts():
         assert type(back) is dict and back == odd
 
 
+def test_a_plans_keys_travel_once_with_its_items():
+    """A save plan's items and its planner_data name the same keys (or the
+    items a run of them): pickled together, the keys are carried once, and
+    both come back equal to what was sent."""
+    import pickle
+
+    from fp_dcp.planners import _compact
+
+    sd = {f"model.layers.{i}.weight": torch.zeros(2) for i in range(400)}
+    sd["step"] = 7
+    p = FastPersistSavePlanner()
+    p.set_up_planner(sd, None, True)
+    plan = p.create_local_plan()
+    keys = len("\0".join(sd))
+    apart = len(pickle.dumps(plan.items)) + len(pickle.dumps(plan.planner_data))
+    assert len(pickle.dumps(plan)) < apart - keys * 0.9
+    back = pickle.loads(pickle.dumps(plan))
+    assert repr(back) == repr(plan) and type(back.planner_data) is _compact.FlatMappings
+    for items in (list(plan.items)[:-1], list(plan.items)[:-100], list(plan.items)[1:]):
+        fewer = dataclasses.replace(back, items=_compact.WriteItems(items))
+        sent = pickle.dumps(fewer)
+        assert repr(pickle.loads(sent)) == repr(fewer)
+        if items[0] is plan.items[0]:  # the items name the first keys: only the rest is sent again
+            assert len(sent) < len(pickle.dumps(fewer.items)) + len(pickle.dumps(fewer.planner_data)) - keys * 0.5
+
+
 def test_changed_flat_mappings_pickle_and_merge_as_changed():
     """An unpickled key list changed by any dict method pickles and merges
     as what it now holds, not as the keys it came as."""

@@ -78,7 +78,7 @@ def _encode_write(items: list) -> tuple | None:
         props.append(pi)
     if any("\0" in f for f in fqns):
         return None
-    return (bytes(kinds), "\0".join(fqns), _pack(hints), _pack(ndims), _pack(flat),
+    return (bytes(kinds), _joined(fqns), _pack(hints), _pack(ndims), _pack(flat),
             objs, _pack(props))
 
 
@@ -99,6 +99,19 @@ def _unpack(packed: tuple[str, bytes]) -> list:
 
 
 _last_split: tuple[str, list] = ("", [])
+_last_joined = ""
+
+
+def _joined(names: Any) -> str:
+    """``names`` joined by NULs (a string already joined: itself), as the
+    very string object made last time where equal: a plan's items and its
+    ``planner_data`` name the same keys, and pickle then sends them once."""
+    global _last_joined
+    out = names if type(names) is str else "\0".join(names)
+    if out == _last_joined:
+        return _last_joined
+    _last_joined = out
+    return out
 
 
 def _fqns(joined: str, n: int) -> list:
@@ -143,7 +156,7 @@ class WriteColumns:
                    _array(flat), table, _array(props))
 
     def packed(self) -> tuple:
-        return (self.kinds.astype(np.uint8).tobytes(), "\0".join(self.fqns), _pack_array(self.hints),
+        return (self.kinds.astype(np.uint8).tobytes(), _joined(self.fqns), _pack_array(self.hints),
                 _pack_array(self.ndims), _pack_array(self.flat), self.table, _pack_array(self.props))
 
     def items(self) -> list:
@@ -410,8 +423,11 @@ ReadItems.__hash__ = None  # type: ignore[assignment]
 _last_mappings: tuple[str, dict] = ("", {})
 
 
-def _flat_mappings(keys: str, n: int) -> "FlatMappings":
+def _flat_mappings(keys: str | tuple, n: int) -> "FlatMappings":
     global _last_mappings
+    if type(keys) is tuple:  # (the plan's items' keys, the rest)
+        keys = "\0".join(keys)
+    assert type(keys) is str  # as pickled
     last = _last_mappings
     if last[0] == keys:  # (the tuples are shared: immutable)
         keys, base = last  # one string for every plan that names these keys
@@ -422,6 +438,19 @@ def _flat_mappings(keys: str, n: int) -> "FlatMappings":
     out = FlatMappings(base)
     out._keys = keys
     return out
+
+
+def _sent_keys(keys: str) -> str | tuple:
+    """``keys`` as pickled: the last joined string itself where equal (the
+    plan's items, pickled just before, name the same keys: pickle sends
+    them once), or that string and the rest where ``keys`` extends it
+    (items dedup moved to other ranks)."""
+    last = _last_joined
+    if keys == last:
+        return last
+    if last and len(keys) > len(last) and keys[len(last)] == "\0" and keys.startswith(last):
+        return (last, keys[len(last) + 1:])
+    return keys
 
 
 def _dropping_keys(name: str) -> Any:
@@ -446,12 +475,12 @@ class FlatMappings(dict):
 
     def __reduce__(self) -> Any:
         if self._keys is not None:
-            return (_flat_mappings, (self._keys, len(self)))
+            return (_flat_mappings, (_sent_keys(self._keys), len(self)))
         if all(type(k) is str and type(v) is tuple and len(v) == 1 and type(v[0]) is str and v[0] == k
                for k, v in self.items()):
             joined = "\0".join(self)
             if joined.count("\0") == max(len(self) - 1, 0):
-                return (_flat_mappings, (joined, len(self)))
+                return (_flat_mappings, (_sent_keys(joined), len(self)))
         return (dict, (dict(self),))
 
 
