@@ -601,6 +601,22 @@ def test_plans_pickle_as_columns_and_come_back_equal(sd, world):
         assert repr(back) == repr(plan) and type(back.items) is type(plan.items)
 
 
+def test_a_key_named_empty_comes_back():
+    """A state dict whose only key is "" (joined: the empty string, as no
+    keys at all) pickles and comes back with its item and mapping, after
+    plans with no items and before."""
+    import pickle
+
+    for sd in ({"": torch.zeros(2)}, {"a": 1}, {"": torch.zeros(2)}):
+        p = FastPersistSavePlanner()
+        p.set_up_planner(sd, None, True)
+        plan = p.create_local_plan()
+        empty = dataclasses.replace(plan, items=type(plan.items)(), planner_data=type(plan.planner_data)())
+        for sent in (empty, plan, empty, plan):
+            back = pickle.loads(pickle.dumps(sent))
+            assert repr(back) == repr(sent) and len(back.items) == len(sent.items)
+
+
 def test_column_pickles_are_smaller_and_odd_items_pickle_as_lists():
     import pickle
 
@@ -630,6 +646,8 @@ def test_flat_mappings_pickle_as_their_keys_and_others_as_dicts():
     again = pickle.dumps(back)  # scattered back from the coordinator: the keys it came as
     assert again == pickle.dumps(m) and pickle.loads(again) == flat
     assert pickle.loads(pickle.dumps(_compact.FlatMappings())) == {}
+    for one in ({}, {"": ("",)}, {}, {"": ("",)}):  # one key named "": not the same as no key
+        assert pickle.loads(pickle.dumps(_compact.FlatMappings(one))) == one
     for odd in ({"a": ("b",)}, {"a.b": ("a", "b")}, {"a\0": ("a\0",)}, {1: (1,)}):
         back = pickle.loads(pickle.dumps(_compact.FlatMappings(odd)))
         assert type(back) is dict and back == odd

@@ -121,7 +121,7 @@ def _fqns(joined: str, n: int) -> list:
     if not n:
         return []
     last = _last_split
-    if last[0] == joined:
+    if last[0] == joined and len(last[1]) == n:  # ("" is no key and one empty key alike)
         return list(last[1])
     names = joined.split("\0")
     _last_split = (joined, names)
@@ -429,7 +429,7 @@ def _flat_mappings(keys: str | tuple, n: int) -> "FlatMappings":
         keys = "\0".join(keys)
     assert type(keys) is str  # as pickled
     last = _last_mappings
-    if last[0] == keys:  # (the tuples are shared: immutable)
+    if last[0] == keys and len(last[1]) == n:  # (the tuples are shared: immutable)
         keys, base = last  # one string for every plan that names these keys
     else:
         names = _fqns(keys, n)
