@@ -142,6 +142,8 @@ def _code(columns: list[np.ndarray], n: int) -> tuple[np.ndarray, int] | None:
             break
         lo, hi = int(col.min()), int(col.max())
         count = hi - lo + 1
+        if count == 1:  # the same in every row: tells no row apart
+            continue
         if span * count >= 1 << 62:
             return None
         if span > 1:
@@ -168,6 +170,8 @@ def _numbered(code: np.ndarray, span: int, rows: bool = True) -> tuple[np.ndarra
     """(a row holding each distinct value of ``code``, in value order (None
     unless ``rows``); each row's number among them) for codes in
     ``range(span)``."""
+    if span == 1:  # one value
+        return (np.zeros(min(len(code), 1), dtype=np.int64) if rows else None), np.zeros(len(code), dtype=np.int32)
     if span <= 4 * len(code) + 1024:  # a table, not a sort
         seen = np.zeros(span, dtype=bool)
         seen[code] = True
@@ -326,10 +330,18 @@ def plan(all_plans: list[SavePlan], lowest: bool) -> tuple[list[SavePlan], Metad
     tensor_names = np.flatnonzero(named & a.tensor[first])  # every kept item of these has tensor data
     tp = a.tidx(order if a.all_tensors else order[a.tensor[order]])
     # the tensor items' chunks (a column per dimension), gathered once for the Metadata and the validation
-    boxes = (tp, [a.toff[:, d][tp] for d in range(a.width)], [a.tlen[:, d][tp] for d in range(a.width)],
-             tensor_names)
+    boxes = (tp, [_gathered(a.toff[:, d], tp) for d in range(a.width)],
+             [_gathered(a.tlen[:, d], tp) for d in range(a.width)], tensor_names)
     plans, metadata = _global_plans(all_plans, a, kept, hints), _metadata(a, order, by_name, per_name, boxes)
     return plans, metadata, (a, first, per_name, boxes)
+
+
+def _gathered(column: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """``column[at]``; where every row holds the same number, that number
+    repeated without a copy (read-only)."""
+    if len(column) and int(column.min()) == int(column.max()):
+        return np.broadcast_to(column[:1], (len(at),))
+    return column[at]
 
 
 def _global_plans(all_plans: list[SavePlan], a: _All, kept: np.ndarray, hints: np.ndarray) -> list[SavePlan]:
