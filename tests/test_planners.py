@@ -211,6 +211,36 @@ def test_global_plan_from_columns_equals_dcps(plans, lowest):
     assert a == b
 
 
+def _scaled(plans, factor):
+    """The plans with every chunk's offset and size, and the tensor's size,
+    along dimension 0 multiplied by ``factor``."""
+    def scale(size):
+        return torch.Size([size[0] * factor, *size[1:]])
+
+    return [SavePlan([_shard(it.index.fqn, scale(it.tensor_data.chunk.offsets), scale(it.tensor_data.chunk.sizes),
+                             scale(it.tensor_data.size), it.type) for it in p.items]) for p in plans]
+
+
+@_SETTINGS
+@given(plans=_sharded_plans(), lowest=st.booleans())
+def test_global_plan_from_columns_beyond_32_bits_equals_dcps(plans, lowest):
+    """Offsets and sizes past 2**31 (kept in 64 bits, not 32): the same
+    global plans, Metadata and validation errors as DCP's."""
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+    from fp_dcp.planners import _columns
+
+    plans = _scaled(plans, 1 << 31)
+    gathered = _gathered(plans)
+    assert _columns._All([p.items.columns() for p in gathered]).toff.dtype == np.int64
+    planned = _columns.plan(gathered, lowest)
+    if planned is not None:
+        assert repr(planned[:2]) == repr(create_default_global_save_plan(dedup_save_plans(plans, lowest)))
+    a = _outcome(lambda: FastPersistSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(
+        _gathered(plans)))
+    assert a == _outcome(lambda: DefaultSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(plans))
+
+
 @_SETTINGS
 @given(plans=_sharded_plans(), lowest=st.booleans())
 def test_dedup_without_its_table_equals_dcps(plans, lowest):
@@ -571,6 +601,22 @@ def test_plans_pickle_as_columns_and_come_back_equal(sd, world):
         assert repr(back) == repr(plan) and type(back.items) is type(plan.items)
 
 
+def test_a_key_named_empty_comes_back():
+    """A state dict whose only key is "" (joined: the empty string, as no
+    keys at all) pickles and comes back with its item and mapping, after
+    plans with no items and before."""
+    import pickle
+
+    for sd in ({"": torch.zeros(2)}, {"a": 1}, {"": torch.zeros(2)}):
+        p = FastPersistSavePlanner()
+        p.set_up_planner(sd, None, True)
+        plan = p.create_local_plan()
+        empty = dataclasses.replace(plan, items=type(plan.items)(), planner_data=type(plan.planner_data)())
+        for sent in (empty, plan, empty, plan):
+            back = pickle.loads(pickle.dumps(sent))
+            assert repr(back) == repr(sent) and len(back.items) == len(sent.items)
+
+
 def test_column_pickles_are_smaller_and_odd_items_pickle_as_lists():
     import pickle
 
@@ -595,12 +641,87 @@ def test_flat_mappings_pickle_as_their_keys_and_others_as_dicts():
     flat = {f"layer{i}.w": (f"layer{i}.w",) for i in range(300)}
     m = _compact.FlatMappings(flat)
     back = pickle.loads(pickle.dumps(m))
-    assert type(back) is dict and back == flat and list(back) == list(flat)
+    assert type(back) is _compact.FlatMappings and back == flat and list(back) == list(flat)
     assert len(pickle.dumps(m)) < len(pickle.dumps(flat)) / 2
+    again = pickle.dumps(back)  # scattered back from the coordinator: the keys it came as
+    assert again == pickle.dumps(m) and pickle.loads(again) == flat
     assert pickle.loads(pickle.dumps(_compact.FlatMappings())) == {}
+    for one in ({}, {"": ("",)}, {}, {"": ("",)}):  # one key named "": not the same as no key
+        assert pickle.loads(pickle.dumps(_compact.FlatMappings(one))) == one
     for odd in ({"a": ("b",)}, {"a.b": ("a", "b")}, {"a\0": ("a\0",)}, {1: (1,)}):
         back = pickle.loads(pickle.dumps(_compact.FlatMappings(odd)))
         assert type(back) is dict and back == odd
+
+
+def test_a_plans_keys_travel_once_with_its_items():
+    """A save plan's items and its planner_data name the same keys (or the
+    items a run of them): pickled together, the keys are carried once, and
+    both come back equal to what was sent."""
+    import pickle
+
+    from fp_dcp.planners import _compact
+
+    sd = {f"model.layers.{i}.weight": torch.zeros(2) for i in range(400)}
+    sd["step"] = 7
+    p = FastPersistSavePlanner()
+    p.set_up_planner(sd, None, True)
+    plan = p.create_local_plan()
+    keys = len("\0".join(sd))
+    apart = len(pickle.dumps(plan.items)) + len(pickle.dumps(plan.planner_data))
+    assert len(pickle.dumps(plan)) < apart - keys * 0.9
+    back = pickle.loads(pickle.dumps(plan))
+    assert repr(back) == repr(plan) and type(back.planner_data) is _compact.FlatMappings
+    for items in (list(plan.items)[:-1], list(plan.items)[:-100], list(plan.items)[1:]):
+        fewer = dataclasses.replace(back, items=_compact.WriteItems(items))
+        sent = pickle.dumps(fewer)
+        assert repr(pickle.loads(sent)) == repr(fewer)
+        if items[0] is plan.items[0]:  # the items name the first keys: only the rest is sent again
+            assert len(sent) < len(pickle.dumps(fewer.items)) + len(pickle.dumps(fewer.planner_data)) - keys * 0.5
+
+
+def test_changed_flat_mappings_pickle_and_merge_as_changed():
+    """An unpickled key list changed by any dict method pickles and merges
+    as what it now holds, not as the keys it came as."""
+    import pickle
+    from collections import ChainMap
+
+    from fp_dcp.planners import _compact
+
+    flat = {f"k{i}": (f"k{i}",) for i in range(5)}
+    changes = [lambda d: d.__setitem__("k0", ("x", "y")), lambda d: d.__delitem__("k1"),
+               lambda d: d.update(z=("z",)), lambda d: d.pop("k2"), lambda d: d.popitem(), lambda d: d.clear(),
+               lambda d: d.setdefault("n", ("m",)), lambda d: d.__ior__({"k3": ("q",)})]
+    for change in changes:
+        d = pickle.loads(pickle.dumps(_compact.FlatMappings(flat)))
+        change(d)
+        want = dict(d)
+        assert want != flat and pickle.loads(pickle.dumps(d)) == want
+        others = [pickle.loads(pickle.dumps(_compact.FlatMappings(flat))) for _ in range(2)]
+        for maps in ([d, *others], [*others, d]):
+            got = _compact.merged(maps)
+            assert got == dict(ChainMap(*maps)) and list(got) == list(dict(ChainMap(*maps)))
+
+
+def test_merged_mappings_equal_dcps_merge():
+    """The plans' planner_data merged as DCP merges them (ChainMap: the
+    first map's value, the last map's key order first): at once for equal
+    unpickled key lists, DCP's way for anything else."""
+    import pickle
+    from collections import ChainMap
+
+    from fp_dcp.planners import _compact
+
+    def sent(keys):
+        return pickle.loads(pickle.dumps(_compact.FlatMappings({k: (k,) for k in keys})))
+
+    cases = [[sent("abc") for _ in range(4)], [sent("abc"), sent("cba")], [sent("ab"), sent("abc")],
+             [sent("abc"), {"a": ("a",), "b": ("x",)}], [{"a": ("a", "b")}, sent("a")], [sent("")], [],
+             [_compact.FlatMappings({"a": ("a",)})] * 2]
+    for maps in cases:
+        want = dict(ChainMap(*maps))
+        got = _compact.merged(maps)
+        assert type(got) is dict and got == want and list(got) == list(want)
+        assert got is not maps[0] if maps else True
 
 
 def test_load_plans_pass_the_coordinator_as_columns_and_come_back_as_sent():

@@ -60,3 +60,21 @@ def test_ceiling_rows_for_both_planners(bench):
     assert rows[("load", "dcp_floor_fp")]["ratio"] == pytest.approx(1 / (1 + 5.0 / 45.0))
     assert rows[("save", "dcp_floor_fp")]["ratio"] == pytest.approx(1 / (1 + 1.2 / 24.0))
     assert "fp_dcp's planners" in rows[("save", "dcp_floor_fp")]["vs"]
+
+
+def test_simulated_coordinator_plans_with_both_planners_and_the_storage():
+    """tools/plan_caching_time.py's simulation: both planners plan the same
+    Metadata entries from the same local plans; with the storage's step,
+    its plans carry what FastPersistWriter adds and the messages grow."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "plan_caching_time.py")
+    spec = importlib.util.spec_from_file_location("plan_caching_time", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    runs = {(kind, storage): tool.simulate(4, 10, kind, storage) for kind in ("dcp", "fp") for storage in (True, False)}
+    assert {r["metadata_entries"] for r in runs.values()} == {11}  # ten tensors and the step
+    for kind in ("dcp", "fp"):
+        assert runs[kind, True]["gathered_mb"] > runs[kind, False]["gathered_mb"]
+        assert runs[kind, True]["scattered_mb"] > runs[kind, False]["scattered_mb"]

@@ -25,7 +25,10 @@ Simulated (one process, ``RANKSxITEMS``): every rank holds ITEMS tensors
 sharded along dim 0 across all ranks (FSDP style) and one replicated
 object; the coordinator's whole share is timed: unpickling every rank's
 local plan (the gather), ``create_global_plan`` (dedup, global plan,
-Metadata, validation) and pickling every rank's global plan (the scatter).
+Metadata, validation), ``FastPersistWriter.prepare_global_plan`` (the
+storage's placement, from what each rank's ``prepare_local_plan`` added
+to its plan; ``--storage off``: left out, and out of the messages) and
+pickling every rank's global plan (the scatter).
 """
 
 from __future__ import annotations
@@ -189,13 +192,18 @@ def real_ranks(ranks: list[int], n_tensors: int, saves: int, kinds: list[str], c
     return results
 
 
-def _sim_local_plans(world: int, items: int, kind: str) -> list[bytes]:
-    """Every rank's pickled local plan, as that planner makes it."""
+def _sim_local_plans(world: int, items: int, kind: str, storage: bool = False) -> list[bytes]:
+    """Every rank's pickled local plan, as that planner makes it (and, with
+    ``storage``, as ``FastPersistWriter.prepare_local_plan`` hands it on)."""
+    import dataclasses
+
     import torch
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+    from fp_dcp import FastPersistOptions
     from fp_dcp.planners import _compact, _items
+    from fp_dcp.save import plan as save_plan
 
     rows, cols = 4, 64
     size = torch.Size((rows * world, cols))
@@ -224,29 +232,48 @@ def _sim_local_plans(world: int, items: int, kind: str) -> list[bytes]:
         mappings = {it.index.fqn: (it.index.fqn,) for it in plan_items}
         if kind == "fp":  # as FastPersistSavePlanner's local plans
             mappings = _compact.FlatMappings(mappings)
-        out.append(pickle.dumps(SavePlan(plan_items, planner_data=mappings)))
+        plan = SavePlan(plan_items, planner_data=mappings)
+        if storage:
+            opts = FastPersistOptions()
+            plan = dataclasses.replace(plan, storage_data=save_plan.describe_rank(
+                r, "host", list(plan_items), n_dirs=1, granularity=opts.split_alignment_bytes,
+                small_bytes=opts.pack_threshold_bytes))
+        out.append(pickle.dumps(plan))
     return out
 
 
-def simulate(world: int, items: int, kind: str) -> dict:
+def simulate(world: int, items: int, kind: str, storage: bool = True) -> dict:
+    from fp_dcp import FastPersistWriter
+    from fp_dcp.save import plan as save_plan
+
     save_planner, _ = _planners(kind, False)
     save_planner.is_coordinator = True
-    sent = _sim_local_plans(world, items, kind)
-    gc.collect()
-    c0 = time.process_time()  # CPU time too: on a busy machine the wall clock also counts other processes
-    t0 = time.perf_counter()
-    was = gc.isenabled()  # both planners run as DCP runs them: the collector on
-    plans = [pickle.loads(b) for b in sent]
-    t1 = time.perf_counter()
-    global_plans, metadata = save_planner.create_global_plan(plans)
-    t2 = time.perf_counter()
-    scatter = [pickle.dumps(p) for p in global_plans]
-    t3 = time.perf_counter()
-    c3 = time.process_time()
-    assert was == gc.isenabled()
+    sent = _sim_local_plans(world, items, kind, storage)
+    with tempfile.TemporaryDirectory() as d:
+        writer = FastPersistWriter(d)
+        try:
+            gc.collect()
+            c0 = time.process_time()  # CPU time too: on a busy machine the wall clock also counts other processes
+            t0 = time.perf_counter()
+            was = gc.isenabled()  # both planners run as DCP runs them: the collector on
+            plans = [pickle.loads(b) for b in sent]
+            t1 = time.perf_counter()
+            global_plans, metadata = save_planner.create_global_plan(plans)
+            t2 = time.perf_counter()
+            if storage:
+                global_plans = writer.prepare_global_plan(global_plans)
+            t3 = time.perf_counter()
+            scatter = [pickle.dumps(p) for p in global_plans]
+            t4 = time.perf_counter()
+            c4 = time.process_time()
+            assert was == gc.isenabled()
+        finally:
+            writer.close()
+            save_plan.clear_plan_records()
+            save_plan.PLACEMENTS.clear()  # each simulated save is a first one: placed, not recalled
     return {"world": world, "items": items, "planners": kind, "gather_s": t1 - t0, "global_plan_s": t2 - t1,
-            "scatter_s": t3 - t2, "total_s": t3 - t0, "cpu_s": c3 - c0, "gathered_mb": sum(map(len, sent)) / 1e6,
-            "scattered_mb": sum(map(len, scatter)) / 1e6,
+            "storage_s": t3 - t2, "scatter_s": t4 - t3, "total_s": t4 - t0, "cpu_s": c4 - c0,
+            "gathered_mb": sum(map(len, sent)) / 1e6, "scattered_mb": sum(map(len, scatter)) / 1e6,
             "metadata_entries": len(metadata.state_dict_metadata)}
 
 
@@ -258,6 +285,8 @@ def main() -> None:
     ap.add_argument("--planners", default="dcp,fp", help="comma list from: dcp (DCP's defaults), fp (fp_dcp's)")
     ap.add_argument("--simulate", default="", help="comma list of RANKSxITEMS, e.g. 64x1000,1024x2000")
     ap.add_argument("--caching", default="off,on", help="comma list from: off, on (DCP's plan caching)")
+    ap.add_argument("--storage", default="on", choices=("on", "off"),
+                    help="simulated: time FastPersistWriter.prepare_global_plan too (and send what it needs)")
     ap.add_argument("--phases", action="store_true",
                     help="also print the coordinator's time per planning step and between steps")
     ap.add_argument("--json", help="write the results here")
@@ -270,12 +299,12 @@ def main() -> None:
     for spec in [s for s in args.simulate.split(",") if s]:
         world, items = (int(x) for x in spec.lower().split("x"))
         for kind in kinds:
-            r = simulate(world, items, kind)
+            r = simulate(world, items, kind, args.storage == "on")
             results["simulated"].append(r)
             print(f"simulated {world} ranks x {items} items, planners={kind:3}: coordinator "
                   f"{r['total_s']:7.2f} s, CPU {r['cpu_s']:.2f} s (gather {r['gather_s']:.2f} s of {r['gathered_mb']:.0f} MB, "
-                  f"global plan {r['global_plan_s']:.2f} s, scatter {r['scatter_s']:.2f} s of "
-                  f"{r['scattered_mb']:.0f} MB)", flush=True)
+                  f"global plan {r['global_plan_s']:.2f} s, storage {r['storage_s']:.2f} s, scatter "
+                  f"{r['scatter_s']:.2f} s of {r['scattered_mb']:.0f} MB)", flush=True)
             gc.collect()
     if args.json:
         with open(args.json, "w") as f:

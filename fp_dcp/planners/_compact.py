@@ -15,6 +15,7 @@ pickles as an ordinary list.
 from __future__ import annotations
 
 import array
+from collections import ChainMap
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteIt
 from fp_dcp.gc_freeze import paused as gc_paused
 from fp_dcp.planners import _items
 
-__all__ = ["WriteItems", "WriteColumns", "ReadItems", "FlatMappings"]
+__all__ = ["WriteItems", "WriteColumns", "ReadItems", "FlatMappings", "merged"]
 
 _W_KINDS = list(WriteItemType)
 _R_KINDS = list(LoadItemType)
@@ -77,7 +78,7 @@ def _encode_write(items: list) -> tuple | None:
         props.append(pi)
     if any("\0" in f for f in fqns):
         return None
-    return (bytes(kinds), "\0".join(fqns), _pack(hints), _pack(ndims), _pack(flat),
+    return (bytes(kinds), _joined(fqns), _pack(hints), _pack(ndims), _pack(flat),
             objs, _pack(props))
 
 
@@ -98,6 +99,19 @@ def _unpack(packed: tuple[str, bytes]) -> list:
 
 
 _last_split: tuple[str, list] = ("", [])
+_last_joined = ""
+
+
+def _joined(names: Any) -> str:
+    """``names`` joined by NULs (a string already joined: itself), as the
+    very string object made last time where equal: a plan's items and its
+    ``planner_data`` name the same keys, and pickle then sends them once."""
+    global _last_joined
+    out = names if type(names) is str else "\0".join(names)
+    if out == _last_joined:
+        return _last_joined
+    _last_joined = out
+    return out
 
 
 def _fqns(joined: str, n: int) -> list:
@@ -107,7 +121,7 @@ def _fqns(joined: str, n: int) -> list:
     if not n:
         return []
     last = _last_split
-    if last[0] == joined:
+    if last[0] == joined and len(last[1]) == n:  # ("" is no key and one empty key alike)
         return list(last[1])
     names = joined.split("\0")
     _last_split = (joined, names)
@@ -119,16 +133,21 @@ class WriteColumns:
     ``WriteItemType``), ``fqns``, ``hints`` (-1: None), ``ndims`` (-1: no
     tensor data), ``flat`` (per tensor item: offsets, sizes, global size),
     ``starts`` (each item's place in ``flat``), ``table`` (the distinct
-    ``TensorProperties``) and ``props`` (index into it)."""
+    ``TensorProperties``) and ``props`` (index into it).  The integer
+    columns keep the narrowest type that holds them (read-only where
+    unpickled)."""
 
-    __slots__ = ("kinds", "fqns", "hints", "ndims", "flat", "starts", "table", "props")
+    __slots__ = ("kinds", "fqns", "hints", "ndims", "flat", "table", "props")
 
     def __init__(self, kinds: np.ndarray, fqns: list, hints: np.ndarray, ndims: np.ndarray, flat: np.ndarray,
                  table: list, props: np.ndarray) -> None:
         self.kinds, self.fqns, self.hints, self.ndims = kinds, fqns, hints, ndims
         self.flat, self.table, self.props = flat, table, props
-        width = 3 * np.maximum(ndims, 0)
-        self.starts = np.cumsum(width) - width
+
+    @property
+    def starts(self) -> np.ndarray:
+        width = 3 * np.maximum(self.ndims.astype(np.int64), 0)
+        return np.cumsum(width) - width
 
     @classmethod
     def unpacked(cls, kinds: bytes, fqns: str, hints: tuple, ndims: tuple, flat: tuple, table: list,
@@ -137,7 +156,7 @@ class WriteColumns:
                    _array(flat), table, _array(props))
 
     def packed(self) -> tuple:
-        return (self.kinds.astype(np.uint8).tobytes(), "\0".join(self.fqns), _pack_array(self.hints),
+        return (self.kinds.astype(np.uint8).tobytes(), _joined(self.fqns), _pack_array(self.hints),
                 _pack_array(self.ndims), _pack_array(self.flat), self.table, _pack_array(self.props))
 
     def items(self) -> list:
@@ -165,7 +184,8 @@ class WriteColumns:
 
 
 def _array(packed: tuple[str, bytes]) -> np.ndarray:
-    return np.frombuffer(packed[1], dtype=np.dtype(packed[0])).astype(np.int64)
+    """The packed numbers, read-only, in the type they were packed in."""
+    return np.frombuffer(packed[1], dtype=np.dtype(packed[0]))
 
 
 def _pack_array(a: np.ndarray) -> tuple[str, bytes]:
@@ -403,26 +423,76 @@ ReadItems.__hash__ = None  # type: ignore[assignment]
 _last_mappings: tuple[str, dict] = ("", {})
 
 
-def _flat_mappings(keys: str, n: int) -> dict:
+def _flat_mappings(keys: str | tuple, n: int) -> "FlatMappings":
     global _last_mappings
+    if type(keys) is tuple:  # (the plan's items' keys, the rest)
+        keys = "\0".join(keys)
+    assert type(keys) is str  # as pickled
     last = _last_mappings
-    if last[0] == keys:  # (the tuples are shared: immutable)
-        return dict(last[1])
-    names = _fqns(keys, n)
-    out = dict(zip(names, zip(names)))
-    _last_mappings = (keys, out)
-    return dict(out)
+    if last[0] == keys and len(last[1]) == n:  # (the tuples are shared: immutable)
+        keys, base = last  # one string for every plan that names these keys
+    else:
+        names = _fqns(keys, n)
+        base = dict(zip(names, zip(names)))
+        _last_mappings = (keys, base)
+    out = FlatMappings(base)
+    out._keys = keys
+    return out
+
+
+def _sent_keys(keys: str) -> str | tuple:
+    """``keys`` as pickled: the last joined string itself where equal (the
+    plan's items, pickled just before, name the same keys: pickle sends
+    them once), or that string and the rest where ``keys`` extends it
+    (items dedup moved to other ranks)."""
+    last = _last_joined
+    if keys == last:
+        return last
+    if last and len(keys) > len(last) and keys[len(last)] == "\0" and keys.startswith(last):
+        return (last, keys[len(last) + 1:])
+    return keys
+
+
+def _dropping_keys(name: str) -> Any:
+    base = getattr(dict, name)
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._keys = None
+        return base(self, *args, **kwargs)
+
+    method.__name__ = name
+    return method
 
 
 class FlatMappings(dict):
     """A save plan's ``planner_data`` (DCP's flattening mappings): where every
-    key maps to ``(key,)`` (a flat state dict), pickled as the keys alone
-    and unpickled as the same plain dict; otherwise pickled as a dict."""
+    key maps to ``(key,)`` (a flat state dict), pickled as the keys alone;
+    otherwise pickled as a dict.  Unpickled from the keys, it remembers
+    them (until changed) to pickle again at once and to be merged with
+    others at once (:func:`merged`)."""
+
+    _keys: str | None = None  # the keys joined by NULs, while every value is (key,)
 
     def __reduce__(self) -> Any:
+        if self._keys is not None:
+            return (_flat_mappings, (_sent_keys(self._keys), len(self)))
         if all(type(k) is str and type(v) is tuple and len(v) == 1 and type(v[0]) is str and v[0] == k
                for k, v in self.items()):
             joined = "\0".join(self)
             if joined.count("\0") == max(len(self) - 1, 0):
-                return (_flat_mappings, (joined, len(self)))
+                return (_flat_mappings, (_sent_keys(joined), len(self)))
         return (dict, (dict(self),))
+
+
+for _name in ("__setitem__", "__delitem__", "__ior__", "update", "pop", "popitem", "clear", "setdefault"):
+    setattr(FlatMappings, _name, _dropping_keys(_name))
+
+
+def merged(maps: list) -> dict:
+    """``dict(ChainMap(*maps))``: DCP's merge of the plans' ``planner_data``;
+    at once where every map is the same unchanged unpickled key list."""
+    first = maps[0] if maps else None
+    if type(first) is FlatMappings and first._keys is not None and \
+            all(type(m) is FlatMappings and m._keys == first._keys for m in maps):
+        return dict(first)
+    return dict(ChainMap(*maps))

@@ -184,7 +184,8 @@ def _suspects(metadata: Metadata, n_plans: int) -> tuple[bool, list[str]]:
                 return True, []
         multi = counts > 1
         if multi.any():
-            suspects.extend(keys[i] for i in np.flatnonzero(multi & ~_separated(kid, off, end, multi)).tolist())
+            sep = _separated(kid, list(off.T), list(end.T), multi)
+            suspects.extend(keys[i] for i in np.flatnonzero(multi & ~sep).tolist())
     return False, suspects
 
 
@@ -197,22 +198,25 @@ def _disjoint_in_order(kid: np.ndarray, start: np.ndarray, end: np.ndarray, n_ke
     return ~clash
 
 
-def _separated(kid: np.ndarray, off: np.ndarray, end: np.ndarray, multi: np.ndarray) -> np.ndarray:
+def _separated(kid: np.ndarray, off: list[np.ndarray], end: list[np.ndarray], multi: np.ndarray) -> np.ndarray:
     """Per key: whether some dimension separates its chunks (sorted along
-    it, each ends before the next starts), so that no two can overlap.  The
-    chunks' own order is tried first (a tensor's shards are usually saved in
-    order); only the keys it does not settle are sorted."""
+    it, each ends before the next starts), so that no two can overlap.
+    ``off``, ``end``: a column per dimension.  The chunks' own order is
+    tried first (a tensor's shards are usually saved in order); only the
+    keys it does not settle are sorted."""
     n_keys = len(multi)
     done = ~multi
-    for d in range(off.shape[1]):
-        done |= _disjoint_in_order(kid, off[:, d], end[:, d], n_keys)
-    for d in range(off.shape[1]):
+    for o, e in zip(off, end):
+        if done.all():
+            return done
+        done |= _disjoint_in_order(kid, o, e, n_keys)
+    for o, e in zip(off, end):
         if done.all():
             break
         rows = np.flatnonzero(~done[kid])
-        k, o, e = kid[rows], off[rows, d], end[rows, d]
-        order = np.lexsort((o, k))
-        done |= _disjoint_in_order(k[order], o[order], e[order], n_keys)
+        k, o_r, e_r = kid[rows], o[rows], e[rows]
+        order = np.lexsort((o_r, k))
+        done |= _disjoint_in_order(k[order], o_r[order], e_r[order], n_keys)
     return done
 
 

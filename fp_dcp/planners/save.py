@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import ChainMap
 from typing import Any
 
 import torch
@@ -166,7 +165,7 @@ class FastPersistSavePlanner(DefaultSavePlanner):
         else:
             global_plan, metadata, state = planned
         if self.flatten_state_dict:
-            merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
+            merged = _compact.merged([p.planner_data for p in global_plan])
             metadata = dataclasses.replace(metadata, planner_data=merged)
         if planned is None:
             errors = _global.validate(global_plan, metadata)
