@@ -145,7 +145,7 @@ def install(saved: dict[tuple[str, str], Any] | None = None, module: Callable[[s
     names not installed."""
     module = module or (lambda name: importlib.import_module(f"torch.distributed.checkpoint.{name}"))
     skipped = []
-    for (mod_name, name), fits, replacement in ((NAME, _save_fits, make), (LOAD_NAME, _load_fits, quick_stateful)):
+    for (mod_name, name), fits, replacement in ((NAME, installable, make), (LOAD_NAME, _load_fits, quick_stateful)):
         try:
             mod = module(mod_name)
         except ImportError:
@@ -164,10 +164,6 @@ def install(saved: dict[tuple[str, str], Any] | None = None, module: Callable[[s
             saved.setdefault((mod_name, name), stock)
         setattr(mod, name, replacement(stock))
     return skipped
-
-
-def _save_fits(mod: Any, stock: Any) -> bool:
-    return installable(mod, stock)
 
 
 def _load_fits(mod: Any, stock: Any) -> bool:
