@@ -277,6 +277,7 @@ class EngineSet:
         self.more: list[IOSession] = []
         self.twins: list[tuple[IOSession, IOSession | None]] = []
         self.by_directory: dict[str, IOSession] = {}
+        self._settling: threading.Thread | None = None
 
     def __reduce__(self) -> tuple:
         # engines stay with the process that made them: a copy starts empty
@@ -325,7 +326,32 @@ class EngineSet:
             session = self.by_directory[directory] = IOSession(options, directory)
         return session
 
+    def settle_early(self, sessions: Sequence[IOSession]) -> None:
+        """Fault in and page-lock the bounce buffers of ``sessions`` on a thread
+        of their own while the caller goes on (fresh memory's first touch can
+        stall for tens of ms); :meth:`settled` waits for it.  Best effort:
+        the first call that needs a buffer settles it anyway, and reports."""
+        self.settled()
+
+        def work() -> None:
+            for session in sessions:
+                try:
+                    if session.engine is not None:
+                        session.engine.settle_pool()
+                except Exception:  # noqa: BLE001 - the engine's call reports what failed
+                    pass
+
+        self._settling = threading.Thread(target=work, name="fp_dcp-settle", daemon=True)
+        self._settling.start()
+
+    def settled(self) -> None:
+        """Wait for :meth:`settle_early` (before an engine call or a close)."""
+        if self._settling is not None:
+            self._settling.join()
+            self._settling = None
+
     def _close_primary(self) -> None:
+        self.settled()
         for session in [*(s for pair in self.twins for s in pair), *self.more, self.large, self.primary]:
             if session is not None:
                 session.close()

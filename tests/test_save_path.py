@@ -399,3 +399,59 @@ def test_a_piece_that_fails_to_resolve_in_a_later_batch_fails_the_save_and_keeps
     assert sorted(os.listdir(path)) == before
     with open(path / fmt.METADATA_NAME, "rb") as f:
         assert f.read() == committed
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_metadata_structure_is_encoded_while_the_last_batch_is_written(tmp_path, monkeypatch, batched,
+                                                                           aio_no_leaks):
+    """The coordinator encodes the metadata's structure once every piece is
+    resolved and handed to the engine (not on a thread of its own holding the
+    GIL while the first batch is resolved), while the engine still writes:
+    the one engine call of an unbatched save waits until it is encoded."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from fp_dcp import FastPersistReader
+    from fp_dcp import format as fmt
+    from fp_dcp.engine import IOSession
+    from fp_dcp.save import execute
+
+    encoded = threading.Event()
+    resolved_before: list[int] = []
+    waited: list[bool] = []
+    resolved: list[str] = []
+    real_encode, real_write = fmt.encode_structure, IOSession.write_fds
+
+    class Planner(DefaultSavePlanner):
+        def resolve_data(self, item):
+            resolved.append(item.index.fqn)
+            return super().resolve_data(item)
+
+    def encode(metadata):
+        resolved_before.append(len(resolved))
+        out = real_encode(metadata)
+        encoded.set()
+        return out
+
+    def write_fds(self, *a, **kw):
+        out = real_write(self, *a, **kw)
+        if not batched:
+            waited.append(encoded.wait(30))
+        return out
+
+    if batched:
+        monkeypatch.setattr(execute, "_BATCHED_PIECES", 2)
+        monkeypatch.setattr(execute, "_FIRST_BATCH_BYTES", 512)
+    monkeypatch.setattr(fmt, "encode_structure", encode)
+    monkeypatch.setattr(IOSession, "write_fds", write_fds)
+    sd = _small_state_dict()
+    with FastPersistWriter(tmp_path / "c") as w:
+        dcp.save(sd, storage_writer=w, planner=Planner())
+        assert w.last_stats["prepare_commit_seconds"] > 0
+    assert resolved_before == [len(sd)]  # once, after every piece was resolved
+    assert waited == ([] if batched else [True])
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+    dcp.load(out, storage_reader=FastPersistReader(tmp_path / "c"))
+    assert all(torch.equal(out[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor))

@@ -41,13 +41,16 @@ def write_rank(
     session_for: Callable[[str], IOSession],
     tag_devices: bool,
     options: FastPersistOptions,
+    while_writing: Callable[[], None] | None = None,
     while_syncing: Callable[[list[WriteResult]], None] | None = None,
 ) -> tuple[list[WriteResult], dict[str, Any]]:
     """Write rank ``assignment.rank``'s pieces of ``items`` (resolved by
     ``resolve_data``) into ``dirs`` (by device), each through
-    ``session_for(directory)``.  ``while_syncing(results)`` runs while the files
-    are made durable (what it raises fails the write).  Returns the results and
-    the statistics once every file is durable."""
+    ``session_for(directory)``.  ``while_writing()`` runs (on a thread that
+    would wait) once the last host batch is handed to the engine;
+    ``while_syncing(results)`` while the files are made durable (what either
+    raises fails the write).  Returns the results and the statistics once
+    every file is durable."""
     t0 = time.perf_counter()
     rank = assignment.rank
     pieces = assignment.pieces
@@ -92,11 +95,13 @@ def write_rank(
     by_device: dict[int, tuple[Iterable[list], list]] = {}
     if len(devices) == 1 and len(pieces) >= _BATCHED_PIECES:
         cuda: list = []
-        by_device[devices[0]] = (_batches(resolved, pieces.length, cuda), cuda)
+        by_device[devices[0]] = (_then(_batches(resolved, pieces.length, cuda), while_writing), cuda)
     else:
-        for d in devices:
+        for i, d in enumerate(devices):
             cpu, cuda = resolved(np.flatnonzero(pieces.device == d))
-            by_device[d] = ([cpu], cuda)
+            by_device[d] = (_then([cpu] if cpu else [], while_writing if i == 0 else None), cuda)
+    if not devices and while_writing is not None:
+        while_writing()  # nothing to write on this rank
 
     used: set[int] = set()  # arenas whose staging checksums this save used
     unsynced: dict[int, list[tuple[int, str]]] = {d: [] for d in devices}  # device -> its open host files
@@ -210,6 +215,14 @@ def _batches(resolved: Callable[[np.ndarray], tuple[list, list]], lengths: np.nd
         if host:
             yield host
         at, goal = stop, goal * _BATCH_GROWTH
+
+
+def _then(batches: Iterable[list], after: Callable[[], None] | None) -> Iterator[list]:
+    """``batches``, then ``after()``: called when the next batch is asked for
+    after the last, which :func:`_write_device` does once the last is being written."""
+    yield from batches
+    if after is not None:
+        after()
 
 
 class _Sources:

@@ -3,7 +3,6 @@ handing one of DCP's calls to the save path's modules (docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
 import secrets
@@ -32,6 +31,7 @@ from fp_dcp.save.plan import (
     assign,
     assignment_items,
     describe_rank,
+    expected_nbytes,
     keep_global_record,
 )
 from fp_dcp.save.results import check_layout_covers, layout_from_results
@@ -123,6 +123,9 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             directories.make_data_directory(d, by_path, self.options.sync_files)
             # fail before any rank writes if the engine cannot run here
             granularity = max(granularity, self._engine_for(d).alignment)
+        sessions = [self._engine_for(d) for d, _ in dirs]
+        if not plan.usable or _bounced(plan.items, min(s.engine.block_size for s in sessions)):
+            self._engines.settle_early(sessions)  # while DCP plans, not in the first write
         self._save_token = None
         if not plan.usable:
             # DCP's plan caching: this rank's items are those of its last
@@ -178,6 +181,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             record, self._pending_record = self._pending_record, None
             if cache_key is not None and record is not None:
                 keep_global_record(record)
+            self._engines.settled()
             fut.set_result(self._write(assignment, items, planner))
         except BaseException:
             commit.abandon_rank_files(self._data_directories(), assignment.save_id, assignment.rank)
@@ -190,28 +194,29 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
     def _write(self, assignment: Assignment, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         self._prepared = None
-        # The coordinator encodes the metadata's structure on a thread while the
-        # data is written (the engines release the GIL) and prepares the rest of
-        # the commit while the files are synced.
+        # The coordinator encodes the metadata's structure while the last of
+        # its data is written (the engines release the GIL; a thread of its
+        # own would hold the GIL in json.dumps while the first batch is
+        # resolved) and prepares the rest of the commit while the files are synced.
         metadata = _dcp_hooks.planner_metadata(planner) if self.is_coordinator else None
         prepare_seconds = 0.0
+        structure: fmt.EncodedStructure | None = None
 
-        def encode_structure() -> fmt.EncodedStructure | None:
-            nonlocal prepare_seconds
+        def encode_structure() -> None:
+            nonlocal prepare_seconds, structure
             assert metadata is not None  # encoded on the coordinator only
             t0 = time.perf_counter()
             try:
                 with paused():
-                    return fmt.encode_structure(metadata)
+                    structure = fmt.encode_structure(metadata)
             except Exception:
-                return None  # finish does it again, and reports the error
+                pass  # finish does it again, and reports the error
             finally:
                 prepare_seconds += time.perf_counter() - t0
 
         def prepare_commit(results: list[WriteResult]) -> None:
             nonlocal prepare_seconds
-            assert metadata is not None and encoding is not None
-            structure = encoding.result()
+            assert metadata is not None
             if structure is None:
                 return
             t0 = time.perf_counter()
@@ -225,18 +230,17 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                                              structure, results, layout, blob)
             prepare_seconds += time.perf_counter() - t0
 
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-encode") as encoder:
-            encoding = None if metadata is None else encoder.submit(encode_structure)
-            out, self.last_stats = execute.write_rank(
-                assignment,
-                items,
-                planner.resolve_data,
-                dirs=self._data_directories(),
-                session_for=self._engine_for,
-                tag_devices=bool(self.data_dirs),
-                options=self.options,
-                while_syncing=None if metadata is None else prepare_commit,
-            )
+        out, self.last_stats = execute.write_rank(
+            assignment,
+            items,
+            planner.resolve_data,
+            dirs=self._data_directories(),
+            session_for=self._engine_for,
+            tag_devices=bool(self.data_dirs),
+            options=self.options,
+            while_writing=None if metadata is None else encode_structure,
+            while_syncing=None if metadata is None else prepare_commit,
+        )
         if metadata is not None:
             self.last_stats["prepare_commit_seconds"] = prepare_seconds
         return out
@@ -320,6 +324,18 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _bounced(items: list[WriteItem], block: int) -> bool:
+    """Whether a write of ``items`` surely goes through the engine's bounce
+    buffers: a bytes item or a tensor smaller than a request does.  (Larger
+    tensors do where their memory is not page-aligned; a save of those alone
+    settles the buffers in its first write.)"""
+    for item in items:
+        n = expected_nbytes(item)
+        if n is None or n < block:
+            return True
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
