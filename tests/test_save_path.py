@@ -455,3 +455,41 @@ def test_the_metadata_structure_is_encoded_while_the_last_batch_is_written(tmp_p
     out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
     dcp.load(out, storage_reader=FastPersistReader(tmp_path / "c"))
     assert all(torch.equal(out[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor))
+
+
+def test_bounce_buffers_are_settled_on_a_thread_while_dcp_plans(tmp_path, monkeypatch, aio_no_leaks):
+    """A save with small items settles its engine's bounce buffers on a
+    thread from prepare_local_plan on, and its first engine call comes after
+    that thread ended; a save of large tensors alone leaves them to the
+    first call that needs them (aligned memory never does)."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp.engine import EngineSet, IOSession
+
+    settling: list[list] = []
+    at_write: list[bool] = []
+    real_settle, real_write = EngineSet.settle_early, IOSession.write_fds
+
+    def settle_early(self, sessions):
+        settling.append(list(sessions))
+        real_settle(self, sessions)
+        assert self._settling is not None and self._settling.name == "fp_dcp-settle"
+
+    def write_fds(self, *a, **kw):
+        at_write.append(any(self in s for s in settling)
+                        and all(t.name != "fp_dcp-settle" for t in threading.enumerate()))
+        return real_write(self, *a, **kw)
+
+    monkeypatch.setattr(EngineSet, "settle_early", settle_early)
+    monkeypatch.setattr(IOSession, "write_fds", write_fds)
+    with FastPersistWriter(tmp_path / "small") as w:
+        dcp.save(_small_state_dict(), storage_writer=w)
+    assert len(settling) == 1 and at_write == [True]
+    settling.clear()
+    (tmp_path / "large").mkdir()
+    with FastPersistWriter(tmp_path / "large") as w:
+        block = w._engine().engine.block_size
+        dcp.save({"a": torch.ones(block // 4), "b": torch.ones(block // 2)}, storage_writer=w)
+    assert settling == []
