@@ -119,11 +119,12 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         directories.make_checkpoint_directory(self._directory(), self.options.overwrite)
         granularity = self.options.split_alignment_bytes
         dirs = self._data_directories()
+        sessions = []
         for d, by_path in dirs:
             directories.make_data_directory(d, by_path, self.options.sync_files)
             # fail before any rank writes if the engine cannot run here
-            granularity = max(granularity, self._engine_for(d).alignment)
-        sessions = [self._engine_for(d) for d, _ in dirs]
+            sessions.append(self._engine_for(d))
+            granularity = max(granularity, sessions[-1].alignment)
         if not plan.usable or _bounced(plan.items, min(s.engine.block_size for s in sessions)):
             self._engines.settle_early(sessions)  # while DCP plans, not in the first write
         self._save_token = None
