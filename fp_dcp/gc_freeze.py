@@ -76,10 +76,23 @@ class GcFreeze:
         if not self.frozen and may_freeze():
             gc.freeze()
             self.frozen = True
-            # made after the freeze: it stays out of the permanent generation
-            # unless something else calls gc.freeze() before the thaw
-            self._sentinel: list = []
-            self._finalizer = weakref.finalize(self, _thaw_if_ours, self._sentinel)
+            self._track()
+
+    def _track(self) -> None:
+        """Right after our freeze: a sentinel that stays out of the
+        permanent generation unless something else calls gc.freeze() before
+        the thaw."""
+        self._sentinel: list = []
+        self._finalizer = weakref.finalize(self, _thaw_if_ours, self._sentinel)
+
+    def refreeze(self) -> None:
+        """Freeze, too, what was made since :meth:`freeze` (a save's plans and
+        items, alive to its end), if this object froze and nothing froze
+        since; :meth:`thaw` then undoes both."""
+        if self.frozen and _ours(self._sentinel):
+            gc.freeze()
+            self._finalizer.detach()
+            self._track()
 
     def thaw(self) -> None:
         if self.frozen:
@@ -100,5 +113,11 @@ def _thaw_if_ours(sentinel: list) -> None:
     """``gc.unfreeze()``, unless something else froze objects since (``sentinel``,
     made right after our freeze, is then no longer among the generations): the
     application's freeze is not undone, and everything stays frozen."""
-    if any(o is sentinel for o in gc.get_objects()):
+    if _ours(sentinel):
         gc.unfreeze()
+
+
+def _ours(sentinel: list) -> bool:
+    """Whether the permanent generation holds only what we froze (made
+    right after our last freeze, ``sentinel`` is not in it)."""
+    return any(o is sentinel for o in gc.get_objects())

@@ -251,15 +251,25 @@ def test_gc_is_frozen_only_during_a_save(tmp_path):
 
     seen = []
     writer = FastPersistWriter(tmp_path / "c")
-    original = writer._write
+    original, prepare = writer._write, writer.prepare_local_plan
+    plans = []
 
     def spy(*a, **k):
         seen.append(gc.get_freeze_count())
+        if plans:  # what the save made after its set-up (its plans) is frozen too
+            seen.append(gc.is_tracked(plans[0]) and not any(o is plans[0] for o in gc.get_objects()))
         return original(*a, **k)
 
-    writer._write = spy
+    def spy_plan(plan):
+        plans.append(plan)
+        return prepare(plan)
+
+    writer._write, writer.prepare_local_plan = spy, spy_plan
     dcp.save({"w": torch.ones(10)}, storage_writer=writer)
-    assert seen and seen[0] > 0  # frozen while writing
+    # frozen while writing, and with it the plans made after the set-up:
+    # the collections the write triggers do not walk them
+    assert seen[0] > 0 and seen[1] is True
+    plans.clear()
     assert gc.get_freeze_count() == 0  # thawed after the commit
     seen.clear()
     writer = FastPersistWriter(tmp_path / "d", freeze_gc_during_save=False)

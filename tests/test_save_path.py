@@ -61,8 +61,20 @@ def test_the_gc_freeze_undoes_only_its_own_freeze():
             with f.thaw_on_error():
                 raise KeyError("x")
         assert gc.get_freeze_count() == 0
+        f.refreeze()  # not frozen: nothing to add to
+        assert gc.get_freeze_count() == 0
+        f.freeze()
+        made_since = [object()]  # a save's plans, made after its freeze
+        assert any(o is made_since for o in gc.get_objects())
+        f.refreeze()
+        assert not any(o is made_since for o in gc.get_objects())  # frozen too
+        f.thaw()
+        assert not f.frozen and gc.get_freeze_count() == 0  # both undone
         f.freeze()
         gc.freeze()  # the application freezes objects of its own meanwhile
+        made_since = [object()]
+        f.refreeze()  # adds nothing to the application's freeze
+        assert any(o is made_since for o in gc.get_objects())
         f.thaw()
         assert not f.frozen and gc.get_freeze_count() > 0  # left as the application wants them
         gc.unfreeze()

@@ -177,6 +177,9 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         # The pieces name this rank's own items (those of prepare_local_plan,
         # including the ones the planner's dedup removed from plan.items).
         try:
+            # the plans, items and metadata made since set-up live to the end:
+            # frozen too, the collections the write triggers do not walk them
+            self._gc.refreeze()
             cache_key = _dcp_hooks.planner_cache_key(planner)
             assignment, items = assignment_items(assignment, self.rank, cache_key, self._save_token)
             record, self._pending_record = self._pending_record, None
