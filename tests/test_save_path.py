@@ -325,8 +325,8 @@ def test_host_pieces_are_resolved_batch_by_batch_while_the_batch_before_is_writt
                                                                                    aio_no_leaks):
     """A one-device save resolves its pieces in growing batches and writes
     each on a thread while the next is resolved (the first write waits
-    until a later piece is resolved); each batch starts on an aligned block
-    (a write covers whole blocks), so the checkpoint loads bit for bit with
+    until a later piece is resolved); each batch starts on a multiple of the
+    request size (a write covers whole blocks), so the checkpoint loads bit for bit with
     every checksum checked, and its checksums are the ones a save in one
     batch stores."""
     import threading
@@ -343,6 +343,7 @@ def test_host_pieces_are_resolved_batch_by_batch_while_the_batch_before_is_writt
 
     writing, later = threading.Event(), threading.Event()
     calls: list[tuple[int, bool]] = []
+    firsts: list[tuple[int, int]] = []  # each call's first file offset, the engine's request size
     resolved: list[str] = []
     real_write = IOSession.write_fds
 
@@ -357,6 +358,7 @@ def test_host_pieces_are_resolved_batch_by_batch_while_the_batch_before_is_writt
         first = not writing.is_set()
         writing.set()
         calls.append((len(sources), later.wait(30) if first else True))
+        firsts.append((int(min(file_offset)), self.engine.block_size))
         return real_write(self, fds, paths, file_index, file_offset, sources, **kw)
 
     monkeypatch.setattr(execute, "_BATCHED_PIECES", 2)
@@ -367,6 +369,9 @@ def test_host_pieces_are_resolved_batch_by_batch_while_the_batch_before_is_writt
         dcp.save(sd, storage_writer=w, planner=Planner())
     assert len(calls) >= 4 and all(overlapped for _, overlapped in calls)
     assert sum(n for n, _ in calls) == len(sd)  # every piece written once
+    # each batch starts on a multiple of the request size: its requests are
+    # not split on the way to the disk
+    assert firsts[0][0] == 0 and all(at > 0 and at % block == 0 for at, block in firsts[1:])
     assert len(resolved) == len(set(resolved)) == len(sd)  # ... and resolved once
     batched, one = _extents_of(tmp_path / "batched"), _extents_of(tmp_path / "one")
     assert {i: [e[1:] for e in x] for i, x in batched.items()} == {i: [e[1:] for e in x] for i, x in one.items()}

@@ -306,10 +306,14 @@ def _write_device(
                 if fd < 0:
                     fd = session.engine.open(path, "w", session.direct if session.direct else False)
                     unsynced.append((fd, path))
-                # each batch from an aligned offset: a write covers whole blocks
+                # each batch from a multiple of the request size: a write covers
+                # whole blocks, and the batch's requests stay aligned to their
+                # size (a request across that boundary is split on the way to
+                # the disk: ~1.5 I/Os per request on a disk that charges per I/O)
                 offsets, end = place_extents(
                     [len(b) for _, _, b in batch], session.alignment,
-                    options.pack_threshold_bytes, options.pack_alignment_bytes, start=align_up(end, session.alignment),
+                    options.pack_threshold_bytes, options.pack_alignment_bytes,
+                    start=align_up(end, session.engine.block_size),
                 )
                 if pending is not None:
                     extents += pending.result()
