@@ -292,6 +292,41 @@ def test_validation_finds_an_overlap_only_a_sweep_sees():
         assert any("overlapping" in e and "g" in e for e in errors)
 
 
+def test_a_state_dict_with_some_nested_values_is_flattened_key_by_key_as_dcp_does():
+    """Plain values are kept as they are and only the nested ones are walked
+    by DCP's flatten_state_dict, one key at a time: the same flat dict (same
+    order, same objects) and mappings as DCP's whole walk; a collision, a
+    DTensor-like value or a meta tensor being loaded falls back to DCP's walk."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+
+    from fp_dcp.planners import _flat
+
+    sd = {"w": torch.ones(2), "cfg": {"lr": 0.1, "sched": [1, 2]}, "b.c": 3,
+          "opt": {"state": {"0": {"exp": torch.zeros(3)}}, "groups": [{"lr": 0.5, "params": [0]}]},
+          "p": torch.nn.Parameter(torch.ones(1)), "name": "run"}
+    flat, mappings = _flat.flat_or_none(sd)
+    want, want_mappings = flatten_state_dict(sd)
+    want = _flatten_sharded_tensors(want)
+    assert list(flat) == list(want) and all(flat[k] is want[k] for k in want)
+    assert list(mappings.items()) == list(want_mappings.items())
+    assert "opt.state.0.exp" in flat and mappings["cfg.lr"] == ("cfg", "lr")
+    assert _flat.flat_or_none({"a.b": 1, "a": {"b": 2}}) is None  # DCP's walk reports the duplicate
+    with pytest.raises(ValueError, match="duplicated flatten key a.b"):
+        flatten_state_dict({"a.b": 1, "a": {"b": 2}})
+    assert _flat.flat_or_none({"a": {"b": 2}, "a.b": 1}) is None
+    assert _flat.flat_or_none({"w": torch.ones(1), "opt": {"m": torch.empty(2, device="meta")}}, loading=True) is None
+    assert _flat.flat_or_none({"w": torch.ones(1), "opt": {"m": torch.empty(2, device="meta")}}) is not None
+    from torch.distributed.tensor import DTensor
+
+    class Sub(torch.Tensor):  # a DTensor or ShardedTensor here: what DCP's walk acts on
+        pass
+
+    assert DTensor.__mro__[1] is torch.Tensor
+    assert _flat.flat_or_none({"w": torch.ones(1), "x": {"y": torch.ones(1).as_subclass(Sub)}}) is None
+    assert _flat.flat_or_none({"w": torch.ones(1), 3: 1}) is None  # DCP makes it "3"
+
+
 def test_fast_builders_match_the_constructors_on_this_torch():
     assert _items.FAST, "DCP's plan classes changed shape: the planners fall back to the constructors"
 

@@ -3,12 +3,15 @@ already flat.
 
 ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` run ``flatten_state_dict``
 and ``_flatten_sharded_tensors`` over every state dict: a recursive walk with
-several ``isinstance`` checks per value.  A state dict whose keys are
-strings and whose values are plain tensors or scalars is already flat: the
-result is a copy of it, and each key maps to the path ``(key,)``.
-:func:`flat_or_none` returns that, or None where the walk is needed (nested
-containers, DTensors and ShardedTensors, meta tensors on load, anything
-else), and the caller then runs DCP's own.
+several ``isinstance`` checks per value.  A value that is a plain tensor or
+scalar under a string key is flat already: it stays as it is, and its key
+maps to the path ``(key,)``.  The walk is per key, so the other values (nested
+containers: a config dict, an optimizer's state) are walked by DCP's own
+``flatten_state_dict`` one key at a time, in order.  :func:`flat_or_none`
+returns the result, or None where DCP's whole walk is needed (DTensors,
+ShardedTensors and other tensor subclasses anywhere, meta tensors on load,
+keys that collide, a key that is not a string), and the caller then runs
+DCP's own.
 """
 
 from __future__ import annotations
@@ -37,16 +40,41 @@ def _old_traversal() -> bool:
 
 
 def flat_or_none(state_dict: Any, *, loading: bool = False) -> tuple[dict[str, Any], dict[str, tuple]] | None:
-    """``(flat, mappings)`` as DCP's flattening makes them for a flat
-    ``state_dict``, or None.  ``loading``: also None where a tensor is on
-    the meta device (DCP's load materialises those first)."""
+    """``(flat, mappings)`` as DCP's flattening makes them for ``state_dict``,
+    or None (module documentation).  ``loading``: also None where a tensor is
+    on the meta device (DCP's load materialises those first)."""
     if type(state_dict) is not dict or _old_traversal():
         return None
     leaf, tensors = _LEAF_TYPES, _TENSORS
+    nested = False
     for k, v in state_dict.items():
         tv = type(v)
-        if type(k) is not str or tv not in leaf:
+        if type(k) is not str:
             return None
-        if loading and tv in tensors and v.is_meta:
+        if tv not in leaf:
+            nested = True
+        elif loading and tv in tensors and v.is_meta:
             return None
-    return dict(state_dict), {k: (k,) for k in state_dict}
+    if not nested:
+        return dict(state_dict), {k: (k,) for k in state_dict}
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat: dict[str, Any] = {}
+    mappings: dict[str, tuple] = {}
+    for k, v in state_dict.items():
+        if type(v) in leaf:
+            if k in flat:  # a nested path before flattened to this key
+                return None
+            flat[k] = v
+            mappings[k] = (k,)
+            continue
+        part, paths = flatten_state_dict({k: v})
+        for fk, fv in part.items():
+            # a ShardedTensor or DTensor (which _flatten_sharded_tensors and the
+            # load's _init_state_dict act on; any tensor subclass here), a meta
+            # tensor on load or a key that collides: DCP's walk (and its error)
+            if isinstance(fv, torch.Tensor) and (type(fv) not in tensors or loading and fv.is_meta) or fk in flat:
+                return None
+            flat[fk] = fv
+            mappings[fk] = paths[fk]
+    return flat, mappings
