@@ -441,14 +441,9 @@ def encode_metadata(
         structure = encode_structure(metadata)
     sm = metadata.storage_meta
     block = layout.checksum_block_bytes
-    for index, exts in layout.extents.items():
-        for e in exts:
-            crc = e.crc32c
-            # 8 hex digits per checksum block
-            if crc is not None and (
-                block is None or type(crc) is not str or len(crc) != 8 * checksum_blocks(e.length, block)
-            ):
-                raise ValueError(f"{index.fqn}: extent checksum {crc!r} does not match its length {e.length}")
+    extents = _extents_doc_columns(layout.extents, block) if isinstance(layout.extents, ExtentColumns) else None
+    if extents is None:
+        extents = _extents_doc(layout.extents, block)
     # One JSON object, its members' texts joined (the structure's are made
     # already): the same bytes json.dumps gives for the whole document.
     doc = {
@@ -460,17 +455,7 @@ def encode_metadata(
         "alignment": layout.alignment,
         "files": [[name, size] for name, size in layout.files],
         "state_dict_metadata": _ENCODED,
-        "extents": [
-            [
-                _index_key(index),
-                [
-                    [e.file, e.file_offset, e.item_offset, e.length]
-                    + ([] if e.crc32c is None else [e.crc32c])
-                    for e in exts
-                ],
-            ]
-            for index, exts in layout.extents.items()
-        ],
+        "extents": extents,
         **({} if block is None else {"checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_bytes": block}}),
         "planner_data": _ENCODED,
         "storage_meta": None
@@ -489,6 +474,52 @@ def encode_metadata(
 
 
 _ENCODED = object()  # a member of the document whose text the structure holds
+
+
+def _extents_doc(extents: Mapping[MetadataIndex, list[Extent]], block: int | None) -> list:
+    """The document's ``extents`` section, item by item (the reference);
+    raises where an extent's checksum does not fit its length."""
+    for index, exts in extents.items():
+        for e in exts:
+            crc = e.crc32c
+            # 8 hex digits per checksum block
+            if crc is not None and (
+                block is None or type(crc) is not str or len(crc) != 8 * checksum_blocks(e.length, block)
+            ):
+                raise ValueError(f"{index.fqn}: extent checksum {crc!r} does not match its length {e.length}")
+    return [
+        [
+            _index_key(index),
+            [[e.file, e.file_offset, e.item_offset, e.length] + ([] if e.crc32c is None else [e.crc32c]) for e in exts],
+        ]
+        for index, exts in extents.items()
+    ]
+
+
+def _extents_doc_columns(extents: ExtentColumns, block: int | None) -> list | None:
+    """:func:`_extents_doc` from the columns: the same section (the same JSON
+    text), or None where an extent is not plainly valid or only some extents
+    have checksums (then the reference decides)."""
+    crcs = extents.crc32c
+    columns = [extents.file.tolist(), extents.file_offset.tolist(), extents.item_offset.tolist(),
+               extents.length.tolist()]
+    if crcs and crcs[0] is not None:
+        if (block is None or not _all_type(crcs, str)
+                or not np.array_equal(np.fromiter(map(len, cast(list[str], crcs)), np.int64, len(crcs)),
+                                      8 * checksum_blocks(extents.length, block))):
+            return None
+        columns.append(crcs)
+    elif any(c is not None for c in crcs):
+        return None
+    rows = list(map(list, zip(*columns)))
+    counts = extents.counts
+    if (counts == 1).all():
+        per_item = [[r] for r in rows]
+    else:
+        ends = np.cumsum(counts).tolist()
+        per_item = [rows[end - n:end] for n, end in zip(counts.tolist(), ends)]
+    return [[[fqn, None if offset is None else list(offset)], exts]
+            for (fqn, offset), exts in zip(extents.item_keys, per_item)]
 
 
 def read_header(head: bytes, path: str) -> tuple[int, int, int]:

@@ -198,6 +198,77 @@ def test_write_results_one_per_item_in_order_with_each_file_size_on_its_first_it
     assert (stats["bytes"], stats["requests"], stats["engine"]) == (25, 3, "aio")
 
 
+def test_the_layout_is_made_as_columns_equal_to_the_item_by_item_reference():
+    """layout_from_results: where each item was written by one rank, the
+    extents come as columns (sorted by item offset within an item, files
+    numbered in first-seen order) equal to the reference's lists; an item
+    written in parts by two ranks takes the reference."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from fp_dcp import format as fmt
+    from fp_dcp.save.results import Written, _extent_lists, layout_from_results
+
+    def result(fqn, offset, extents, sizes=()):
+        index = MetadataIndex(fqn, None if offset is None else torch.Size(offset))
+        return WriteResult(index=index, size_in_bytes=0, storage_data=Written(tuple(extents), tuple(sizes)))
+
+    crc = "0a0b0c0d"
+    rank0 = [result("a", (0,), [("f0", 0, 0, 8, crc)], [("f0", 4096)]),
+             result("b", (0, 4), [("f1", 64, 8, 4, crc), ("f0", 4096, 0, 8, crc)], [("f1", 8192)]),
+             result("obj", None, [("f1", 0, 0, 5, crc)])]
+    rank1 = [result("c", (2,), [("f2", 0, 0, 3, crc)], [("f2", 4096)])]
+    split = [result("c", (2,), [("f2", 0, 3, 2, crc)])]  # a second part of rank 1's item
+
+    for results, columns in (([rank0, rank1], True), ([rank0, rank1, split], False)):
+        layout = layout_from_results(results, "sid", 4096)
+        flat = [wr for r in results for wr in r]
+        files: dict[str, int] = {}
+        want = _extent_lists([wr.index for wr in flat], [wr.storage_data for wr in flat], files)
+        assert isinstance(layout.extents, fmt.ExtentColumns) is columns
+        assert dict(layout.extents) == want and list(layout.extents) == list(want)
+        assert layout.files == [("f0", 4096), ("f1", 8192), ("f2", 4096)] and list(files) == ["f0", "f1", "f2"]
+        assert layout.checksum_block_bytes == fmt.CHECKSUM_BLOCK_BYTES
+    b = layout.extents[MetadataIndex("b", torch.Size((0, 4)))]
+    assert [e.item_offset for e in b] == [0, 8]  # sorted
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_columns_encode_and_check_as_the_reference_does(tmp_path, checksums, aio_no_leaks):
+    """A save's metadata encoded from the extents' columns is the same bytes
+    as from the reference's lists; the coverage check accepts it, and names
+    the item when an extent leaves a gap or an item is missing."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import format as fmt
+    from fp_dcp.save.results import check_layout_covers
+
+    sd = _small_state_dict()
+    sd["nested"] = {"k": torch.arange(6)}
+    dcp.save(sd, storage_writer=FastPersistWriter(tmp_path / "c", write_checksums=checksums))
+    with open(tmp_path / "c" / fmt.METADATA_NAME, "rb") as f:
+        blob = f.read()
+    md, layout, extra = fmt.decode_metadata(blob, "c")
+    assert isinstance(layout.extents, fmt.ExtentColumns)
+    as_lists = dataclasses.replace(layout, extents=dict(layout.extents))
+    assert fmt.encode_metadata(md, layout, extra) == fmt.encode_metadata(md, as_lists, extra) == blob
+    check_layout_covers(md, layout)
+    ext = layout.extents
+    gap = fmt.ExtentColumns(ext.item_keys, ext.counts, ext.file, ext.file_offset, ext.item_offset,
+                            ext.length - (ext.item_keys.index(("t3", (0,))) == np.arange(len(ext.length))),
+                            ext.crc32c)
+    with pytest.raises(RuntimeError, match=r"refusing to commit it: t3: the stored extents hold"):
+        check_layout_covers(md, dataclasses.replace(layout, extents=gap))
+    keep = [k != ("t5", (0,)) for k in ext.item_keys]
+    missing = fmt.ExtentColumns([k for k, y in zip(ext.item_keys, keep) if y], ext.counts[keep], ext.file[keep],
+                                ext.file_offset[keep], ext.item_offset[keep], ext.length[keep],
+                                [c for c, y in zip(ext.crc32c, keep) if y])
+    with pytest.raises(RuntimeError, match=r"wrote no bytes for \('t5', \(0,\)\)"):
+        check_layout_covers(md, dataclasses.replace(layout, extents=missing))
+
+
 def _small_state_dict(n: int = 40) -> dict:
     g = torch.Generator().manual_seed(5)
     sd = {f"t{k}": torch.randn(1 + 37 * k, generator=g) for k in range(n)}

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from itertools import chain
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+import numpy as np
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from fp_dcp import format as fmt
@@ -38,22 +41,23 @@ def add_stats(stats: dict[str, Any], s: dict[str, Any]) -> None:
 
 
 def layout_from_results(results: list[list[WriteResult]], save_id: str, alignment: int) -> fmt.StorageLayout:
-    """The storage layout of a save from every rank's write results."""
+    """The storage layout of a save from every rank's write results: its
+    extents as columns (:class:`~fp_dcp.format.ExtentColumns`) where each
+    item was written by one rank, else item by item."""
+    indexes = [wr.index for rank_results in results for wr in rank_results]
+    written = [wr.storage_data for rank_results in results for wr in rank_results]
+    if not _all_written(written):
+        bad = next(i for i, w in zip(indexes, written) if not isinstance(w, Written))
+        raise RuntimeError(f"{bad.fqn}: write result without an fp_dcp record")
     files: dict[str, int] = {}
     sizes: dict[str, int] = {}
-    extents: dict[Any, list[fmt.Extent]] = {}
-    for rank_results in results:
-        for wr in rank_results:
-            written = wr.storage_data
-            if not isinstance(written, Written):
-                raise RuntimeError(f"{wr.index.fqn}: write result without an fp_dcp record")
-            for fname, size in written.file_sizes:
-                sizes[fname] = size
-            for fname, fo, io_, ln, *crc in written.extents:
-                fid = files.setdefault(fname, len(files))
-                extents.setdefault(wr.index, []).append(fmt.Extent(fid, fo, io_, ln, crc[0] if crc else None))
-    for exts in extents.values():
-        exts.sort(key=lambda e: e.item_offset)
+    for w in written:
+        for fname, size in w.file_sizes:
+            sizes[fname] = size
+    extents: Mapping[MetadataIndex, list[fmt.Extent]] | None = _extent_columns(indexes, written, files)
+    if extents is None:
+        files.clear()
+        extents = _extent_lists(indexes, written, files)
     missing = [f for f in files if f not in sizes]
     if missing:
         raise RuntimeError(f"no size reported for data file(s) {missing}")
@@ -63,15 +67,58 @@ def layout_from_results(results: list[list[WriteResult]], save_id: str, alignmen
         files=[(f, sizes[f]) for f in files],
         extents=extents,
         checksum_block_bytes=fmt.CHECKSUM_BLOCK_BYTES
-        if any(e.crc32c is not None for exts in extents.values() for e in exts)
+        if any(len(e) > 4 and e[4] is not None for w in written for e in w.extents)
         else None,
     )
+
+
+def _all_written(written: list) -> bool:
+    return not written or set(map(type, written)) == {Written} or all(isinstance(w, Written) for w in written)
+
+
+def _extent_lists(indexes: list[MetadataIndex], written: list[Written],
+                  files: dict[str, int]) -> dict[MetadataIndex, list[fmt.Extent]]:
+    """Each item's extents, sorted by item offset, merged across the ranks
+    that wrote parts of it (the reference); numbers the files in ``files``."""
+    extents: dict[Any, list[fmt.Extent]] = {}
+    for index, w in zip(indexes, written):
+        for fname, fo, io_, ln, *crc in w.extents:
+            fid = files.setdefault(fname, len(files))
+            extents.setdefault(index, []).append(fmt.Extent(fid, fo, io_, ln, crc[0] if crc else None))
+    for exts in extents.values():
+        exts.sort(key=lambda e: e.item_offset)
+    return extents
+
+
+def _extent_columns(indexes: list[MetadataIndex], written: list[Written],
+                    files: dict[str, int]) -> fmt.ExtentColumns | None:
+    """:func:`_extent_lists` as columns, or None where an item has parts
+    from several results or none, or an extent is not a 5-tuple (then the
+    reference merges them)."""
+    keys = list(map(fmt.item_key, indexes))
+    counts = np.fromiter(map(len, (w.extents for w in written)), np.int64, len(written))
+    if len(set(keys)) != len(keys) or (counts == 0).any():
+        return None
+    rows = list(chain.from_iterable(w.extents for w in written))
+    if rows and set(map(len, rows)) != {5}:
+        return None
+    names, fo, io_, ln, crcs = (list(c) for c in zip(*rows)) if rows else ([], [], [], [], [])
+    f = np.fromiter((files.setdefault(n, len(files)) for n in names), np.int64, len(names))
+    fo_, io_a, ln_ = (np.array(c, dtype=np.int64) for c in (fo, io_, ln))
+    if len(rows) > len(keys):  # each item's extents sorted by item offset (stable, as list.sort)
+        order = np.lexsort((io_a, np.repeat(np.arange(len(keys)), counts)))
+        f, fo_, io_a, ln_ = f[order], fo_[order], io_a[order], ln_[order]
+        crcs = [crcs[k] for k in order.tolist()]
+    return fmt.ExtentColumns(keys, counts, f, fo_, io_a, ln_, crcs)
 
 
 def check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout) -> None:
     """Before the commit: every stored item's extents, merged from all ranks,
     tile its bytes exactly once (a tensor's size comes from the metadata; a
-    bytes item must be gap-free from 0)."""
+    bytes item must be gap-free from 0), and every item of the metadata is
+    stored."""
+    if isinstance(layout.extents, fmt.ExtentColumns) and _covers_columns(metadata, layout.extents):
+        return
     for index, exts in layout.extents.items():
         md = metadata.state_dict_metadata.get(index.fqn)
         nbytes = sum(e.length for e in exts)
@@ -91,3 +138,33 @@ def check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout) -> None:
         for key in keys:
             if key not in stored:
                 raise RuntimeError(f"fp_dcp wrote no bytes for {key}, refusing to commit the checkpoint")
+
+
+def _covers_columns(metadata: Metadata, extents: fmt.ExtentColumns) -> bool:
+    """:func:`check_layout_covers`' checks over the columns: True where the
+    stored items are exactly the metadata's and each is tiled exactly, else
+    False (then the reference decides, and names what is wrong)."""
+    want: dict[tuple, int] = {}  # item key -> its bytes (-1: a bytes item, any length)
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            esize = md.properties.dtype.itemsize
+            for c in md.chunks:
+                want[(fqn, tuple(c.offsets))] = math.prod(c.sizes) * esize
+        else:
+            want[(fqn, None)] = -1
+    if len(want) != len(extents.item_keys):
+        return False
+    nbytes = [want.get(k) for k in extents.item_keys]  # the keys are distinct: all found = the same set
+    if None in nbytes:
+        return False
+    counts, io_, ln = extents.counts, extents.item_offset, extents.length
+    if (counts == 0).any():
+        return False
+    firsts = np.cumsum(counts) - counts
+    later = np.ones(len(io_), dtype=bool)
+    later[firsts] = False
+    if (io_[firsts] != 0).any() or (io_[1:][later[1:]] != (io_ + ln)[:-1][later[1:]]).any():
+        return False  # a gap or an overlap
+    totals = np.add.reduceat(ln, firsts) if len(ln) else np.zeros(0, dtype=np.int64)
+    want_n = np.array(nbytes, dtype=np.int64)
+    return bool(((want_n == -1) | (want_n == totals)).all())
