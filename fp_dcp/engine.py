@@ -9,7 +9,7 @@ import copy
 import errno
 import os
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -326,27 +326,35 @@ class EngineSet:
             session = self.by_directory[directory] = IOSession(options, directory)
         return session
 
-    def settle_early(self, sessions: Sequence[IOSession]) -> None:
-        """Fault in and page-lock the bounce buffers of ``sessions`` on a thread
-        of their own while the caller goes on (fresh memory's first touch can
-        stall for tens of ms); :meth:`settled` waits for it.  Best effort:
-        the first call that needs a buffer settles it anyway, and reports."""
-        self.settled()
+    def in_background(self, work: Callable[[], object], name: str) -> None:
+        """Run ``work`` (setting engines up: making them, faulting in and
+        page-locking their bounce buffers, whose first touch can stall for
+        tens of ms) on a thread of its own while the caller goes on;
+        :meth:`settled` waits for it.  Best effort: what fails there is
+        raised by the engine call that needs it.  Nothing starts while an
+        earlier one has not been waited for (the first call wins)."""
+        if self._settling is not None:
+            return
 
-        def work() -> None:
-            for session in sessions:
-                try:
-                    if session.engine is not None:
-                        session.engine.settle_pool()
-                except Exception:  # noqa: BLE001 - the engine's call reports what failed
-                    pass
+        def run() -> None:
+            try:
+                work()
+            except BaseException:  # noqa: BLE001 - the engine call that needs it reports it
+                pass
 
-        self._settling = threading.Thread(target=work, name="fp_dcp-settle", daemon=True)
+        self._settling = threading.Thread(target=run, name=name, daemon=True)
         self._settling.start()
 
+    def settle_early(self, sessions: Sequence[IOSession]) -> None:
+        """:meth:`in_background`: the bounce buffers of ``sessions``."""
+        self.in_background(lambda: [s.engine.settle_pool() for s in sessions if s.engine is not None],
+                           "fp_dcp-settle")
+
     def settled(self) -> None:
-        """Wait for :meth:`settle_early` (before an engine call or a close)."""
-        if self._settling is not None:
+        """Wait for :meth:`in_background` (before an engine call or a close;
+        on its own thread, where making a session closes older ones, nothing
+        to wait for)."""
+        if self._settling is not None and self._settling is not threading.current_thread():
             self._settling.join()
             self._settling = None
 

@@ -343,8 +343,8 @@ def test_engines_are_set_up_before_the_read_kept_and_closed(tmp_path, monkeypatc
     reader.reset(path)
     reader.set_up_storage_reader(reader.read_metadata(), True)
     reader.prepare_local_plan(LoadPlan([]))
-    assert reader._setting_up is not None
-    reader._engines_set_up()
+    assert reader._engines._settling is not None
+    reader._engines.settled()
     engines = reader._engines
     first, large, ((twin, twin_large),) = engines.primary, engines.large, engines.twins
     assert first is not None and twin is not None and twin.engine is not first.engine
@@ -387,11 +387,11 @@ def test_engines_set_up_from_set_up_storage_reader_when_no_plan_can_share(tmp_pa
     reader = FastPersistReader(path)
     reader.reset(path)
     reader.set_up_storage_reader(reader.read_metadata(), True)
-    started = reader._setting_up
+    started = reader._engines._settling
     assert started is not None and started.name == "fp_dcp-reader-setup"
     reader.prepare_local_plan(LoadPlan([]))
-    assert reader._setting_up is started
-    reader._engines_set_up()
+    assert reader._engines._settling is started
+    reader._engines.settled()
     assert reader._engines.primary is not None and reader._engines.twins == []
     target = zeros_like_sd(sd)
     dcp.load(target, storage_reader=reader, no_dist=True)
@@ -401,9 +401,9 @@ def test_engines_set_up_from_set_up_storage_reader_when_no_plan_can_share(tmp_pa
     sharing = FastPersistReader(path, share_replicated_reads=True)
     sharing.reset(path)
     sharing.set_up_storage_reader(sharing.read_metadata(), True)
-    assert sharing._setting_up is None
+    assert sharing._engines._settling is None
     sharing.prepare_local_plan(LoadPlan([]))
-    assert sharing._setting_up is not None
+    assert sharing._engines._settling is not None
     sharing.close()
 
 

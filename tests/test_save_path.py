@@ -581,3 +581,33 @@ def test_bounce_buffers_are_settled_on_a_thread_while_dcp_plans(tmp_path, monkey
         block = w._engine().engine.block_size
         dcp.save({"a": torch.ones(block // 4), "b": torch.ones(block // 2)}, storage_writer=w)
     assert settling == []
+
+
+def test_engine_set_up_in_the_background_runs_once_until_waited_for():
+    """EngineSet.in_background (the writer's early settle, the reader's early
+    set-up): the first call wins until settled() waits for it; what the work
+    raises is left to the engine call that needs it; the work itself may
+    wait (a session made there closes older ones) without waiting for itself."""
+    import threading
+
+    from fp_dcp.engine import EngineSet
+
+    engines = EngineSet()
+    gate, ran = threading.Event(), []
+
+    def first():
+        gate.wait(30)
+        engines.settled()  # on its own thread: returns at once
+        ran.append("first")
+
+    engines.in_background(first, "fp_dcp-test")
+    engines.in_background(lambda: ran.append("second"), "fp_dcp-test")  # the first still runs
+    gate.set()
+    engines.settled()
+    assert ran == ["first"]
+    engines.in_background(lambda: 1 / 0, "fp_dcp-test")  # best effort: nothing raised here
+    engines.settled()
+    engines.in_background(lambda: ran.append("third"), "fp_dcp-test")
+    engines.settled()
+    assert ran == ["first", "third"]
+    engines.close()

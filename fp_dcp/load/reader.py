@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-import threading
 import time
 import warnings
 from typing import Any, Callable, Iterator, cast
@@ -81,7 +80,6 @@ class FastPersistReader(StorageReader):
         self.last_stats: dict[str, Any] = {}
         self.progress: Callable[[int, int], None] | None = None  # (bytes done, bytes total), for tools
         self._engines = EngineSet()
-        self._setting_up: threading.Thread | None = None
         self._items: ItemPlanner | None = None  # the checkpoint's items to jobs, from set_up_storage_reader
         self._verifier: ReadVerifier | None = None
         self._use_collectives = True
@@ -184,7 +182,6 @@ class FastPersistReader(StorageReader):
         return fut
 
     def close(self) -> None:
-        self._engines_set_up()
         self._engines.close()
         self._gc.thaw()
 
@@ -244,34 +241,25 @@ class FastPersistReader(StorageReader):
         return False
 
     def _set_up_engines_early(self, twin: bool, bounce: bool = True) -> None:
-        """Start setting the engines up on a thread of their own while DCP plans;
-        best effort (``read_data``'s own set-up raises what failed)."""
-        if self._setting_up is not None or self.path is None:
+        """Start setting the engines up on a thread of their own while DCP
+        plans (``EngineSet.in_background``: the first call wins; best effort,
+        ``read_data``'s own set-up raises what failed)."""
+        if self.path is None:
             return
 
         def work() -> None:
-            try:
-                session = self._engine()
-                large = self._large_engine()
-                if bounce:
-                    session.engine.settle_pool()
-                    if large is not None:
-                        large.engine.settle_pool()
-                        for other in self._more_large_engines():
-                            other.engine.settle_pool()
-                if twin:
-                    self._twin(0)
-            except BaseException:  # noqa: BLE001 - read_data's own set-up reports it
-                pass
+            session = self._engine()
+            large = self._large_engine()
+            if bounce:
+                session.engine.settle_pool()
+                if large is not None:
+                    large.engine.settle_pool()
+                    for other in self._more_large_engines():
+                        other.engine.settle_pool()
+            if twin:
+                self._twin(0)
 
-        self._setting_up = threading.Thread(target=work, name="fp_dcp-reader-setup", daemon=True)
-        self._setting_up.start()
-
-    def _engines_set_up(self) -> None:
-        """Wait for :meth:`_set_up_engines_early` (before touching the engines)."""
-        if self._setting_up is not None:
-            self._setting_up.join()
-            self._setting_up = None
+        self._engines.in_background(work, "fp_dcp-reader-setup")
 
     def _twin(self, i: int) -> tuple[IOSession, IOSession | None]:
         """The ``i``-th other pair of sessions (scattered runs, long runs),
@@ -380,7 +368,7 @@ class FastPersistReader(StorageReader):
     def _new_run(self) -> Run:
         """The executor of this load: the engines, the data files, the
         stored checksums and the limits the jobs are planned within."""
-        self._engines_set_up()
+        self._engines.settled()
         session = self._engine()
         assert self.layout is not None
         paths = fmt.data_file_paths(self._directory(), self.layout)

@@ -89,6 +89,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             self.path = os.fspath(checkpoint_id)
         self._lock.release()
         self._gc.thaw()  # a save that failed part-way left it frozen
+        self._engines.settled()  # ... or its engines' early settle unwaited for
         self.save_id = self._new_save_id()
         self.last_stats = {}
         self._prepared = None
