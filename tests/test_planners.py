@@ -311,10 +311,17 @@ def test_a_state_dict_with_some_nested_values_is_flattened_key_by_key_as_dcp_doe
     assert list(flat) == list(want) and all(flat[k] is want[k] for k in want)
     assert list(mappings.items()) == list(want_mappings.items())
     assert "opt.state.0.exp" in flat and mappings["cfg.lr"] == ("cfg", "lr")
+    for loading in (False, True):  # a load walks in another order: the empty dict goes first, [3] stays one value
+        nested = {"_": 0.5, "__": [3, {}]}
+        want = (_flatten_sharded_tensors(nested) if loading else nested)
+        want, want_mappings = flatten_state_dict(want)
+        assert _flat.flat_or_none(nested, loading=loading) == (want, want_mappings)
+        assert ("__" in want) is loading
     assert _flat.flat_or_none({"a.b": 1, "a": {"b": 2}}) is None  # DCP's walk reports the duplicate
     with pytest.raises(ValueError, match="duplicated flatten key a.b"):
         flatten_state_dict({"a.b": 1, "a": {"b": 2}})
     assert _flat.flat_or_none({"a": {"b": 2}, "a.b": 1}) is None
+    assert _flat.flat_or_none({"w": 1, "x": {"a.b": 1, "a": {"b": 2}}}) is None  # a collision inside one value
     assert _flat.flat_or_none({"w": torch.ones(1), "opt": {"m": torch.empty(2, device="meta")}}, loading=True) is None
     assert _flat.flat_or_none({"w": torch.ones(1), "opt": {"m": torch.empty(2, device="meta")}}) is not None
     from torch.distributed.tensor import DTensor

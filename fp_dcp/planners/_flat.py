@@ -7,7 +7,8 @@ several ``isinstance`` checks per value.  A value that is a plain tensor or
 scalar under a string key is flat already: it stays as it is, and its key
 maps to the path ``(key,)``.  The walk is per key, so the other values (nested
 containers: a config dict, an optimizer's state) are walked by DCP's own
-``flatten_state_dict`` one key at a time, in order.  :func:`flat_or_none`
+functions one key at a time, in order (on load, ``_flatten_sharded_tensors``
+first, as DCP's load planner does).  :func:`flat_or_none`
 returns the result, or None where DCP's whole walk is needed (DTensors,
 ShardedTensors and other tensor subclasses anywhere, meta tensors on load,
 keys that collide, a key that is not a string), and the caller then runs
@@ -58,6 +59,7 @@ def flat_or_none(state_dict: Any, *, loading: bool = False) -> tuple[dict[str, A
     if not nested:
         return dict(state_dict), {k: (k,) for k in state_dict}
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 
     flat: dict[str, Any] = {}
     mappings: dict[str, tuple] = {}
@@ -68,7 +70,12 @@ def flat_or_none(state_dict: Any, *, loading: bool = False) -> tuple[dict[str, A
             flat[k] = v
             mappings[k] = (k,)
             continue
-        part, paths = flatten_state_dict({k: v})
+        # in DCP's order: a load rewrites the nested structure first (which
+        # drops empty containers: [3, {}] becomes [3], one value, not "k.0")
+        try:
+            part, paths = flatten_state_dict(_flatten_sharded_tensors({k: v}) if loading else {k: v})
+        except Exception:  # noqa: BLE001 - DCP's whole walk raises it, where DCP would
+            return None
         for fk, fv in part.items():
             # a ShardedTensor or DTensor (which _flatten_sharded_tensors and the
             # load's _init_state_dict act on; any tensor subclass here), a meta
