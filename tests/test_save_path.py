@@ -231,6 +231,9 @@ def test_the_layout_is_made_as_columns_equal_to_the_item_by_item_reference():
         assert layout.checksum_block_bytes == fmt.CHECKSUM_BLOCK_BYTES
     b = layout.extents[MetadataIndex("b", torch.Size((0, 4)))]
     assert [e.item_offset for e in b] == [0, 8]  # sorted
+    stranger = WriteResult(index=MetadataIndex("odd", None), size_in_bytes=0, storage_data=None)
+    with pytest.raises(RuntimeError, match="odd: write result without an fp_dcp record"):
+        layout_from_results([rank0, [stranger]], "sid", 4096)
 
 
 @pytest.mark.parametrize("checksums", [True, False])

@@ -46,8 +46,8 @@ def layout_from_results(results: list[list[WriteResult]], save_id: str, alignmen
     item was written by one rank, else item by item."""
     indexes = [wr.index for rank_results in results for wr in rank_results]
     written = [wr.storage_data for rank_results in results for wr in rank_results]
-    if not _all_written(written):
-        bad = next(i for i, w in zip(indexes, written) if not isinstance(w, Written))
+    bad = next((i for i, w in zip(indexes, written) if not isinstance(w, Written)), None)
+    if bad is not None:
         raise RuntimeError(f"{bad.fqn}: write result without an fp_dcp record")
     files: dict[str, int] = {}
     sizes: dict[str, int] = {}
@@ -70,10 +70,6 @@ def layout_from_results(results: list[list[WriteResult]], save_id: str, alignmen
         if any(len(e) > 4 and e[4] is not None for w in written for e in w.extents)
         else None,
     )
-
-
-def _all_written(written: list) -> bool:
-    return not written or set(map(type, written)) == {Written} or all(isinstance(w, Written) for w in written)
 
 
 def _extent_lists(indexes: list[MetadataIndex], written: list[Written],
