@@ -36,6 +36,7 @@ from libc.string cimport memset
 
 import array
 import os
+import threading as _threading
 import warnings
 
 import numpy as np

@@ -42,6 +42,9 @@ cdef class Engine:
     cdef bint _busy
     cdef bint _counted
     cdef bint _pool_settled
+    # held while the pool is being settled: settle_pool() on another thread
+    # runs beside calls that need no slot; a call that needs one waits here
+    cdef object _settle_lock
 
     def __init__(self, str kind="auto", *, int queue_depth=DEFAULT_QUEUE_DEPTH,
                  Py_ssize_t block_size=DEFAULT_BLOCK_SIZE, read_queue_depth=None,
@@ -49,6 +52,7 @@ cdef class Engine:
         global _n_engines
         if self._slots != NULL:
             raise RuntimeError("Engine.__init__ called twice")
+        self._settle_lock = _threading.Lock()
         if kind != "auto" and kind not in _KIND:
             raise ValueError(f"unknown engine {kind!r}: valid are 'auto', "
                              + ", ".join(repr(k) for k in ENGINES))
@@ -115,19 +119,28 @@ cdef class Engine:
                 return
 
     cdef void _settle_now(self):
-        if not self._pool_settled:
-            self._pool._settle(True, True)
-            self._pool_settled = True
+        if self._pool_settled:
+            return
+        with self._settle_lock:  # (waiting for settle_pool on another thread: the GIL is released)
+            if not self._pool_settled and self._slots != NULL:
+                self._pool._settle(True, True)
+                self._pool_settled = True
 
     def settle_pool(self):
         """Fault the bounce buffers in and lock them now (otherwise the first
         call that needs one does), e.g. on a thread before the first call.
-        Refused, like a call, while another thread's call runs."""
-        self._enter()
-        try:
-            self._settle_now()
-        finally:
-            self._busy = False
+        A call on another thread meanwhile goes on while it moves aligned
+        memory only (those never touch the pool) and waits for it where a
+        piece needs a bounce buffer; close() waits for it."""
+        if self._e == NULL:
+            raise ValueError("Engine is closed")
+        self._settle_now()
+
+    @property
+    def pool_settled(self):
+        """Whether the bounce buffers are faulted in and locked (a call that
+        needs one would not stop to do it)."""
+        return bool(self._pool_settled)
 
     cdef void _free_pool(self) noexcept:
         if self._pool is not None:
@@ -139,7 +152,8 @@ cdef class Engine:
         """Tear the engine down (idempotent)."""
         if self._busy:
             raise RuntimeError("Engine.close() while a call is running in another thread")
-        self._close()
+        with self._settle_lock:  # not while settle_pool touches the pool
+            self._close()
 
     cdef void _close(self) noexcept:
         global _n_engines
@@ -182,7 +196,7 @@ cdef class Engine:
 
     @property
     def busy(self):
-        """Whether a call (write, read, settle_pool) is running on this engine now."""
+        """Whether a call (write, read) is running on this engine now."""
         return bool(self._busy)
 
     cdef _enter(self):

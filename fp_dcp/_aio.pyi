@@ -99,7 +99,10 @@ class Engine:
     def busy(self) -> bool:
         """Whether a call runs on this engine now."""
     def settle_pool(self) -> None:
-        """Fault the bounce buffers in and lock them now."""
+        """Fault the bounce buffers in and lock them now (beside another thread's calls)."""
+    @property
+    def pool_settled(self) -> bool:
+        """Whether the bounce buffers are faulted in and locked."""
     def close(self) -> None:
         """Tear the engine down (idempotent)."""
     def open(self, path: _Path, mode: Literal["w", "r"], direct: bool | None = None) -> int:

@@ -550,40 +550,80 @@ def test_the_metadata_structure_is_encoded_while_the_last_batch_is_written(tmp_p
 
 def test_bounce_buffers_are_settled_on_a_thread_while_dcp_plans(tmp_path, monkeypatch, aio_no_leaks):
     """A save with small items settles its engine's bounce buffers on a
-    thread from prepare_local_plan on, and its first engine call comes after
-    that thread ended; a save of large tensors alone leaves them to the
-    first call that needs them (aligned memory never does)."""
+    thread from prepare_local_plan on; a save of large tensors alone leaves
+    them to the first call that needs them (aligned memory never does).
+    While that thread still settles, the tensors written in place go first,
+    in a call that does not wait for it (nor does the write before it);
+    the rest waits for the buffers, and every byte round-trips."""
     import threading
 
     import torch.distributed.checkpoint as dcp
 
+    from fp_dcp import FastPersistReader, _native
     from fp_dcp.engine import EngineSet, IOSession
 
     settling: list[list] = []
-    at_write: list[bool] = []
+    gate = threading.Event()
+    calls: list[tuple[bool, int, bool]] = []  # (buffers settled, pieces, gate open) per engine call
     real_settle, real_write = EngineSet.settle_early, IOSession.write_fds
 
     def settle_early(self, sessions):
         settling.append(list(sessions))
-        real_settle(self, sessions)
-        assert self._settling is not None and self._settling.name == "fp_dcp-settle"
 
-    def write_fds(self, *a, **kw):
-        at_write.append(any(self in s for s in settling)
-                        and all(t.name != "fp_dcp-settle" for t in threading.enumerate()))
-        return real_write(self, *a, **kw)
+        def slow_settle():  # the first touch of fresh memory, held up until the first call returned
+            gate.wait(30)
+            for s in sessions:
+                s.engine.settle_pool()
+
+        self.in_background(slow_settle, "fp_dcp-settle")
+
+    def write_fds(self, fds, paths, file_index, file_offset, sources, **kw):
+        calls.append((self.engine.pool_settled, len(sources), gate.is_set()))
+        try:
+            return real_write(self, fds, paths, file_index, file_offset, sources, **kw)
+        finally:
+            gate.set()
 
     monkeypatch.setattr(EngineSet, "settle_early", settle_early)
     monkeypatch.setattr(IOSession, "write_fds", write_fds)
+    sd = _small_state_dict()
     with FastPersistWriter(tmp_path / "small") as w:
-        dcp.save(_small_state_dict(), storage_writer=w)
-    assert len(settling) == 1 and at_write == [True]
+        dcp.save(sd, storage_writer=w)
+        assert w._engine().engine.pool_settled
+    assert len(settling) == 1 and calls == [(False, len(sd), False)]
     settling.clear()
+    calls.clear()
+    gate.clear()
+
     (tmp_path / "large").mkdir()
     with FastPersistWriter(tmp_path / "large") as w:
         block = w._engine().engine.block_size
-        dcp.save({"a": torch.ones(block // 4), "b": torch.ones(block // 2)}, storage_writer=w)
-    assert settling == []
+        assert not w._engine().engine.pool_settled
+        memory = [_native.AlignedBuffer(n) for n in (2 * block, block)]  # page-aligned tensors
+        large = {"a": torch.frombuffer(memory[0], dtype=torch.uint8), "b": torch.frombuffer(memory[1], dtype=torch.uint8)}
+        for i, t in enumerate(large.values()):
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(i)))
+        dcp.save(dict(large), storage_writer=w)
+        assert settling == [] and calls == [(False, 2, False)]
+        assert not w._engine().engine.pool_settled  # aligned memory only: never touched
+        calls.clear()
+        gate.clear()
+        w.reset(tmp_path / "mixed")
+        (tmp_path / "mixed").mkdir()
+        mixed = {"step": 7, **large, "small": torch.arange(10)}
+        dcp.save(mixed, storage_writer=w)
+        assert len(settling) == 1
+        # the two large tensors first, before the settle ran; then the others
+        assert [c[1:] for c in calls] == [(2, False), (2, True)] and not calls[0][0]
+        assert w._engine().engine.pool_settled
+    out = {"step": 0, "a": torch.zeros_like(large["a"]), "b": torch.zeros_like(large["b"]),
+           "small": torch.zeros(10, dtype=torch.int64)}
+    dcp.load(out, storage_reader=FastPersistReader(tmp_path / "mixed"))
+    assert out["step"] == 7 and torch.equal(out["small"], mixed["small"])
+    assert torch.equal(out["a"], large["a"]) and torch.equal(out["b"], large["b"])
+    del large, mixed, out
+    for m in memory:
+        m.close()
 
 
 def test_engine_set_up_in_the_background_runs_once_until_waited_for():

@@ -295,9 +295,17 @@ def _write_device(
     fd = -1
 
     def write(batch: list, offsets: list[int]) -> list[tuple]:
-        crcs, s = _write_host_batch(session, fd, path, batch, offsets, sources, options, used)
-        add_stats(stats, s)
-        return [(li, recorded, fo, io_, len(b), crc) for (li, io_, b), fo, crc in zip(batch, offsets, crcs)]
+        # while the bounce buffers are being settled (on a thread, from set-up),
+        # the pieces written in place go first, in a call of their own that
+        # does not wait for it
+        k = _direct_prefix(session.engine, batch, offsets)
+        out = []
+        for part, at in ((batch, offsets),) if k in (0, len(batch)) else (
+                (batch[:k], offsets[:k]), (batch[k:], offsets[k:])):
+            crcs, s = _write_host_batch(session, fd, path, part, at, sources, options, used)
+            add_stats(stats, s)
+            out += [(li, recorded, fo, io_, len(b), crc) for (li, io_, b), fo, crc in zip(part, at, crcs)]
+        return out
 
     pending: concurrent.futures.Future | None = None
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-write") as writer:
@@ -306,6 +314,7 @@ def _write_device(
                 if fd < 0:
                     fd = session.engine.open(path, "w", session.direct if session.direct else False)
                     unsynced.append((fd, path))
+                    batch = _in_place_first(session.engine, batch)
                 # each batch from a multiple of the request size: a write covers
                 # whole blocks, and the batch's requests stay aligned to their
                 # size (a request across that boundary is split on the way to
@@ -339,6 +348,39 @@ def _write_device(
             for (li, io_, _), fo, n, crc in zip(cuda, offsets, lengths, crcs)
         ]
     return extents, file_sizes, stats, session.kind, session.direct
+
+
+def _in_place(engine: Any, b: Any) -> bool:
+    """Whether the engine writes the bytes ``b`` in place, not through its
+    bounce buffers (at an aligned offset): whole aligned blocks of aligned memory."""
+    n = len(b)
+    return n >= engine.block_size and not n % engine.alignment and (
+        not np.frombuffer(b, dtype=np.uint8).ctypes.data % engine.alignment)
+
+
+def _in_place_first(engine: Any, batch: list) -> list:
+    """A first batch written while the bounce buffers may still be being
+    settled: the pieces written in place first (in the file too)."""
+    if engine.pool_settled or not any(len(b) >= engine.block_size for _, _, b in batch):
+        return batch
+    first = [p for p in batch if _in_place(engine, p[2])]
+    if not first or len(first) == len(batch):
+        return batch
+    ids = {id(p) for p in first}
+    return first + [p for p in batch if id(p) not in ids]
+
+
+def _direct_prefix(engine: Any, batch: list, offsets: list[int]) -> int:
+    """How many of ``batch``'s first pieces need no bounce buffer while the
+    engine's are not settled yet (0 once they are)."""
+    if engine.pool_settled:
+        return 0
+    k = 0
+    for (_, _, b), off in zip(batch, offsets):
+        if off % engine.alignment or not _in_place(engine, b):
+            break
+        k += 1
+    return k
 
 
 def _write_host_batch(

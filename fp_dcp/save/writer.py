@@ -186,7 +186,8 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             record, self._pending_record = self._pending_record, None
             if cache_key is not None and record is not None:
                 keep_global_record(record)
-            self._engines.settled()
+            # (the early settle of the bounce buffers may still run: the
+            # engine calls that need them wait for it, the others do not)
             fut.set_result(self._write(assignment, items, planner))
         except BaseException:
             commit.abandon_rank_files(self._data_directories(), assignment.save_id, assignment.rank)
