@@ -294,14 +294,13 @@ def _write_device(
     end = 0
     fd = -1
 
-    def write(batch: list, offsets: list[int]) -> list[tuple]:
-        # while the bounce buffers are being settled (on a thread, from set-up),
-        # the pieces written in place go first, in a call of their own that
-        # does not wait for it
-        k = _direct_prefix(session.engine, batch, offsets)
+    def write(batch: list, offsets: list[int], in_place: int) -> list[tuple]:
+        # the first batch's pieces written in place (while the bounce buffers
+        # may still be being settled, on a thread from set-up) go in a call of
+        # their own, which does not wait for it
         out = []
-        for part, at in ((batch, offsets),) if k in (0, len(batch)) else (
-                (batch[:k], offsets[:k]), (batch[k:], offsets[k:])):
+        for part, at in ((batch, offsets),) if not in_place else (
+                (batch[:in_place], offsets[:in_place]), (batch[in_place:], offsets[in_place:])):
             crcs, s = _write_host_batch(session, fd, path, part, at, sources, options, used)
             add_stats(stats, s)
             out += [(li, recorded, fo, io_, len(b), crc) for (li, io_, b), fo, crc in zip(part, at, crcs)]
@@ -311,10 +310,11 @@ def _write_device(
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-write") as writer:
         try:
             for batch in batches:  # the next batch is resolved here while the one before is written
+                in_place = 0
                 if fd < 0:
                     fd = session.engine.open(path, "w", session.direct if session.direct else False)
                     unsynced.append((fd, path))
-                    batch = _in_place_first(session.engine, batch)
+                    batch, in_place = _in_place_first(session.engine, batch)
                 # each batch from a multiple of the request size: a write covers
                 # whole blocks, and the batch's requests stay aligned to their
                 # size (a request across that boundary is split on the way to
@@ -326,7 +326,7 @@ def _write_device(
                 )
                 if pending is not None:
                     extents += pending.result()
-                pending = writer.submit(write, batch, offsets)
+                pending = writer.submit(write, batch, offsets, in_place)
             if pending is not None:
                 extents += pending.result()
         finally:
@@ -352,35 +352,26 @@ def _write_device(
 
 def _in_place(engine: Any, b: Any) -> bool:
     """Whether the engine writes the bytes ``b`` in place, not through its
-    bounce buffers (at an aligned offset): whole aligned blocks of aligned memory."""
+    bounce buffers: whole aligned blocks of aligned memory, at an aligned
+    offset (:func:`place_extents` gives one to a piece of at least
+    ``pack_threshold_bytes``; where it does not, the call waits for the
+    buffers: slower, not wrong)."""
     n = len(b)
     return n >= engine.block_size and not n % engine.alignment and (
         not np.frombuffer(b, dtype=np.uint8).ctypes.data % engine.alignment)
 
 
-def _in_place_first(engine: Any, batch: list) -> list:
-    """A first batch written while the bounce buffers may still be being
-    settled: the pieces written in place first (in the file too)."""
+def _in_place_first(engine: Any, batch: list) -> tuple[list, int]:
+    """A first batch, written while the bounce buffers may still be being
+    settled: the pieces written in place first (in the file too), and how
+    many (0: all or none, or the buffers are settled)."""
     if engine.pool_settled or not any(len(b) >= engine.block_size for _, _, b in batch):
-        return batch
+        return batch, 0
     first = [p for p in batch if _in_place(engine, p[2])]
     if not first or len(first) == len(batch):
-        return batch
+        return batch, 0
     ids = {id(p) for p in first}
-    return first + [p for p in batch if id(p) not in ids]
-
-
-def _direct_prefix(engine: Any, batch: list, offsets: list[int]) -> int:
-    """How many of ``batch``'s first pieces need no bounce buffer while the
-    engine's are not settled yet (0 once they are)."""
-    if engine.pool_settled:
-        return 0
-    k = 0
-    for (_, _, b), off in zip(batch, offsets):
-        if off % engine.alignment or not _in_place(engine, b):
-            break
-        k += 1
-    return k
+    return first + [p for p in batch if id(p) not in ids], len(first)
 
 
 def _write_host_batch(
