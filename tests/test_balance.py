@@ -18,6 +18,7 @@ from fp_dcp.save.balance import (
     PlanCache,
     cut_stream,
     item_key,
+    item_keys,
     make_holdings,
     plan_placement,
     structure_key,
@@ -199,6 +200,18 @@ def test_item_keys_are_stable_across_processes():
     assert f"{item_key('step', None):016x}" == "3a745a051a35058f"
     assert item_key("model.w", (0, 0)) == item_key("model.w", [0, 0])
     assert item_key("model.w", None) != item_key("model.w", ())
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a", "b.c", "é", ""]),
+                          st.none() | st.lists(st.integers(0, 1 << 40), max_size=3).map(tuple)), max_size=30))
+def test_item_keys_of_many_are_each_ones_key(indexes):
+    import hashlib
+
+    def reference(fqn, offset):  # the key's definition, written out
+        text = fqn + ("\0-" if offset is None else "\0" + ",".join(str(o) for o in offset))
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+    assert item_keys(indexes) == [reference(f, o) for f, o in indexes] == [item_key(f, o) for f, o in indexes]
 
 
 @given(

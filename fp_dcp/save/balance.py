@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -18,6 +18,7 @@ __all__ = [
     "Placement",
     "PlanCache",
     "item_key",
+    "item_keys",
     "make_holdings",
     "structure_key",
     "plan_placement",
@@ -33,8 +34,23 @@ def item_key(fqn: str, offset: Sequence[int] | None) -> int:
     """A stable 64-bit key of a ``MetadataIndex`` (``fqn`` and chunk ``offset``),
     the same in every process (unlike ``hash``); the planner refuses a key
     whose holders disagree on its size."""
-    text = fqn + ("\0-" if offset is None else "\0" + ",".join(str(int(o)) for o in offset))
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return item_keys([(fqn, offset)])[0]
+
+
+def item_keys(indexes: Iterable[tuple[str, Sequence[int] | None]]) -> list[int]:
+    """:func:`item_key` of each ``(fqn, offset)``; an offset's text is made
+    once per distinct offset (a rank's plain tensors share a few)."""
+    suffixes: dict = {None: "\0-"}
+    out = []
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+    for fqn, offset in indexes:
+        if offset is not None:
+            offset = tuple(offset)
+        suffix = suffixes.get(offset)
+        if suffix is None:
+            suffix = suffixes[offset] = "\0" + ",".join(str(int(o)) for o in offset)
+        out.append(from_bytes(blake2b((fqn + suffix).encode(), digest_size=8).digest(), "little"))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

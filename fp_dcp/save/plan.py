@@ -111,7 +111,7 @@ def describe_rank(
     holdings = balance.make_holdings(
         rank,
         host,
-        [balance.item_key(it.index.fqn, it.index.offset) for it in items],
+        balance.item_keys((it.index.fqn, it.index.offset) for it in items),
         sizes,
         n_dirs=n_dirs,
         granularity=granularity,
