@@ -40,15 +40,15 @@ def item_key(fqn: str, offset: Sequence[int] | None) -> int:
 def item_keys(indexes: Iterable[tuple[str, Sequence[int] | None]]) -> list[int]:
     """:func:`item_key` of each ``(fqn, offset)``; an offset's text is made
     once per distinct offset (a rank's plain tensors share a few)."""
-    suffixes: dict = {None: "\0-"}
+    suffixes: dict[tuple | None, str] = {None: "\0-"}
     out = []
     blake2b, from_bytes = hashlib.blake2b, int.from_bytes
     for fqn, offset in indexes:
-        if offset is not None:
-            offset = tuple(offset)
-        suffix = suffixes.get(offset)
+        at = None if offset is None else tuple(offset)
+        suffix = suffixes.get(at)
         if suffix is None:
-            suffix = suffixes[offset] = "\0" + ",".join(str(int(o)) for o in offset)
+            assert at is not None  # (None's is there from the start)
+            suffix = suffixes[at] = "\0" + ",".join(str(int(o)) for o in at)
         out.append(from_bytes(blake2b((fqn + suffix).encode(), digest_size=8).digest(), "little"))
     return out
 
