@@ -86,9 +86,11 @@ if _TEST_HOOKS:
 
 
 def stats():
-    """Process-wide live counters: buffers, locked_bytes, engines, inflight."""
+    """Process-wide live counters: buffers, locked_bytes, engines, inflight
+    (buffers and locked_bytes count the bounce buffers kept from closed
+    engines too: kept_pools)."""
     return {"buffers": _n_buffers, "locked_bytes": _locked_bytes,
-            "engines": _n_engines, "inflight": fpio_inflight()}
+            "engines": _n_engines, "inflight": fpio_inflight(), "kept_pools": len(_kept_pools)}
 
 
 include "hooks.pyx"

@@ -25,6 +25,65 @@ def available_engines():
     return out
 
 
+# The bounce buffers of closed engines, kept (faulted in and page-locked) for
+# the next engine of the same shape: a training job that checkpoints through a
+# new writer each time would otherwise pay their first touch in every save
+# (tens of ms where the host hands guest memory out lazily, and takes freed
+# memory back).  At most _keep_limit bytes are kept (set_keep_limit; fp_dcp
+# sets it from $FP_DCP_KEEP_BOUNCE_BUFFERS).
+DEFAULT_KEEP_POOL_BYTES = 256 << 20
+cdef list _kept_pools = []
+cdef Py_ssize_t _keep_limit = DEFAULT_KEEP_POOL_BYTES
+
+
+def set_keep_limit(Py_ssize_t size_bytes):
+    """The most bytes of closed engines' bounce buffers kept from now on (0:
+    none); those kept past it are freed now.  Returns the limit before."""
+    global _keep_limit
+    if size_bytes < 0:
+        raise ValueError(f"the limit of kept bounce buffers must be >= 0 bytes, got {size_bytes}")
+    before = _keep_limit
+    _keep_limit = size_bytes
+    while _kept_pools and sum((<AlignedBuffer>b)._size for b in _kept_pools) > _keep_limit:
+        (<AlignedBuffer>_kept_pools.pop(0))._free()
+    return before
+
+
+cdef AlignedBuffer _take_pool(Py_ssize_t size, Py_ssize_t alignment):
+    """A kept pool of this size and alignment (settled), or None."""
+    cdef AlignedBuffer b
+    for i in range(len(_kept_pools)):
+        b = _kept_pools[i]
+        if b._size == size and b._alignment == alignment and b._ptr != NULL:
+            del _kept_pools[i]
+            return b
+    return None
+
+
+cdef bint _keep_pool(AlignedBuffer pool):
+    """Keep a settled pool for a later engine, if the limit allows."""
+    if pool is None or pool._ptr == NULL or pool._exports:
+        return False
+    kept = sum((<AlignedBuffer>b)._size for b in _kept_pools)
+    if kept + pool._size > _keep_limit:
+        return False
+    _kept_pools.append(pool)
+    return True
+
+
+def kept_pools():
+    """The bounce buffers kept from closed engines: (count, bytes)."""
+    return len(_kept_pools), sum((<AlignedBuffer>b)._size for b in _kept_pools)
+
+
+def release_kept_pools():
+    """Free the bounce buffers kept from closed engines now (and their locks)."""
+    pools = list(_kept_pools)
+    del _kept_pools[:]
+    for b in pools:
+        (<AlignedBuffer>b)._free()
+
+
 cdef class Engine:
     """An I/O engine with its pool of queue_depth + 1 aligned bounce buffers,
     reused by every call, faulted in and page-locked by the first call that
@@ -42,6 +101,7 @@ cdef class Engine:
     cdef bint _busy
     cdef bint _counted
     cdef bint _pool_settled
+    cdef bint _failed  # a call failed: its pool is not kept (requests may have been left in flight)
     # held while the pool is being settled: settle_pool() on another thread
     # runs beside calls that need no slot; a call that needs one waits here
     cdef object _settle_lock
@@ -85,7 +145,11 @@ cdef class Engine:
         # for all), faulted in and page-locked by the first call that needs a
         # slot (_settle_pool): reads and writes of aligned memory never do, and
         # first touches are slow where the host hands memory out lazily
-        self._pool = AlignedBuffer(nslots * slot_size, alignment, lock=False, prefault=False)
+        self._pool = _take_pool(nslots * slot_size, alignment)
+        if self._pool is not None:
+            self._pool_settled = True  # kept from a closed engine: faulted in and locked already
+        else:
+            self._pool = AlignedBuffer(nslots * slot_size, alignment, lock=False, prefault=False)
         cdef char *base = self._pool._ptr
         cdef int i
         for i in range(nslots):
@@ -144,7 +208,9 @@ cdef class Engine:
 
     cdef void _free_pool(self) noexcept:
         if self._pool is not None:
-            self._pool._free()
+            if not (self._pool_settled and not self._failed and _keep_pool(self._pool)):
+                self._pool._free()
+            self._pool = None
         free(self._slots)
         self._slots = NULL
 
@@ -174,7 +240,11 @@ cdef class Engine:
         if self._counted:
             self._counted = False
             _n_engines -= 1
-        # the pool's AlignedBuffer frees itself
+        if self._pool is not None and self._pool_settled and not self._failed:
+            try:  # kept for the next engine (else the pool's AlignedBuffer frees itself)
+                _keep_pool(self._pool)
+            except BaseException:  # noqa: interpreter shutdown
+                pass
         free(self._slots)
         self._slots = NULL
 
@@ -416,6 +486,7 @@ cdef class Engine:
                 else:
                     rc = fpio_read(self._e, cfds, nfiles, pieces, n, bs, qd, align, gap, crcp, res)
             if rc != 0:
+                self._failed = True
                 raise _pipeline_error(res, paths, self.kind)
             if crcp != NULL:
                 out["crc32c"] = crcs

@@ -20,6 +20,7 @@ _EXPORTS = {
     "export_hf": "fp_dcp.tools.export_hf",
     "FastPersistSavePlanner": "fp_dcp.planners",
     "FastPersistLoadPlanner": "fp_dcp.planners",
+    "release_bounce_buffers": "fp_dcp.engine",
 }
 
 __all__ = ["FastPersistWriter", "FastPersistReader", "FastPersistOptions", "__version__",

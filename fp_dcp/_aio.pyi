@@ -16,11 +16,18 @@ _Ints = Sequence[int] | npt.NDArray[np.int64]
 ENGINES: tuple[str, ...]
 """The engine kinds, in the order "auto" tries them: ("aio", "uring", "threads")."""
 DEFAULT_QUEUE_DEPTH: int
+DEFAULT_KEEP_POOL_BYTES: int
 DEFAULT_BLOCK_SIZE: int
 DEFAULT_COALESCE_GAP: int
 
 def stats() -> dict[str, int]:
     """Process-wide live counters: buffers, locked_bytes, engines, inflight."""
+def kept_pools() -> tuple[int, int]:
+    """The bounce buffers kept from closed engines: (count, bytes)."""
+def release_kept_pools() -> None:
+    """Free the bounce buffers kept from closed engines now."""
+def set_keep_limit(size_bytes: int) -> int:
+    """The most bytes of closed engines' bounce buffers kept from now on (0: none); returns the one before."""
 
 def page_size() -> int:
     """The kernel's page size in bytes."""

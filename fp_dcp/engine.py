@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from fp_dcp import _exit, _native, pinned, tuning
-from fp_dcp.options import FastPersistOptions
+from fp_dcp.options import FastPersistOptions, parse_size
 
 __all__ = ["IOSession", "EngineSet", "tensor_bytes", "PinnedBuffer", "device_max_request_bytes",
-           "large_read_shape"]
+           "large_read_shape", "release_bounce_buffers"]
 
 # The reader's engine of large requests: one request as large as the device
 # takes in one piece (``max_sectors_kb``), within these bounds, and this many
@@ -26,6 +26,32 @@ __all__ = ["IOSession", "EngineSet", "tensor_bytes", "PinnedBuffer", "device_max
 LARGE_REQUEST_MIN_BYTES = 1 << 20
 LARGE_REQUEST_MAX_BYTES = 4 << 20
 LARGE_IN_FLIGHT_BYTES = 32 << 20
+
+
+KEEP_BOUNCE_BUFFERS_ENV = "FP_DCP_KEEP_BOUNCE_BUFFERS"
+
+
+def keep_bounce_buffers_from_env() -> None:
+    """Apply ``$FP_DCP_KEEP_BOUNCE_BUFFERS`` (a size, ``64MiB``; ``0``: keep
+    none; unset: 256 MiB) to the bounce buffers closed engines keep."""
+    raw = os.environ.get(KEEP_BOUNCE_BUFFERS_ENV)
+    if raw is None or not raw.strip():
+        limit = _native.DEFAULT_KEEP_POOL_BYTES
+    else:
+        try:
+            limit = parse_size(raw)
+        except ValueError as e:
+            raise ValueError(f"{KEEP_BOUNCE_BUFFERS_ENV}={raw!r}: {e}; 0 keeps none") from None
+    _native.set_keep_limit(limit)
+
+
+def release_bounce_buffers() -> None:
+    """Free now the bounce buffers that closed writers' and readers' engines
+    left for the next engine of their shape (faulted in and page-locked: a
+    next save does not wait for their first touch).  At most
+    ``$FP_DCP_KEEP_BOUNCE_BUFFERS`` bytes (256 MiB unless set; 0: none) are
+    kept; they are the process's until this call or its exit."""
+    _native.release_kept_pools()
 
 
 def device_max_request_bytes(directory: str) -> int | None:
@@ -272,6 +298,7 @@ class EngineSet:
 
     def __init__(self) -> None:
         _exit.install()  # a process that reads or writes with fp_dcp does not abort at exit (fp_dcp/_exit.py)
+        keep_bounce_buffers_from_env()
         self.primary: IOSession | None = None
         self.large: IOSession | None = None
         self.more: list[IOSession] = []

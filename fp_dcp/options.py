@@ -45,7 +45,7 @@ _ENV_PREFIX = "FP_DCP_"
 # FP_DCP_TEST_HOOKS (read by the extension, cython_io/_aio.pyx), FP_DCP_RANKS_PER_NODE
 # (the tiers' node size: fp_dcp/tiers/topology.py)
 _NOT_OPTIONS = frozenset({"FP_DCP_DEFAULT_STORAGE", "FP_DCP_ALLOW_UNTESTED_TORCH", "FP_DCP_TUNING_FILE",
-                          "FP_DCP_TEST_HOOKS", "FP_DCP_RANKS_PER_NODE"})
+                          "FP_DCP_TEST_HOOKS", "FP_DCP_RANKS_PER_NODE", "FP_DCP_KEEP_BOUNCE_BUFFERS"})
 
 _SIZE_UNITS = {
     "": 1,

@@ -113,6 +113,7 @@ def test_engines_and_names():
 
 
 def test_engine_pool_and_close(tmp_path):
+    _native.release_kept_pools()
     base = _native.stats()
     eng = _native.Engine("threads", queue_depth=3, block_size=2 * A, alignment=A)
     s = _native.stats()
@@ -143,14 +144,99 @@ def test_engine_pool_and_close(tmp_path):
     other = _native.Engine("threads", queue_depth=1, block_size=A, alignment=A)
     other.settle_pool()  # now, before any call: a thread can fault it in ahead of the I/O
     assert _native.stats()["locked_bytes"] == locked + 2 * A
-    other.close()
+    other.close()  # its settled pool is kept (locked) for the next engine of its shape
+    assert _native.kept_pools() == (1, 2 * A) and _native.stats()["locked_bytes"] == locked + 2 * A
     with pytest.raises(ValueError, match="closed"):
         other.settle_pool()
     eng.close()
     eng.close()  # idempotent
+    assert _native.kept_pools() == (2, 2 * A + 4 * 2 * A)
+    _native.release_kept_pools()
     assert _native.stats() == base
     with pytest.raises(ValueError, match="closed"):
         eng.write([], [], [], [], [])
+
+
+def test_closed_engines_bounce_buffers_are_kept_for_the_next(tmp_path):
+    """A closed (or dropped) engine's settled bounce buffers are kept, locked,
+    for the next engine of the same shape, which starts settled, writes
+    through them and round-trips; never two engines at once, never past the
+    limit, never after a failed call; release_kept_pools() frees them."""
+    _native.release_kept_pools()
+    base = _native.stats()
+    shape = dict(queue_depth=1, block_size=A, alignment=A)  # a pool of 2 * A
+    first = _native.Engine("threads", **shape)
+    assert not first.pool_settled
+    first.settle_pool()
+    first.close()
+    assert _native.kept_pools() == (1, 2 * A)
+    a, b = _native.Engine("threads", **shape), _native.Engine("threads", **shape)
+    assert a.pool_settled and not b.pool_settled and _native.kept_pools() == (0, 0)  # one engine takes it
+    other = _native.Engine("threads", queue_depth=2, block_size=A, alignment=A)
+    assert not other.pool_settled  # another shape
+    other.close()
+    path = str(tmp_path / "f")
+    data = bytes(range(256)) * 40
+    fd = a.open(path, "w")
+    try:
+        a.write([fd], [path], [0, 0], [0, A], [data[:100], data[100:]])
+    finally:
+        os.close(fd)
+    back = bytearray(len(data) - 100 + A)
+    fd = a.open(path, "r")
+    try:
+        a.read([fd], [path], [0, 0], [0, A], [memoryview(back)[:100], memoryview(back)[A:]])
+    finally:
+        os.close(fd)
+    assert bytes(back[:100]) + bytes(back[A:]) == data
+    del a  # dropped without close: kept too
+    b.close()  # never settled: freed
+    assert _native.kept_pools() == (1, 2 * A)
+    default = _native.set_keep_limit(3 * A)  # room for one pool of 2 * A only
+    try:
+        c, d = _native.Engine("threads", **shape), _native.Engine("threads", **shape)
+        assert c.pool_settled and not d.pool_settled
+        d.settle_pool()
+        c.close()
+        d.close()
+        assert _native.kept_pools() == (1, 2 * A)
+        _native.set_keep_limit(0)  # frees what is kept, keeps nothing more
+        assert _native.kept_pools() == (0, 0)
+        e = _native.Engine("threads", **shape)
+        e.settle_pool()
+        e.close()
+        assert _native.kept_pools() == (0, 0)
+    finally:
+        assert _native.set_keep_limit(default) == 0
+    failed = _native.Engine("threads", **shape)
+    failed.settle_pool()
+    fd = os.open(str(tmp_path / "f"), os.O_RDONLY)
+    try:
+        with pytest.raises(OSError):
+            failed.write([fd], [path], [0], [0], [data[:100]])  # a read-only fd
+    finally:
+        os.close(fd)
+    failed.close()
+    assert _native.kept_pools() == (0, 0)
+    assert _native.stats() == base
+
+
+def test_the_kept_bounce_buffers_limit_comes_from_the_environment(monkeypatch):
+    from fp_dcp.engine import EngineSet
+
+    default = _native.set_keep_limit(_native.DEFAULT_KEEP_POOL_BYTES)
+    try:
+        monkeypatch.setenv("FP_DCP_KEEP_BOUNCE_BUFFERS", "64MiB")
+        EngineSet()
+        assert _native.set_keep_limit(default) == 64 << 20
+        monkeypatch.setenv("FP_DCP_KEEP_BOUNCE_BUFFERS", "a lot")
+        with pytest.raises(ValueError, match="FP_DCP_KEEP_BOUNCE_BUFFERS='a lot'.*0 keeps none"):
+            EngineSet()
+        monkeypatch.delenv("FP_DCP_KEEP_BOUNCE_BUFFERS")
+        EngineSet()
+        assert _native.set_keep_limit(default) == _native.DEFAULT_KEEP_POOL_BYTES
+    finally:
+        _native.set_keep_limit(default)
 
 
 def test_settle_pool_on_a_thread_runs_beside_aligned_calls(tmp_path):
@@ -158,6 +244,7 @@ def test_settle_pool_on_a_thread_runs_beside_aligned_calls(tmp_path):
     call that moves aligned memory only goes on meanwhile, one that needs a
     bounce buffer waits for the settle, close() too; bytes round-trip."""
     block = 4 << 20
+    _native.release_kept_pools()  # (a kept pool of this shape would come settled)
     locked = _native.stats()["locked_bytes"]
     eng = _native.Engine("threads", queue_depth=15, block_size=block, alignment=A)  # a 64 MiB pool
     src = _native.AlignedBuffer(2 * block)
@@ -193,7 +280,9 @@ def test_settle_pool_on_a_thread_runs_beside_aligned_calls(tmp_path):
     src.close()
     eng.close()
     for delay in (0.0, 0.002):  # close while a settle may be starting or running: it waits, or refuses it
+        _native.release_kept_pools()
         eng = _native.Engine("threads", queue_depth=15, block_size=block, alignment=A)
+        assert not eng.pool_settled
         started.clear()
         t = threading.Thread(target=settle)
         t.start()
@@ -202,6 +291,7 @@ def test_settle_pool_on_a_thread_runs_beside_aligned_calls(tmp_path):
         eng.close()
         t.join()
         assert eng.closed and all(isinstance(e, ValueError) and "closed" in str(e) for e in errors)
+    _native.release_kept_pools()
     assert _native.stats()["locked_bytes"] == locked
 
 

@@ -586,6 +586,7 @@ def test_bounce_buffers_are_settled_on_a_thread_while_dcp_plans(tmp_path, monkey
 
     monkeypatch.setattr(EngineSet, "settle_early", settle_early)
     monkeypatch.setattr(IOSession, "write_fds", write_fds)
+    _native.release_kept_pools()
     sd = _small_state_dict()
     with FastPersistWriter(tmp_path / "small") as w:
         dcp.save(sd, storage_writer=w)
@@ -594,6 +595,16 @@ def test_bounce_buffers_are_settled_on_a_thread_while_dcp_plans(tmp_path, monkey
     settling.clear()
     calls.clear()
     gate.clear()
+    # the next writer's engine takes the closed one's settled buffers: no first touch to wait for
+    (tmp_path / "again").mkdir()
+    with FastPersistWriter(tmp_path / "again") as w:
+        assert w._engine().engine.pool_settled
+        dcp.save(sd, storage_writer=w)
+    assert settling == [] and [c[:2] for c in calls] == [(True, len(sd))]
+    settling.clear()
+    calls.clear()
+    gate.clear()
+    _native.release_kept_pools()
 
     (tmp_path / "large").mkdir()
     with FastPersistWriter(tmp_path / "large") as w:

@@ -227,7 +227,8 @@ def test_cli_turns_a_checkpoint_exception_into_its_first_failure(monkeypatch, ca
 
 
 _NOT_OPTION_VALUES = {"FP_DCP_DEFAULT_STORAGE": "0", "FP_DCP_ALLOW_UNTESTED_TORCH": "0",
-                      "FP_DCP_TUNING_FILE": "none", "FP_DCP_TEST_HOOKS": "0", "FP_DCP_RANKS_PER_NODE": "2"}
+                      "FP_DCP_TUNING_FILE": "none", "FP_DCP_TEST_HOOKS": "0", "FP_DCP_RANKS_PER_NODE": "2",
+                      "FP_DCP_KEEP_BOUNCE_BUFFERS": "64MiB"}
 
 
 def _documented_env_names() -> set[str]:

@@ -126,7 +126,8 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             # fail before any rank writes if the engine cannot run here
             sessions.append(self._engine_for(d))
             granularity = max(granularity, sessions[-1].alignment)
-        if not plan.usable or _bounced(plan.items, min(s.engine.block_size for s in sessions)):
+        if not all(s.engine.pool_settled for s in sessions) and (
+                not plan.usable or _bounced(plan.items, min(s.engine.block_size for s in sessions))):
             self._engines.settle_early(sessions)  # while DCP plans, not in the first write
         self._save_token = None
         if not plan.usable:
