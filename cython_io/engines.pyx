@@ -84,6 +84,13 @@ def release_kept_pools():
         (<AlignedBuffer>b)._free()
 
 
+cdef inline bint _through_slot(const char *ptr, int64_t ln, int64_t off, int64_t bs, int64_t align) noexcept:
+    """Whether a piece goes (in part) through a bounce buffer: one shorter
+    than a block, or whose memory, offset or length is not aligned
+    (fpio_pipeline.c's direct_body takes the aligned rest in place)."""
+    return ln > 0 and (ln < bs or ln % align != 0 or off % align != 0 or <uintptr_t>ptr % <uintptr_t>align != 0)
+
+
 cdef class Engine:
     """An I/O engine with its pool of queue_depth + 1 aligned bounce buffers,
     reused by every call, faulted in and page-locked by the first call that
@@ -172,15 +179,24 @@ cdef class Engine:
 
     cdef void _settle_pool(self, fpio_piece *pieces, Py_ssize_t n, int64_t bs, int64_t align):
         """In a call (busy): fault the pool in and lock it when a piece goes
-        through a slot: one shorter than a block, or whose memory, offset or
-        length is not aligned (fpio.c's direct_body takes the aligned rest
-        in place)."""
+        through a slot (_through_slot)."""
         cdef Py_ssize_t i
         for i in range(n):
-            if pieces[i].len > 0 and (pieces[i].len < bs or pieces[i].len % align or pieces[i].off % align
-                                      or <uintptr_t>pieces[i].ptr % <uintptr_t>align):
+            if _through_slot(pieces[i].ptr, pieces[i].len, pieces[i].off, bs, align):
                 self._settle_now()
                 return
+
+    def writes_in_place(self, source, int64_t file_offset=0):
+        """Whether write() moves the bytes of `source` (non-empty) at
+        `file_offset` straight from their memory, never through a bounce
+        buffer (so never waiting for the buffers to be settled)."""
+        cdef Py_buffer view
+        PyObject_GetBuffer(source, &view, PyBUF_SIMPLE)
+        try:
+            return view.len > 0 and not _through_slot(<char *>view.buf, view.len, file_offset,
+                                                      self.block_size, self.alignment)
+        finally:
+            PyBuffer_Release(&view)
 
     cdef void _settle_now(self):
         if self._pool_settled:
@@ -207,8 +223,16 @@ cdef class Engine:
         return bool(self._pool_settled)
 
     cdef void _free_pool(self) noexcept:
+        """Free the pool, or keep it for the next engine when it is settled
+        and no call failed; then the slots."""
+        cdef bint kept = False
         if self._pool is not None:
-            if not (self._pool_settled and not self._failed and _keep_pool(self._pool)):
+            if self._pool_settled and not self._failed:
+                try:
+                    kept = _keep_pool(self._pool)
+                except BaseException:  # noqa: at interpreter shutdown, from __dealloc__
+                    pass
+            if not kept:
                 self._pool._free()
             self._pool = None
         free(self._slots)
@@ -240,13 +264,7 @@ cdef class Engine:
         if self._counted:
             self._counted = False
             _n_engines -= 1
-        if self._pool is not None and self._pool_settled and not self._failed:
-            try:  # kept for the next engine (else the pool's AlignedBuffer frees itself)
-                _keep_pool(self._pool)
-            except BaseException:  # noqa: interpreter shutdown
-                pass
-        free(self._slots)
-        self._slots = NULL
+        self._free_pool()  # (kept for the next engine, as by close())
 
     def __enter__(self):
         return self

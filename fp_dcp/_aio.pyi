@@ -107,6 +107,8 @@ class Engine:
         """Whether a call runs on this engine now."""
     def settle_pool(self) -> None:
         """Fault the bounce buffers in and lock them now (beside another thread's calls)."""
+    def writes_in_place(self, source: Buffer, file_offset: int = 0) -> bool:
+        """Whether write() moves source at file_offset straight from its memory, never through a bounce buffer."""
     @property
     def pool_settled(self) -> bool:
         """Whether the bounce buffers are faulted in and locked."""

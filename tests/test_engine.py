@@ -267,7 +267,13 @@ def test_settle_pool_on_a_thread_runs_beside_aligned_calls(tmp_path):
         started.wait()
         time.sleep(0.002)  # (its first touches of 64 MiB take longer than this)
         assert not eng.busy
-        eng.write([fd], [path], [0], [0], [memoryview(src)], sync=False)  # in place: no wait, no refusal
+        mv = memoryview(src)
+        assert eng.writes_in_place(mv) and eng.writes_in_place(mv[:block], block)
+        assert not any([eng.writes_in_place(mv[:100]), eng.writes_in_place(mv[512:512 + block]),
+                        eng.writes_in_place(mv[:block + 512]), eng.writes_in_place(mv, 512),
+                        eng.writes_in_place(mv[:0])])  # short, memory, length, offset, empty
+        eng.write([fd], [path], [0], [0], [mv], sync=False)  # in place: no wait, no refusal
+        mv.release()
         eng.write([fd], [path], [0], [2 * block], [memoryview(src)[:100]], sync=True)  # a bounce buffer
         assert eng.pool_settled
     finally:

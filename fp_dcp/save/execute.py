@@ -350,28 +350,22 @@ def _write_device(
     return extents, file_sizes, stats, session.kind, session.direct
 
 
-def _in_place(engine: Any, b: Any) -> bool:
-    """Whether the engine writes the bytes ``b`` in place, not through its
-    bounce buffers: whole aligned blocks of aligned memory, at an aligned
-    offset (:func:`place_extents` gives one to a piece of at least
-    ``pack_threshold_bytes``; where it does not, the call waits for the
-    buffers: slower, not wrong)."""
-    n = len(b)
-    return n >= engine.block_size and not n % engine.alignment and (
-        not np.frombuffer(b, dtype=np.uint8).ctypes.data % engine.alignment)
-
-
 def _in_place_first(engine: Any, batch: list) -> tuple[list, int]:
     """A first batch, written while the bounce buffers may still be being
-    settled: the pieces written in place first (in the file too), and how
-    many (0: all or none, or the buffers are settled)."""
-    if engine.pool_settled or not any(len(b) >= engine.block_size for _, _, b in batch):
+    settled: the pieces the engine writes in place first (in the file too:
+    :func:`place_extents` gives a piece of at least ``pack_threshold_bytes``
+    an aligned offset; where it does not, that call waits for the buffers:
+    slower, not wrong), and how many (0: all or none, or the buffers are
+    settled)."""
+    if engine.pool_settled:
         return batch, 0
-    first = [p for p in batch if _in_place(engine, p[2])]
-    if not first or len(first) == len(batch):
+    first: list = []
+    rest: list = []
+    for p in batch:
+        (first if engine.writes_in_place(p[2]) else rest).append(p)
+    if not first or not rest:
         return batch, 0
-    ids = {id(p) for p in first}
-    return first + [p for p in batch if id(p) not in ids], len(first)
+    return first + rest, len(first)
 
 
 def _write_host_batch(
