@@ -8,6 +8,7 @@ import contextlib
 import copy
 import errno
 import os
+import sys
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
@@ -42,7 +43,7 @@ def keep_bounce_buffers_from_env() -> None:
             limit = parse_size(raw)
         except ValueError as e:
             raise ValueError(f"{KEEP_BOUNCE_BUFFERS_ENV}={raw!r}: {e}; 0 keeps none") from None
-    _native.set_keep_limit(limit)
+    _native.set_keep_limit(min(limit, sys.maxsize))  # (more than the address space: no limit)
 
 
 def release_bounce_buffers() -> None:

@@ -4,6 +4,7 @@ and their errors. Every engine test runs once per engine this kernel allows
 
 import errno
 import os
+import sys
 import threading
 import time
 
@@ -229,6 +230,9 @@ def test_the_kept_bounce_buffers_limit_comes_from_the_environment(monkeypatch):
         monkeypatch.setenv("FP_DCP_KEEP_BOUNCE_BUFFERS", "64MiB")
         EngineSet()
         assert _native.set_keep_limit(default) == 64 << 20
+        monkeypatch.setenv("FP_DCP_KEEP_BOUNCE_BUFFERS", "99999999999TiB")  # past the address space: no limit
+        EngineSet()
+        assert _native.set_keep_limit(default) == sys.maxsize
         monkeypatch.setenv("FP_DCP_KEEP_BOUNCE_BUFFERS", "a lot")
         with pytest.raises(ValueError, match="FP_DCP_KEEP_BOUNCE_BUFFERS='a lot'.*0 keeps none"):
             EngineSet()
