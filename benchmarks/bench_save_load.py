@@ -405,6 +405,19 @@ def _raw_read_of(path: Path) -> float:
     return nbytes / seconds / 1e9 if seconds else 0.0
 
 
+def _raw_write_beside(path: Path, nbytes: int) -> float:
+    """One raw write (fp_dcp's engine from one huge-page buffer, 4 MiB x 8,
+    fsync in the clock) of ``nbytes`` into a new file beside ``path``, then
+    removed: GB/s.  Taken just before and just after each fp_dcp save, which
+    is compared with the two, as each load is with raw reads of its files."""
+    f = path.parent / f"{path.name}.raw-write"
+    try:
+        r = C.raw_device_io("write", f, nbytes, method="hugebuf", block_size=4 * C.MiB, iodepth=8)
+    finally:
+        f.unlink(missing_ok=True)
+    return r["bytes"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
+
+
 def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: bool) -> dict:
     sd_spec = C.make_spec(mix, args.size_bytes, args.seed)
     nbytes = sd_spec.payload_bytes
@@ -436,7 +449,14 @@ def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: boo
             # thousands of tensors would exceed the kernel's 128 KiB argv string limit
             extra = dict(path=str(path), mix=mix, size_bytes=args.size_bytes, seed=args.seed, bytes=nbytes)
             base = {**{k: v for k, v in c.items() if k not in ("name", "role")}, **extra}
-            if not one(c, "save", base, rnd).get("ok"):
+            paired = c["kind"] == "fp_dcp"
+            raw = [_raw_write_beside(path, nbytes)] if paired else []
+            saved = one(c, "save", base, rnd)
+            if paired:
+                raw.append(_raw_write_beside(path, nbytes))
+                saved["raw_around_gbps"] = raw
+            paired = paired and can_drop  # a raw read is cold only where caches can be dropped
+            if not saved.get("ok"):
                 runs[c["name"]]["load"].append({"ok": False, "error": "save failed, nothing to load"})
                 continue
             loaders = [(c, base)] + [
@@ -444,7 +464,6 @@ def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: boo
                 for o in contenders if o.get("loads_of") == c["name"]]
             if rnd % 2:
                 loaders.reverse()  # alternate which goes first
-            paired = c["kind"] == "fp_dcp" and can_drop
             raw = [_raw_read_of(path)] if paired else []
             for o, b in loaders:
                 r = one(o, "load", b, rnd)
@@ -503,6 +522,15 @@ def _ceiling(rows: list[dict], name: str, op: str, raw_gbps: float | None, floor
                      "value": f"{cap:.2f}x of raw", "target": "", "verdict": ""})
 
 
+def _paired(rows: list[dict], name: str, op: str, s: dict, what: str) -> None:
+    """The row of ``op`` against the raw transfers just before and after it
+    (the device's speed drifts over a run), where they were taken."""
+    pr = s[op].get("vs_paired_raw")
+    if pr:
+        rows.append({"contender": name, "op": op, "baseline": "", "vs": what, "ratio": pr["median"],
+                     "value": f"{pr['median']:.2f}x ({pr['min']:.2f}-{pr['max']:.2f})", "target": "", "verdict": ""})
+
+
 def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
     def best(role: str, op: str):
         vals = [(summ[c["name"]][op]["median"], c["name"]) for c in contenders
@@ -537,6 +565,8 @@ def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
                          "verdict": verdict})
 
         add("save", "raw write", s["save"]["median"], raw_w, raw_w_name, SAVE_VS_RAW[mix])
+        _paired(rows, c["name"], "save", s, "paired raw (a write of as many bytes, just before and after; "
+                                            "median of rounds)")
         if targets:
             _ceiling(rows, c["name"], "save", raw_w, floor["save"])
             _ceiling(rows, c["name"], "save", raw_w, floor_fp["save"], "dcp_floor_fp",
@@ -548,12 +578,7 @@ def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
             _ceiling(rows, c["name"], "load", raw_r, floor["load"])
             _ceiling(rows, c["name"], "load", raw_r, floor_fp["load"], "dcp_floor_fp",
                      "ceiling: raw + DCP's own time with fp_dcp's planners")
-        pr = s["load"].get("vs_paired_raw")
-        if pr:
-            rows.append({"contender": c["name"], "op": "load", "baseline": "",
-                         "vs": "paired raw (its own files, just before and after; median of rounds)",
-                         "ratio": pr["median"], "value": f"{pr['median']:.2f}x ({pr['min']:.2f}-{pr['max']:.2f})",
-                         "target": "", "verdict": ""})
+        _paired(rows, c["name"], "load", s, "paired raw (its own files, just before and after; median of rounds)")
         add("load", "stock reader", s["load"]["median"], stock["load"], "stock", LOAD_VS_STOCK)
         add("load", "stock tuned ckpt", s["load"]["median"], tuned["load"], tuned_name)
         if c["role"] == "fp_dcp":

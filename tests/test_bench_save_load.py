@@ -62,6 +62,29 @@ def test_again_row_is_the_worst_spread_of_identical_loads(bench):
     assert rows[("save", "dcp_floor")]["ratio"] == pytest.approx(1 / (1 + 1.2 / 8.0))
 
 
+def test_paired_rows_compare_each_round_with_the_raw_transfers_around_it(bench, tmp_path):
+    """A save and a load each against the mean of the raw transfers just
+    before and after it, median over the rounds, min and max beside it; the
+    raw write beside a checkpoint leaves no file behind."""
+    contenders = [{"name": "fp_dcp", "kind": "fp_dcp", "role": "fp_dcp"},
+                  {"name": "raw[hugebuf]", "kind": "raw", "role": "raw"}]
+    save = _runs([1.8, 2.0, 1.0])
+    for r, around in zip(save, ([2.0, 2.0], [2.0, 2.4], [1.0, 1.5])):  # 0.90x, 0.91x, 0.80x
+        r["raw_around_gbps"] = around
+    load = _runs([3.0, 3.0, 3.0])  # no raw reads around these: no load row
+    res = {"runs": {"fp_dcp": {"save": save, "load": load},
+                    "raw[hugebuf]": {"save": _runs([2.5] * 3), "load": _runs([4.0] * 3)}}}
+    summ = bench._summaries(res, contenders)
+    rows = [r for r in bench._ratios("large", summ, contenders) if r["vs"].startswith("paired raw")]
+    assert [r["op"] for r in rows] == ["save"]
+    assert rows[0]["ratio"] == pytest.approx(0.90)
+    assert rows[0]["value"] == "0.90x (0.80-0.91)"
+
+    ck = tmp_path / "ck"
+    assert bench._raw_write_beside(ck, 8 << 20) > 0
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_plot_leaves_the_floor_out(tmp_path):
     import json
     spec = importlib.util.spec_from_file_location("fp_dcp_bench_plot2", os.path.join(REPO, "benchmarks", "plot.py"))

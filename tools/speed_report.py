@@ -89,6 +89,11 @@ def mix_table(mix: dict[str, Any], profile: dict[str, Any]) -> list[str]:
         r = rows.get((op, "ceiling: raw + DCP's own time with fp_dcp's planners"))
         if r and r.get("ratio"):
             notes.append(f"with fp_dcp's planners, {_x(r['ratio'])} (`dcp_floor_fp`)")
+    paired = [r for r in mix.get("ratios", []) if r.get("contender") == "fp_dcp"
+              and str(r.get("vs", "")).startswith("paired raw") and r.get("value")]
+    if paired:  # the disk's speed drifts over a run: each round against the raw transfers around it
+        notes.append("against raw transfers of as many bytes just before and after each of its rounds: "
+                     + ", ".join(f"{r['op']} {r['value']}" for r in paired))
     for key, what in ((("load", "verify off (same checkpoint, back to back; worst round)"),
                        "verified loads against unverified ones of the same checkpoint: {}"),):
         r = rows.get(key)
