@@ -65,6 +65,20 @@ def test_a_small_stock_metadata_cannot_expand_through_path_objects(tmp_path):
         SafeStockReader(str(path), allow_pickle=False).read_metadata()
 
 
+@pytest.mark.parametrize("module", ["pathlib", "pathlib._local"])
+def test_a_stock_checkpoint_id_path_of_any_python_is_read_as_text(tmp_path, module):
+    """The stock writer pickles its checkpoint id as a path object, which
+    Python 3.13 pickles as pathlib._local.PosixPath (3.12 and before:
+    pathlib.PosixPath): a checkpoint saved on either loads on any Python."""
+    from fp_dcp.load.stock import SafeStockReader
+
+    path = _stock(tmp_path)
+    for cls in ("PosixPath", "PurePosixPath"):
+        _append_to_metadata(path, f"c{module}\n{cls}\n".encode() + b"X\x03\x00\x00\x00abc\x85R")
+    md = SafeStockReader(str(path), allow_pickle=False).read_metadata()
+    assert set(md.state_dict_metadata) == {"w", "step"}
+
+
 def test_a_small_stock_metadata_cannot_expand_through_shared_lists(tmp_path):
     """One memoized list of 20,000 ints handed to torch.Size 400 times: 8
     million elements from a 50 KB file (refused: an element budget per byte)."""

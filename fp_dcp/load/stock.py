@@ -146,7 +146,10 @@ def _allowed(budget: _Budget) -> dict[tuple[str, str], Any]:
 
     allowed[("torch", "Size")] = size
     allowed[("collections", "OrderedDict")] = mapping
-    allowed[("pathlib", "PosixPath")] = allowed[("pathlib", "PurePosixPath")] = path
+    # where each Python's pickle finds them: pathlib on 3.12 and before,
+    # pathlib._local on 3.13 (a stock checkpoint records the saver's)
+    for module in ("pathlib", "pathlib._local"):
+        allowed[(module, "PosixPath")] = allowed[(module, "PurePosixPath")] = path
     allowed[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")] = mem_format
     allowed[("torch.serialization", "_get_layout")] = layout  # a look-up by name in a table
     for name, value in vars(torch).items():
