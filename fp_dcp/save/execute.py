@@ -243,7 +243,10 @@ class _Sources:
         if item.type == WriteItemType.BYTE_IO:
             if not isinstance(data, io.BytesIO):
                 raise TypeError(f"{name}: the planner resolved a bytes item to {type(data).__name__}, not BytesIO")
-            out: tuple[str, Any] = ("cpu", data.getbuffer())
+            # its bytes, not a view of them (getbuffer): a view held by a
+            # failed save's traceback keeps the BytesIO from being freed, and
+            # Python 3.13 then reports a BufferError when the cycle is collected
+            out: tuple[str, Any] = ("cpu", memoryview(data.getvalue()))
         else:
             if not isinstance(data, torch.Tensor):
                 raise TypeError(f"{name}: the planner resolved a tensor item to {type(data).__name__}")
