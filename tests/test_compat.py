@@ -60,6 +60,9 @@ def test_pyproject_declares_a_range_holding_the_installed_torch():
     # the oldest and the newest release of the range are the ones CI runs
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     assert f"OLDEST_TORCH={lo[0]}.{lo[1]}." in ci and f"NEWEST_TORCH={hi[0]}.{hi[1] - 1}." in ci
+    # ... the oldest torch with the oldest Python the project declares
+    floor = re.search(r'requires-python = ">=(\d+\.\d+)"', text)
+    assert floor and f"OLDEST_PYTHON={floor.group(1)}\n" in ci
     # the build requirement is a setuptools that reads tool.setuptools.ext-modules
     assert '"setuptools>=74.1"' in text and "[[tool.setuptools.ext-modules]]" in text
 
