@@ -449,13 +449,12 @@ def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: boo
             # thousands of tensors would exceed the kernel's 128 KiB argv string limit
             extra = dict(path=str(path), mix=mix, size_bytes=args.size_bytes, seed=args.seed, bytes=nbytes)
             base = {**{k: v for k, v in c.items() if k not in ("name", "role")}, **extra}
-            paired = c["kind"] == "fp_dcp"
-            raw = [_raw_write_beside(path, nbytes)] if paired else []
+            ours = c["kind"] == "fp_dcp"
+            raw = [_raw_write_beside(path, nbytes)] if ours else []
             saved = one(c, "save", base, rnd)
-            if paired:
+            if ours:
                 raw.append(_raw_write_beside(path, nbytes))
                 saved["raw_around_gbps"] = raw
-            paired = paired and can_drop  # a raw read is cold only where caches can be dropped
             if not saved.get("ok"):
                 runs[c["name"]]["load"].append({"ok": False, "error": "save failed, nothing to load"})
                 continue
@@ -464,6 +463,7 @@ def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: boo
                 for o in contenders if o.get("loads_of") == c["name"]]
             if rnd % 2:
                 loaders.reverse()  # alternate which goes first
+            paired = ours and can_drop  # a raw read is cold only where caches can be dropped
             raw = [_raw_read_of(path)] if paired else []
             for o, b in loaders:
                 r = one(o, "load", b, rnd)
