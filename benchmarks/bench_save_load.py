@@ -375,13 +375,17 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
                            "kind": "raw", "method": raw_method, "block_size": b, "numjobs": jobs,
                            "iodepth": qd if raw_method == "fio" else 1, "role": "raw"})
         # the device without fio's 4 KiB-page buffers: fp_dcp's engine, one
-        # huge-page buffer, the engine's default shapes (write 4M x 8, read 256K x 64)
+        # huge-page buffer, the writer's shape under a per-operation limit
+        # (4M x 8) and the reader's engine of scattered runs (256K x 64)
         cs.append({"name": "raw[hugebuf]", "kind": "raw", "method": "hugebuf", "role": "raw",
                    "block_size": 4 * C.MiB, "iodepth": 8, "read_block_size": 256 * C.KiB, "read_iodepth": 64})
         # and reads in the large shape: a device that charges per operation
         # (the throttled profile) reads 256 KiB requests at 1/16 the bandwidth
         cs.append({"name": "raw[hugebuf,4M]", "kind": "raw", "method": "hugebuf", "role": "raw",
                    "block_size": 4 * C.MiB, "iodepth": 8, "read_block_size": 4 * C.MiB, "read_iodepth": 8})
+        # and both directions in the writer's shape without such a limit (1M x 32)
+        cs.append({"name": "raw[hugebuf,1M]", "kind": "raw", "method": "hugebuf", "role": "raw",
+                   "block_size": 1 * C.MiB, "iodepth": 32, "read_block_size": 1 * C.MiB, "read_iodepth": 32})
     for c in cs:
         if c["kind"] == "fp_dcp":
             c["planners"] = args.planners  # every fp_dcp row, so that they compare with each other
@@ -405,14 +409,28 @@ def _raw_read_of(path: Path) -> float:
     return nbytes / seconds / 1e9 if seconds else 0.0
 
 
+def _writer_shape(directory: Path) -> tuple[int, int]:
+    """(block size, queue depth) of a default FastPersistWriter's requests to
+    ``directory`` from this process: the device's tuning record's, else the
+    built-in rule (which asks this process's cgroup, so call it inside the
+    device profile)."""
+    from fp_dcp import tuning
+    from fp_dcp.engine import write_shape
+
+    tuned = tuning.lookup(str(directory))
+    return tuned.write if tuned is not None else write_shape(str(directory), 4096)
+
+
 def _raw_write_beside(path: Path, nbytes: int) -> float:
-    """One raw write (fp_dcp's engine from one huge-page buffer, 4 MiB x 8,
-    fsync in the clock) of ``nbytes`` into a new file beside ``path``, then
-    removed: GB/s.  Taken just before and just after each fp_dcp save, which
-    is compared with the two, as each load is with raw reads of its files."""
+    """One raw write (fp_dcp's engine from one huge-page buffer, in the shape a
+    default writer sends, fsync in the clock) of ``nbytes`` into a new file
+    beside ``path``, then removed: GB/s.  Taken just before and just after
+    each fp_dcp save, which is compared with the two, as each load is with
+    raw reads of its files."""
     f = path.parent / f"{path.name}.raw-write"
+    block, depth = _writer_shape(path.parent)
     try:
-        r = C.raw_device_io("write", f, nbytes, method="hugebuf", block_size=4 * C.MiB, iodepth=8)
+        r = C.raw_device_io("write", f, nbytes, method="hugebuf", block_size=block, iodepth=depth)
     finally:
         f.unlink(missing_ok=True)
     return r["bytes"] / r["seconds"] / 1e9 if r["seconds"] else 0.0

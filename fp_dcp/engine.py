@@ -8,6 +8,7 @@ import contextlib
 import copy
 import errno
 import os
+import re
 import sys
 import threading
 from typing import Any, Callable, Iterator, Sequence
@@ -19,7 +20,7 @@ from fp_dcp import _exit, _native, pinned, tuning
 from fp_dcp.options import FastPersistOptions, parse_size
 
 __all__ = ["IOSession", "EngineSet", "tensor_bytes", "PinnedBuffer", "device_max_request_bytes",
-           "large_read_shape", "release_bounce_buffers"]
+           "device_iops_limits", "large_read_shape", "write_shape", "release_bounce_buffers"]
 
 # The reader's engine of large requests: one request as large as the device
 # takes in one piece (``max_sectors_kb``), within these bounds, and this many
@@ -27,6 +28,13 @@ __all__ = ["IOSession", "EngineSet", "tensor_bytes", "PinnedBuffer", "device_max
 LARGE_REQUEST_MIN_BYTES = 1 << 20
 LARGE_REQUEST_MAX_BYTES = 4 << 20
 LARGE_IN_FLIGHT_BYTES = 32 << 20
+
+# The writer's requests where nothing sets their shape (docs/NATIVE.md,
+# "Request sizes"): 1 MiB x 32, or, where this process's cgroup limits the
+# disk's write operations per second, 4 MiB x 8 (a quarter of the operations
+# for the same 32 MiB in flight).
+WRITE_SHAPE = (1 << 20, 32)
+WRITE_SHAPE_PER_OPERATION_LIMIT = (4 << 20, 8)
 
 
 KEEP_BOUNCE_BUFFERS_ENV = "FP_DCP_KEEP_BOUNCE_BUFFERS"
@@ -70,6 +78,123 @@ def device_max_request_bytes(directory: str) -> int | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+def _disk_devs(directory: str) -> set[str]:
+    """"major:minor" of the file system under ``directory`` and of its whole
+    disk (a partition's parent), as cgroups name block devices."""
+    st = os.stat(directory)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    devs = {dev}
+    try:
+        real = os.path.realpath(f"/sys/dev/block/{dev}")
+        if not os.path.exists(os.path.join(real, "queue")):
+            with open(os.path.join(os.path.dirname(real), "dev")) as f:
+                devs.add(f.read(64).strip())
+    except OSError:
+        pass
+    return devs
+
+
+# cgroup files are a few lines; anything read is bounded by this
+_CGROUP_FILE_BYTES = 1 << 16
+
+
+def _read_text(path: str) -> str:
+    """Up to ``_CGROUP_FILE_BYTES`` of a /proc or cgroup file; "" where it does not read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return ""
+    try:
+        return os.read(fd, _CGROUP_FILE_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+
+
+def _unescape_mount_path(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _cgroup_dirs() -> list[tuple[str, str]]:
+    """(version, directory) of this process's own blkio (v1) and unified (v2)
+    cgroups and of each of their ancestors up to the mount, from
+    /proc/self/cgroup and /proc/self/mountinfo; [] where they do not say."""
+    v1_path = v2_path = None
+    for line in _read_text("/proc/self/cgroup").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2_path = parts[2]
+        elif "blkio" in parts[1].split(","):
+            v1_path = parts[2]
+    dirs: list[tuple[str, str]] = []
+    for line in _read_text("/proc/self/mountinfo").splitlines():
+        fields = line.split(" ")
+        if "-" not in fields or len(fields) < 5:
+            continue
+        tail = fields[fields.index("-") + 1:]
+        if len(tail) < 3:
+            continue
+        fstype, super_options = tail[0], tail[2].split(",")
+        if fstype == "cgroup" and "blkio" in super_options and v1_path is not None:
+            version, path = "v1", v1_path
+        elif fstype == "cgroup2" and v2_path is not None:
+            version, path = "v2", v2_path
+        else:
+            continue
+        root, mountpoint = _unescape_mount_path(fields[3]), _unescape_mount_path(fields[4])
+        rel = path[len(root):] if path.startswith(root) else ""
+        d = os.path.normpath(mountpoint + "/" + rel.strip("/")) if rel.strip("/") else mountpoint
+        while True:
+            dirs.append((version, d))
+            if d == mountpoint or len(d) <= len(mountpoint):
+                break
+            d = os.path.dirname(d)
+    return dirs
+
+
+def device_iops_limits(directory: str) -> dict[str, int]:
+    """``{"read": n, "write": n}``: the lowest operations-per-second limit
+    that this process's cgroups (v1 ``blkio.throttle.{read,write}_iops_device``,
+    v2 ``io.max``'s ``riops`` / ``wiops``; its own group and every ancestor)
+    set on the disk under ``directory``; a direction without one is absent."""
+    devs = _disk_devs(directory)
+    limits: dict[str, int] = {}
+
+    def note(direction: str, value: str) -> None:
+        if value.isdigit() and int(value) > 0:
+            limits[direction] = min(int(value), limits.get(direction, int(value)))
+
+    for version, d in _cgroup_dirs():
+        if version == "v1":
+            for direction in ("read", "write"):
+                for line in _read_text(os.path.join(d, f"blkio.throttle.{direction}_iops_device")).splitlines():
+                    parts = line.split()
+                    if len(parts) == 2 and parts[0] in devs:
+                        note(direction, parts[1])
+        else:
+            for line in _read_text(os.path.join(d, "io.max")).splitlines():
+                parts = line.split()
+                if parts and parts[0] in devs:
+                    for kv in parts[1:]:
+                        key, _, value = kv.partition("=")
+                        if key in ("riops", "wiops"):
+                            note("read" if key == "riops" else "write", value)
+    return limits
+
+
+def write_shape(directory: str, alignment: int) -> tuple[int, int]:
+    """(block size, queue depth) of a writer's requests to ``directory`` where
+    neither options nor a tuning record set them: ``WRITE_SHAPE``, or
+    ``WRITE_SHAPE_PER_OPERATION_LIMIT`` where this process's cgroup limits
+    the disk's write operations (:func:`device_iops_limits`); the block a
+    multiple of ``alignment``."""
+    block, depth = WRITE_SHAPE_PER_OPERATION_LIMIT if "write" in device_iops_limits(directory) else WRITE_SHAPE
+    return max(alignment, block // alignment * alignment), depth
 
 
 def large_read_shape(max_request: int | None, alignment: int) -> tuple[int, int]:
@@ -204,12 +329,12 @@ class IOSession:
         kwargs = {"alignment": self.alignment}
         # options that leave the engine's shape open take the write shape of
         # the device's tuning record (fp-dcp tune) where there is one, else
-        # the engine's defaults; the read shape is long_run_shape's
+        # write_shape's rule; the read shape is long_run_shape's
         self.tuned = None
         if options.queue_depth is None and options.block_size_bytes is None:
             self.tuned = tuning.lookup(directory, self.alignment)
-        if self.tuned is not None:
-            kwargs.update(queue_depth=self.tuned.write.queue_depth, block_size=self.tuned.write.block_size)
+            block, depth = self.tuned.write if self.tuned is not None else write_shape(directory, self.alignment)
+            kwargs.update(queue_depth=depth, block_size=block)
         if options.queue_depth is not None:
             kwargs["queue_depth"] = options.queue_depth
         if options.block_size_bytes is not None:

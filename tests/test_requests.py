@@ -5,17 +5,25 @@ requests; explicit engine options override the rule."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
-from fp_dcp import _native
+from fp_dcp import _native, engine
 from fp_dcp.engine import (
     LARGE_IN_FLIGHT_BYTES,
     LARGE_REQUEST_MAX_BYTES,
     LARGE_REQUEST_MIN_BYTES,
+    WRITE_SHAPE,
+    WRITE_SHAPE_PER_OPERATION_LIMIT,
+    device_iops_limits,
     device_max_request_bytes,
     large_read_shape,
+    write_shape,
 )
 from tests._sd import assert_sd_equal, flip_byte, load, save, zeros_like_sd
 
@@ -46,6 +54,100 @@ def test_device_max_request_bytes_reads_sysfs(tmp_path):
     got = device_max_request_bytes(str(tmp_path))
     assert got is None or (got > 0 and got % 512 == 0)
     assert device_max_request_bytes("/proc") is None  # no block device
+
+
+def _fake_cgroups(monkeypatch, tree: dict[str, str]) -> None:
+    """This process's /proc and cgroup files are ``tree``'s texts (absent: unreadable);
+    the directory under test is partition 254:1 of disk 254:0."""
+    monkeypatch.setattr(engine, "_read_text", lambda path: tree.get(path, ""))
+    monkeypatch.setattr(engine, "_disk_devs", lambda directory: {"254:1", "254:0"})
+
+
+_MOUNTINFO = (
+    "20 1 254:1 / / rw - ext4 /dev/vda1 rw\n"
+    "30 20 0:26 / /sys/fs/cgroup/blkio rw,relatime - cgroup cgroup rw,blkio\n"
+    "31 20 0:27 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+    # a container's view: the hierarchy's /kube/pod7 mounted at a path with a space
+    "32 20 0:28 /kube/pod7 /sys/fs/cgroup/uni\\040fied rw - cgroup2 cgroup2 rw\n"
+)
+
+
+def test_iops_limits_come_from_this_process_s_cgroups_and_their_ancestors(monkeypatch):
+    _fake_cgroups(monkeypatch, {
+        "/proc/self/cgroup": "4:memory:/jobs/a\n7:blkio:/jobs/a\n0::/kube/pod7/c\n",
+        "/proc/self/mountinfo": _MOUNTINFO,
+        # v1: the group's own read limit, its parent's write limit; another disk's lower one is not ours
+        "/sys/fs/cgroup/blkio/jobs/a/blkio.throttle.read_iops_device": "254:0 3000\n8:0 10\n",
+        "/sys/fs/cgroup/blkio/jobs/blkio.throttle.write_iops_device": "254:0 2000\n",
+        "/sys/fs/cgroup/blkio/blkio.throttle.write_iops_device": "8:0 5\n",
+        # v2, in the mounted part of the hierarchy: a lower read limit, no write limit
+        "/sys/fs/cgroup/uni fied/c/io.max": "254:0 rbps=max wbps=1000000 riops=700 wiops=max\n",
+        "/sys/fs/cgroup/uni fied/io.max": "8:0 riops=1 wiops=1\n",
+    })
+    assert engine._cgroup_dirs() == [
+        ("v1", "/sys/fs/cgroup/blkio/jobs/a"), ("v1", "/sys/fs/cgroup/blkio/jobs"), ("v1", "/sys/fs/cgroup/blkio"),
+        ("v2", "/sys/fs/cgroup/uni fied/c"), ("v2", "/sys/fs/cgroup/uni fied")]
+    assert device_iops_limits("/x") == {"read": 700, "write": 2000}
+    assert write_shape("/x", 4096) == WRITE_SHAPE_PER_OPERATION_LIMIT == (4 * MiB, 8)
+
+
+@pytest.mark.parametrize("tree", [
+    {},  # no /proc: nothing says
+    {"/proc/self/cgroup": "7:blkio:/jobs/a\n", "/proc/self/mountinfo": _MOUNTINFO},  # groups without limits
+    {"/proc/self/cgroup": "7:blkio:/\n", "/proc/self/mountinfo": _MOUNTINFO,  # a read limit, or a write limit of 0
+     "/sys/fs/cgroup/blkio/blkio.throttle.read_iops_device": "254:0 100\n",
+     "/sys/fs/cgroup/blkio/blkio.throttle.write_iops_device": "254:0 0\nnot a line\n"},
+])
+def test_no_write_operation_limit_takes_the_fast_disk_shape(monkeypatch, tree):
+    _fake_cgroups(monkeypatch, tree)
+    assert "write" not in device_iops_limits("/x")
+    assert write_shape("/x", 4096) == WRITE_SHAPE == (1 * MiB, 32)
+    assert write_shape("/x", 1 * MiB) == (1 * MiB, 32)
+    assert write_shape("/x", 3 * 4096) == (1 * MiB - 4096, 32)  # a multiple of the alignment
+    assert write_shape("/x", 2 * MiB) == (2 * MiB, 32)  # no smaller than the alignment
+
+
+def test_a_session_s_writes_follow_the_real_cgroup_limit(tmp_path):
+    """Where cgroup v1 blkio throttling can be set (root), a process moved into
+    a group that limits its disk's writes gets the large shape, and the same
+    directory outside it the fast-disk shape."""
+    root = "/sys/fs/cgroup/blkio"
+    if os.geteuid() != 0 or not os.path.exists(f"{root}/blkio.throttle.write_iops_device"):
+        pytest.skip("needs root and cgroup v1 blkio throttling")
+    disks = [d for d in engine._disk_devs(str(tmp_path)) if os.path.exists(f"/sys/dev/block/{d}/queue")]
+    if not disks:
+        pytest.skip(f"{tmp_path} is on no block device")
+    code = f"""
+import os
+from fp_dcp import FastPersistOptions
+from fp_dcp.engine import IOSession
+def shape():
+    s = IOSession(FastPersistOptions(), {str(tmp_path)!r})
+    try:
+        return (s.engine.block_size, s.engine.queue_depth)
+    finally:
+        s.close()
+group = {root!r} + "/fp_dcp_test_" + str(os.getpid())
+os.mkdir(group)
+try:
+    outside = shape()
+    with open(group + "/blkio.throttle.write_iops_device", "w") as f:
+        f.write({disks[0]!r} + " 100000")
+    with open(group + "/cgroup.procs", "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        inside = shape()
+    finally:
+        with open({root!r} + "/cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+finally:
+    os.rmdir(group)
+print(outside, inside)
+"""
+    env = dict(os.environ, FP_DCP_TUNING_FILE="none")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{WRITE_SHAPE} {WRITE_SHAPE_PER_OPERATION_LIMIT}"
 
 
 def _ckpt(tmp_path):

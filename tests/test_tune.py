@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fp_dcp import FastPersistOptions, tuning
-from fp_dcp.engine import IOSession, device_max_request_bytes, large_read_shape
+from fp_dcp.engine import IOSession, device_max_request_bytes, large_read_shape, write_shape
 from fp_dcp.tools import cli, tune
 from fp_dcp.tuning import Shape
 from tests._sd import assert_sd_equal, load, zeros_like_sd
@@ -104,6 +104,7 @@ def test_no_record_keeps_the_built_in_rule(record_file, tmp_path):
     try:
         assert s.tuned is None
         assert s.long_run_shape() == large_read_shape(device_max_request_bytes(d), s.alignment)
+        assert (s.engine.block_size, s.engine.queue_depth) == write_shape(d, s.alignment)
     finally:
         s.close()
 
