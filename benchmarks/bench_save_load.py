@@ -393,32 +393,36 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
 
 
 def _raw_read_of(path: Path) -> float:
-    """One cold raw read (fp_dcp's engine into one huge-page buffer, 4 MiB x
-    8, the device's fastest read here) of the data files of the checkpoint
-    at ``path``: GB/s.  Taken just before and just after each fp_dcp load,
-    which is compared with the two (the device's speed drifts over a run)."""
+    """One cold raw read (fp_dcp's engine into one huge-page buffer, in the
+    shape a default reader reads long runs with) of the data files of the
+    checkpoint at ``path``: GB/s.  Taken just before and just after each
+    fp_dcp load, which is compared with the two (the device's speed drifts
+    over a run)."""
     files = [f for f in sorted(path.iterdir()) if f.is_file() and not f.name.startswith(".")]
+    block, depth = _io_shapes(path)["read"]
     C.drop_caches()
     nbytes = seconds = 0.0
     for f in files:
-        size = f.stat().st_size // (4 * C.MiB) * (4 * C.MiB)  # raw_device_io reads whole requests
+        size = f.stat().st_size // block * block  # raw_device_io reads whole requests
         if size:
-            r = C.raw_device_io("read", f, size, method="hugebuf", block_size=4 * C.MiB, iodepth=8)
+            r = C.raw_device_io("read", f, size, method="hugebuf", block_size=block, iodepth=depth)
             nbytes += r["bytes"]
             seconds += r["seconds"]
     return nbytes / seconds / 1e9 if seconds else 0.0
 
 
-def _writer_shape(directory: Path) -> tuple[int, int]:
-    """(block size, queue depth) of a default FastPersistWriter's requests to
-    ``directory`` from this process: the device's tuning record's, else the
-    built-in rule (which asks this process's cgroup, so call it inside the
-    device profile)."""
+def _io_shapes(directory: Path) -> dict[str, tuple[int, int]]:
+    """{"write", "read"}: (block size, queue depth) of a default writer's
+    requests to ``directory`` and of a default reader's for long runs, from
+    this process: the device's tuning record's, else the built-in rule (which
+    asks this process's cgroup, so call it inside the device profile)."""
+    from fp_dcp.tools.tune import builtin_shapes
     from fp_dcp import tuning
-    from fp_dcp.engine import write_shape
 
     tuned = tuning.lookup(str(directory))
-    return tuned.write if tuned is not None else write_shape(str(directory), 4096)
+    if tuned is not None:
+        return {"write": tuple(tuned.write), "read": tuple(tuned.read)}
+    return {op: tuple(shape) for op, shape in builtin_shapes(str(directory)).items()}
 
 
 def _raw_write_beside(path: Path, nbytes: int) -> float:
@@ -428,7 +432,7 @@ def _raw_write_beside(path: Path, nbytes: int) -> float:
     each fp_dcp save, which is compared with the two, as each load is with
     raw reads of its files."""
     f = path.parent / f"{path.name}.raw-write"
-    block, depth = _writer_shape(path.parent)
+    block, depth = _io_shapes(path.parent)["write"]
     try:
         r = C.raw_device_io("write", f, nbytes, method="hugebuf", block_size=block, iodepth=depth)
     finally:

@@ -20,7 +20,7 @@ from fp_dcp import _exit, _native, pinned, tuning
 from fp_dcp.options import FastPersistOptions, parse_size
 
 __all__ = ["IOSession", "EngineSet", "tensor_bytes", "PinnedBuffer", "device_max_request_bytes",
-           "device_iops_limits", "large_read_shape", "write_shape", "release_bounce_buffers"]
+           "device_iops_limits", "large_read_shape", "read_shape", "write_shape", "release_bounce_buffers"]
 
 # The reader's engine of large requests: one request as large as the device
 # takes in one piece (``max_sectors_kb``), within these bounds, and this many
@@ -29,12 +29,13 @@ LARGE_REQUEST_MIN_BYTES = 1 << 20
 LARGE_REQUEST_MAX_BYTES = 4 << 20
 LARGE_IN_FLIGHT_BYTES = 32 << 20
 
-# The writer's requests where nothing sets their shape (docs/NATIVE.md,
-# "Request sizes"): 1 MiB x 32, or, where this process's cgroup limits the
-# disk's write operations per second, 4 MiB x 8 (a quarter of the operations
-# for the same 32 MiB in flight).
-WRITE_SHAPE = (1 << 20, 32)
-WRITE_SHAPE_PER_OPERATION_LIMIT = (4 << 20, 8)
+# The writer's requests and the reader's of long runs where nothing sets
+# their shape (docs/NATIVE.md, "Request sizes"): 1 MiB x 32, or, where this
+# process's cgroup limits the disk's operations per second in that
+# direction, larger requests (a quarter of the operations for the same
+# 32 MiB in flight): 4 MiB x 8 for writes, large_read_shape for reads.
+SHAPE_WITHOUT_LIMIT = (1 << 20, 32)
+WRITE_SHAPE_UNDER_LIMIT = (4 << 20, 8)
 
 
 KEEP_BOUNCE_BUFFERS_ENV = "FP_DCP_KEEP_BOUNCE_BUFFERS"
@@ -187,14 +188,29 @@ def device_iops_limits(directory: str) -> dict[str, int]:
     return limits
 
 
+def _aligned(shape: tuple[int, int], alignment: int) -> tuple[int, int]:
+    block, depth = shape
+    return max(alignment, block // alignment * alignment), depth
+
+
 def write_shape(directory: str, alignment: int) -> tuple[int, int]:
     """(block size, queue depth) of a writer's requests to ``directory`` where
-    neither options nor a tuning record set them: ``WRITE_SHAPE``, or
-    ``WRITE_SHAPE_PER_OPERATION_LIMIT`` where this process's cgroup limits
-    the disk's write operations (:func:`device_iops_limits`); the block a
-    multiple of ``alignment``."""
-    block, depth = WRITE_SHAPE_PER_OPERATION_LIMIT if "write" in device_iops_limits(directory) else WRITE_SHAPE
-    return max(alignment, block // alignment * alignment), depth
+    neither options nor a tuning record set them: ``SHAPE_WITHOUT_LIMIT``, or
+    ``WRITE_SHAPE_UNDER_LIMIT`` where this process's cgroup limits the disk's
+    write operations (:func:`device_iops_limits`); the block a multiple of
+    ``alignment``."""
+    limited = "write" in device_iops_limits(directory)
+    return _aligned(WRITE_SHAPE_UNDER_LIMIT if limited else SHAPE_WITHOUT_LIMIT, alignment)
+
+
+def read_shape(directory: str, alignment: int) -> tuple[int, int]:
+    """(block size, queue depth) of the reader's engine for long runs from
+    ``directory`` where neither options nor a tuning record set it:
+    ``SHAPE_WITHOUT_LIMIT``, or where this process's cgroup limits the disk's
+    read operations, :func:`large_read_shape` of the device."""
+    if "read" in device_iops_limits(directory):
+        return large_read_shape(device_max_request_bytes(directory), alignment)
+    return _aligned(SHAPE_WITHOUT_LIMIT, alignment)
 
 
 def large_read_shape(max_request: int | None, alignment: int) -> tuple[int, int]:
@@ -366,11 +382,11 @@ class IOSession:
 
     def long_run_shape(self) -> tuple[int, int]:
         """(block size, queue depth) for reading long runs from this directory: its
-        device's tuning record, else the built-in rule."""
+        device's tuning record, else the built-in rule (:func:`read_shape`)."""
         tuned = self.tuned or tuning.lookup(self.directory, self.alignment)
         if tuned is not None:
             return tuned.read
-        return large_read_shape(device_max_request_bytes(self.directory), self.alignment)
+        return read_shape(self.directory, self.alignment)
 
     def matches(self, options: FastPersistOptions, directory: str) -> bool:
         """Whether this session serves ``directory`` too (same options, same file

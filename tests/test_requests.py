@@ -18,11 +18,12 @@ from fp_dcp.engine import (
     LARGE_IN_FLIGHT_BYTES,
     LARGE_REQUEST_MAX_BYTES,
     LARGE_REQUEST_MIN_BYTES,
-    WRITE_SHAPE,
-    WRITE_SHAPE_PER_OPERATION_LIMIT,
+    SHAPE_WITHOUT_LIMIT,
+    WRITE_SHAPE_UNDER_LIMIT,
     device_iops_limits,
     device_max_request_bytes,
     large_read_shape,
+    read_shape,
     write_shape,
 )
 from tests._sd import assert_sd_equal, flip_byte, load, save, zeros_like_sd
@@ -88,23 +89,26 @@ def test_iops_limits_come_from_this_process_s_cgroups_and_their_ancestors(monkey
         ("v1", "/sys/fs/cgroup/blkio/jobs/a"), ("v1", "/sys/fs/cgroup/blkio/jobs"), ("v1", "/sys/fs/cgroup/blkio"),
         ("v2", "/sys/fs/cgroup/uni fied/c"), ("v2", "/sys/fs/cgroup/uni fied")]
     assert device_iops_limits("/x") == {"read": 700, "write": 2000}
-    assert write_shape("/x", 4096) == WRITE_SHAPE_PER_OPERATION_LIMIT == (4 * MiB, 8)
+    assert write_shape("/x", 4096) == WRITE_SHAPE_UNDER_LIMIT == (4 * MiB, 8)
+    monkeypatch.setattr(engine, "device_max_request_bytes", lambda directory: 2 * MiB)
+    assert read_shape("/x", 4096) == large_read_shape(2 * MiB, 4096) == (2 * MiB, 16)
 
 
 @pytest.mark.parametrize("tree", [
     {},  # no /proc: nothing says
     {"/proc/self/cgroup": "7:blkio:/jobs/a\n", "/proc/self/mountinfo": _MOUNTINFO},  # groups without limits
     {"/proc/self/cgroup": "7:blkio:/\n", "/proc/self/mountinfo": _MOUNTINFO,  # a read limit, or a write limit of 0
-     "/sys/fs/cgroup/blkio/blkio.throttle.read_iops_device": "254:0 100\n",
+     "/sys/fs/cgroup/blkio/blkio.throttle.read_iops_device": "8:0 100\n",
      "/sys/fs/cgroup/blkio/blkio.throttle.write_iops_device": "254:0 0\nnot a line\n"},
 ])
-def test_no_write_operation_limit_takes_the_fast_disk_shape(monkeypatch, tree):
+def test_no_operation_limit_takes_the_fast_disk_shape(monkeypatch, tree):
     _fake_cgroups(monkeypatch, tree)
     assert "write" not in device_iops_limits("/x")
-    assert write_shape("/x", 4096) == WRITE_SHAPE == (1 * MiB, 32)
+    assert write_shape("/x", 4096) == SHAPE_WITHOUT_LIMIT == (1 * MiB, 32)
     assert write_shape("/x", 1 * MiB) == (1 * MiB, 32)
     assert write_shape("/x", 3 * 4096) == (1 * MiB - 4096, 32)  # a multiple of the alignment
     assert write_shape("/x", 2 * MiB) == (2 * MiB, 32)  # no smaller than the alignment
+    assert device_iops_limits("/x") == {} and read_shape("/x", 4096) == SHAPE_WITHOUT_LIMIT
 
 
 def test_a_session_s_writes_follow_the_real_cgroup_limit(tmp_path):
@@ -147,7 +151,7 @@ print(outside, inside)
     env = dict(os.environ, FP_DCP_TUNING_FILE="none")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == f"{WRITE_SHAPE} {WRITE_SHAPE_PER_OPERATION_LIMIT}"
+    assert out.stdout.strip() == f"{SHAPE_WITHOUT_LIMIT} {WRITE_SHAPE_UNDER_LIMIT}"
 
 
 def _ckpt(tmp_path):
@@ -168,8 +172,9 @@ def test_long_runs_go_out_as_large_requests(tmp_path):
     big = sd["big"].numel() * 4
     # the 8 MiB tensor (and the small one where it is packed right behind it)
     assert big <= s["large_request_bytes"] <= s["bytes"]
-    block, _ = large_read_shape(device_max_request_bytes(str(path)), 4096)
-    assert s["requests"] <= -(-big // block) + 4  # a handful of large requests, not 32 of 256 KiB
+    block, _ = read_shape(str(path), 4096)
+    assert block >= 1 * MiB
+    assert s["requests"] <= -(-big // block) + 4  # large requests, not 32 of 256 KiB
     assert s["checksum_bytes"] == s["bytes"]      # both engines' reads verified, each byte once
 
 

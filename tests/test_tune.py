@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fp_dcp import FastPersistOptions, tuning
-from fp_dcp.engine import IOSession, device_max_request_bytes, large_read_shape, write_shape
+from fp_dcp.engine import IOSession, read_shape, write_shape
 from fp_dcp.tools import cli, tune
 from fp_dcp.tuning import Shape
 from tests._sd import assert_sd_equal, load, zeros_like_sd
@@ -103,7 +103,7 @@ def test_no_record_keeps_the_built_in_rule(record_file, tmp_path):
     s = IOSession(FastPersistOptions(), d)
     try:
         assert s.tuned is None
-        assert s.long_run_shape() == large_read_shape(device_max_request_bytes(d), s.alignment)
+        assert s.long_run_shape() == read_shape(d, s.alignment)
         assert (s.engine.block_size, s.engine.queue_depth) == write_shape(d, s.alignment)
     finally:
         s.close()
@@ -232,7 +232,10 @@ def test_cli_records_for_the_device(record_file, tmp_path, capsys):
     assert rc == 0 and err == ""
     result = json.loads(out)
     assert result["recorded"] == str(record_file)
-    assert {c["queue_depth"] for c in result["grid"]["write"]} == {8}
+    builtin = tune.builtin_shapes(d)
+    # the quick grid (1 and 4 MiB x 8) and the built-in shapes
+    assert {(c["block_size_bytes"], c["queue_depth"]) for c in result["grid"]["write"]} == {
+        (1 * MiB, 8), (4 * MiB, 8), tuple(builtin["write"])}
     chosen = result["chosen"]
     want = tuning.Tuned(Shape(chosen["write"]["block_size_bytes"], chosen["write"]["queue_depth"]),
                         Shape(chosen["read"]["block_size_bytes"], chosen["read"]["queue_depth"]))

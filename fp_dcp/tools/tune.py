@@ -127,12 +127,11 @@ def parse_grid(sizes: str | None, depths: str | None, quick: bool = False) -> tu
 
 
 def builtin_shapes(directory: str) -> dict[str, tuning.Shape]:
-    """The shapes fp_dcp uses on ``directory``'s device without a record: the
-    engine's defaults for writes, the reader's rule for long runs."""
-    from fp_dcp.engine import device_max_request_bytes, large_read_shape
+    """The shapes fp_dcp uses on ``directory``'s device from this process
+    without a record: the writer's rule for writes, the reader's for long runs."""
+    from fp_dcp.engine import read_shape, write_shape
 
-    return {"write": tuning.Shape(_native.DEFAULT_BLOCK_SIZE, _native.DEFAULT_QUEUE_DEPTH),
-            "read": tuning.Shape(*large_read_shape(device_max_request_bytes(directory), 4096))}
+    return {"write": tuning.Shape(*write_shape(directory, 4096)), "read": tuning.Shape(*read_shape(directory, 4096))}
 
 
 def cells(sizes: Iterable[int], depths: Iterable[int], max_in_flight: int,
