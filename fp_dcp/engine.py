@@ -97,22 +97,32 @@ def _disk_devs(directory: str) -> set[str]:
     return devs
 
 
-# cgroup files are a few lines; anything read is bounded by this
-_CGROUP_FILE_BYTES = 1 << 16
+# the most read of a /proc or cgroup file (a host's mountinfo with thousands
+# of mounts is some hundred KiB; a cgroup file is a few lines)
+_PROC_FILE_BYTES = 4 << 20
 
 
 def _read_text(path: str) -> str:
-    """Up to ``_CGROUP_FILE_BYTES`` of a /proc or cgroup file; "" where it does not read."""
+    """A /proc or cgroup file's text, up to ``_PROC_FILE_BYTES`` (these
+    return their text in pieces); "" where it does not read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         return ""
+    parts: list[bytes] = []
+    size = 0
     try:
-        return os.read(fd, _CGROUP_FILE_BYTES).decode("utf-8", "replace")
+        while size < _PROC_FILE_BYTES:
+            part = os.read(fd, min(1 << 16, _PROC_FILE_BYTES - size))
+            if not part:
+                break
+            parts.append(part)
+            size += len(part)
     except OSError:
         return ""
     finally:
         os.close(fd)
+    return b"".join(parts).decode("utf-8", "replace")
 
 
 def _unescape_mount_path(field: str) -> str:
@@ -148,7 +158,8 @@ def _cgroup_dirs() -> list[tuple[str, str]]:
         else:
             continue
         root, mountpoint = _unescape_mount_path(fields[3]), _unescape_mount_path(fields[4])
-        rel = path[len(root):] if path.startswith(root) else ""
+        inside = path == root or root == "/" or path.startswith(root.rstrip("/") + "/")
+        rel = path[len(root):] if inside else ""  # (a group outside the mounted part: its mount's root)
         d = os.path.normpath(mountpoint + "/" + rel.strip("/")) if rel.strip("/") else mountpoint
         while True:
             dirs.append((version, d))

@@ -92,12 +92,16 @@ def test_iops_limits_come_from_this_process_s_cgroups_and_their_ancestors(monkey
     assert write_shape("/x", 4096) == WRITE_SHAPE_UNDER_LIMIT == (4 * MiB, 8)
     monkeypatch.setattr(engine, "device_max_request_bytes", lambda directory: 2 * MiB)
     assert read_shape("/x", 4096) == large_read_shape(2 * MiB, 4096) == (2 * MiB, 16)
+    # a group whose name only begins like the mounted part's is not inside it
+    tree = {"/proc/self/cgroup": "0::/kube/pod70/c\n", "/proc/self/mountinfo": _MOUNTINFO}
+    monkeypatch.setattr(engine, "_read_text", lambda path: tree.get(path, ""))
+    assert engine._cgroup_dirs() == [("v2", "/sys/fs/cgroup/uni fied")]
 
 
 @pytest.mark.parametrize("tree", [
     {},  # no /proc: nothing says
     {"/proc/self/cgroup": "7:blkio:/jobs/a\n", "/proc/self/mountinfo": _MOUNTINFO},  # groups without limits
-    {"/proc/self/cgroup": "7:blkio:/\n", "/proc/self/mountinfo": _MOUNTINFO,  # a read limit, or a write limit of 0
+    {"/proc/self/cgroup": "7:blkio:/\n", "/proc/self/mountinfo": _MOUNTINFO,  # another disk's limit; a limit of 0
      "/sys/fs/cgroup/blkio/blkio.throttle.read_iops_device": "8:0 100\n",
      "/sys/fs/cgroup/blkio/blkio.throttle.write_iops_device": "254:0 0\nnot a line\n"},
 ])
@@ -109,6 +113,14 @@ def test_no_operation_limit_takes_the_fast_disk_shape(monkeypatch, tree):
     assert write_shape("/x", 3 * 4096) == (1 * MiB - 4096, 32)  # a multiple of the alignment
     assert write_shape("/x", 2 * MiB) == (2 * MiB, 32)  # no smaller than the alignment
     assert device_iops_limits("/x") == {} and read_shape("/x", 4096) == SHAPE_WITHOUT_LIMIT
+
+
+def test_proc_files_are_read_whole():
+    """/proc returns its text in pieces; a mountinfo of many mounts is read to its end."""
+    with open("/proc/self/mountinfo") as f:
+        want = f.read()
+    assert engine._read_text("/proc/self/mountinfo") == want
+    assert engine._read_text("/nonexistent/cgroup") == ""
 
 
 def test_a_session_s_writes_follow_the_real_cgroup_limit(tmp_path):
