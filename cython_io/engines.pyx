@@ -108,6 +108,7 @@ cdef class Engine:
     cdef bint _busy
     cdef bint _counted
     cdef bint _pool_settled
+    cdef bint _settling  # settle_pool is faulting the pool in, slot by slot, on another thread
     cdef bint _failed  # a call failed: its pool is not kept (requests may have been left in flight)
     # held while the pool is being settled: settle_pool() on another thread
     # runs beside calls that need no slot; a call that needs one waits here
@@ -174,6 +175,8 @@ cdef class Engine:
             raise _oserror(err, f"{name} engine refused by the kernel: {call} failed"
                            + ("; kernel.io_uring_disabled or a seccomp filter?" if name == "uring" else ""),
                            None)
+        if not self._pool_settled:
+            fpio_engine_set_settled(self._e, 0)  # each slot waits for its first touch
         self._counted = True
         _n_engines += 1
 
@@ -183,7 +186,7 @@ cdef class Engine:
         cdef Py_ssize_t i
         for i in range(n):
             if _through_slot(pieces[i].ptr, pieces[i].len, pieces[i].off, bs, align):
-                self._settle_now()
+                self._settle_now(True)
                 return
 
     def writes_in_place(self, source, int64_t file_offset=0):
@@ -198,23 +201,39 @@ cdef class Engine:
         finally:
             PyBuffer_Release(&view)
 
-    cdef void _settle_now(self):
-        if self._pool_settled:
+    cdef void _settle_now(self, bint in_call):
+        """Fault the pool in slot by slot, publishing each to the C pipeline
+        (a call on another thread uses a slot as soon as it is in), then
+        page-lock it. A call finding settle_pool at work leaves it to that."""
+        cdef Py_ssize_t slot_size = max(self.block_size, self.read_block_size)
+        cdef int nslots = max(self.queue_depth, self.read_queue_depth) + 1
+        cdef int i
+        if self._pool_settled or (in_call and self._settling):
             return
         with self._settle_lock:  # (waiting for settle_pool on another thread: the GIL is released)
-            if not self._pool_settled and self._slots != NULL:
-                self._pool._settle(True, True)
-                self._pool_settled = True
+            if self._pool_settled or self._slots == NULL:
+                return
+            self._settling = not in_call
+            try:
+                for i in range(nslots):
+                    with nogil:
+                        memset(self._slots[i], 0, slot_size)
+                        fpio_engine_set_settled(self._e, i + 1)
+                self._pool._settle(False, True)  # the lock (never a memset now: calls may be using slots)
+            finally:
+                fpio_engine_set_settled(self._e, nslots)
+                self._settling = False
+            self._pool_settled = True
 
     def settle_pool(self):
         """Fault the bounce buffers in and lock them now (otherwise the first
         call that needs one does), e.g. on a thread before the first call.
         A call on another thread meanwhile goes on while it moves aligned
-        memory only (those never touch the pool) and waits for it where a
-        piece needs a bounce buffer; close() waits for it."""
+        memory only (those never touch the pool), and takes each bounce
+        buffer as soon as it is faulted in; close() waits for it."""
         if self._e == NULL:
             raise ValueError("Engine is closed")
-        self._settle_now()
+        self._settle_now(False)
 
     @property
     def pool_settled(self):

@@ -68,6 +68,9 @@ typedef struct {
 int fpio_engine_open(int kind, int qd_max, int nthreads, char **slots, int nslots,
                      int64_t slot_size, fpio_engine **out, const char **why);
 void fpio_engine_close(fpio_engine *e);
+/* Slots [0, n) are faulted in and may be used; a call waits for a slot past
+ * them (they are being faulted in on another thread). All are at open. */
+void fpio_engine_set_settled(fpio_engine *e, int n);
 
 /* Checksums a pipeline computes while the bytes pass (NULL: none). Piece i
  * owns out[first[i] .. first[i + 1]): block 0: one CRC-32C for the whole

@@ -34,6 +34,7 @@ int fpio_engine_open(int kind, int qd_max, int nthreads, char **slots, int nslot
     e->slots = slots;
     e->nslots = nslots;
     e->slot_size = slot_size;
+    e->settled = nslots;
     e->reqs = calloc((size_t)qd_max, sizeof(fpio_req));
     e->done = calloc((size_t)qd_max, sizeof(fpio_req *));
     e->segs = calloc((size_t)nslots, sizeof(fpio_segs));
@@ -50,6 +51,11 @@ int fpio_engine_open(int kind, int qd_max, int nthreads, char **slots, int nslot
     e->be = be;
     *out = e;
     return 0;
+}
+
+void fpio_engine_set_settled(fpio_engine *e, int n)
+{
+    __atomic_store_n(&e->settled, n, __ATOMIC_RELEASE);
 }
 
 void fpio_engine_close(fpio_engine *e)

@@ -82,6 +82,8 @@ struct fpio_engine {
     int nslots;
     int64_t slot_size;
     fpio_segs *segs;           /* per slot, for reads */
+    int settled;               /* slots [0, settled) are faulted in; get_slot waits for
+                                * a later one (fpio_engine_set_settled, atomic) */
 };
 
 /* Test hooks (fpio_faults.c): nonzero once fpio_test_hooks_enable() ran,

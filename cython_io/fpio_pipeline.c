@@ -352,7 +352,14 @@ static int get_slot(pctx *c)
     }
     if (c->res->err)
         return -1;
-    return c->free_slots[--c->nfree_slots];
+    int slot = c->free_slots[--c->nfree_slots];
+    /* slots are taken in order from a fresh pool; one still being faulted in
+     * on another thread (Engine.settle_pool) is waited for */
+    while (__atomic_load_n(&c->e->settled, __ATOMIC_ACQUIRE) <= slot) {
+        struct timespec pause = {0, 20000};
+        nanosleep(&pause, NULL);
+    }
+    return slot;
 }
 
 /* Send the open window: writes are padded with zeros to the alignment. */

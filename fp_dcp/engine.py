@@ -458,6 +458,7 @@ class EngineSet:
         self.twins: list[tuple[IOSession, IOSession | None]] = []
         self.by_directory: dict[str, IOSession] = {}
         self._settling: threading.Thread | None = None
+        self._ready: threading.Event | None = None
 
     def __reduce__(self) -> tuple:
         # engines stay with the process that made them: a copy starts empty
@@ -506,24 +507,42 @@ class EngineSet:
             session = self.by_directory[directory] = IOSession(options, directory)
         return session
 
-    def in_background(self, work: Callable[[], object], name: str) -> None:
+    def in_background(self, work: Callable[[], object], name: str,
+                      then: Callable[[], object] | None = None) -> None:
         """Run ``work`` (setting engines up: making them, faulting in and
         page-locking their bounce buffers, whose first touch can stall for
-        tens of ms) on a thread of its own while the caller goes on;
-        :meth:`settled` waits for it.  Best effort: what fails there is
-        raised by the engine call that needs it.  Nothing starts while an
-        earlier one has not been waited for (the first call wins)."""
+        tens of ms) on a thread of its own while the caller goes on, then
+        ``then``; :meth:`ready` waits for ``work``, :meth:`settled` for
+        both.  ``then`` may only settle engines' pools (an engine's calls
+        take each bounce buffer as it is faulted in).  Best effort: what
+        fails there is raised by the engine call that needs it.  Nothing
+        starts while an earlier one has not been waited for (the first call
+        wins)."""
         if self._settling is not None:
             return
+        ready = self._ready = threading.Event()
 
         def run() -> None:
             try:
                 work()
             except BaseException:  # noqa: BLE001 - the engine call that needs it reports it
                 pass
+            finally:
+                ready.set()
+            if then is not None:
+                try:
+                    then()
+                except BaseException:  # noqa: BLE001 - as above
+                    pass
 
         self._settling = threading.Thread(target=run, name=name, daemon=True)
         self._settling.start()
+
+    def ready(self) -> None:
+        """Wait for :meth:`in_background`'s ``work``, not for its ``then``
+        (the engines are made; their pools may still be settling)."""
+        if self._ready is not None and self._settling is not threading.current_thread():
+            self._ready.wait()
 
     def settle_early(self, sessions: Sequence[IOSession]) -> None:
         """:meth:`in_background`: the bounce buffers of ``sessions``."""
@@ -536,7 +555,7 @@ class EngineSet:
         to wait for)."""
         if self._settling is not None and self._settling is not threading.current_thread():
             self._settling.join()
-            self._settling = None
+            self._settling = self._ready = None
 
     def _close_primary(self) -> None:
         self.settled()

@@ -34,6 +34,7 @@ cdef extern from "fpio.h" nogil:
     int fpio_engine_open(int kind, int qd_max, int nthreads, char **slots, int nslots,
                          int64_t slot_size, fpio_engine **out, const char **why)
     void fpio_engine_close(fpio_engine *e)
+    void fpio_engine_set_settled(fpio_engine *e, int n)
     ctypedef struct fpio_crc:
         int64_t block
         const int64_t *origin

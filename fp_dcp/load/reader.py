@@ -247,19 +247,22 @@ class FastPersistReader(StorageReader):
         if self.path is None:
             return
 
+        engines: list[IOSession] = []
+
         def work() -> None:
             session = self._engine()
             large = self._large_engine()
-            if bounce:
-                session.engine.settle_pool()
-                if large is not None:
-                    large.engine.settle_pool()
-                    for other in self._more_large_engines():
-                        other.engine.settle_pool()
+            # the engine of long runs first: a load of large tensors reads
+            # through it alone, from its first slot on
+            engines.extend([*([large, *self._more_large_engines()] if large is not None else []), session])
             if twin:
                 self._twin(0)
 
-        self._engines.in_background(work, "fp_dcp-reader-setup")
+        def settle() -> None:
+            for s in engines:
+                s.engine.settle_pool()
+
+        self._engines.in_background(work, "fp_dcp-reader-setup", settle if bounce else None)
 
     def _twin(self, i: int) -> tuple[IOSession, IOSession | None]:
         """The ``i``-th other pair of sessions (scattered runs, long runs),
@@ -331,6 +334,7 @@ class FastPersistReader(StorageReader):
         finally:
             if run is not None:
                 run.close()
+            self._engines.settled()  # nothing of this load's outlives it (pools an engine never needed)
         self.last_stats.update(run.stats)
 
     def _planned(self, items: list[ReadItem], planner: LoadPlanner, run: Run) -> Iterator[list[Job]]:
@@ -368,7 +372,7 @@ class FastPersistReader(StorageReader):
     def _new_run(self) -> Run:
         """The executor of this load: the engines, the data files, the
         stored checksums and the limits the jobs are planned within."""
-        self._engines.settled()
+        self._engines.ready()  # the engines are made; their bounce pools may still be settling
         session = self._engine()
         assert self.layout is not None
         paths = fmt.data_file_paths(self._directory(), self.layout)
