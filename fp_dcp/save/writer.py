@@ -188,8 +188,12 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             if cache_key is not None and record is not None:
                 keep_global_record(record)
             # (the early settle of the bounce buffers may still run: the
-            # engine calls that need them wait for it, the others do not)
-            fut.set_result(self._write(assignment, items, planner))
+            # engine calls take each buffer as it is faulted in; the settle
+            # is joined when the writes end, so nothing of a save outlives it)
+            try:
+                fut.set_result(self._write(assignment, items, planner))
+            finally:
+                self._engines.settled()
         except BaseException:
             commit.abandon_rank_files(self._data_directories(), assignment.save_id, assignment.rank)
             self._lock.release()
