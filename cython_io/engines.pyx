@@ -111,7 +111,8 @@ cdef class Engine:
     cdef bint _settling  # settle_pool is faulting the pool in, slot by slot, on another thread
     cdef bint _failed  # a call failed: its pool is not kept (requests may have been left in flight)
     # held while the pool is being settled: settle_pool() on another thread
-    # runs beside calls that need no slot; a call that needs one waits here
+    # runs beside calls, which take each slot as it is faulted in; a call
+    # that needs a slot while no settle_pool is at work settles the pool itself
     cdef object _settle_lock
 
     def __init__(self, str kind="auto", *, int queue_depth=DEFAULT_QUEUE_DEPTH,
