@@ -69,32 +69,19 @@ def device_max_request_bytes(directory: str) -> int | None:
     (``/sys/block/<disk>/queue/max_sectors_kb``), or None where sysfs does not
     say (tmpfs, network file systems, no sysfs)."""
     try:
-        st = os.stat(directory)
-        real = os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
-        for d in (real, os.path.dirname(real)):  # a partition's queue is its disk's
-            path = os.path.join(d, "queue", "max_sectors_kb")
-            if os.path.exists(path):
-                with open(path) as f:
-                    return int(f.read()) << 10
+        disk = tuning.block_device(directory)[1]
+        text = tuning.read_sysfs(os.path.join(disk, "queue", "max_sectors_kb")) if disk else None
+        return int(text) << 10 if text else None
     except (OSError, ValueError):
-        pass
-    return None
+        return None
 
 
 def _disk_devs(directory: str) -> set[str]:
     """"major:minor" of the file system under ``directory`` and of its whole
     disk (a partition's parent), as cgroups name block devices."""
-    st = os.stat(directory)
-    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    devs = {dev}
-    try:
-        real = os.path.realpath(f"/sys/dev/block/{dev}")
-        if not os.path.exists(os.path.join(real, "queue")):
-            with open(os.path.join(os.path.dirname(real), "dev")) as f:
-                devs.add(f.read(64).strip())
-    except OSError:
-        pass
-    return devs
+    dev, disk = tuning.block_device(directory)
+    whole = tuning.read_sysfs(os.path.join(disk, "dev")) if disk is not None else None
+    return {dev, whole} if whole else {dev}
 
 
 # the most read of a /proc or cgroup file (a host's mountinfo with thousands

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from fp_dcp import files
 
-__all__ = ["Shape", "Tuned", "TuningWarning", "device_identity", "lookup", "record_path", "store"]
+__all__ = ["Shape", "Tuned", "TuningWarning", "block_device", "device_identity", "lookup", "record_path", "store"]
 
 ENV = "FP_DCP_TUNING_FILE"
 FORMAT = "fp_dcp tuning"
@@ -30,6 +30,8 @@ MAX_IN_FLIGHT_BYTES = 256 << 20  # = fp_dcp.options.MAX_IN_FLIGHT_BYTES, the bou
 # it must be a regular file, not a link (a FIFO would hang every save)
 MAX_RECORD_FILE_BYTES = 1 << 20
 
+# where sysfs links "major:minor" to each block device's directory
+_SYS_DEV_BLOCK = "/sys/dev/block"
 # sysfs files that name a disk, relative to /sys/block/<disk>/
 _IDENTITY = (("model", "device/model"), ("vendor", "device/vendor"), ("serial", "serial"),
              ("serial", "device/serial"), ("wwid", "wwid"), ("wwid", "device/wwid"))
@@ -60,7 +62,8 @@ def record_path() -> str | None:
     return os.path.join(cache, "fp_dcp", "tuning.json")
 
 
-def _read_sys(path: str) -> str | None:
+def read_sysfs(path: str) -> str | None:
+    """A sysfs file's text, stripped; None where it does not read or is empty."""
     try:
         with open(path) as f:
             return f.read().strip() or None
@@ -68,21 +71,31 @@ def _read_sys(path: str) -> str | None:
         return None
 
 
+def block_device(directory: str) -> tuple[str, str | None]:
+    """``("major:minor", disk)``: the device of the file system under
+    ``directory`` and the sysfs directory of its whole disk (a partition's
+    parent there), or None for ``disk`` where sysfs has no block device for
+    it (tmpfs, network file systems, no sysfs)."""
+    st = os.stat(directory)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    sysdev = os.path.join(_SYS_DEV_BLOCK, dev)
+    if not os.path.exists(sysdev):
+        return dev, None
+    real = os.path.realpath(sysdev)
+    return dev, real if os.path.exists(os.path.join(real, "queue")) else os.path.dirname(real)
+
+
 def device_identity(directory: str) -> dict[str, str]:
     """``{"dev": "major:minor"}`` of the file system under ``directory``,
     with the disk's name, model, vendor, serial and wwid where sysfs says
     (a partition is named by its disk)."""
-    st = os.stat(directory)
-    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    dev, disk = block_device(directory)
     ident = {"dev": dev}
-    sysdev = f"/sys/dev/block/{dev}"
-    if os.path.exists(sysdev):
-        real = os.path.realpath(sysdev)
-        disk = real if os.path.exists(os.path.join(real, "queue")) else os.path.dirname(real)
+    if disk is not None:
         ident["disk"] = os.path.basename(disk)
         for key, rel in _IDENTITY:
             if key not in ident:
-                value = _read_sys(os.path.join(disk, rel))
+                value = read_sysfs(os.path.join(disk, rel))
                 if value is not None:
                     ident[key] = value
     return ident

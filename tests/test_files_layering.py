@@ -27,7 +27,6 @@ FORBIDDEN = {
 ALLOWED = {
     ("_exit.py", "open"): "reads /proc/self/task/<tid>/comm, stat and syscall (this process's threads)",
     ("_exit.py", "os.listdir"): "lists /proc/self/task (this process's threads)",
-    ("engine.py", "open"): "reads sysfs (queue/max_sectors_kb), not a checkpoint path",
     ("engine.py", "os.scandir"): "the O_DIRECT probe lists the directory for an existing regular file",
     ("engine.py", "os.open"): "the O_DIRECT probe opens that file O_NOFOLLOW|O_NONBLOCK and closes it at once",
     ("load/sharing/transport.py", "open"): "reads /proc/sys/kernel/random/boot_id",

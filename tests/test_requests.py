@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp_dcp import _native, engine
+from fp_dcp import _native, engine, tuning
 from fp_dcp.engine import (
     LARGE_IN_FLIGHT_BYTES,
     LARGE_REQUEST_MAX_BYTES,
@@ -30,6 +30,7 @@ from tests._sd import assert_sd_equal, flip_byte, load, save, zeros_like_sd
 
 pytestmark = pytest.mark.usefixtures("aio_no_leaks")
 
+KiB = 1 << 10
 MiB = 1 << 20
 
 
@@ -55,6 +56,34 @@ def test_device_max_request_bytes_reads_sysfs(tmp_path):
     got = device_max_request_bytes(str(tmp_path))
     assert got is None or (got > 0 and got % 512 == 0)
     assert device_max_request_bytes("/proc") is None  # no block device
+
+
+def test_a_partition_is_sized_and_limited_by_its_whole_disk(tmp_path, monkeypatch):
+    # a fake sysfs: the directory's device is partition 1 of a disk whose queue
+    # takes 512 KiB requests; cgroups may name either device
+    st = os.stat(tmp_path)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    disk = tmp_path / "sys" / "block" / "vdz"
+    (disk / "vdz1").mkdir(parents=True)
+    (disk / "queue").mkdir()
+    (disk / "queue" / "max_sectors_kb").write_text("512\n")
+    (disk / "dev").write_text("253:16\n")
+    (disk / "vdz1" / "dev").write_text(dev + "\n")
+    (disk / "device").mkdir()
+    (disk / "device" / "model").write_text("FAKE DISK\n")
+    links = tmp_path / "sys" / "dev" / "block"
+    links.mkdir(parents=True)
+    (links / dev).symlink_to(disk / "vdz1")
+    monkeypatch.setattr(tuning, "_SYS_DEV_BLOCK", str(links))
+    assert tuning.block_device(str(tmp_path)) == (dev, str(disk))
+    assert device_max_request_bytes(str(tmp_path)) == 512 * KiB
+    assert engine._disk_devs(str(tmp_path)) == {dev, "253:16"}
+    assert tuning.device_identity(str(tmp_path)) == {"dev": dev, "disk": "vdz", "model": "FAKE DISK"}
+    # no sysfs entry: no disk, nothing said
+    (links / dev).unlink()
+    assert tuning.block_device(str(tmp_path)) == (dev, None)
+    assert device_max_request_bytes(str(tmp_path)) is None
+    assert engine._disk_devs(str(tmp_path)) == {dev}
 
 
 def _fake_cgroups(monkeypatch, tree: dict[str, str]) -> None:
