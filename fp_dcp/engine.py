@@ -70,7 +70,7 @@ def device_max_request_bytes(directory: str) -> int | None:
     say (tmpfs, network file systems, no sysfs)."""
     try:
         disk = tuning.block_device(directory)[1]
-        text = tuning.read_sysfs(os.path.join(disk, "queue", "max_sectors_kb")) if disk else None
+        text = tuning.read_sysfs(os.path.join(disk, "queue", "max_sectors_kb")) if disk is not None else None
         return int(text) << 10 if text else None
     except (OSError, ValueError):
         return None

@@ -252,9 +252,11 @@ class FastPersistReader(StorageReader):
         def work() -> None:
             session = self._engine()
             large = self._large_engine()
-            # the engine of long runs first: a load of large tensors reads
-            # through it alone, from its first slot on
-            engines.extend([*([large, *self._more_large_engines()] if large is not None else []), session])
+            # the engines of long runs first: a load of large tensors reads
+            # through them alone, from their first slot on
+            if large is not None:
+                engines.extend([large, *self._more_large_engines()])
+            engines.append(session)
             if twin:
                 self._twin(0)
 
