@@ -19,10 +19,12 @@ Everything a benchmark needs besides the thing it measures:
   ``method="hugebuf"``: fp_dcp's engine into one huge-page buffer, else a
   single-request O_DIRECT loop in Python);
 - machine: ``hardware_info(dir)``, ``check_free_space``;
-- device profiles: ``DeviceProfile("bare" | "throttled", dir, iops)``, a
-  context manager that puts this process (and so its children) into a cgroup
-  v1 blkio group limiting the disk under ``dir`` to ``iops`` operations per
-  second, torn down on exit;
+- device profiles: ``DeviceProfile("bare" | "throttled" | "ram", dir, iops,
+  fs_bytes)``, a context manager: ``throttled`` puts this process (and so its
+  children) into a cgroup v1 blkio group limiting the disk under ``dir`` to
+  ``iops`` operations per second; ``ram`` makes a file system of ``fs_bytes``
+  on a loop device over RAM for the run to work in (``directory``); each is
+  torn down on exit;
 - the parent side every benchmark shares: ``parser`` (the common flags),
   ``main`` (``--child`` or the parent), ``Bench`` (target and work
   directories, hardware, the JSON report, clean-up), ``entered`` (each device
@@ -125,7 +127,9 @@ def parser(description: str, name: str, *, size: str, size_help: str, quick: str
 
 
 PROFILES_HELP = ("device profiles, each a full run: bare (the disk as it is), throttled (the same disk limited "
-                 "per operation by a cgroup v1 blkio group; needs root, skipped with a message otherwise)")
+                 "per operation by a cgroup v1 blkio group), ram (an ext4 file system on a loop device over RAM: "
+                 "a fast device; its speed is the CPU's); throttled and ram need root and are skipped with a "
+                 "message otherwise")
 
 
 def check_profiles(p: argparse.ArgumentParser, names: str) -> list[str]:
@@ -777,7 +781,30 @@ def disk_dev_of(path: str | Path) -> tuple[str, str] | None:
 
 
 BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
-PROFILES = ("bare", "throttled")
+PROFILES = ("bare", "throttled", "ram")
+RAM_SHM = Path("/dev/shm")
+
+
+def _run_tool(*argv: str) -> str:
+    """Run a system tool (losetup, mkfs.ext4, mount, umount): its stdout, or
+    OSError with its stderr."""
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise OSError(f"{' '.join(argv)}: {(r.stderr or r.stdout).strip() or f'exit status {r.returncode}'}")
+    return r.stdout.strip()
+
+
+def meminfo(field: str) -> int | None:
+    """A /proc/meminfo figure (``"MemTotal"``, ``"MemAvailable"``) in bytes;
+    None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * KiB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class DeviceProfile:
@@ -789,25 +816,38 @@ class DeviceProfile:
     (``blkio.throttle.read_iops_device`` / ``write_iops_device`` for the disk
     under ``target``), which the calling process joins, so every child it
     starts (fp_dcp, the stock writer, fio, ...) runs inside it; on exit the
-    process goes back to the root group and the group is removed.  Where it
-    cannot be set up (not root, no cgroup v1 blkio, no disk found)
-    ``available`` is False and ``why`` says why; nothing was changed.
+    process goes back to the root group and the group is removed.
+
+    ``ram``: a fast device, where the CPU and Python costs of a save or load
+    show that a slower disk hides: an ext4 file system of ``fs_bytes`` on a
+    loop device over a file in ``/dev/shm`` (RAM), the file's pages all
+    allocated before the run (a loop device over a sparse file allocates
+    them while it writes, at a fraction of its speed) and never given back
+    by discards while it runs; the run works in :attr:`directory` instead of
+    ``target``.  On exit it is unmounted, detached and deleted.  Its speed
+    is the CPU's: the loop device copies every byte on this machine's cores,
+    beside the contender's own work.
+
+    Where a profile cannot be set up (not root, no cgroup v1 blkio, no disk
+    found, no loop devices or not enough free memory) ``available`` is False
+    and ``why`` says why; nothing was changed.
     """
 
-    def __init__(self, name: str, target: str | Path, iops: int = 2000) -> None:
+    def __init__(self, name: str, target: str | Path, iops: int = 2000, fs_bytes: int = 0,
+                 run_bytes: int = 0) -> None:
         if name not in PROFILES:
             raise ValueError(f"unknown device profile {name!r}: choose from {', '.join(PROFILES)}")
         self.name, self.target, self.iops = name, Path(target), iops
         self.group: Path | None = None
         self.available, self.why = True, ""
-        dev = disk_dev_of(target)
+        self.fs_bytes, self.run_bytes = fs_bytes, run_bytes
+        self.directory: Path | None = None  # where a ram profile's run works, while entered
+        self._image: Path | None = None
+        self._loop: str | None = None
+        self._mount: Path | None = None
+        dev = disk_dev_of(target) if name != "ram" else None
         self.dev, self.disk = dev if dev else (None, None)
-        self.max_sectors_kb = None
-        if self.disk:
-            try:
-                self.max_sectors_kb = int(Path(f"/sys/block/{self.disk}/queue/max_sectors_kb").read_text())
-            except (OSError, ValueError):
-                pass
+        self.max_sectors_kb = self._max_sectors_kb()
         if name == "throttled":
             if self.dev is None:
                 self.available, self.why = False, f"no block device found under {target}"
@@ -815,20 +855,69 @@ class DeviceProfile:
                 self.available, self.why = False, f"no cgroup v1 blkio throttling at {BLKIO_ROOT}"
             elif os.geteuid() != 0:
                 self.available, self.why = False, "cgroup blkio throttling needs root"
+        elif name == "ram":
+            self.why = self._ram_unavailable()
+            self.available = not self.why
+
+    def _max_sectors_kb(self) -> int | None:
+        if not self.disk:
+            return None
+        try:
+            return int(Path(f"/sys/block/{self.disk}/queue/max_sectors_kb").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _ram_unavailable(self) -> str:
+        if os.geteuid() != 0:
+            return "a loop device and a mount need root"
+        if not Path("/dev/loop-control").exists():
+            return "no loop devices (/dev/loop-control is missing)"
+        missing = [t for t in ("losetup", "mkfs.ext4", "mount", "umount") if shutil.which(t) is None]
+        if missing:
+            return f"{', '.join(missing)} not on PATH"
+        if not RAM_SHM.is_dir():
+            return f"no {RAM_SHM}"
+        if self.fs_bytes <= 0:
+            return "no file system size given (fs_bytes)"
+        avail = meminfo("MemAvailable")
+        # the file system's pages, the run's own memory (its state dicts) and
+        # 2 GiB for the page cache of the buffered contenders and the rest
+        need = self.fs_bytes + self.run_bytes + 2 * GiB
+        if avail is None or avail < need:
+            have = "unknown" if avail is None else fmt_size(avail)
+            return (f"needs {fmt_size(need)} of free memory (a {fmt_size(self.fs_bytes)} file system in RAM, "
+                    f"{fmt_size(self.run_bytes)} for the run, 2 GiB more); MemAvailable is {have}: "
+                    f"use a smaller --size")
+        if shutil.disk_usage(RAM_SHM).free < self.fs_bytes:
+            return f"{RAM_SHM} has less than {fmt_size(self.fs_bytes)} free"
+        return ""
 
     def describe(self) -> dict:
         return {"profile": self.name, "available": self.available, "why": self.why or None,
                 "disk": self.disk, "dev": self.dev, "max_sectors_kb": self.max_sectors_kb,
                 "read_iops": self.iops if self.name == "throttled" else None,
-                "write_iops": self.iops if self.name == "throttled" else None}
+                "write_iops": self.iops if self.name == "throttled" else None,
+                "fs_bytes": self.fs_bytes if self.name == "ram" else None}
 
     def label(self) -> str:
         if self.name == "bare":
             return f"bare ({self.disk or '?'})"
+        if self.name == "ram":
+            return (f"ram ({self.disk or 'a loop device'}: ext4 of {fmt_size(self.fs_bytes, trim=True)} over "
+                    f"a preallocated file in {RAM_SHM})")
         return f"throttled ({self.disk or '?'} {self.dev}: {self.iops} read / {self.iops} write IOPS, cgroup v1 blkio)"
 
     def __enter__(self) -> "DeviceProfile":
-        if self.name != "throttled" or not self.available:
+        if not self.available:
+            return self
+        if self.name == "ram":
+            try:
+                self._set_up_ram()
+            except (OSError, subprocess.SubprocessError) as e:
+                self.available, self.why = False, f"cannot set up the RAM device: {e}"
+                self._tear_down()
+            return self
+        if self.name != "throttled":
             return self
         group = BLKIO_ROOT / f"fp_dcp_bench_{os.getpid()}"
         try:
@@ -842,7 +931,53 @@ class DeviceProfile:
             self._tear_down()
         return self
 
+    def _set_up_ram(self) -> None:
+        image = RAM_SHM / f"fp_dcp_bench_{os.getpid()}.img"
+        fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._image = image
+        try:
+            os.posix_fallocate(fd, 0, self.fs_bytes)  # every page now, not while the contenders write
+        finally:
+            os.close(fd)
+        self._loop = _run_tool("losetup", "--find", "--show", str(image))
+        # no discards: mkfs's and the file system's would give the pages back
+        _run_tool("mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=0,lazy_journal_init=0", self._loop)
+        mount = Path(f"/tmp/fp_dcp_bench_ram_{os.getpid()}")
+        mount.mkdir(mode=0o700)
+        self._mount = mount
+        _run_tool("mount", "-o", "nodiscard", self._loop, str(mount))
+        self.directory = mount / "work"
+        self.directory.mkdir()
+        dev = disk_dev_of(self.directory)
+        self.dev, self.disk = dev if dev else (None, None)
+        self.max_sectors_kb = self._max_sectors_kb()
+
     def _tear_down(self) -> None:
+        if self._mount is not None:
+            if self.directory is not None:
+                shutil.rmtree(self.directory, ignore_errors=True)
+            for _ in range(50):  # children that just exited may still hold it for a moment
+                try:
+                    _run_tool("umount", str(self._mount))
+                    break
+                except OSError:
+                    if not os.path.ismount(self._mount):
+                        break
+                    time.sleep(0.1)
+            try:
+                self._mount.rmdir()
+            except OSError:
+                pass
+            self._mount = self.directory = None
+        if self._loop is not None:
+            try:
+                _run_tool("losetup", "-d", self._loop)
+            except OSError:
+                pass
+            self._loop = None
+        if self._image is not None:
+            self._image.unlink(missing_ok=True)
+            self._image = None
         if self.group is None:
             return
         try:
@@ -870,14 +1005,7 @@ def hardware_info(target_dir: str | Path) -> dict:
     from fp_dcp.tuning import machine
 
     cpu = machine()["cpu"]
-    mem = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem = int(line.split()[1]) * KiB
-    except OSError:
-        pass
+    mem = meminfo("MemTotal")
     mnt, fstype, src = _mount_of(target_dir)
     info = {
         "cpu_model": cpu,

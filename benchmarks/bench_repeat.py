@@ -55,16 +55,16 @@ def main() -> int:
         args.size, args.saves, args.interval = "64MiB", 3, min(args.interval, 3.0)
     if args.saves < 2:
         p.error("--saves must be at least 2: the first save and the later ones are reported apart")
-    profiles = [C.DeviceProfile(n, args.dir or C.DEFAULT_DIR, args.throttle_iops)
-                for n in C.check_profiles(p, args.profiles)]
+    nbytes = parse_size(args.size)
+    profiles = [C.DeviceProfile(n, args.dir or C.DEFAULT_DIR, args.throttle_iops, fs_bytes=3 * nbytes + C.GiB,
+                                run_bytes=nbytes) for n in C.check_profiles(p, args.profiles)]
     with C.Bench("repeat", args) as bench:
-        nbytes = parse_size(args.size)
         work = bench.make_workdir(need_bytes=3 * nbytes)
         hw = bench.hardware()
         runs, skipped = {}, []
         for prof in C.entered(profiles, skipped):
             print(f"\n== device profile: {prof.label()}")
-            runs[prof.name] = _run(args, work, nbytes)
+            runs[prof.name] = _run(args, prof.directory or work, nbytes)
         for line in skipped:
             print(line)
         if args.json:

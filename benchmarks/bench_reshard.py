@@ -406,7 +406,7 @@ def run(argv=None) -> int:
     ap.add_argument("--rep-tensors", type=int, default=2, help="tensors every rank loads whole in the rep case")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every case (median reported)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per world")
-    ap.add_argument("--profile", choices=C.PROFILES, default="bare",
+    ap.add_argument("--profile", choices=("bare", "throttled"), default="bare",
                     help="device profile: bare, or throttled (the disk limited to --throttle-iops operations "
                          "per second by a cgroup v1 blkio group the whole run joins; root only)")
     ap.add_argument("--throttle-iops", type=int, default=1000, help="IOPS limit of the throttled profile")

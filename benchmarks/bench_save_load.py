@@ -786,7 +786,9 @@ def _run(args, bench: C.Bench, workdir: Path) -> int:
           f"{'cold (page cache dropped before each run)' if can_drop else 'WARM'}")
 
     mixes = ["large", "small"] if args.mix == "both" else [args.mix]
-    profiles = [C.DeviceProfile(name, bench.target, args.throttle_iops) for name in args.profiles.split(",")]
+    # (a ram profile's file system holds what --dir must: 3x --size, and room for ext4's own)
+    profiles = [C.DeviceProfile(name, bench.target, args.throttle_iops, fs_bytes=3 * args.size_bytes + C.GiB,
+                                run_bytes=args.size_bytes) for name in args.profiles.split(",")]
     report = bench.report(size_bytes=args.size_bytes, repeat=args.repeat, seed=args.seed,
                           hardware=hw, raw_method=raw_method, cold_loads=can_drop,
                           fp_dcp={"available": fp_ok, "info": fp_info},
@@ -796,7 +798,7 @@ def _run(args, bench: C.Bench, workdir: Path) -> int:
     for prof in C.entered(profiles, texts):
         print(f"\n==== device profile: {prof.label()} ====", flush=True)
         for mix in mixes:
-            res = run_mix(args, mix, contenders, workdir, can_drop)
+            res = run_mix(args, mix, contenders, prof.directory or workdir, can_drop)
             summ = _summaries(res, contenders)
             ratios = _ratios(mix, summ, contenders)
             texts.append(f"device profile: {prof.label()}\n"
