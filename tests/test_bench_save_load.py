@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 
 import pytest
 
@@ -118,3 +119,55 @@ def test_raw_jobs_write_and_read_their_own_slices_of_one_file(bench, tmp_path):
     args = bench.parse_args(["--contenders", "raw", "--raw-bs", "4M", "--raw-jobs", "4x32", "--raw", "fio"])
     names = [c["name"] for c in bench.build_contenders(args, False, "fio")]
     assert "raw[fio,4M]" in names and "raw[fio,4M,4x32]" in names
+
+
+def _loops() -> str:
+    return subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout if shutil.which("losetup") else ""
+
+
+def test_ram_profile_runs_in_its_own_preallocated_file_system_and_leaves_nothing(bench, tmp_path):
+    C = bench.C
+    prof = C.DeviceProfile("ram", tmp_path, fs_bytes=64 << 20)
+    if not prof.available:
+        pytest.skip(f"no ram profile here: {prof.why}")
+    loops = _loops()
+    image = C.RAM_SHM / f"fp_dcp_bench_{os.getpid()}.img"
+    with prof:
+        assert prof.available, prof.why
+        work = prof.directory
+        assert work is not None and work.is_dir() and not any(work.iterdir())
+        assert os.stat(work).st_dev != os.stat(tmp_path).st_dev  # not the disk under the target
+        assert os.stat(image).st_blocks * 512 >= 64 << 20  # every page written before the run
+        assert prof.label().startswith("ram (loop") and prof.describe()["fs_bytes"] == 64 << 20
+        data = os.urandom(1 << 20)
+        (work / "f").write_bytes(data)
+        assert (work / "f").read_bytes() == data
+        mount = work.parent
+    assert not os.path.exists(mount) and not image.exists() and _loops() == loops
+    assert prof.directory is None
+
+
+def test_ram_profile_that_fails_half_way_is_skipped_and_undone(bench, tmp_path, monkeypatch):
+    C = bench.C
+    prof = C.DeviceProfile("ram", tmp_path, fs_bytes=64 << 20)
+    if not prof.available:
+        pytest.skip(f"no ram profile here: {prof.why}")
+    loops = _loops()
+    real = C._run_tool
+
+    def no_mkfs(*argv):
+        if argv[0] == "mkfs.ext4":
+            raise OSError("mkfs.ext4: refused by the test")
+        return real(*argv)
+
+    monkeypatch.setattr(C, "_run_tool", no_mkfs)
+    assert [p.name for p in C.entered([prof])] == []
+    assert not prof.available and "refused by the test" in prof.why
+    assert not (C.RAM_SHM / f"fp_dcp_bench_{os.getpid()}.img").exists() and _loops() == loops
+
+
+def test_ram_profile_larger_than_free_memory_is_refused_before_anything_is_made(bench, tmp_path):
+    prof = bench.C.DeviceProfile("ram", tmp_path, fs_bytes=1 << 50)
+    assert not prof.available and prof.why
+    with prof:
+        assert prof.directory is None

@@ -28,6 +28,7 @@ import plot  # noqa: E402  (benchmarks/plot.py: the JSON's per-profile figures)
 PROFILE_WORDS = {
     "bare": "the disk as it is",
     "throttled": "the same disk limited per operation by a cgroup v1 blkio group",
+    "ram": "ext4 on a loop device over RAM: a fast device whose speed is the CPU's",
 }
 
 
