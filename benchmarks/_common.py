@@ -825,9 +825,10 @@ class DeviceProfile:
     absent or only fallocated, went at a fraction of its speed) and never
     given back by discards while it runs; the run works in
     :attr:`directory` instead of ``target``.  ``run_bytes``: the memory the
-    run needs besides (its state dicts), checked with the file system's.  On exit it is unmounted, detached and deleted.  Its speed
-    is the CPU's: the loop device copies every byte on this machine's cores,
-    beside the contender's own work.
+    run needs besides (its state dicts), checked with the file system's.  On
+    exit it is unmounted, detached and deleted.  Its speed is the CPU's: the
+    loop device copies every byte on this machine's cores, beside the
+    contender's own work.
 
     Where a profile cannot be set up (not root, no cgroup v1 blkio, no disk
     found, no loop devices or not enough free memory) ``available`` is False

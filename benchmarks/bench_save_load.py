@@ -804,6 +804,7 @@ def _run(args, bench: C.Bench, workdir: Path) -> int:
             texts.append(f"device profile: {prof.label()}\n"
                          + print_report(res, summ, ratios, contenders))
             report["mixes"].append({**res, "profile": prof.name, "summary": summ, "ratios": ratios})
+    report["profiles"] = [p.describe() for p in profiles]  # as entered: a ram profile's loop device named
     if not fp_ok and "fp_dcp" in args.contenders.split(","):
         print(f"\nfp_dcp was SKIPPED ({fp_info}): no ratios or targets evaluated.")
     report["table"] = "\n\n".join(["\n".join(C.hardware_lines(hw))] + texts)

@@ -62,6 +62,17 @@ def _profile_text(report: dict[str, Any], name: str) -> str:
     return f"`{name}` ({words})"
 
 
+def _device_text(report: dict[str, Any]) -> str:
+    """The device the run measured: the disk under its --dir, or, where every
+    profile of the run is ``ram``, the file system in RAM it made instead."""
+    names = {m.get("profile", "bare") for m in report.get("mixes", [])}
+    if names == {"ram"}:
+        size = next((p.get("fs_bytes") for p in report.get("profiles") or [] if p.get("fs_bytes")), None)
+        cores = report.get("hardware", {}).get("cpu_cores", "?")
+        return f"ext4 of {plot._size(size)} on a loop device over RAM, {cores} cores"
+    return plot.device_label(report.get("hardware", {}))
+
+
 def _ratio_rows(mix: dict[str, Any]) -> dict[tuple[str, str], dict]:
     return {(r["op"], r["vs"]): r for r in mix.get("ratios", []) if r.get("contender") == "fp_dcp"}
 
@@ -121,7 +132,7 @@ def page(paths: list[str], notes: list[str], argv: list[str]) -> str:
         hw = report.get("hardware", {})
         out += [f"## `{_rel(path)}`", "",
                 "Command: `flock /tmp/fp_dcp_bench.lock " + bench_command(report, path) + "`", "",
-                f"Device: {plot.device_label(hw)} ({hw.get('cpu_model', '?')}, "
+                f"Device: {_device_text(report)} ({hw.get('cpu_model', '?')}, "
                 f"{plot._size(hw.get('ram_bytes'))} RAM, torch {hw.get('torch', '?')}); loads "
                 + ("cold (page cache dropped before each)" if report.get("cold_loads") else "WARM (page cache kept)")
                 + f"; {report.get('repeat', '?')} round(s), contenders alternating within a round; raw contenders: "
