@@ -807,6 +807,39 @@ def meminfo(field: str) -> int | None:
     return None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def reclaim_stale_ram() -> list[str]:
+    """Undo the ram profiles of benchmark processes that are gone (killed
+    before they could tear theirs down, their file still holding its size in
+    RAM): the mount ``/tmp/fp_dcp_bench_ram_<pid>``, the loop devices over
+    ``/dev/shm/fp_dcp_bench_<pid>.img`` and that file, found by those names.
+    What a live process holds is left alone.  Returns the files removed."""
+    removed = []
+    for image in sorted(RAM_SHM.glob("fp_dcp_bench_*.img")):
+        m = re.fullmatch(r"fp_dcp_bench_(\d+)\.img", image.name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        mount = Path(f"/tmp/fp_dcp_bench_ram_{m.group(1)}")
+        if os.path.ismount(mount):
+            _run_tool("umount", str(mount))
+        if mount.is_dir():
+            mount.rmdir()  # (not empty: not a mount of ours; OSError)
+        for line in _run_tool("losetup", "-j", str(image)).splitlines():
+            _run_tool("losetup", "-d", line.split(":", 1)[0])
+        image.unlink()
+        removed.append(str(image))
+    return removed
+
+
 class DeviceProfile:
     """A device profile the benchmark runs inside, as a context manager.
 
@@ -826,7 +859,8 @@ class DeviceProfile:
     given back by discards while it runs; the run works in
     :attr:`directory` instead of ``target``.  ``run_bytes``: the memory the
     run needs besides (its state dicts), checked with the file system's.  On
-    exit it is unmounted, detached and deleted.  Its speed is the CPU's: the
+    exit it is unmounted, detached and deleted; the set-up first removes those
+    of benchmark processes that were killed (:func:`reclaim_stale_ram`).  Its speed is the CPU's: the
     loop device copies every byte on this machine's cores, beside the
     contender's own work.
 
@@ -934,6 +968,8 @@ class DeviceProfile:
         return self
 
     def _set_up_ram(self) -> None:
+        for gone in reclaim_stale_ram():
+            print(f"removed the RAM device of a benchmark process that is gone: {gone}")
         image = RAM_SHM / f"fp_dcp_bench_{os.getpid()}.img"
         fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._image = image

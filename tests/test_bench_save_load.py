@@ -173,3 +173,43 @@ def test_ram_profile_larger_than_free_memory_is_refused_before_anything_is_made(
     assert not prof.available and prof.why
     with prof:
         assert prof.directory is None
+
+
+def test_ram_profile_removes_what_a_killed_benchmark_left_and_nothing_else(bench, tmp_path):
+    C = bench.C
+    prof = C.DeviceProfile("ram", tmp_path, fs_bytes=64 << 20)
+    if not prof.available:
+        pytest.skip(f"no ram profile here: {prof.why}")
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a process id that is gone
+    image = C.RAM_SHM / f"fp_dcp_bench_{dead.pid}.img"
+    mount = Path(f"/tmp/fp_dcp_bench_ram_{dead.pid}")
+    other = C.RAM_SHM / "fp_dcp_bench_notapid.img"  # not a name the profile makes
+    if image.exists() or mount.exists():
+        pytest.skip("a leftover of that process id is there already")
+    with open(image, "wb") as f:
+        f.truncate(32 << 20)
+    other.write_bytes(b"x")
+    try:
+        loop = C._run_tool("losetup", "--find", "--show", str(image))
+        C._run_tool("mkfs.ext4", "-q", "-F", loop)
+        mount.mkdir()
+        C._run_tool("mount", loop, str(mount))
+        (mount / "data").write_bytes(b"left by a killed run")
+        with prof:  # its set-up removes the dead run's mount, loop device and file
+            assert prof.available, prof.why
+            assert not os.path.ismount(mount) and not mount.exists()
+            assert not image.exists() and str(image) not in _loops()
+            assert other.exists()  # not the profile's: left alone
+            live = C.RAM_SHM / f"fp_dcp_bench_{os.getpid()}.img"
+            assert live.exists()  # a live process's own is kept
+    finally:
+        other.unlink(missing_ok=True)
+        if os.path.ismount(mount):
+            C._run_tool("umount", str(mount))
+        if mount.is_dir():
+            mount.rmdir()
+        for line in _loops().splitlines():
+            if str(image) in line:
+                C._run_tool("losetup", "-d", line.split(":", 1)[0])
+        image.unlink(missing_ok=True)
