@@ -860,9 +860,9 @@ class DeviceProfile:
     :attr:`directory` instead of ``target``.  ``run_bytes``: the memory the
     run needs besides (its state dicts), checked with the file system's.  On
     exit it is unmounted, detached and deleted; the set-up first removes those
-    of benchmark processes that were killed (:func:`reclaim_stale_ram`).  Its speed is the CPU's: the
-    loop device copies every byte on this machine's cores, beside the
-    contender's own work.
+    of benchmark processes that were killed (:func:`reclaim_stale_ram`).  Its
+    speed is the CPU's: the loop device copies every byte on this machine's
+    cores, beside the contender's own work.
 
     Where a profile cannot be set up (not root, no cgroup v1 blkio, no disk
     found, no loop devices or not enough free memory) ``available`` is False
@@ -1008,6 +1008,11 @@ class DeviceProfile:
                     if not os.path.ismount(self._mount):
                         break
                     time.sleep(0.1)
+            if os.path.ismount(self._mount):  # still busy: all of it left for reclaim_stale_ram
+                print(f"warning: {self._mount} is still in use and stays mounted; the first ram profile set up "
+                      f"after this process has ended removes it, its loop device and {self._image}")
+                self._mount = self.directory = self._loop = self._image = None
+                return
             try:
                 self._mount.rmdir()
             except OSError:
