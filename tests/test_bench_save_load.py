@@ -9,6 +9,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,22 @@ def test_ram_profile_removes_what_a_killed_benchmark_left_and_nothing_else(bench
             if str(image) in line:
                 C._run_tool("losetup", "-d", line.split(":", 1)[0])
         image.unlink(missing_ok=True)
+
+
+def test_fio_span_runs_from_the_first_request_sent_to_the_last_completed(bench, tmp_path):
+    # per request: completion time (ms since the epoch), latency (ns), ...
+    (tmp_path / "raw_lat.1.log").write_text("1000, 100000000, 1, 16777216, 0\n1500, 50000000, 1, 16777216, 0\n")
+    (tmp_path / "raw_lat.2.log").write_text("2000, 200000000, 1, 16777216, 0\n")  # a job that started late
+    (tmp_path / "raw_clat.1.log").write_text("5000, 1, 1, 16777216, 0\n")  # completion latencies: not read
+    assert bench.C._fio_span(str(tmp_path)) == pytest.approx(1.1)  # sent at 900 ms, last done at 2000
+    assert bench.C._fio_span(str(tmp_path / "none")) is None
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio not on PATH")
+def test_raw_jobs_are_timed_over_their_span_never_faster_than_fio_says(bench, tmp_path):
+    r = bench.C.raw_device_io("write", tmp_path / "raw.bin", 8 << 20, method="fio", block_size=1 << 20,
+                              iodepth=2, numjobs=4)
+    assert r["bytes"] == 8 << 20 and r["span_seconds"] > 0
+    assert r["seconds"] == max(r["fio_group_seconds"], r["span_seconds"])
+    assert "first request to the last completion" in r["note"]
+    assert not list(tmp_path.glob("*.log")) and not list(Path(tempfile.gettempdir()).glob("fp_dcp_fio_*"))
