@@ -857,25 +857,50 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def ram_paths(pid: int) -> tuple[Path, Path]:
+    """(the file in /dev/shm, the mount point) of process ``pid``'s ram profile."""
+    return RAM_SHM / f"fp_dcp_bench_{pid}.img", Path(f"/tmp/fp_dcp_bench_ram_{pid}")
+
+
+def _remove_ram(image: Path, mount: Path | None, tries: int = 1) -> bool:
+    """Undo what a ram profile made, whichever of it is there: unmount
+    ``mount`` (``tries`` times, 0.1 s apart, while busy), remove the mount
+    point, detach every loop device over ``image`` and delete it.  False,
+    with nothing detached or deleted, where the file system stays busy;
+    OSError where a tool fails or the mount point is not empty (not a mount
+    of ours)."""
+    for attempt in range(tries):
+        if mount is None or not os.path.ismount(mount):
+            break
+        try:
+            _run_tool("umount", str(mount))
+        except OSError:
+            if attempt + 1 < tries:
+                time.sleep(0.1)
+    if mount is not None:
+        if os.path.ismount(mount):
+            return False
+        if mount.is_dir():
+            mount.rmdir()
+    for line in _run_tool("losetup", "-j", str(image)).splitlines():
+        _run_tool("losetup", "-d", line.split(":", 1)[0])
+    image.unlink(missing_ok=True)
+    return True
+
+
 def reclaim_stale_ram() -> list[str]:
     """Undo the ram profiles of benchmark processes that are gone (killed
     before they could tear theirs down, their file still holding its size in
-    RAM): the mount ``/tmp/fp_dcp_bench_ram_<pid>``, the loop devices over
-    ``/dev/shm/fp_dcp_bench_<pid>.img`` and that file, found by those names.
-    What a live process holds is left alone.  Returns the files removed."""
+    RAM): found by their names (:func:`ram_paths`).  What a live process
+    holds is left alone.  Returns the files removed."""
     removed = []
     for image in sorted(RAM_SHM.glob("fp_dcp_bench_*.img")):
         m = re.fullmatch(r"fp_dcp_bench_(\d+)\.img", image.name)
         if m is None or _alive(int(m.group(1))):
             continue
-        mount = Path(f"/tmp/fp_dcp_bench_ram_{m.group(1)}")
-        if os.path.ismount(mount):
-            _run_tool("umount", str(mount))
-        if mount.is_dir():
-            mount.rmdir()  # (not empty: not a mount of ours; OSError)
-        for line in _run_tool("losetup", "-j", str(image)).splitlines():
-            _run_tool("losetup", "-d", line.split(":", 1)[0])
-        image.unlink()
+        mount = ram_paths(int(m.group(1)))[1]
+        if not _remove_ram(image, mount):
+            raise OSError(f"{mount} is busy")
         removed.append(str(image))
     return removed
 
@@ -919,7 +944,6 @@ class DeviceProfile:
         self.fs_bytes, self.run_bytes = fs_bytes, run_bytes
         self.directory: Path | None = None  # where a ram profile's run works, while entered
         self._image: Path | None = None
-        self._loop: str | None = None
         self._mount: Path | None = None
         dev = disk_dev_of(target) if name != "ram" else None
         self.dev, self.disk = dev if dev else (None, None)
@@ -1010,7 +1034,7 @@ class DeviceProfile:
     def _set_up_ram(self) -> None:
         for gone in reclaim_stale_ram():
             print(f"removed the RAM device of a benchmark process that is gone: {gone}")
-        image = RAM_SHM / f"fp_dcp_bench_{os.getpid()}.img"
+        image, mount = ram_paths(os.getpid())
         fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._image = image
         try:
@@ -1023,13 +1047,12 @@ class DeviceProfile:
                 done += os.write(fd, zeros[: min(len(zeros), self.fs_bytes - done)])
         finally:
             os.close(fd)
-        self._loop = _run_tool("losetup", "--find", "--show", str(image))
+        loop = _run_tool("losetup", "--find", "--show", str(image))
         # no discards: mkfs's and the file system's would give the pages back
-        _run_tool("mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=0,lazy_journal_init=0", self._loop)
-        mount = Path(f"/tmp/fp_dcp_bench_ram_{os.getpid()}")
+        _run_tool("mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=0,lazy_journal_init=0", loop)
         mount.mkdir(mode=0o700)
         self._mount = mount
-        _run_tool("mount", "-o", "nodiscard", self._loop, str(mount))
+        _run_tool("mount", "-o", "nodiscard", loop, str(mount))
         self.directory = mount / "work"
         self.directory.mkdir()
         dev = disk_dev_of(self.directory)
@@ -1037,36 +1060,19 @@ class DeviceProfile:
         self.max_sectors_kb = self._max_sectors_kb()
 
     def _tear_down(self) -> None:
-        if self._mount is not None:
+        if self._image is not None:
             if self.directory is not None:
                 shutil.rmtree(self.directory, ignore_errors=True)
-            for _ in range(50):  # children that just exited may still hold it for a moment
-                try:
-                    _run_tool("umount", str(self._mount))
-                    break
-                except OSError:
-                    if not os.path.ismount(self._mount):
-                        break
-                    time.sleep(0.1)
-            if os.path.ismount(self._mount):  # still busy: all of it left for reclaim_stale_ram
-                print(f"warning: {self._mount} is still in use and stays mounted; the first ram profile set up "
-                      f"after this process has ended removes it, its loop device and {self._image}")
-                self._mount = self.directory = self._loop = self._image = None
-                return
             try:
-                self._mount.rmdir()
-            except OSError:
-                pass
-            self._mount = self.directory = None
-        if self._loop is not None:
-            try:
-                _run_tool("losetup", "-d", self._loop)
-            except OSError:
-                pass
-            self._loop = None
-        if self._image is not None:
-            self._image.unlink(missing_ok=True)
-            self._image = None
+                # (children that just exited may still hold the file system for a moment)
+                removed = _remove_ram(self._image, self._mount, tries=50)
+            except OSError as e:
+                removed = False
+                print(f"warning: {e}")
+            if not removed:  # all of it left for reclaim_stale_ram
+                print(f"warning: the RAM device {self._image} (mounted at {self._mount}) stays; the first ram "
+                      f"profile set up after this process has ended removes it")
+            self._image = self._mount = self.directory = None
         if self.group is None:
             return
         try:

@@ -792,8 +792,7 @@ def _run(args, bench: C.Bench, workdir: Path) -> int:
     report = bench.report(size_bytes=args.size_bytes, repeat=args.repeat, seed=args.seed,
                           hardware=hw, raw_method=raw_method, cold_loads=can_drop,
                           fp_dcp={"available": fp_ok, "info": fp_info},
-                          contenders=contenders, mixes=[],
-                          profiles=[p.describe() for p in profiles])
+                          contenders=contenders, mixes=[])
     texts: list[str] = []
     for prof in C.entered(profiles, texts):
         print(f"\n==== device profile: {prof.label()} ====", flush=True)
@@ -804,7 +803,7 @@ def _run(args, bench: C.Bench, workdir: Path) -> int:
             texts.append(f"device profile: {prof.label()}\n"
                          + print_report(res, summ, ratios, contenders))
             report["mixes"].append({**res, "profile": prof.name, "summary": summ, "ratios": ratios})
-    report["profiles"] = [p.describe() for p in profiles]  # as entered: a ram profile's loop device named
+    report["profiles"] = [p.describe() for p in profiles]  # as entered (a ram profile's loop device named)
     if not fp_ok and "fp_dcp" in args.contenders.split(","):
         print(f"\nfp_dcp was SKIPPED ({fp_info}): no ratios or targets evaluated.")
     report["table"] = "\n\n".join(["\n".join(C.hardware_lines(hw))] + texts)

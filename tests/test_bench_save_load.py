@@ -132,7 +132,7 @@ def test_ram_profile_runs_in_its_own_file_system_in_ram_and_leaves_nothing(bench
     prof = C.DeviceProfile("ram", tmp_path, fs_bytes=64 << 20)
     if not prof.available:
         pytest.skip(f"no ram profile here: {prof.why}")
-    image = C.RAM_SHM / f"fp_dcp_bench_{os.getpid()}.img"
+    image, mount = C.ram_paths(os.getpid())
     with prof:
         assert prof.available, prof.why
         work = prof.directory
@@ -143,8 +143,7 @@ def test_ram_profile_runs_in_its_own_file_system_in_ram_and_leaves_nothing(bench
         data = os.urandom(1 << 20)
         (work / "f").write_bytes(data)
         assert (work / "f").read_bytes() == data
-        assert str(image) in _loops()
-        mount = work.parent
+        assert str(image) in _loops() and work.parent == mount
     assert not os.path.exists(mount) and not image.exists() and str(image) not in _loops()
     assert prof.directory is None
 
@@ -164,9 +163,8 @@ def test_ram_profile_that_fails_half_way_is_skipped_and_undone(bench, tmp_path, 
     monkeypatch.setattr(C, "_run_tool", no_mkfs)
     assert [p.name for p in C.entered([prof])] == []
     assert not prof.available and "refused by the test" in prof.why
-    image = C.RAM_SHM / f"fp_dcp_bench_{os.getpid()}.img"
-    assert not image.exists() and str(image) not in _loops()
-    assert not Path(f"/tmp/fp_dcp_bench_ram_{os.getpid()}").exists()
+    image, mount = C.ram_paths(os.getpid())
+    assert not image.exists() and str(image) not in _loops() and not mount.exists()
 
 
 def test_ram_profile_larger_than_free_memory_is_refused_before_anything_is_made(bench, tmp_path):
@@ -183,8 +181,7 @@ def test_ram_profile_removes_what_a_killed_benchmark_left_and_nothing_else(bench
         pytest.skip(f"no ram profile here: {prof.why}")
     dead = subprocess.Popen(["true"])
     dead.wait()  # a process id that is gone
-    image = C.RAM_SHM / f"fp_dcp_bench_{dead.pid}.img"
-    mount = Path(f"/tmp/fp_dcp_bench_ram_{dead.pid}")
+    image, mount = C.ram_paths(dead.pid)
     other = C.RAM_SHM / "fp_dcp_bench_notapid.img"  # not a name the profile makes
     if image.exists() or mount.exists():
         pytest.skip("a leftover of that process id is there already")
@@ -202,8 +199,7 @@ def test_ram_profile_removes_what_a_killed_benchmark_left_and_nothing_else(bench
             assert not os.path.ismount(mount) and not mount.exists()
             assert not image.exists() and str(image) not in _loops()
             assert other.exists()  # not the profile's: left alone
-            live = C.RAM_SHM / f"fp_dcp_bench_{os.getpid()}.img"
-            assert live.exists()  # a live process's own is kept
+            assert C.ram_paths(os.getpid())[0].exists()  # a live process's own is kept
     finally:
         other.unlink(missing_ok=True)
         if os.path.ismount(mount):
