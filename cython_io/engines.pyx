@@ -372,16 +372,17 @@ cdef class Engine:
     # -------------------------------------------------- I/O
 
     def write(self, fds, paths, file_index, file_offset, sources, bint sync=True, checksums=False,
-              checksum_origin=None):
+              checksum_origin=None, on_start=None):
         """Write sources[i] at file_offset[i] of fds[file_index[i]]. See docs/NATIVE.md.
         checksums=True: stats["crc32c"] holds the CRC-32C of each source; an int
         N: of each N-byte block of each source, blocks counted from byte
         -checksum_origin[i] of source i (default 0: from its start);
-        stats["crc32c_first"][i] is the index of source i's first CRC."""
+        stats["crc32c_first"][i] is the index of source i's first CRC.
+        on_start(): called as the GIL is let go for the I/O (the arguments taken)."""
         cdef fpio_result res
         out = {}
         self._run(True, fds, paths, file_index, file_offset, sources, sync, 0, checksums,
-                  checksum_origin, out, &res)
+                  checksum_origin, out, &res, None, on_start)
         stats = {"bytes": res.bytes, "bytes_on_disk": res.bytes_io, "requests": res.requests,
                  "zero_copy_bytes": res.zc_bytes, "checksum_bytes": res.crc_bytes, "seconds": res.seconds}
         stats.update(out)
@@ -406,7 +407,8 @@ cdef class Engine:
         return stats
 
     cdef _run(self, bint write, fds, paths, file_index, file_offset, bufs, bint sync,
-              int64_t gap, checksums, checksum_origin, dict out, fpio_result *res, checksum_skip=None):
+              int64_t gap, checksums, checksum_origin, dict out, fpio_result *res, checksum_skip=None,
+              on_start=None):
         bufs = list(bufs)
         cdef Py_ssize_t n = len(bufs), nfiles = len(fds), i, got = 0
         cdef const int64_t[::1] fi = _i64(file_index, "file_index")
@@ -518,6 +520,8 @@ cdef class Engine:
                 crc.out = &crc_out[0] if crc_first[n] > 0 else NULL
             if not self._pool_settled:
                 self._settle_pool(pieces, n, bs, align)
+            if on_start is not None:
+                on_start()
             with nogil:
                 if write:
                     rc = fpio_write(self._e, cfds, nfiles, pieces, n, bs, qd, align, sync, crcp, res)

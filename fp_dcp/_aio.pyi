@@ -3,7 +3,7 @@
 docs/NATIVE.md for the engine's semantics."""
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -49,6 +49,10 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 
 def crc32c_blocks(data: Buffer, block_bytes: int) -> npt.NDArray[np.uint32]:
     """The CRC-32C of each block_bytes of data from its start (one 0 for empty data)."""
+
+def crc32c_many(buffers: Sequence[Buffer],
+                block_bytes: int) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64]]:
+    """(crcs, first): crc32c_blocks of many buffers, one call (GIL released); buffer i's: crcs[first[i]:first[i+1]]."""
 
 def copy_gather(dst: Buffer, dst_offsets: _Ints, srcs: Sequence[Buffer],
                 checksum_block: int = 0) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64]] | None:
@@ -121,8 +125,9 @@ class Engine:
         """Whether fd was opened with O_DIRECT."""
     def write(self, fds: Sequence[int], paths: Sequence[str], file_index: _Ints, file_offset: _Ints,
               sources: Sequence[Buffer], sync: bool = True, checksums: bool | int = False,
-              checksum_origin: _Ints | None = None) -> dict[str, Any]:
-        """Write sources[i] at file_offset[i] of fds[file_index[i]]; returns stats (and CRCs)."""
+              checksum_origin: _Ints | None = None, on_start: Callable[[], object] | None = None) -> dict[str, Any]:
+        """Write sources[i] at file_offset[i] of fds[file_index[i]]; returns stats (and CRCs).
+        on_start(): called as the GIL is let go for the I/O."""
     def read(self, fds: Sequence[int], paths: Sequence[str], file_index: _Ints, file_offset: _Ints,
              dests: Sequence[Buffer], coalesce_gap: int = 65536, checksums: bool | int = False,
              checksum_origin: _Ints | None = None,

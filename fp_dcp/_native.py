@@ -44,6 +44,7 @@ copy_scatter = _ext.copy_scatter
 crc32c = _ext.crc32c
 crc32c_blocks = _ext.crc32c_blocks
 crc32c_combine = _ext.crc32c_combine
+crc32c_many = _ext.crc32c_many
 direct_io_supported = _ext.direct_io_supported
 lock_pages = _ext.lock_pages
 page_size = _ext.page_size

@@ -546,6 +546,30 @@ def test_write_read_round_trip(kind, tmp_path, files, seed):
         assert _native.stats()["inflight"] == 0
 
 
+def test_on_start_runs_once_before_the_first_request_and_a_raise_writes_nothing(kind, tmp_path):
+    """Engine.write(on_start=...) calls it once, with the arguments taken and
+    no request out yet (the file is still empty); what it raises fails the
+    write before any byte is written, and the engine goes on working."""
+    rng = np.random.default_rng(4)
+    data = [random_bytes(rng, n) for n in (3 * B + 5, 700, B)]
+    layout = [(0, 0), (0, 4 * B), (0, 5 * B)]
+    path = str(tmp_path / "f")
+    sizes: list[int] = []
+    with small_engine(kind) as eng:
+        ws = write_files(eng, [path], layout, data, on_start=lambda: sizes.append(os.path.getsize(path)))
+        assert sizes == [0] and ws["bytes"] == sum(len(d) for d in data)
+
+        def refuse():
+            raise KeyError("refused")
+
+        with pytest.raises(KeyError, match="refused"):
+            write_files(eng, [str(tmp_path / "g")], layout, data, on_start=refuse)
+        assert os.path.getsize(tmp_path / "g") == 0 and _native.stats()["inflight"] == 0
+        write_files(eng, [str(tmp_path / "h")], layout, data)
+    with open(path, "rb") as a, open(tmp_path / "h", "rb") as b:
+        assert a.read() == b.read()
+
+
 @HYP
 @given(sizes=st.lists(st.integers(1, 12 * B + 777), min_size=1, max_size=3),
        ranges=st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 4 * B + 9),
@@ -934,6 +958,18 @@ def test_crc32c_lengths_alignments_seeds_and_combine(crc_impl):
     assert list(_native.crc32c_blocks(b"", 10)) == [0]
     with pytest.raises(ValueError):
         _native.crc32c_blocks(data, 0)
+    # many buffers in one call: each one's blocks, as crc32c_blocks gives them
+    bufs = [data[:0], data[:1], data[5:1005], data[7:2007], memoryview(data)[3:3333], np.frombuffer(data, np.uint8)]
+    crcs, first = _native.crc32c_many(bufs, 1000)
+    assert crcs.dtype == np.uint32 and first.dtype == np.int64 and len(first) == len(bufs) + 1
+    assert [crcs[first[i]:first[i + 1]].tolist() for i in range(len(bufs))] == [
+        _native.crc32c_blocks(b, 1000).tolist() for b in bufs]
+    none, at = _native.crc32c_many([], 1000)
+    assert len(none) == 0 and at.tolist() == [0]
+    with pytest.raises(ValueError):
+        _native.crc32c_many(bufs, 0)
+    with pytest.raises(TypeError, match=r"buffers\[1\]"):
+        _native.crc32c_many([data, "not a buffer"], 1000)
 
 
 def test_crc32c_implementations_agree():

@@ -318,6 +318,61 @@ def test_the_commit_is_prepared_while_the_data_files_are_synced(tmp_path, monkey
     assert all(torch.equal(out[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor))
 
 
+def test_a_batched_save_prepares_its_commit_while_its_last_batch_is_written(tmp_path, monkeypatch, aio_no_leaks):
+    """A one-device save of many pieces has the engine write its last batch
+    without checksums while this thread computes them: the layout and the
+    metadata's bytes are built before that engine call returns (the fake
+    returns only once they are), the data files are synced after it, and the
+    checkpoint's checksums are those a save in one engine call stores."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistReader
+    from fp_dcp.engine import IOSession
+    from fp_dcp.save import execute, writer
+
+    sd = _small_state_dict(40)
+    with FastPersistWriter(tmp_path / "one") as one_writer:  # one engine call, checksums by the engine
+        dcp.save(sd, storage_writer=one_writer)
+    built = threading.Event()
+    calls: list[tuple[object, bool]] = []  # each engine call's checksums argument, whether built when it returned
+    synced_after: list[bool] = []
+    real_layout, real_write, real_fdatasync = writer.layout_from_results, IOSession.write_fds, os.fdatasync
+
+    def layout(*a, **k):
+        out = real_layout(*a, **k)
+        built.set()
+        return out
+
+    def write_fds(self, *a, **kw):
+        out = real_write(self, *a, **kw)
+        calls.append((kw.get("checksums"), built.is_set() or (kw.get("checksums") is False and built.wait(30))))
+        return out
+
+    def fdatasync(fd):
+        synced_after.append(built.is_set())
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(execute, "_BATCHED_PIECES", 2)
+    monkeypatch.setattr(execute, "_FIRST_BATCH_BYTES", 512)
+    monkeypatch.setattr(writer, "layout_from_results", layout)
+    monkeypatch.setattr(IOSession, "write_fds", write_fds)
+    monkeypatch.setattr(execute.os, "fdatasync", fdatasync)
+    with FastPersistWriter(tmp_path / "batched") as w:
+        dcp.save(sd, storage_writer=w)
+        assert w.last_stats["bytes"] == one_writer.last_stats["bytes"]  # the last batch's counted too
+    assert len(calls) >= 3 and [c for c, _ in calls[:-1]] == [execute.fmt.CHECKSUM_BLOCK_BYTES] * (len(calls) - 1)
+    assert calls[-1] == (False, True)  # the last batch: checksummed here, the commit built before it returned
+    assert not any(b for _, b in calls[:-1]) and synced_after == [True]
+    batched, one = _extents_of(tmp_path / "batched"), _extents_of(tmp_path / "one")
+    assert {i: [e[1:] for e in x] for i, x in batched.items()} == {i: [e[1:] for e in x] for i, x in one.items()}
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+    dcp.load(out, storage_reader=FastPersistReader(tmp_path / "batched", verify_checksums=True))
+    assert out["step"] == 7
+    assert all(torch.equal(out[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor))
+
+
 def test_finish_builds_the_commit_itself_when_handed_other_results(tmp_path, aio_no_leaks):
     """What write_data prepared serves only the very metadata and results
     it was made from: handed a copy of the results, finish builds the
@@ -398,8 +453,8 @@ def _extents_of(path):
 def test_host_pieces_are_resolved_batch_by_batch_while_the_batch_before_is_written(tmp_path, monkeypatch,
                                                                                    aio_no_leaks):
     """A one-device save resolves its pieces in growing batches and writes
-    each on a thread while the next is resolved (the first write waits
-    until a later piece is resolved); each batch starts on a multiple of the
+    each on a thread while the next is resolved (the first engine call, its
+    requests going out, waits until a later piece is resolved); each batch starts on a multiple of the
     request size (a write covers whole blocks), so the checkpoint loads bit for bit with
     every checksum checked, and its checksums are the ones a save in one
     batch stores."""
@@ -431,9 +486,19 @@ def test_host_pieces_are_resolved_batch_by_batch_while_the_batch_before_is_writt
     def write_fds(self, fds, paths, file_index, file_offset, sources, **kw):
         first = not writing.is_set()
         writing.set()
-        calls.append((len(sources), later.wait(30) if first else True))
+        waited: list[bool] = []
+        if first:  # the engine call's requests going out: it waits for a later piece
+            start = kw["on_start"]
+
+            def on_start():
+                start()
+                waited.append(later.wait(30))
+
+            kw["on_start"] = on_start
         firsts.append((int(min(file_offset)), self.engine.block_size))
-        return real_write(self, fds, paths, file_index, file_offset, sources, **kw)
+        out = real_write(self, fds, paths, file_index, file_offset, sources, **kw)
+        calls.append((len(sources), waited == [True] if first else True))
+        return out
 
     monkeypatch.setattr(execute, "_BATCHED_PIECES", 2)
     monkeypatch.setattr(execute, "_FIRST_BATCH_BYTES", 512)

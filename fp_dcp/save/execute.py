@@ -1,12 +1,14 @@
 """One rank's write (:func:`write_rank`): its pieces into one host file and one
-CUDA file per device, one thread per device, synced while the caller's
-``while_syncing`` work runs; staged checksums are reused."""
+CUDA file per device, one thread per device; the caller's ``with_results``
+work runs while the last batch is written (one device, many pieces) or while
+the files are synced; staged checksums are reused."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import io
 import os
+import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -42,15 +44,17 @@ def write_rank(
     tag_devices: bool,
     options: FastPersistOptions,
     while_writing: Callable[[], None] | None = None,
-    while_syncing: Callable[[list[WriteResult]], None] | None = None,
+    with_results: Callable[[list[WriteResult]], None] | None = None,
 ) -> tuple[list[WriteResult], dict[str, Any]]:
     """Write rank ``assignment.rank``'s pieces of ``items`` (resolved by
     ``resolve_data``) into ``dirs`` (by device), each through
     ``session_for(directory)``.  ``while_writing()`` runs (on a thread that
     would wait) once the last host batch is handed to the engine;
-    ``while_syncing(results)`` while the files are made durable (what either
-    raises fails the write).  Returns the results and the statistics once
-    every file is durable."""
+    ``with_results(results)`` as soon as the results are known: a one-device
+    write of many pieces checksums its last batch beside the engine and makes
+    the results while that batch is written, any other while the files are
+    made durable (what either hook raises fails the write).  Returns the
+    results and the statistics once every file is durable."""
     t0 = time.perf_counter()
     rank = assignment.rank
     pieces = assignment.pieces
@@ -92,25 +96,35 @@ def write_rank(
         raise RuntimeError(f"rank {rank}: the plan uses device {max(devices)} but this rank has {len(dirs)}")
     # device -> (batches of host pieces, CUDA pieces): with one device and
     # many pieces, they are resolved batch by batch while the batch before is written
-    by_device: dict[int, tuple[Iterable[list], list]] = {}
-    if len(devices) == 1 and len(pieces) >= _BATCHED_PIECES:
+    by_device: dict[int, tuple[Iterable[tuple[list, bool]], list]] = {}
+    batched = len(devices) == 1 and len(pieces) >= _BATCHED_PIECES
+    if batched:
         cuda: list = []
         by_device[devices[0]] = (_then(_batches(resolved, pieces.length, cuda), while_writing), cuda)
     else:
         for i, d in enumerate(devices):
             cpu, cuda = resolved(np.flatnonzero(pieces.device == d))
-            by_device[d] = (_then([cpu] if cpu else [], while_writing if i == 0 else None), cuda)
+            by_device[d] = (_then([(cpu, True)] if cpu else [], while_writing if i == 0 else None), cuda)
     if not devices and while_writing is not None:
         while_writing()  # nothing to write on this rank
 
     used: set[int] = set()  # arenas whose staging checksums this save used
     unsynced: dict[int, list[tuple[int, str]]] = {d: [] for d in devices}  # device -> its open host files
+    early: list[list[WriteResult]] = []  # the results, made while the last batch is written
+
+    def results_early(done: tuple) -> None:
+        with paused():  # one result per item, no cyclic garbage
+            out = _results(items, [done], {"bytes": 0, "requests": 0})  # (the statistics come with the write)
+        if with_results is not None:
+            with_results(out)
+        early.append(out)
 
     def write_device(dev: int):
         directory, by_path = dirs[dev]
         return _write_device(
             session_for(directory), directory, by_path, by_device[dev], sources,
             assignment.save_id, rank, dev if tag_devices else None, options, used, unsynced[dev],
+            results_early if batched else None,
         )
 
     stats: dict[str, Any] = {"engine": None, "direct_io": None, "bytes": 0, "requests": 0,
@@ -132,10 +146,14 @@ def write_rank(
                 syncs.submit(_sync_device, unsynced[d], *dirs[d]) for d in devices if options.sync_files
             ]
             try:
-                with paused():  # one result per item, no cyclic garbage
-                    results = _results(items, done, stats)
-                if while_syncing is not None:
-                    while_syncing(results)
+                if early:  # made while the last batch was written (with_results has run)
+                    results = early[0]
+                    _device_stats(done, stats)
+                else:
+                    with paused():  # one result per item, no cyclic garbage
+                        results = _results(items, done, stats)
+                    if with_results is not None:
+                        with_results(results)
             finally:
                 t_wait = time.perf_counter()
                 concurrent.futures.wait(durable)
@@ -163,12 +181,11 @@ def write_rank(
 def _results(items: list[WriteItem], done: list[tuple], stats: dict[str, Any]) -> list[WriteResult]:
     """DCP's write results, one per item written, in item order, from each
     device's extents; adds each device's statistics to ``stats``."""
+    _device_stats(done, stats)
     per_item: dict[int, list[tuple[str, int, int, int, str | None]]] = {}
     first_item: dict[str, int] = {}  # file -> the first item with bytes in it
     size_of: dict[str, int] = {}
-    for extents, file_sizes, s, kind, direct in done:
-        stats["engine"], stats["direct_io"] = kind, direct
-        add_stats(stats, s)
+    for extents, file_sizes, _, _, _ in done:
         size_of.update(file_sizes)
         for li, fname, fo, io_, n, crc in extents:
             exts = per_item.get(li)
@@ -191,6 +208,13 @@ def _results(items: list[WriteItem], done: list[tuple], stats: dict[str, Any]) -
     ]
 
 
+def _device_stats(done: list[tuple], stats: dict[str, Any]) -> None:
+    """Add each device's statistics (of :func:`_write_device`'s ``done``) to ``stats``."""
+    for _, _, s, kind, direct in done:
+        stats["engine"], stats["direct_io"] = kind, direct
+        add_stats(stats, s)
+
+
 # A one-device write of at least _BATCHED_PIECES pieces resolves them in
 # batches, each written while the next is resolved: the first of this many
 # bytes (the disk starts early), each next at most _BATCH_GROWTH times the one
@@ -202,9 +226,11 @@ _FIRST_BATCH_BYTES = 16 << 20
 _BATCH_GROWTH = 8
 
 
-def _batches(resolved: Callable[[np.ndarray], tuple[list, list]], lengths: np.ndarray, cuda: list) -> Iterator[list]:
+def _batches(resolved: Callable[[np.ndarray], tuple[list, list]], lengths: np.ndarray,
+             cuda: list) -> Iterator[tuple[list, bool]]:
     """The host pieces in batches of growing size (``resolved`` of consecutive
-    pieces, by ``lengths``); the CUDA pieces are added to ``cuda`` as they come."""
+    pieces, by ``lengths``), each with whether it is the last; the CUDA
+    pieces are added to ``cuda`` as they come."""
     ends = np.cumsum(np.maximum(lengths, 0))
     at, goal = 0, _FIRST_BATCH_BYTES
     while at < len(lengths):
@@ -213,11 +239,11 @@ def _batches(resolved: Callable[[np.ndarray], tuple[list, list]], lengths: np.nd
         host, device = resolved(np.arange(at, stop))
         cuda += device
         if host:
-            yield host
+            yield host, stop == len(lengths)
         at, goal = stop, goal * _BATCH_GROWTH
 
 
-def _then(batches: Iterable[list], after: Callable[[], None] | None) -> Iterator[list]:
+def _then(batches: Iterable[tuple[list, bool]], after: Callable[[], None] | None) -> Iterator[tuple[list, bool]]:
     """``batches``, then ``after()``: called when the next batch is asked for
     after the last, which :func:`_write_device` does once the last is being written."""
     yield from batches
@@ -273,7 +299,7 @@ def _write_device(
     session: IOSession,
     directory: str,
     by_path: bool,
-    groups: tuple[Iterable[list], list],
+    groups: tuple[Iterable[tuple[list, bool]], list],
     sources: _Sources,
     save_id: str,
     rank: int,
@@ -281,12 +307,16 @@ def _write_device(
     options: FastPersistOptions,
     used: set[int],
     unsynced: list[tuple[int, str]],
+    results_early: Callable[[tuple], None] | None = None,
 ) -> tuple[list[tuple], list[tuple[str, int]], dict[str, Any], str, bool]:
     """One device's pieces into a file per kind in ``directory``: the host
     pieces batch by batch (each written on a thread while the next is
     resolved), then the CUDA pieces; the host file is left open and unsynced
     in ``unsynced``.  Returns extents, file sizes, stats and the engine's kind
-    and direct-I/O flag."""
+    and direct-I/O flag.  With ``results_early`` and no CUDA pieces, the last
+    batch's checksums are computed here while the engine writes it, and
+    ``results_early`` gets what this returns (but the statistics) before
+    that write ends."""
     batches, cuda = groups
     extents: list[tuple] = []  # (item, file, file_offset, item_offset, length, crc32c)
     file_sizes: list[tuple[str, int]] = []
@@ -296,23 +326,25 @@ def _write_device(
     recorded = path if by_path else name
     end = 0
     fd = -1
+    started = threading.Event()  # set as a batch's engine call lets the GIL go
 
-    def write(batch: list, offsets: list[int], in_place: int) -> list[tuple]:
+    def write(batch: list, offsets: list[int], in_place: int, checksums: bool) -> list[tuple]:
         # the first batch's pieces written in place (while the bounce buffers
         # may still be being settled, on a thread from set-up) go in a call of
         # their own, which does not wait for it
         out = []
         for part, at in ((batch, offsets),) if not in_place else (
                 (batch[:in_place], offsets[:in_place]), (batch[in_place:], offsets[in_place:])):
-            crcs, s = _write_host_batch(session, fd, path, part, at, sources, options, used)
+            crcs, s = _write_host_batch(session, fd, path, part, at, sources, options, used, checksums, started)
             add_stats(stats, s)
             out += [(li, recorded, fo, io_, len(b), crc) for (li, io_, b), fo, crc in zip(part, at, crcs)]
         return out
 
     pending: concurrent.futures.Future | None = None
+    last: tuple | None = None  # the last batch and its offsets, when its checksums are made here
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-write") as writer:
         try:
-            for batch in batches:  # the next batch is resolved here while the one before is written
+            for batch, is_last in batches:  # the next batch is resolved here while the one before is written
                 in_place = 0
                 if fd < 0:
                     fd = session.engine.open(path, "w", session.direct if session.direct else False)
@@ -329,7 +361,24 @@ def _write_device(
                 )
                 if pending is not None:
                     extents += pending.result()
-                pending = writer.submit(write, batch, offsets, in_place)
+                here = is_last and results_early is not None and not cuda
+                started.clear()
+                pending = writer.submit(write, batch, offsets, in_place, not here)
+                if here:
+                    last = (batch, offsets)
+                # the engine's requests out before this thread takes the GIL
+                # again (to resolve the next batch, or for while_writing)
+                while not started.wait(0.05) and not pending.done():
+                    pass
+            if last is not None:
+                assert pending is not None and results_early is not None  # (pending: the last batch's write)
+                batch, offsets = last
+                crcs = _checksums_beside(batch, sources, options, used, stats)
+                extents += [(li, recorded, fo, io_, len(b), crc) for (li, io_, b), fo, crc in zip(batch, offsets, crcs)]
+                file_sizes.append((recorded, align_up(end, session.alignment)))
+                results_early((extents, file_sizes, {}, session.kind, session.direct))
+                pending.result()  # (its extents are those above, without checksums)
+                return extents, file_sizes, stats, session.kind, session.direct
             if pending is not None:
                 extents += pending.result()
         finally:
@@ -373,14 +422,17 @@ def _in_place_first(engine: Any, batch: list) -> tuple[list, int]:
 
 def _write_host_batch(
     session: IOSession, fd: int, path: str, batch: list, offsets: list[int], sources: _Sources,
-    options: FastPersistOptions, used: set[int],
+    options: FastPersistOptions, used: set[int], checksums: bool = True, started: threading.Event | None = None,
 ) -> tuple[list[str | None], dict[str, Any]]:
     """Write a batch of host pieces at ``offsets`` of ``fd``: each piece's
-    ``Extent.crc32c`` (None without checksums) and the engine's statistics."""
+    ``Extent.crc32c`` (None without checksums, or with ``checksums=False``:
+    the caller makes them) and the engine's statistics.  ``started`` is set
+    as the engine lets the GIL go for the I/O."""
     lengths = [len(b) for _, _, b in batch]
     # The staging copy may have checksummed these bytes already
     # (an async save's arena): then the engine need not read them twice.
-    reuse = options.write_checksums and any_staged_checksums()  # (a save that staged nothing: no look-ups)
+    # (a save that staged nothing: no look-ups)
+    reuse = checksums and options.write_checksums and any_staged_checksums()
     if reuse:
         staged = [_staged_crc_hex(sources.get(li)[1], io_, len(b), used) for li, io_, b in batch]
         # ... or most of them: the rest (pickled values, tensors
@@ -397,7 +449,8 @@ def _write_host_batch(
         np.asarray(offsets, dtype=np.int64),
         [b for _, _, b in batch],
         sync=False,  # the caller syncs it while it makes the results
-        checksums=fmt.CHECKSUM_BLOCK_BYTES if options.write_checksums and not reuse else False,
+        checksums=fmt.CHECKSUM_BLOCK_BYTES if checksums and options.write_checksums and not reuse else False,
+        **({} if started is None else {"on_start": started.set}),
     )
     if reuse:
         s["staged_checksum_bytes"] = sum(lengths) - sum(lengths[i] for i in missing)
@@ -405,6 +458,26 @@ def _write_host_batch(
     if "crc32c" in s:
         return list[str | None](piece_checksums(s, len(batch))), s
     return [None] * len(batch), s
+
+
+def _checksums_beside(batch: list, sources: _Sources, options: FastPersistOptions, used: set[int],
+                      stats: dict[str, Any]) -> list[str | None]:
+    """The ``Extent.crc32c`` of each host piece of ``batch``, made on this
+    thread while the engine writes them without checksums (a staging copy's
+    where it made them); adds the staged bytes to ``stats``."""
+    if not options.write_checksums:
+        return [None] * len(batch)
+    staged: list[str | None] = [None] * len(batch)
+    if any_staged_checksums():
+        staged = [_staged_crc_hex(sources.get(li)[1], io_, len(b), used) for li, io_, b in batch]
+        stats["staged_checksum_bytes"] += sum(len(b) for (_, _, b), c in zip(batch, staged) if c is not None)
+    missing = [i for i, c in enumerate(staged) if c is None]
+    if missing:
+        crcs, first = _native.crc32c_many([batch[i][2] for i in missing], fmt.CHECKSUM_BLOCK_BYTES)
+        made = piece_checksums({"crc32c": crcs, "crc32c_first": first}, len(missing))
+        for i, c in zip(missing, made):
+            staged[i] = c
+    return staged
 
 
 def _sync_device(files: list[tuple[int, str]], directory: str, by_path: bool) -> float:

@@ -208,7 +208,8 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         # The coordinator encodes the metadata's structure while the last of
         # its data is written (the engines release the GIL; a thread of its
         # own would hold the GIL in json.dumps while the first batch is
-        # resolved) and prepares the rest of the commit while the files are synced.
+        # resolved) and prepares the rest of the commit as soon as its results
+        # are known: while its last batch is written, or while the files are synced.
         metadata = _dcp_hooks.planner_metadata(planner) if self.is_coordinator else None
         prepare_seconds = 0.0
         structure: fmt.EncodedStructure | None = None
@@ -250,7 +251,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             tag_devices=bool(self.data_dirs),
             options=self.options,
             while_writing=None if metadata is None else encode_structure,
-            while_syncing=None if metadata is None else prepare_commit,
+            with_results=None if metadata is None else prepare_commit,
         )
         if metadata is not None:
             self.last_stats["prepare_commit_seconds"] = prepare_seconds
