@@ -49,11 +49,11 @@ def write_rank(
     """Write rank ``assignment.rank``'s pieces of ``items`` (resolved by
     ``resolve_data``) into ``dirs`` (by device), each through
     ``session_for(directory)``.  ``while_writing()`` runs (on a thread that
-    would wait) once the last host batch is handed to the engine;
+    would wait) once the last host batch is resolved, while a batch is written;
     ``with_results(results)`` as soon as the results are known: a one-device
-    write of many pieces checksums its last batch beside the engine and makes
-    the results while that batch is written, any other while the files are
-    made durable (what either hook raises fails the write).  Returns the
+    write of many pieces checksums its last batch (a short tail) beside the
+    engine and makes the results while that batch is written, any other while
+    the files are made durable (what either hook raises fails the write).  Returns the
     results and the statistics once every file is durable."""
     t0 = time.perf_counter()
     rank = assignment.rank
@@ -100,11 +100,11 @@ def write_rank(
     batched = len(devices) == 1 and len(pieces) >= _BATCHED_PIECES
     if batched:
         cuda: list = []
-        by_device[devices[0]] = (_then(_batches(resolved, pieces.length, cuda), while_writing), cuda)
+        by_device[devices[0]] = (_batches(resolved, pieces.length, cuda), cuda)
     else:
-        for i, d in enumerate(devices):
+        for d in devices:
             cpu, cuda = resolved(np.flatnonzero(pieces.device == d))
-            by_device[d] = (_then([(cpu, True)] if cpu else [], while_writing if i == 0 else None), cuda)
+            by_device[d] = ([(cpu, True)] if cpu else [], cuda)
     if not devices and while_writing is not None:
         while_writing()  # nothing to write on this rank
 
@@ -124,7 +124,7 @@ def write_rank(
         return _write_device(
             session_for(directory), directory, by_path, by_device[dev], sources,
             assignment.save_id, rank, dev if tag_devices else None, options, used, unsynced[dev],
-            results_early if batched else None,
+            while_writing if dev == devices[0] else None, results_early if batched else None,
         )
 
     stats: dict[str, Any] = {"engine": None, "direct_io": None, "bytes": 0, "requests": 0,
@@ -220,35 +220,35 @@ def _device_stats(done: list[tuple], stats: dict[str, Any]) -> None:
 # bytes (the disk starts early), each next at most _BATCH_GROWTH times the one
 # before (the resolving, ~15 us a piece, keeps ahead of the disk), so a save
 # of thousands of small tensors makes a few engine calls instead of waiting
-# for every piece first.  Fewer pieces resolve in a few ms: one call.
+# for every piece first.  Fewer pieces resolve in a few ms: one call.  The
+# last batch is the last 1/_TAIL_PARTS of the bytes: while it is written, the
+# writer checksums it and makes the save's results (see _write_device).
 _BATCHED_PIECES = 512
 _FIRST_BATCH_BYTES = 16 << 20
 _BATCH_GROWTH = 8
+_TAIL_PARTS = 16
 
 
 def _batches(resolved: Callable[[np.ndarray], tuple[list, list]], lengths: np.ndarray,
              cuda: list) -> Iterator[tuple[list, bool]]:
     """The host pieces in batches of growing size (``resolved`` of consecutive
-    pieces, by ``lengths``), each with whether it is the last; the CUDA
+    pieces, by ``lengths``), the last from the piece that starts the last
+    1/_TAIL_PARTS of the bytes, each with whether it is the last; the CUDA
     pieces are added to ``cuda`` as they come."""
-    ends = np.cumsum(np.maximum(lengths, 0))
+    sizes = np.maximum(lengths, 0)
+    ends = np.cumsum(sizes)
+    total = int(ends[-1]) if len(ends) else 0
+    tail = int(np.searchsorted(ends - sizes, total - total // _TAIL_PARTS, side="left"))  # its first piece
     at, goal = 0, _FIRST_BATCH_BYTES
     while at < len(lengths):
         done = int(ends[at - 1]) if at else 0
         stop = max(at + 1, int(np.searchsorted(ends, done + goal, side="right")))
+        stop = len(lengths) if at >= tail else min(stop, tail)
         host, device = resolved(np.arange(at, stop))
         cuda += device
         if host:
             yield host, stop == len(lengths)
         at, goal = stop, goal * _BATCH_GROWTH
-
-
-def _then(batches: Iterable[tuple[list, bool]], after: Callable[[], None] | None) -> Iterator[tuple[list, bool]]:
-    """``batches``, then ``after()``: called when the next batch is asked for
-    after the last, which :func:`_write_device` does once the last is being written."""
-    yield from batches
-    if after is not None:
-        after()
 
 
 class _Sources:
@@ -307,16 +307,18 @@ def _write_device(
     options: FastPersistOptions,
     used: set[int],
     unsynced: list[tuple[int, str]],
+    while_writing: Callable[[], None] | None = None,
     results_early: Callable[[tuple], None] | None = None,
 ) -> tuple[list[tuple], list[tuple[str, int]], dict[str, Any], str, bool]:
     """One device's pieces into a file per kind in ``directory``: the host
     pieces batch by batch (each written on a thread while the next is
     resolved), then the CUDA pieces; the host file is left open and unsynced
     in ``unsynced``.  Returns extents, file sizes, stats and the engine's kind
-    and direct-I/O flag.  With ``results_early`` and no CUDA pieces, the last
-    batch's checksums are computed here while the engine writes it, and
-    ``results_early`` gets what this returns (but the statistics) before
-    that write ends."""
+    and direct-I/O flag.  ``while_writing()`` runs once the last host batch
+    is resolved, while the batch before it (else it) is written.  With
+    ``results_early`` and no CUDA pieces, the last batch's checksums are
+    computed here while the engine writes it, and ``results_early`` gets
+    what this returns (but the statistics) before that write ends."""
     batches, cuda = groups
     extents: list[tuple] = []  # (item, file, file_offset, item_offset, length, crc32c)
     file_sizes: list[tuple[str, int]] = []
@@ -359,6 +361,9 @@ def _write_device(
                     options.pack_threshold_bytes, options.pack_alignment_bytes,
                     start=align_up(end, session.engine.block_size),
                 )
+                if is_last and pending is not None and while_writing is not None:
+                    while_writing()  # while the batch before is written
+                    while_writing = None
                 if pending is not None:
                     extents += pending.result()
                 here = is_last and results_early is not None and not cuda
@@ -370,14 +375,17 @@ def _write_device(
                 # again (to resolve the next batch, or for while_writing)
                 while not started.wait(0.05) and not pending.done():
                     pass
+            if while_writing is not None:  # one batch, or none: while it is written
+                while_writing()
             if last is not None:
                 assert pending is not None and results_early is not None  # (pending: the last batch's write)
                 batch, offsets = last
-                crcs = _checksums_beside(batch, sources, options, used, stats)
+                crcs, staged_bytes = _checksums_beside(batch, sources, options, used)
                 extents += [(li, recorded, fo, io_, len(b), crc) for (li, io_, b), fo, crc in zip(batch, offsets, crcs)]
                 file_sizes.append((recorded, align_up(end, session.alignment)))
                 results_early((extents, file_sizes, {}, session.kind, session.direct))
                 pending.result()  # (its extents are those above, without checksums)
+                stats["staged_checksum_bytes"] += staged_bytes
                 return extents, file_sizes, stats, session.kind, session.direct
             if pending is not None:
                 extents += pending.result()
@@ -440,8 +448,8 @@ def _write_host_batch(
         missing = [i for i, c in enumerate(staged) if c is None]
         reuse = 2 * sum(lengths[i] for i in missing) <= sum(lengths)
     if reuse:
-        for i in missing:
-            staged[i] = crc_hex(_native.crc32c_blocks(batch[i][2], fmt.CHECKSUM_BLOCK_BYTES))
+        for i, c in zip(missing, _crc_hex_many([batch[i][2] for i in missing])):
+            staged[i] = c
     s = session.write_fds(
         [fd],
         [path],
@@ -460,24 +468,27 @@ def _write_host_batch(
     return [None] * len(batch), s
 
 
-def _checksums_beside(batch: list, sources: _Sources, options: FastPersistOptions, used: set[int],
-                      stats: dict[str, Any]) -> list[str | None]:
+def _checksums_beside(batch: list, sources: _Sources, options: FastPersistOptions,
+                      used: set[int]) -> tuple[list[str | None], int]:
     """The ``Extent.crc32c`` of each host piece of ``batch``, made on this
     thread while the engine writes them without checksums (a staging copy's
-    where it made them); adds the staged bytes to ``stats``."""
+    where it made them), and the bytes whose staged checksums were taken."""
     if not options.write_checksums:
-        return [None] * len(batch)
+        return [None] * len(batch), 0
     staged: list[str | None] = [None] * len(batch)
     if any_staged_checksums():
         staged = [_staged_crc_hex(sources.get(li)[1], io_, len(b), used) for li, io_, b in batch]
-        stats["staged_checksum_bytes"] += sum(len(b) for (_, _, b), c in zip(batch, staged) if c is not None)
+    staged_bytes = sum(len(b) for (_, _, b), c in zip(batch, staged) if c is not None)
     missing = [i for i, c in enumerate(staged) if c is None]
-    if missing:
-        crcs, first = _native.crc32c_many([batch[i][2] for i in missing], fmt.CHECKSUM_BLOCK_BYTES)
-        made = piece_checksums({"crc32c": crcs, "crc32c_first": first}, len(missing))
-        for i, c in zip(missing, made):
-            staged[i] = c
-    return staged
+    for i, c in zip(missing, _crc_hex_many([batch[i][2] for i in missing])):
+        staged[i] = c
+    return staged, staged_bytes
+
+
+def _crc_hex_many(buffers: list) -> list[str]:
+    """Each buffer's ``Extent.crc32c``, in one native call."""
+    crcs, first = _native.crc32c_many(buffers, fmt.CHECKSUM_BLOCK_BYTES)
+    return piece_checksums({"crc32c": crcs, "crc32c_first": first}, len(buffers))
 
 
 def _sync_device(files: list[tuple[int, str]], directory: str, by_path: bool) -> float:
