@@ -53,8 +53,8 @@ def write_rank(
     ``with_results(results)`` as soon as the results are known: a one-device
     write of many pieces checksums its last batch (a short tail) beside the
     engine and makes the results while that batch is written, any other while
-    the files are made durable (what either hook raises fails the write).  Returns the
-    results and the statistics once every file is durable."""
+    the files are made durable (what either hook raises fails the write).
+    Returns the results and the statistics once every file is durable."""
     t0 = time.perf_counter()
     rank = assignment.rank
     pieces = assignment.pieces
@@ -475,14 +475,14 @@ def _checksums_beside(batch: list, sources: _Sources, options: FastPersistOption
     where it made them), and the bytes whose staged checksums were taken."""
     if not options.write_checksums:
         return [None] * len(batch), 0
-    staged: list[str | None] = [None] * len(batch)
+    crcs: list[str | None] = [None] * len(batch)
     if any_staged_checksums():
-        staged = [_staged_crc_hex(sources.get(li)[1], io_, len(b), used) for li, io_, b in batch]
-    staged_bytes = sum(len(b) for (_, _, b), c in zip(batch, staged) if c is not None)
-    missing = [i for i, c in enumerate(staged) if c is None]
+        crcs = [_staged_crc_hex(sources.get(li)[1], io_, len(b), used) for li, io_, b in batch]
+    staged_bytes = sum(len(b) for (_, _, b), c in zip(batch, crcs) if c is not None)
+    missing = [i for i, c in enumerate(crcs) if c is None]
     for i, c in zip(missing, _crc_hex_many([batch[i][2] for i in missing])):
-        staged[i] = c
-    return staged, staged_bytes
+        crcs[i] = c
+    return crcs, staged_bytes
 
 
 def _crc_hex_many(buffers: list) -> list[str]:
