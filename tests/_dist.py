@@ -2,6 +2,7 @@
 
 ``run_ranks(world_size, fn, *args)`` starts ``world_size`` fresh processes
 (forkserver: no inherited thread pools), joins them into a gloo process group
+(or ``backend=``'s; with NCCL each rank first takes the GPU of its rank)
 through a file rendezvous (no fixed port), calls ``fn(rank, world_size,
 *args)`` on each, and returns the list of their return values.  Any rank that
 raises, exits non-zero or outlives ``timeout`` fails the test with that rank's
@@ -17,7 +18,7 @@ import traceback
 from typing import Any, Callable
 
 
-def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, queue, backend: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -25,8 +26,10 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
     torch.set_num_threads(1)
     torch.manual_seed(rank)  # a draw without its own generator is the same every run (see conftest.py)
     try:
+        if "nccl" in backend:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
         )
         try:
             result = fn(rank, world_size, *args)
@@ -38,7 +41,7 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
         raise SystemExit(1)
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0, backend: str = "gloo") -> list[Any]:
     # forkserver: fresh processes (no thread pools inherited from pytest's),
     # forked from a server that has imported torch once.
     ctx = mp.get_context("forkserver")
@@ -47,7 +50,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "rendezvous")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue, backend), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
