@@ -171,3 +171,33 @@ def test_objects_are_planned_first(tmp_path, small_chunks, monkeypatch):
     assert_sd_equal(sd, target)
     assert at_object == [0] * 8  # step, cfg.lr, cfg.name and the five, all in the first batch
     assert finishing["batch"] >= 5 and calls >= 5
+
+
+def test_whole_chunks_through_the_arena_as_for_an_accelerator(tmp_path, small_chunks, monkeypatch):
+    """A target on an accelerator takes each whole stored chunk into the
+    arena, then one ``copy_`` (``whole_chunk_to_device``).  Here CPU targets
+    are sent that way (the only device a CPU machine has): bit-exact, over
+    many chunks and batches, every tensor through the arena, none read in
+    place."""
+    from fp_dcp.load import jobs
+
+    sd = _many_small(3)
+    save(sd, tmp_path / "c")
+    monkeypatch.setattr(jobs, "whole_chunk_read", lambda *a: False)
+    taken = []
+
+    def to_device(sizes, dtype, offsets, lengths, dest, cap):
+        ok = (list(lengths) == list(sizes) and not any(offsets) and dest.dtype == dtype and dest.is_contiguous()
+              and int(np.prod(lengths)) * dtype.itemsize <= cap)
+        taken.append(ok)
+        return ok
+
+    monkeypatch.setattr(jobs, "whole_chunk_to_device", to_device)
+    target = zeros_like_sd(sd)
+    with FastPersistReader(tmp_path / "c") as r:
+        dcp.load(target, storage_reader=r, no_dist=True)
+        s = r.last_stats
+    assert_sd_equal(sd, target)
+    n = sum(isinstance(v, torch.Tensor) for v in sd.values())
+    assert len(taken) == n and all(taken)
+    assert s["temp_units"] == n and s["direct_bytes"] == 0

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from fp_dcp import _native
+from fp_dcp import _native, pinned
 from fp_dcp.checksums import ReadVerifier
 from fp_dcp.engine import IOSession
 from fp_dcp.load.jobs import MAX_BATCH_PIECES, Job, Limits
@@ -50,11 +50,16 @@ _MIN_BYTES_PER_THREAD = 64 << 20
 class TempBuffer:
     """The load's temporary memory: one aligned buffer, grown when a batch
     needs more (never past the budget, which the caller holds it to) and
-    reused, seen as bytes (``np``) and as any dtype (:meth:`typed`)."""
+    reused, seen as bytes (``np``) and as any dtype (:meth:`typed`).
+    Registered with CUDA (``cudaHostRegister``) once a batch copies to a
+    CUDA device, so those copies are DMA transfers that run beside the
+    CPU's."""
 
     def __init__(self, alignment: int) -> None:
         self.alignment = alignment
         self.buffer: Any = None
+        self.cuda = False  # asked to register (whether or not it worked: a failure warns once)
+        self.cuda_registered = False
         self.np: np.ndarray | None = None
         self._t: torch.Tensor | None = None
         self._typed: dict[torch.dtype, torch.Tensor] = {}
@@ -63,13 +68,18 @@ class TempBuffer:
     def size(self) -> int:
         return 0 if self.buffer is None else self.buffer.size
 
-    def ensure(self, size: int) -> bool:
-        """Make it at least ``size`` bytes; whether it was (re)allocated."""
-        if self.buffer is not None and self.buffer.size >= size:
+    def ensure(self, size: int, cuda: bool = False) -> bool:
+        """Make it at least ``size`` bytes, registered with CUDA if ``cuda``;
+        whether it was (re)allocated."""
+        if self.buffer is not None and self.buffer.size >= size and self.cuda >= cuda:
             return False
+        size = max(size, self.size)
         self.close()
         size = -(-size // (1 << 20)) * (1 << 20)  # whole MiB: every dtype views it
         self.buffer = _native.AlignedBuffer(size, max(self.alignment, 4096), lock=False)
+        self.cuda = cuda
+        if cuda:
+            self.cuda_registered = pinned.cuda_register(self.buffer.address, size, "load's read buffer")
         self.np = np.frombuffer(self.buffer, dtype=np.uint8)
         self._t = torch.frombuffer(self.buffer, dtype=torch.uint8)
         return True
@@ -88,6 +98,9 @@ class TempBuffer:
         self._typed = {}
         self._t = None
         self.np = None
+        if self.cuda_registered:
+            pinned.cuda_unregister(self.buffer.address)
+            self.cuda_registered = False
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
@@ -266,10 +279,12 @@ class Run:
         self.paid_left += needed * self.max_overread_percent // 100 - planned_paid
         self.stats["merged_bytes_paid"] = self.stats.get("merged_bytes_paid", 0) + planned_paid
         temp_total = sum(j.temp for j in jobs)
-        if temp_total and self.arena.size < min(self.budget, temp_total):
+        cuda = self.arena.cuda or (bool(temp_total) and torch.cuda.is_available()
+                                   and any(j.cuda is not None for j in jobs))
+        if temp_total and (self.arena.size < min(self.budget, temp_total) or cuda > self.arena.cuda):
             if before_arena is not None:
                 before_arena()  # no read in flight into the arena it replaces
-            if self.arena.ensure(min(self.budget, temp_total)):
+            if self.arena.ensure(min(self.budget, temp_total), cuda):
                 self.stats["temp_bytes"] = self.arena.size
         max_bytes = _PROGRESS_BATCH_BYTES if self.progress else _MAX_BATCH_BYTES
         batches: list[list[Job]] = []
@@ -369,10 +384,16 @@ class Run:
     def _finish(self, batch: list[Job]) -> None:
         """A read batch's copies out of the arena and callbacks, then progress."""
         t0 = time.perf_counter()
+        devices = set()
         for j in batch:
             self.stats["temp_units"] += j.units
             if j.post is not None:
                 j.post(self.arena, j.temp_off)
+                if j.cuda is not None:
+                    devices.add(j.cuda)
+        for d in devices:  # the copies to CUDA, done before the callbacks and before the arena is read into again
+            torch.cuda.current_stream(d).synchronize()
+        for j in batch:
             for fn in j.done:
                 fn()
             self.done_bytes += j.needed

@@ -70,10 +70,11 @@ class Limits:
 class Job:
     """Pieces (file, offset, length, position) read into ``buf`` or, with
     ``temp`` > 0, into the arena; then ``post`` and the ``done`` callbacks.
-    ``paid``: over-read charged to the load's budget."""
+    ``paid``: over-read charged to the load's budget; ``cuda``: the CUDA
+    device ``post`` copies to (asynchronously, from the arena), or None."""
 
     __slots__ = ("files", "offs", "lens", "pos", "buf", "temp", "post", "needed", "done", "temp_off", "units",
-                 "paid")
+                 "paid", "cuda")
 
     def __init__(self, files, offs, lens, pos, *, buf=None, temp=0, post=None, needed=0, done=None, units=0):
         self.files, self.offs, self.lens, self.pos = files, offs, lens, pos
@@ -82,6 +83,7 @@ class Job:
         self.done = [] if done is None else [done]
         self.temp_off = 0
         self.paid = 0
+        self.cuda: torch.device | None = None
 
     @classmethod
     def empty(cls, done=None) -> "Job":
@@ -252,6 +254,14 @@ class ItemPlanner:
             item_offsets, lens, files, offs = arrays
             return [Job(files, offs, lens, item_offsets, buf=dest.reshape(-1).view(torch.uint8).numpy(),
                         needed=needed, done=commit)]
+        if whole_chunk_to_device(sizes, dtype, offsets, lengths, dest, limits.cap):
+            # The same on a GPU: the chunk's extents into the arena, then one copy_.
+            item_offsets, lens, files, offs = arrays
+            a = limits.alignment
+            job = Job(files, offs, lens, item_offsets, temp=-(-needed // a) * a,
+                      post=arena_copier(dest, dtype, needed), needed=needed, done=commit, units=1)
+            job.cuda = dest.device if dest.is_cuda else None
+            return [job]
         in_place = (
             dest.device.type == "cpu"
             and dest.dtype == dtype
@@ -285,6 +295,9 @@ class ItemPlanner:
                 grid = box_grid(sizes, [o + s for o, s in zip(offsets, sub_off)], sub_len, esize)
                 target = dest[tuple(slice(s, s + n) for s, n in zip(sub_off, sub_len))]
                 jobs.extend(packed_temp_jobs(grid, arrays, sub_needed, target, dtype, limits))
+        if dest.is_cuda:
+            for j in jobs:
+                j.cuda = dest.device
         jobs[-1].add_done(commit)
         return jobs
 
@@ -300,6 +313,14 @@ def whole_chunk_read(sizes, dtype: torch.dtype, offsets, lengths, dest: torch.Te
     return (lengths == sizes and not any(offsets) and math.prod(lengths) * dtype.itemsize <= _MAX_PIECE_BYTES
             and dest.dtype == dtype and dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj()
             and not dest.is_neg())
+
+
+def whole_chunk_to_device(sizes, dtype: torch.dtype, offsets, lengths, dest: torch.Tensor, cap: int) -> bool:
+    """Whether a read is a whole chunk of at most ``cap`` bytes into a
+    contiguous target of its dtype on an accelerator."""
+    return (dest.device.type != "cpu" and list(lengths) == list(sizes) and not any(offsets)
+            and math.prod(lengths) * dtype.itemsize <= cap and dest.dtype == dtype and dest.is_contiguous()
+            and not dest.is_conj() and not dest.is_neg())
 
 
 def _merge_level(grid: Grid, limits: Limits) -> tuple[int | None, int]:
@@ -436,15 +457,18 @@ def numpy_copier(buf: np.ndarray, grid: Grid, level: int, esize: int):
 
 def torch_copier(dest: torch.Tensor, dtype: torch.dtype, grid: Grid, level: int):
     """Strided copies from the arena (stored dtype) into ``dest`` (any dtype or
-    device): ``copy_`` casts as the stock reader does."""
+    device): ``copy_`` casts as the stock reader does.  A copy to a CUDA
+    device is queued on its current stream (the load waits for it before
+    the arena is read into again)."""
     esize = dtype.itemsize
+    cuda = dest.is_cuda
 
     def copy(arena, arena_off: int, u_off, dst, cnt) -> None:
         typed = arena.typed(dtype)
         for o, d, c in zip(u_off.tolist(), dst.tolist(), cnt.tolist()):
             shape, ss, ds = _unit_shape(grid, level, c, esize)
             src = typed.as_strided(shape, ss, (arena_off + o) // esize)
-            dest.as_strided(shape, ds, dest.storage_offset() + d // esize).copy_(src)
+            dest.as_strided(shape, ds, dest.storage_offset() + d // esize).copy_(src, non_blocking=cuda)
 
     return copy
 
@@ -454,12 +478,20 @@ def packed_temp_jobs(grid: Grid, arrays, needed: int, target: torch.Tensor, dtyp
     """Runs into a packed temporary of the stored dtype, then ``target.copy_``."""
     src, dst, _ = unit_starts(grid, len(grid.counts))
     rng, within, files, offs, lens = map_ranges(src, np.full(len(src), grid.run, dtype=np.int64), *arrays)
+    a = limits.alignment
+    return [Job(files, offs, lens, dst[rng] + within, temp=-(-needed // a) * a,
+                post=arena_copier(target, dtype, needed), needed=needed, units=1)]
+
+
+def arena_copier(target: torch.Tensor, dtype: torch.dtype, needed: int):
+    """``post`` of a job that read ``target``'s packed bytes (stored dtype)
+    into the arena: one ``copy_`` (which casts); to a CUDA device queued on its
+    current stream, waited for as :func:`torch_copier`'s are."""
     esize = dtype.itemsize
     shape = tuple(target.shape)
 
     def post(arena, arena_off: int) -> None:
         t = arena.typed(dtype).narrow(0, arena_off // esize, needed // esize).view(shape)
-        target.copy_(t)
+        target.copy_(t, non_blocking=target.is_cuda)
 
-    a = limits.alignment
-    return [Job(files, offs, lens, dst[rng] + within, temp=-(-needed // a) * a, post=post, needed=needed, units=1)]
+    return post
