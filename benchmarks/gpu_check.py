@@ -20,7 +20,6 @@ present).  One table is printed; ``DIR/gpu_check.json`` holds every figure
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the checkout's fp_dcp (built in place), installed or not
+    sys.path.insert(0, str(ROOT))
 MiB, GiB = 1 << 20, 1 << 30
 TEST_SELECTION = "gpu or cuda or nccl"  # markers and names of the tests that touch CUDA
 
@@ -261,7 +262,10 @@ class Trainer:
         y = self.x
         for _ in range(self.chain):
             y = y @ self.w
-        sync(self.device)
+        if self.device == "cuda":  # its own stream, as a step's loss.item() does: not the staging's side streams
+            import torch
+
+            torch.cuda.current_stream().synchronize()
         return time.perf_counter() - t0
 
 
