@@ -275,12 +275,22 @@ def _wait(response: Any) -> None:
     getattr(response, "upload_completion", response).result()
 
 
+def _planners(kind: str) -> dict:
+    """``{"save": kwargs, "load": kwargs}`` of ``dcp.save`` / ``dcp.load``:
+    fp_dcp's planners for a kind named ``*_planners``, DCP's defaults else."""
+    if not kind.endswith("_planners"):
+        return {"save": {}, "load": {}}
+    from fp_dcp import FastPersistLoadPlanner, FastPersistSavePlanner
+
+    return {"save": {"planner": FastPersistSavePlanner()}, "load": {"planner": FastPersistLoadPlanner()}}
+
+
 def _load_checked(sd: Any, path: Path, reader_kind: str, device: str, drop: bool) -> dict:
     import torch.distributed.checkpoint as dcp
 
     target = zeros_like(sd)
     cold = _drop_caches() if drop else False
-    if reader_kind == "fp_dcp":
+    if reader_kind.startswith("fp_dcp"):
         from fp_dcp import FastPersistReader
 
         reader = FastPersistReader(path)
@@ -288,7 +298,7 @@ def _load_checked(sd: Any, path: Path, reader_kind: str, device: str, drop: bool
         reader = dcp.FileSystemReader(path)
     sync(device)
     t0 = time.perf_counter()
-    dcp.load(target, storage_reader=reader)
+    dcp.load(target, storage_reader=reader, **_planners(reader_kind)["load"])
     sync(device)
     seconds = time.perf_counter() - t0
     if hasattr(reader, "close"):
@@ -307,21 +317,21 @@ def _drop_caches() -> bool:
         return False
 
 
-def save_and_load(sd: Any, work: Path, device: str, drop: bool) -> dict:
-    """dcp.save then dcp.load through fp_dcp and through the stock
-    FileSystemWriter / FileSystemReader."""
+def save_and_load(sd: Any, work: Path, device: str, drop: bool, kinds: tuple = ("fp_dcp", "stock")) -> dict:
+    """dcp.save then dcp.load through fp_dcp (``fp_dcp_planners``: with its
+    planners too) and through the stock FileSystemWriter / FileSystemReader."""
     import torch.distributed.checkpoint as dcp
 
     from fp_dcp import FastPersistWriter
 
     out = {}
-    for kind in ("fp_dcp", "stock"):
+    for kind in kinds:
         path = work / kind
         try:
-            writer = FastPersistWriter(path) if kind == "fp_dcp" else dcp.FileSystemWriter(path)
+            writer = FastPersistWriter(path) if kind.startswith("fp_dcp") else dcp.FileSystemWriter(path)
             sync(device)
             t0 = time.perf_counter()
-            dcp.save(sd, storage_writer=writer)
+            dcp.save(sd, storage_writer=writer, **_planners(kind)["save"])
             out[f"{kind}_save_s"] = time.perf_counter() - t0
             if hasattr(writer, "close"):
                 writer.close()
@@ -333,19 +343,22 @@ def save_and_load(sd: Any, work: Path, device: str, drop: bool) -> dict:
     return out
 
 
-def async_saves(sd: Any, work: Path, device: str, trainer: Trainer, saves: int, drop: bool) -> dict:
+def async_saves(sd: Any, work: Path, device: str, trainer: Trainer, saves: int, drop: bool,
+                modes: tuple = ("eager", "lazy")) -> dict:
     """Eager and lazy ``dcp.async_save`` through one writer each, ``saves``
     times (the first pays for the host arena): the eager save's blocked
     time; the lazy save's return time, time to ``staging_completion`` and
-    the training steps run meanwhile against steps run alone."""
+    the training steps run meanwhile against steps run alone.  A mode named
+    ``*_planners`` (``lazy_planners``) saves with fp_dcp's planners."""
     import torch.distributed.checkpoint as dcp
 
     from fp_dcp import FastPersistWriter
 
     out: dict[str, Any] = {}
-    for mode in ("eager", "lazy"):
+    for mode in modes:
         rows = []
-        writer = FastPersistWriter(work / mode, staging=mode)
+        staging = mode.split("_")[0]
+        writer = FastPersistWriter(work / mode, staging=staging)
         try:
             for i in range(saves):
                 path = work / mode / f"{i}"
@@ -353,10 +366,10 @@ def async_saves(sd: Any, work: Path, device: str, trainer: Trainer, saves: int, 
                 sync(device)
                 staged_at: list[float] = []
                 t0 = time.perf_counter()
-                response = dcp.async_save(sd, storage_writer=writer, checkpoint_id=path)
+                response = dcp.async_save(sd, storage_writer=writer, checkpoint_id=path, **_planners(mode)["save"])
                 returned = time.perf_counter() - t0
                 row = {"returned_s": returned}
-                if mode == "lazy":
+                if staging == "lazy":
                     staging = response.staging_completion
                     staging.add_done_callback(lambda _f: staged_at.append(time.perf_counter()))
                     beside = []
@@ -370,7 +383,8 @@ def async_saves(sd: Any, work: Path, device: str, trainer: Trainer, saves: int, 
                 row["saved_s"] = time.perf_counter() - t0
                 rows.append(row)
                 if i == saves - 1:
-                    out[f"{mode}_load"] = _load_checked(sd, path, "fp_dcp", device, drop)
+                    reader = "fp_dcp_planners" if mode.endswith("_planners") else "fp_dcp"
+                    out[f"{mode}_load"] = _load_checked(sd, path, reader, device, drop)
                 shutil.rmtree(path, ignore_errors=True)
         finally:
             writer.close()
@@ -471,21 +485,23 @@ def table(data: dict) -> str:
         disk_r = raw.get("read_s") * n / raw["bytes"] if raw.get("bytes") else None
         row("copy_ D2H (pinned)", d2h, "", None)
         row("copy_ H2D (pinned)", h2d, "", None)
-        for kind in ("fp_dcp", "stock"):
+        for kind in ("fp_dcp", "fp_dcp_planners", "stock"):
+            if f"{kind}_save_s" not in sl:
+                continue
             slower_w = max(x for x in (d2h, disk_w) if x) if (d2h or disk_w) else None
             slower_r = max(x for x in (h2d, disk_r) if x) if (h2d or disk_r) else None
             row(f"{kind} save", sl.get(f"{kind}_save_s"), "max(D2H, disk)", slower_w)
             load = sl.get(f"{kind}_load") or {}
             row(f"{kind} load", sl.get(f"{kind}_load_s"), "max(H2D, disk)", slower_r, str(load.get("bit_exact", "")))
         a = s.get(f"{name}.async") or {}
-        for mode in ("eager", "lazy"):
+        for mode in ("eager", "lazy", "lazy_planners"):
             for i, r in enumerate(a.get(mode) or []):
                 exact = str((a.get(f"{mode}_load") or {}).get("bit_exact", "")) if i == len(a[mode]) - 1 else ""
                 row(f"{mode} async #{i + 1} blocked", r["returned_s"], "copy_ D2H", d2h if mode == "eager" else None)
-                if mode == "lazy":
-                    row(f"lazy async #{i + 1} staged", r.get("staged_s"), "copy_ D2H", d2h)
+                if mode.startswith("lazy"):
+                    row(f"{mode} async #{i + 1} staged", r.get("staged_s"), "copy_ D2H", d2h)
                     if r.get("step_beside_s"):
-                        rows.append((name, f"lazy #{i + 1} step slowdown", "", "", f"{r['steps_beside']} steps",
+                        rows.append((name, f"{mode} #{i + 1} step slowdown", "", "", f"{r['steps_beside']} steps",
                                      "", f"{r['step_beside_s'] / r['step_alone_s']:.3f}", ""))
                 row(f"{mode} async #{i + 1} saved", r["saved_s"], "", None, exact)
     for method, r in disk.items():
@@ -511,12 +527,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--disk-gib", type=float, default=None, help="bytes of the raw disk pass (default 4; dry run 0.03)")
     p.add_argument("--tests", choices=["run", "collect", "none"], default=None,
                    help="the CUDA tests: run (default), collect (dry run default) or none")
+    p.add_argument("--step-matmuls", type=int, default=None,
+                   help="the training step beside a lazy save: this many 4096x4096 bf16 matmuls (default 8; dry run 2)")
     p.add_argument("--budget-s", type=float, default=450, help="skip steps that would start after this (default 450)")
     p.add_argument("--no-build", action="store_true", help="use the extension as built")
     args = p.parse_args(argv)
     dry = args.dry_run
     for name, real, small in (("big_gib", 8.25, 1 / 32), ("tensor_mib", 64, 2), ("small_count", 9000, 200),
-                              ("async_saves", 2, 1), ("disk_gib", 4, 0.03), ("tests", "run", "collect")):
+                              ("async_saves", 2, 1), ("disk_gib", 4, 0.03), ("tests", "run", "collect"),
+                              ("step_matmuls", 8, 2)):
         if getattr(args, name) is None:
             setattr(args, name, small if dry else real)
     return args
@@ -559,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     drop = device == "cuda"
     try:
         report.step("tests", lambda: run_tests(args.tests, max(60.0, report.left() - 240)), need_s=60)
-        trainer = Trainer(device, 4096 if device == "cuda" else 256, 8 if device == "cuda" else 2)
+        trainer = Trainer(device, 4096 if device == "cuda" else 256, args.step_matmuls)
         sizes = {"big": lambda: big_state_dict(int(args.big_gib * GiB), int(args.tensor_mib * MiB), device),
                  "small": lambda: small_state_dict(args.small_count, device)}
         for name, make in sizes.items():
@@ -574,9 +593,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             sd = holder["sd"]
             report.step(f"{name}.copy_ceiling", lambda: copy_ceiling(sd, device), need_s=10)
-            report.step(f"{name}.save_load", lambda: save_and_load(sd, work / name, device, drop), need_s=40)
-            report.step(f"{name}.async", lambda: async_saves(sd, work / name, device, trainer, args.async_saves, drop),
-                        need_s=40)
+            # fp_dcp's planners matter where DCP's per-item Python does: many small tensors
+            kinds = ("fp_dcp", "fp_dcp_planners", "stock") if name == "small" else ("fp_dcp", "stock")
+            modes = ("eager", "lazy", "lazy_planners") if name == "small" else ("eager", "lazy")
+            report.step(f"{name}.save_load", lambda: save_and_load(sd, work / name, device, drop, kinds), need_s=40)
+            report.step(f"{name}.async", lambda: async_saves(sd, work / name, device, trainer, args.async_saves, drop,
+                                                             modes), need_s=40)
             del sd, holder
             if device == "cuda":
                 torch.cuda.empty_cache()
