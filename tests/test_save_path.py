@@ -12,10 +12,12 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fp_dcp import FastPersistWriter
-from fp_dcp.save.commit import SaveLock
 from fp_dcp.gc_freeze import GcFreeze
+from fp_dcp.save.commit import SaveLock
 
 MiB = 1 << 20
 
@@ -730,3 +732,28 @@ def test_engine_set_up_in_the_background_runs_once_until_waited_for():
     engines.settled()
     assert ran == ["first", "third"]
     engines.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 5000), max_size=40), align=st.sampled_from([1, 512, 4096]),
+       chunk_blocks=st.integers(1, 8))
+def test_cuda_chunk_windows_are_the_extents_each_window_cuts(lengths, align, chunk_blocks):
+    """The CUDA writer's windows (the extents each double-buffer chunk holds)
+    equal a scan of every extent for every window: each non-empty extent cut
+    at the window edges, in order, all of its bytes once."""
+    from fp_dcp.save.device_copy import chunk_windows
+    from fp_dcp.save.layout import align_up, place_extents
+
+    offsets, end = place_extents(lengths, align, 0, align)
+    chunk = chunk_blocks * align
+    span = align_up(end, align)
+    got = list(chunk_windows(offsets, lengths, chunk, span))
+    want = [(start, [(i, max(o, start), min(o + n, start + chunk))
+                     for i, (o, n) in enumerate(zip(offsets, lengths)) if min(o + n, start + chunk) > max(o, start)])
+            for start in range(0, span, chunk)]
+    assert got == want
+    covered = [0] * len(lengths)
+    for _, parts in got:
+        for i, a, b in parts:
+            covered[i] += b - a
+    assert covered == lengths

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -17,7 +17,28 @@ from fp_dcp.engine import IOSession, PinnedBuffer
 from fp_dcp.save.layout import align_up, place_extents
 from fp_dcp.save.results import add_stats
 
-__all__ = ["write_cuda"]
+__all__ = ["write_cuda", "chunk_windows"]
+
+
+def chunk_windows(offsets: list[int], lengths: list[int], chunk: int, end: int) -> Iterator[tuple[int, list]]:
+    """For each window ``[start, start + chunk)`` of ``[0, end)``: ``(start,
+    [(i, a, b), ...])``, the file range ``[a, b)`` of each extent ``i`` in it
+    (``offsets`` ascending, extents not overlapping), in order; an empty
+    extent is in none.  Each extent is looked at once per window it is in,
+    not once per window."""
+    first = 0
+    for start in range(0, end, chunk):
+        stop = start + chunk
+        while first < len(offsets) and offsets[first] + lengths[first] <= start:
+            first += 1
+        parts = []
+        i = first
+        while i < len(offsets) and offsets[i] < stop:
+            a, b = max(offsets[i], start), min(offsets[i] + lengths[i], stop)
+            if a < b:
+                parts.append((i, a, b))
+            i += 1
+        yield start, parts
 
 
 def write_cuda(
@@ -65,20 +86,17 @@ def write_cuda(
     host: torch.Tensor | None = None
     try:
         k = -1
-        for k, start in enumerate(range(0, align_up(end, align), chunk)):
+        for k, (start, window) in enumerate(chunk_windows(offsets, lengths, chunk, align_up(end, align))):
             slot = k % 2
             if pending[slot] is not None:
                 done(slot)  # buffer free again
                 pending[slot] = None
-            stop = start + chunk
             host = buffers[slot].tensor
             srcs, offs, where = [], [], []
             with torch.cuda.stream(stream):
-                for i, (f, off, n) in enumerate(zip(flat, offsets, lengths)):
-                    a, b = max(off, start), min(off + n, stop)
-                    if b <= a:
-                        continue
-                    host[a - start : b - start].copy_(f[a - off : b - off], non_blocking=True)
+                for i, a, b in window:
+                    off = offsets[i]
+                    host[a - start : b - start].copy_(flat[i][a - off : b - off], non_blocking=True)
                     srcs.append(memoryview(buffers[slot].raw)[a - start : b - start])
                     offs.append(a)
                     where.append((i, a - off, b - a))
