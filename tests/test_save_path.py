@@ -741,8 +741,8 @@ def test_cuda_chunk_windows_are_the_extents_each_window_cuts(lengths, align, chu
     """The CUDA writer's windows (the extents each double-buffer chunk holds)
     equal a scan of every extent for every window: each non-empty extent cut
     at the window edges, in order, all of its bytes once."""
-    from fp_dcp.save.device_copy import chunk_windows
     from fp_dcp.save.layout import align_up, place_extents
+    from fp_dcp.staging.layout import chunk_windows
 
     offsets, end = place_extents(lengths, align, 0, align)
     chunk = chunk_blocks * align

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,29 +16,9 @@ from fp_dcp.checksums import crc_hex, merge_block_crcs
 from fp_dcp.engine import IOSession, PinnedBuffer
 from fp_dcp.save.layout import align_up, place_extents
 from fp_dcp.save.results import add_stats
+from fp_dcp.staging.layout import chunk_windows
 
-__all__ = ["write_cuda", "chunk_windows"]
-
-
-def chunk_windows(offsets: list[int], lengths: list[int], chunk: int, end: int) -> Iterator[tuple[int, list]]:
-    """For each window ``[start, start + chunk)`` of ``[0, end)``: ``(start,
-    [(i, a, b), ...])``, the file range ``[a, b)`` of each extent ``i`` in it
-    (``offsets`` ascending, extents not overlapping), in order; an empty
-    extent is in none.  Each extent is looked at once per window it is in,
-    not once per window."""
-    first = 0
-    for start in range(0, end, chunk):
-        stop = start + chunk
-        while first < len(offsets) and offsets[first] + lengths[first] <= start:
-            first += 1
-        parts = []
-        i = first
-        while i < len(offsets) and offsets[i] < stop:
-            a, b = max(offsets[i], start), min(offsets[i] + lengths[i], stop)
-            if a < b:
-                parts.append((i, a, b))
-            i += 1
-        yield start, parts
+__all__ = ["write_cuda"]
 
 
 def write_cuda(

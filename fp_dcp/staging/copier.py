@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fp_dcp import _native
-from fp_dcp.staging.layout import ARENA, SPILL, Layout
+from fp_dcp.staging.layout import ARENA, SPILL, Layout, chunk_windows
 
 __all__ = ["Copier", "eager_copy_threads", "MAX_COPY_THREADS", "COPY_PIECE_BYTES"]
 
@@ -190,9 +190,11 @@ class Copier:
         if self.ring_pool is None:
             self.ring_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fp_dcp-spill")
         slot = layout.slot_bytes
+        items.sort(key=lambda it: it[0])  # (in spill order: each slot looks only at the tensors it holds)
+        windows = chunk_windows([it[0] for it in items], [it[1] for it in items], slot, layout.spill_bytes)
         pending: list[concurrent.futures.Future | None] = [None, None]
         try:
-            for k, start in enumerate(range(0, layout.spill_bytes, slot)):
+            for k, (start, window) in enumerate(windows):
                 s = k % 2
                 fut = pending[s]
                 if fut is not None:
@@ -201,10 +203,8 @@ class Copier:
                 stop = min(start + slot, layout.spill_bytes)
                 base = layout.ring_offset + s * slot
                 offs, srcs, evs = [], [], []
-                for off, n, src, dev in items:
-                    a, b = max(off, start), min(off + n, stop)
-                    if b <= a:
-                        continue
+                for i, a, b in window:
+                    off, _, src, dev = items[i]
                     if dev.type == "cuda":
                         st = self.streams[dev]
                         with torch.cuda.device(dev), torch.cuda.stream(st):

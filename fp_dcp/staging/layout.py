@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -14,7 +14,7 @@ import torch
 from fp_dcp import _dcp_hooks
 from fp_dcp.format import align_up
 
-__all__ = ["ARENA", "SPILL", "EMPTY", "Layout", "walk", "build", "meta", "plan", "views"]
+__all__ = ["ARENA", "SPILL", "EMPTY", "Layout", "walk", "build", "meta", "plan", "views", "chunk_windows"]
 
 try:  # torch built without distributed
     from torch.distributed.tensor import DTensor
@@ -165,3 +165,27 @@ def views(buf: Any, spill_map: Any, layout: Layout) -> list[torch.Tensor | None]
             continue
         out.append(torch.frombuffer(src, dtype=dtype, count=n // dtype.itemsize, offset=off).view(shape))
     return out
+
+
+# ------------------------------------------------------------ chunk windows
+
+
+def chunk_windows(offsets: list[int], lengths: list[int], chunk: int, end: int) -> Iterator[tuple[int, list]]:
+    """For each window ``[start, start + chunk)`` of ``[0, end)``: ``(start,
+    [(i, a, b), ...])``, the file range ``[a, b)`` of each extent ``i`` in it
+    (``offsets`` ascending, extents not overlapping), in order; an empty
+    extent is in none.  Each extent is looked at once per window it is in,
+    not once per window."""
+    first = 0
+    for start in range(0, end, chunk):
+        stop = start + chunk
+        while first < len(offsets) and offsets[first] + lengths[first] <= start:
+            first += 1
+        parts = []
+        i = first
+        while i < len(offsets) and offsets[i] < stop:
+            a, b = max(offsets[i], start), min(offsets[i] + lengths[i], stop)
+            if a < b:
+                parts.append((i, a, b))
+            i += 1
+        yield start, parts
