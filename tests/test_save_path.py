@@ -737,10 +737,11 @@ def test_engine_set_up_in_the_background_runs_once_until_waited_for():
 @settings(max_examples=200, deadline=None)
 @given(lengths=st.lists(st.integers(0, 5000), max_size=40), align=st.sampled_from([1, 512, 4096]),
        chunk_blocks=st.integers(1, 8))
-def test_cuda_chunk_windows_are_the_extents_each_window_cuts(lengths, align, chunk_blocks):
-    """The CUDA writer's windows (the extents each double-buffer chunk holds)
-    equal a scan of every extent for every window: each non-empty extent cut
-    at the window edges, in order, all of its bytes once."""
+def test_chunk_windows_are_the_extents_each_window_cuts(lengths, align, chunk_blocks):
+    """The windows of the CUDA writer and of the spill ring (the extents each
+    chunk holds) equal a scan of every extent for every window: each
+    non-empty extent cut at the window edges, in order, all of its bytes
+    once."""
     from fp_dcp.save.layout import align_up, place_extents
     from fp_dcp.staging.layout import chunk_windows
 
