@@ -79,7 +79,7 @@ class TempBuffer:
         self.buffer = _native.AlignedBuffer(size, max(self.alignment, 4096), lock=False)
         self.cuda = cuda
         if cuda:
-            self.cuda_registered = pinned.cuda_register(self.buffer.address, size, "load's read buffer")
+            self.cuda_registered = pinned.cuda_register(self.buffer.address, size, "load's read buffer", portable=True)
         self.np = np.frombuffer(self.buffer, dtype=np.uint8)
         self._t = torch.frombuffer(self.buffer, dtype=torch.uint8)
         return True
