@@ -385,14 +385,16 @@ class Run:
         """A read batch's copies out of the arena and callbacks, then progress."""
         t0 = time.perf_counter()
         devices = set()
-        for j in batch:
-            self.stats["temp_units"] += j.units
-            if j.post is not None:
-                j.post(self.arena, j.temp_off)
+        try:
+            for j in batch:
+                self.stats["temp_units"] += j.units
                 if j.cuda is not None:
                     devices.add(j.cuda)
-        for d in devices:  # the copies to CUDA, done before the callbacks and before the arena is read into again
-            torch.cuda.current_stream(d).synchronize()
+                if j.post is not None:
+                    j.post(self.arena, j.temp_off)
+        finally:  # the copies to CUDA done before the callbacks, and before the arena is read into again or freed
+            for d in devices:
+                torch.cuda.current_stream(d).synchronize()
         for j in batch:
             for fn in j.done:
                 fn()
