@@ -97,6 +97,7 @@ def write_cuda(
         if sync:
             os.fdatasync(fd)
     finally:
+        stream.synchronize()  # no copy into the buffers still queued (one that raised part-way)
         for p in pending:
             if p is not None:
                 p[0].exception()  # wait before the buffers go away

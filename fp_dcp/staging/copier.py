@@ -109,14 +109,16 @@ class Copier:
                 ev.record(s)
                 done.append(ev)
         crcs: dict[int, tuple[int, np.ndarray]] = {}
-        if sources:
-            got = self._gather(buf, offsets, sources, threads, block)
-            if got is not None:
-                crcs = {off: (len(b), c) for off, b, c in zip(offsets, sources, got)}
-        for dst, src in slow:
-            dst.copy_(src)
-        for ev in done:
-            ev.synchronize()
+        try:
+            if sources:
+                got = self._gather(buf, offsets, sources, threads, block)
+                if got is not None:
+                    crcs = {off: (len(b), c) for off, b, c in zip(offsets, sources, got)}
+            for dst, src in slow:
+                dst.copy_(src)
+        finally:  # the device's copies into the arena end here, also when a CPU copy failed
+            for ev in done:
+                ev.synchronize()
         del views
         if spill is not None:
             self._stream(buf, layout, leaves, events, spill)
