@@ -150,6 +150,9 @@ class _NoStream:
     def wait_stream(self, other: object) -> None:
         pass
 
+    def synchronize(self) -> None:
+        pass
+
 
 class _NoEvent:
     def record(self, stream: object = None) -> None:
