@@ -178,6 +178,54 @@ def test_device_copy_logic_without_a_device(tmp_path, checksums, monkeypatch, ai
                       checksums)
 
 
+def test_device_copy_that_fails_part_way_waits_for_its_stream_before_freeing_the_buffers(tmp_path, monkeypatch,
+                                                                                          aio_no_leaks):
+    """A copy into a page-locked buffer that raises after others were queued:
+    the side stream is synchronized before the buffers are freed (a DMA
+    still in flight would write into freed memory), then the error comes out."""
+    if torch.cuda.is_available():
+        pytest.skip("the stand-ins replace the CUDA calls")
+    from fp_dcp import engine
+    from fp_dcp.engine import EngineSet
+    from fp_dcp.options import FastPersistOptions
+    from fp_dcp.save.device_copy import write_cuda
+
+    log: list[str] = []
+
+    class Stream(_NoStream):
+        def synchronize(self) -> None:
+            log.append("synchronize")
+
+    closed = engine.PinnedBuffer.close
+
+    def close(self) -> None:
+        log.append("free")
+        closed(self)
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(engine.PinnedBuffer, "close", close)
+
+    class Failing:  # the third source: taking its bytes raises, after two copies were queued
+        def numel(self) -> int:
+            return 4000
+
+        def __getitem__(self, key: object) -> torch.Tensor:
+            raise RuntimeError("injected: a copy failed")
+
+    flat = [torch.zeros(5000, dtype=torch.uint8), torch.ones(300, dtype=torch.uint8), Failing()]
+    engines = EngineSet()
+    try:
+        session = engines.session(FastPersistOptions(), str(tmp_path))
+        with pytest.raises(RuntimeError, match="injected"):
+            write_cuda(session, str(tmp_path / "d.fpd"), flat, {}, chunk_bytes=1 << 20, checksums=True, sync=False)
+    finally:
+        engines.close()
+    assert log == ["synchronize", "free", "free"]
+
+
 def test_write_results_one_per_item_in_order_with_each_file_size_on_its_first_item():
     """write_rank's results: one per item written (an item written in parts
     on two devices has both extents), in item order, each file's size on the
