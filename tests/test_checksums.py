@@ -420,3 +420,14 @@ def test_the_verifier_lays_out_a_decoded_layouts_columns_as_its_dict(big_ckpt):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
     unchecked = fmt.StorageLayout(layout.save_id, layout.alignment, layout.files, layout.extents, None)
     assert not ReadVerifier(unchecked, paths).enabled
+
+
+@given(st.lists(st.integers(-(1 << 62), 1 << 62), max_size=200))
+def test_sorted_unique_equals_numpys(values):
+    """The read verifier's boundaries: ``np.unique``'s result (values, order
+    and dtype) without its first-call import of ``numpy.ma``."""
+    from fp_dcp.checksums import _sorted_unique
+
+    a = np.array(values, dtype=np.int64)
+    got, want = _sorted_unique(a), np.unique(a)
+    assert got.dtype == want.dtype and np.array_equal(got, want)
