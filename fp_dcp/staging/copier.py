@@ -230,6 +230,8 @@ class Copier:
                     fut.result()
                     pending[k] = None
         finally:
+            for dev in {it[3] for it in items if it[3].type == "cuda"}:
+                self.streams[dev].synchronize()  # no copy into the ring still queued (one that raised part-way)
             for p in pending:
                 if p is not None:
                     p.exception()  # no write may outlive this call
