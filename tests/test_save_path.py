@@ -785,7 +785,7 @@ def test_engine_set_up_in_the_background_runs_once_until_waited_for():
     engines.close()
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(0, 5000), max_size=40), align=st.sampled_from([1, 512, 4096]),
        chunk_blocks=st.integers(1, 8))
 def test_chunk_windows_are_the_extents_each_window_cuts(lengths, align, chunk_blocks):
