@@ -343,6 +343,62 @@ def save_and_load(sd: Any, work: Path, device: str, drop: bool, kinds: tuple = (
     return out
 
 
+def _flat(sd: Any, prefix: str = "") -> dict:
+    """A nested state dict as ``{"a.b.0": leaf}``."""
+    if isinstance(sd, dict):
+        items = sd.items()
+    elif isinstance(sd, (list, tuple)):
+        items = enumerate(sd)
+    else:
+        return {prefix: sd}
+    out: dict = {}
+    for k, v in items:
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def peer_save_load(sd: Any, work: Path, device: str, drop: bool) -> dict:
+    """Meta's torch_checkpointing where it is installed (carried as a wheel,
+    docs/GPU.md): the same state flattened to its keys, saved in the
+    configuration the CPU benchmark uses (synchronous, buffered files,
+    fsynced in the clock), loaded cold into zeroed tensors and compared bit
+    for bit."""
+    try:
+        import torch_checkpointing  # noqa: F401
+    except ImportError as e:
+        return {"skipped": f"torch_checkpointing is not installed ({e})"}
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_save_load import _fsync_tree, _tc_key, _tc_manager
+
+    flat = _flat(sd)
+    keys = {_tc_key(k): k for k in flat}
+    path = work / "torch_checkpointing"
+    try:
+        m = _tc_manager()
+        sync(device)
+        t0 = time.perf_counter()
+        m.save(str(path), {t: flat[k] for t, k in keys.items()})
+        m.close()
+        _fsync_tree(path)
+        saved = time.perf_counter() - t0
+        target = {t: torch.zeros_like(flat[k]) if isinstance(flat[k], torch.Tensor) else None for t, k in keys.items()}
+        cold = _drop_caches() if drop else False
+        m = _tc_manager()
+        sync(device)
+        t0 = time.perf_counter()
+        loaded = m.load(str(path), into=dict(target)) or {}  # (an object's None: it comes back in the result)
+        sync(device)
+        seconds = time.perf_counter() - t0
+        m.close()
+        got = {k: target[t] if target[t] is not None else loaded.get(t) for t, k in keys.items()}
+        bad = mismatches(flat, got)
+        return {"save_s": saved, "load_s": seconds, "load": {"cold": cold, "bit_exact": not bad, "mismatches": bad}}
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def async_saves(sd: Any, work: Path, device: str, trainer: Trainer, saves: int, drop: bool,
                 modes: tuple = ("eager", "lazy")) -> dict:
     """Eager and lazy ``dcp.async_save`` through one writer each, ``saves``
@@ -493,6 +549,13 @@ def table(data: dict) -> str:
             row(f"{kind} save", sl.get(f"{kind}_save_s"), "max(D2H, disk)", slower_w)
             load = sl.get(f"{kind}_load") or {}
             row(f"{kind} load", sl.get(f"{kind}_load_s"), "max(H2D, disk)", slower_r, str(load.get("bit_exact", "")))
+        peer = s.get(f"{name}.peer") or {}
+        if peer.get("save_s"):
+            slower_w = max(x for x in (d2h, disk_w) if x) if (d2h or disk_w) else None
+            slower_r = max(x for x in (h2d, disk_r) if x) if (h2d or disk_r) else None
+            row("torch_checkpointing save", peer["save_s"], "max(D2H, disk)", slower_w)
+            row("torch_checkpointing load", peer["load_s"], "max(H2D, disk)", slower_r,
+                str(peer["load"].get("bit_exact", "")))
         a = s.get(f"{name}.async") or {}
         for mode in ("eager", "lazy", "lazy_planners"):
             for i, r in enumerate(a.get(mode) or []):
@@ -597,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
             kinds = ("fp_dcp", "fp_dcp_planners", "stock") if name == "small" else ("fp_dcp", "stock")
             modes = ("eager", "lazy", "lazy_planners") if name == "small" else ("eager", "lazy")
             report.step(f"{name}.save_load", lambda: save_and_load(sd, work / name, device, drop, kinds), need_s=40)
+            report.step(f"{name}.peer", lambda: peer_save_load(sd, work / name, device, drop), need_s=40)
             report.step(f"{name}.async", lambda: async_saves(sd, work / name, device, trainer, args.async_saves, drop,
                                                              modes), need_s=40)
             del sd, holder
