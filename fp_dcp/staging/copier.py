@@ -105,7 +105,7 @@ class Copier:
                 for dst, src in pairs:
                     dst.copy_(src, non_blocking=True)
                     src.record_stream(s)
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(blocking=True)  # waited for beside training: sleep, do not spin a core
                 ev.record(s)
                 done.append(ev)
         crcs: dict[int, tuple[int, np.ndarray]] = {}
@@ -212,7 +212,7 @@ class Copier:
                         with torch.cuda.device(dev), torch.cuda.stream(st):
                             host = torch.frombuffer(buf, dtype=torch.uint8, count=b - a, offset=base + a - start)
                             host.copy_(src[a - off : b - off], non_blocking=True)
-                            ev = torch.cuda.Event()
+                            ev = torch.cuda.Event(blocking=True)
                             ev.record(st)
                             evs.append(ev)
                     else:
