@@ -413,8 +413,8 @@ def async_saves(sd: Any, work: Path, device: str, trainer: Trainer, saves: int, 
     out: dict[str, Any] = {}
     for mode in modes:
         rows = []
-        staging = mode.split("_")[0]
-        writer = FastPersistWriter(work / mode, staging=staging)
+        lazy = mode.startswith("lazy")
+        writer = FastPersistWriter(work / mode, staging="lazy" if lazy else "eager")
         try:
             for i in range(saves):
                 path = work / mode / f"{i}"
@@ -425,7 +425,7 @@ def async_saves(sd: Any, work: Path, device: str, trainer: Trainer, saves: int, 
                 response = dcp.async_save(sd, storage_writer=writer, checkpoint_id=path, **_planners(mode)["save"])
                 returned = time.perf_counter() - t0
                 row = {"returned_s": returned}
-                if staging == "lazy":
+                if lazy:
                     staging = response.staging_completion
                     staging.add_done_callback(lambda _f: staged_at.append(time.perf_counter()))
                     beside = []
@@ -541,18 +541,16 @@ def table(data: dict) -> str:
         disk_r = raw.get("read_s") * n / raw["bytes"] if raw.get("bytes") else None
         row("copy_ D2H (pinned)", d2h, "", None)
         row("copy_ H2D (pinned)", h2d, "", None)
+        slower_w = max(x for x in (d2h, disk_w) if x) if (d2h or disk_w) else None
+        slower_r = max(x for x in (h2d, disk_r) if x) if (h2d or disk_r) else None
         for kind in ("fp_dcp", "fp_dcp_planners", "stock"):
             if f"{kind}_save_s" not in sl:
                 continue
-            slower_w = max(x for x in (d2h, disk_w) if x) if (d2h or disk_w) else None
-            slower_r = max(x for x in (h2d, disk_r) if x) if (h2d or disk_r) else None
             row(f"{kind} save", sl.get(f"{kind}_save_s"), "max(D2H, disk)", slower_w)
             load = sl.get(f"{kind}_load") or {}
             row(f"{kind} load", sl.get(f"{kind}_load_s"), "max(H2D, disk)", slower_r, str(load.get("bit_exact", "")))
         peer = s.get(f"{name}.peer") or {}
         if peer.get("save_s"):
-            slower_w = max(x for x in (d2h, disk_w) if x) if (d2h or disk_w) else None
-            slower_r = max(x for x in (h2d, disk_r) if x) if (h2d or disk_r) else None
             row("torch_checkpointing save", peer["save_s"], "max(D2H, disk)", slower_w)
             row("torch_checkpointing load", peer["load_s"], "max(H2D, disk)", slower_r,
                 str(peer["load"].get("bit_exact", "")))
