@@ -20,8 +20,9 @@ def test_gpu_check_dry_run(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     # --no-build: the extension this suite imports is the one in place
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run", "--no-build",
-                        "--async-saves", "2", "--out", str(out), "--work", str(work)], capture_output=True, text=True, env=env, timeout=400,
-                       stdin=subprocess.DEVNULL, cwd=str(tmp_path))
+                        "--async-saves", "2", "--out", str(out), "--work", str(work)],
+                       capture_output=True, text=True, env=env, timeout=400, stdin=subprocess.DEVNULL,
+                       cwd=str(tmp_path))
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     data = json.loads((out / "gpu_check.json").read_text())
     assert data["dry_run"] and data["device"] == "cpu" and not data["failed"] and not data["skipped"]
