@@ -809,3 +809,40 @@ def test_chunk_windows_are_the_extents_each_window_cuts(lengths, align, chunk_bl
         for i, a, b in parts:
             covered[i] += b - a
     assert covered == lengths
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 5000), max_size=30), cuts=st.lists(st.integers(1, 4999), max_size=30),
+       block=st.sampled_from([512, 1024, 4096]), seed=st.integers(0, 2**32 - 1))
+def test_extent_crcs_equal_the_merge_of_each_extent(lengths, cuts, block, seed):
+    """The CUDA writer's checksums per extent (whole extents in one call)
+    equal ``crc_hex(merge_block_crcs(...))`` of each extent's parts: whole,
+    cut in two off the block grid, or empty; a part with a CRC missing still
+    raises as the merge does."""
+    from fp_dcp.checksums import crc_hex, merge_block_crcs
+    from fp_dcp.save.device_copy import extent_crcs
+
+    rng = np.random.default_rng(seed)
+
+    def crcs(n: int) -> np.ndarray:
+        return rng.integers(0, 2**32, -(-n // block), dtype=np.uint32)
+
+    parts: list = []
+    for k, n in enumerate(lengths):
+        cut = cuts[k] if k < len(cuts) else 0
+        if n == 0:
+            parts.append([])
+        elif 0 < cut < n:  # two parts, the second starting inside a block when cut is off the grid
+            first = crcs(cut)
+            second = rng.integers(0, 2**32, len(range(cut, n, block)) if cut % block == 0
+                                  else -(-(n - (cut // block + 1) * block) // block) + 1, dtype=np.uint32)
+            parts.append([(0, cut, first), (cut, n - cut, second)])
+        else:
+            parts.append([(0, n, crcs(n))])
+    assert extent_crcs(parts, lengths, block) == [crc_hex(merge_block_crcs(p, block)) for p in parts]
+    short = [(i, p) for i, p in enumerate(parts) if len(p) == 1 and len(p[0][2]) > 1]
+    if short:
+        i, p = short[0]
+        parts[i] = [(0, p[0][1], p[0][2][:-1])]
+        with pytest.raises(ValueError, match="too few CRCs"):
+            extent_crcs(parts, lengths, block)
