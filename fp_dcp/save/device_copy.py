@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from fp_dcp import format as fmt
-from fp_dcp.checksums import crc_hex, merge_block_crcs
+from fp_dcp.checksums import crc_hex, merge_block_crcs, piece_checksums
 from fp_dcp.engine import IOSession, PinnedBuffer
 from fp_dcp.save.layout import align_up, place_extents
 from fp_dcp.save.results import add_stats
@@ -124,11 +124,10 @@ def extent_crcs(parts: list[list[tuple[int, int, Any]]], lengths: list[int], blo
     out: list[str] = [""] * len(parts)
     if whole:
         arrays = [parts[i][0][2] for i in whole]
-        text = np.concatenate(arrays).astype(">u4").tobytes().hex()
-        at = 0
-        for i, a in zip(whole, arrays):
-            out[i] = text[at : at + 8 * len(a)]
-            at += 8 * len(a)
+        first = np.cumsum([0] + [len(a) for a in arrays])
+        made = piece_checksums({"crc32c": np.concatenate(arrays), "crc32c_first": first}, len(whole))
+        for i, c in zip(whole, made):
+            out[i] = c
     done = set(whole)
     for i, p in enumerate(parts):
         if i not in done:
