@@ -306,21 +306,24 @@ def whole_chunk_read(sizes, dtype: torch.dtype, offsets, lengths, dest: torch.Te
     """Whether a read is a whole chunk into a contiguous CPU target of its dtype,
     read as whole extents (so ``verify_checksums`` checks every block: the
     tiers' restore relies on it)."""
-    if type(lengths) is not list:
-        lengths = [int(n) for n in lengths]
-    if type(sizes) is not list:
-        sizes = [int(n) for n in sizes]
-    return (lengths == sizes and not any(offsets) and math.prod(lengths) * dtype.itemsize <= _MAX_PIECE_BYTES
-            and dest.dtype == dtype and dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj()
-            and not dest.is_neg())
+    return dest.device.type == "cpu" and _whole_chunk(sizes, dtype, offsets, lengths, dest, _MAX_PIECE_BYTES)
 
 
 def whole_chunk_to_device(sizes, dtype: torch.dtype, offsets, lengths, dest: torch.Tensor, cap: int) -> bool:
     """Whether a read is a whole chunk of at most ``cap`` bytes into a
     contiguous target of its dtype on an accelerator."""
-    return (dest.device.type != "cpu" and list(lengths) == list(sizes) and not any(offsets)
-            and math.prod(lengths) * dtype.itemsize <= cap and dest.dtype == dtype and dest.is_contiguous()
-            and not dest.is_conj() and not dest.is_neg())
+    return dest.device.type != "cpu" and _whole_chunk(sizes, dtype, offsets, lengths, dest, cap)
+
+
+def _whole_chunk(sizes, dtype: torch.dtype, offsets, lengths, dest: torch.Tensor, cap: int) -> bool:
+    """The whole chunk, at most ``cap`` bytes, into a contiguous target of its
+    dtype (on any device)."""
+    if type(lengths) is not list:
+        lengths = [int(n) for n in lengths]
+    if type(sizes) is not list:
+        sizes = [int(n) for n in sizes]
+    return (lengths == sizes and not any(offsets) and math.prod(lengths) * dtype.itemsize <= cap
+            and dest.dtype == dtype and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg())
 
 
 def _merge_level(grid: Grid, limits: Limits) -> tuple[int | None, int]:
