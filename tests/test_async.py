@@ -280,6 +280,32 @@ def test_lazy_stage_returns_before_the_copy(tmp_path, aio_no_leaks):
     assert_sd_equal(before, _load(tmp_path / "ck", before))
 
 
+def test_lazy_stage_takes_each_tensor_as_it_is_when_the_call_returns(tmp_path, aio_no_leaks):
+    """What the lazy copy reads is fixed by the call: an entry replaced, or a
+    parameter whose ``.data`` is swapped for another shape (as FSDP1 does in
+    its forward), while the copy is held back, is saved as it was."""
+    p = torch.nn.Parameter(torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    sd = {"p": p, "t": torch.arange(5, dtype=torch.int64), "nested": {"u": torch.ones(2, 2, dtype=torch.bfloat16)}}
+    before = _clone(sd)
+    copying = threading.Event()
+    release = threading.Event()
+    with FastPersistWriter(tmp_path / "ck", staging="lazy") as w:
+
+        def hold() -> None:
+            copying.set()
+            assert release.wait(60)
+
+        w._stager().before_copy = hold
+        resp = dcp.async_save(sd, storage_writer=w)
+        assert copying.wait(60)
+        p.data = torch.full((7,), -1.0)  # p's old storage is left as it was
+        sd["t"] = torch.zeros(9, dtype=torch.int64)
+        sd["nested"]["u"] = torch.zeros(2, 2, dtype=torch.bfloat16)
+        release.set()
+        resp.upload_completion.result()
+    assert_sd_equal(before, _load(tmp_path / "ck", before))
+
+
 def test_one_save_in_flight_the_next_waits(tmp_path, aio_no_leaks):
     sd = {"w": torch.arange(1 << 18, dtype=torch.float32)}
     gate = threading.Event()

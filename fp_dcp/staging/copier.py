@@ -64,7 +64,9 @@ class Copier:
     def cuda_events(self, leaves: list[torch.Tensor]) -> dict:
         """On the calling (training) thread: mark where each device's current
         stream is, so the side-stream copies start after the work queued so far."""
-        devices = {t.device for t in leaves if t.device.type == "cuda"}
+        if not torch.cuda.is_initialized():  # no tensor can be on a CUDA device
+            return {}
+        devices = {t.device for t in leaves if t.is_cuda}
         events = {}
         for d in devices:
             if d not in self.streams:

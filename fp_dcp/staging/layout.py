@@ -31,21 +31,19 @@ ARENA, SPILL, EMPTY = 0, 1, 2
 def walk(obj: Any, leaves: list[torch.Tensor], values: list[Any]) -> tuple:
     """The skeleton of ``obj``: containers kept, tensors replaced by their leaf
     index, anything else by its index in ``values``.  Comparable with ``==``."""
+    t = type(obj)
+    if (t is torch.Tensor or t is torch.nn.Parameter) and obj.layout == torch.strided:  # the common leaf, first
+        # an alias of its storage, shape and strides as they are now, with no
+        # autograd link (``detach()`` without the dispatcher: a third faster)
+        leaves.append(obj.data)
+        return ("T", len(leaves) - 1)
     if DTensor is not None and isinstance(obj, DTensor):
         leaves.append(_dcp_hooks.dtensor_local(obj))
         return ("D", len(leaves) - 1, _dcp_hooks.dtensor_spec(obj))
-    if (
-        isinstance(obj, torch.Tensor)
-        and (type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter)
-        and obj.layout == torch.strided
-    ):
-        leaves.append(obj.detach())
-        return ("T", len(leaves) - 1)
-    t = type(obj)
     if t is dict or t is collections.OrderedDict:
-        return ("M", t, tuple((k, walk(v, leaves, values)) for k, v in obj.items()))
+        return ("M", t, tuple([(k, walk(v, leaves, values)) for k, v in obj.items()]))
     if t is list or t is tuple:
-        return ("L" if t is list else "U", tuple(walk(v, leaves, values) for v in obj))
+        return ("L" if t is list else "U", tuple([walk(v, leaves, values) for v in obj]))
     values.append(obj)  # other tensor subclasses and layouts included: deep-copied
     return ("V", len(values) - 1)
 

@@ -20,6 +20,7 @@ import torch
 from fp_dcp import _dcp_hooks, _native
 from fp_dcp import format as fmt
 from fp_dcp.engine import IOSession, PinnedBuffer
+from fp_dcp.gc_freeze import paused
 from fp_dcp.staging import crc_registry
 from fp_dcp.staging.arena import PAGE, PENDING, Arena, Spill, write_status
 from fp_dcp.staging.copier import Copier, eager_copy_threads
@@ -168,10 +169,14 @@ class Stager:
         via_async_save, self.checkpoint_hint = _dcp_hooks.async_save_caller()
         leaves: list[torch.Tensor] = []
         values: list[Any] = []
-        skeleton = walk(state_dict, leaves, values)
-        values = copy.deepcopy(values)
-        metas = tuple(meta(t) for t in leaves)
-        events = self.copier.cuda_events(leaves)
+        # On the training's thread: what the save is of, as it is now (an
+        # alias per tensor, the containers' shape, copies of the other
+        # values), and where each CUDA stream is.  Thousands of objects and no
+        # garbage: no collection walks the process's heap meanwhile.
+        with paused():
+            skeleton = walk(state_dict, leaves, values)
+            values = copy.deepcopy(values)
+            events = self.copier.cuda_events(leaves)
         with self.lock:
             prev = self.saves[-1] if self.saves else None
             self.seq += 1
@@ -185,7 +190,7 @@ class Stager:
             rec.copy_threads = eager_copy_threads()
             try:
                 self._wait(prev)
-                staged = self._stage_now(writer, rec, skeleton, metas, leaves, values, events)
+                staged = self._stage_now(writer, rec, skeleton, leaves, values, events)
             except BaseException as e:
                 rec.finish(e, reported=True)  # raised here: nothing to report later
                 raise
@@ -197,13 +202,13 @@ class Stager:
         fut = _StagingFuture()
         rec.refs.append(weakref.ref(fut))
         self.last_future = weakref.ref(fut)
-        self.pool.submit(self._stage_later, writer, rec, prev, fut, skeleton, metas, leaves, values, events)
+        self.pool.submit(self._stage_later, writer, rec, prev, fut, skeleton, leaves, values, events)
         return fut
 
-    def _stage_later(self, writer, rec, prev, fut, skeleton, metas, leaves, values, events) -> None:
+    def _stage_later(self, writer, rec, prev, fut, skeleton, leaves, values, events) -> None:
         try:
             self._wait(prev)
-            staged = self._stage_now(writer, rec, skeleton, metas, leaves, values, events)
+            staged = self._stage_now(writer, rec, skeleton, leaves, values, events)
         except PreviousSaveFailed as e:
             rec.finish(e, reported=True)
             fut.set_exception(e)
@@ -226,9 +231,10 @@ class Stager:
                 f"started: {type(prev.error).__name__}: {prev.error}"
             ) from prev.error
 
-    def _stage_now(self, writer, rec: Save, skeleton, metas, leaves, values, events) -> dict:
+    def _stage_now(self, writer, rec: Save, skeleton, leaves, values, events) -> dict:
         t0 = time.perf_counter()
         options = writer.options
+        metas = tuple(meta(t) for t in leaves)  # (a lazy save's, on its thread: the aliases do not change)
         # Each save gets a fresh save_id even when async_save passes no
         # checkpoint_id (DCP then does not call reset()).
         writer.reset()
