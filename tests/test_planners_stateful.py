@@ -15,7 +15,7 @@ import torch.distributed.checkpoint.state_dict_saver as saver
 from torch.distributed.checkpoint import logger as dcp_logger
 
 import fp_dcp
-from fp_dcp.planners import _stateful
+from fp_dcp import _stateful
 from torch.distributed.checkpoint.stateful import Stateful
 
 STOCK = saver._stateful_to_state_dict
@@ -170,6 +170,22 @@ def test_a_planner_installs_both_and_the_switch_puts_dcps_back(tmp_path):
         fp_dcp.use_as_default()  # over the planners' installation: keeps DCP's own objects to restore
         fp_dcp.restore_default()
         assert saver._stateful_to_state_dict is STOCK and loader.Stateful is Stateful
+    finally:
+        saver._stateful_to_state_dict = STOCK
+        loader.Stateful = Stateful
+
+
+@pytest.mark.parametrize("make", ["writer", "reader"])
+def test_a_writer_or_reader_installs_both(tmp_path, make):
+    """``dcp.async_save(sd, storage_writer=FastPersistWriter(p))`` with no
+    planner passed copies the state dict without DCP's per-key records too."""
+    import torch.distributed.checkpoint.state_dict_loader as loader
+
+    saver._stateful_to_state_dict = STOCK
+    loader.Stateful = Stateful
+    try:
+        (fp_dcp.FastPersistWriter if make == "writer" else fp_dcp.FastPersistReader)(tmp_path / "c")
+        assert saver._stateful_to_state_dict is not STOCK and loader.Stateful.__wrapped_stock__ is Stateful
     finally:
         saver._stateful_to_state_dict = STOCK
         loader.Stateful = Stateful

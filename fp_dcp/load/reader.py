@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from fp_dcp import _stateful
 from fp_dcp import format as fmt
 from fp_dcp._dcp_hooks import logged_metadata_errors
 from fp_dcp.checksums import ReadVerifier
@@ -70,6 +71,7 @@ class FastPersistReader(StorageReader):
         **option_kwargs: Any,
     ) -> None:
         super().__init__()
+        _stateful.install()  # DCP's copy of the state dict without per-key records, its Stateful check quick
         base = options if options is not None else FastPersistOptions.from_env()
         self.options = base.replace(**option_kwargs) if option_kwargs else base
         self.path = None if path is None else os.fspath(path)

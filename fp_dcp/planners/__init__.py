@@ -14,7 +14,7 @@ planner use them; a planner passed explicitly is used as given.
 Making one of these planners also makes ``dcp.save`` copy the state dict
 without DCP's per-key debug records while nobody receives them, and
 ``dcp.load`` check values against ``Stateful`` faster: the same results,
-the same ``state_dict()`` calls (:mod:`fp_dcp.planners._stateful`).
+the same ``state_dict()`` calls (:mod:`fp_dcp._stateful`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from fp_dcp.planners import _stateful
+from fp_dcp import _stateful
 from fp_dcp.planners.load import FastPersistLoadPlanner
 from fp_dcp.planners.save import FastPersistSavePlanner
 
@@ -51,7 +51,7 @@ def install_as_default(saved: dict[tuple[str, str], Any], module: Callable[[str]
     one, by rebinding the names DCP makes its default planner from, and
     ``dcp.save`` copy the state dict without DCP's per-key debug logging
     while nobody receives it and ``dcp.load`` check for ``Stateful``
-    values quickly (:mod:`fp_dcp.planners._stateful`).  The
+    values quickly (:mod:`fp_dcp._stateful`).  The
     stock objects go into ``saved`` (``(module, name) -> object``, kept if
     already there) for the default-storage switch to restore.  Returns what
     was not installed (a torch that makes its default planner elsewhere):

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
-from fp_dcp.planners import _compact, _flat, _items, _stateful
+from fp_dcp import _stateful
+from fp_dcp.planners import _compact, _flat, _items
 
 __all__ = ["FastPersistLoadPlanner", "local_read_items", "CAPABILITIES"]
 

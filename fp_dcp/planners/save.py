@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
-from fp_dcp.planners import _columns, _compact, _flat, _global, _items, _stateful
+from fp_dcp import _stateful
+from fp_dcp.planners import _columns, _compact, _flat, _global, _items
 
 __all__ = ["FastPersistSavePlanner", "local_save_items", "CAPABILITIES"]
 

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 import fp_dcp
-from fp_dcp import _dcp_hooks
+from fp_dcp import _dcp_hooks, _stateful
 from fp_dcp import format as fmt
 from fp_dcp.engine import EngineSet, IOSession
 from fp_dcp.files import Root
@@ -60,6 +60,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         **option_kwargs: Any,
     ) -> None:
         super().__init__()
+        _stateful.install()  # DCP's copy of the state dict without per-key records, its Stateful check quick
         base = options if options is not None else FastPersistOptions.from_env()
         self.options = base.replace(**option_kwargs) if option_kwargs else base
         self.path = None if path is None else os.fspath(path)
