@@ -251,19 +251,25 @@ def test_eager_change_after_return_never_reaches_checkpoint(tmp_path, aio_no_lea
     assert_sd_equal(expected, _load(tmp_path / "ck", expected))
 
 
+def _hold_copy(w) -> tuple[threading.Event, threading.Event]:
+    """Hold ``w``'s next lazy copy back: (set once it is held, set to let it go)."""
+    copying = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        copying.set()
+        assert release.wait(60)
+
+    w._stager().before_copy = hold
+    return copying, release
+
+
 def test_lazy_stage_returns_before_the_copy(tmp_path, aio_no_leaks):
     """A change before staging_completion reaches the checkpoint, one after
     it does not; the future is unresolved while the copy is held back."""
     sd = _sd()
-    copying = threading.Event()
-    release = threading.Event()
     with FastPersistWriter(tmp_path / "ck", staging="lazy") as w:
-
-        def hold() -> None:
-            copying.set()
-            assert release.wait(60)
-
-        w._stager().before_copy = hold
+        copying, release = _hold_copy(w)
         resp = dcp.async_save(sd, storage_writer=w)
         assert isinstance(resp, AsyncSaveResponse)
         assert copying.wait(60)  # the background copy has started and is held
@@ -287,15 +293,8 @@ def test_lazy_stage_takes_each_tensor_as_it_is_when_the_call_returns(tmp_path, a
     p = torch.nn.Parameter(torch.arange(12, dtype=torch.float32).reshape(3, 4))
     sd = {"p": p, "t": torch.arange(5, dtype=torch.int64), "nested": {"u": torch.ones(2, 2, dtype=torch.bfloat16)}}
     before = _clone(sd)
-    copying = threading.Event()
-    release = threading.Event()
     with FastPersistWriter(tmp_path / "ck", staging="lazy") as w:
-
-        def hold() -> None:
-            copying.set()
-            assert release.wait(60)
-
-        w._stager().before_copy = hold
+        copying, release = _hold_copy(w)
         resp = dcp.async_save(sd, storage_writer=w)
         assert copying.wait(60)
         p.data = torch.full((7,), -1.0)  # p's old storage is left as it was
