@@ -52,8 +52,8 @@ _KNOWN = {
 }
 
 # Values of these exact types are never Stateful (no instance attributes).
-_NEVER = frozenset({int, float, bool, str, bytes, type(None)})
-_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_NEVER: frozenset[type] = frozenset({int, float, bool, str, bytes, type(None)})
+_TENSORS: frozenset[type] = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def _digest(fn: Any) -> str:
@@ -115,17 +115,22 @@ def make(stock: Callable[[dict], dict]) -> Callable[[dict], dict]:
 def quick_stateful(stateful: Any) -> type:
     """A stand-in for DCP's ``Stateful`` protocol: ``isinstance`` and
     ``issubclass`` answer as with ``stateful``."""
-    plain = _NEVER | _TENSORS
     abc_check = abc.ABCMeta.__instancecheck__
+    # each plain type's classes' namespaces, as live views (a state_dict set
+    # on one later is seen)
+    namespaces = {t: tuple(vars(k) for k in t.__mro__) for t in _NEVER | _TENSORS}
 
     class _Meta(type):
         def __instancecheck__(cls, obj: Any) -> bool:
-            t = type(obj)
+            mro = namespaces.get(type(obj))
             # the protocol's answer when the value has no state_dict at all,
             # neither on its type nor its own (getattr_static's look-up)
-            if t in plain and "state_dict" not in getattr(obj, "__dict__", ()) \
-                    and not any("state_dict" in vars(k) for k in t.__mro__):
-                return abc_check(stateful, obj)
+            if mro is not None and "state_dict" not in getattr(obj, "__dict__", ()):
+                for ns in mro:
+                    if "state_dict" in ns:
+                        break
+                else:
+                    return abc_check(stateful, obj)
             return isinstance(obj, stateful)
 
         def __subclasscheck__(cls, sub: Any) -> bool:

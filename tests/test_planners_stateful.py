@@ -150,6 +150,15 @@ def test_quick_stateful_answers_as_the_protocol():
     for v in _odd_values():
         assert isinstance(v, quick) is isinstance(v, Stateful), v
         assert issubclass(type(v), quick) is issubclass(type(v), Stateful), type(v)
+    # methods set on a plain type after the check was made
+    for t, v in ((torch.nn.Parameter, torch.nn.Parameter(torch.ones(2))), (torch.Tensor, torch.ones(2))):
+        t.state_dict = lambda self: {}
+        t.load_state_dict = lambda self, sd: None
+        try:
+            assert isinstance(v, Stateful) and isinstance(v, quick), t
+        finally:
+            del t.state_dict, t.load_state_dict
+        assert not isinstance(v, Stateful) and not isinstance(v, quick), t
 
 
 def test_a_planner_installs_both_and_the_switch_puts_dcps_back(tmp_path):
