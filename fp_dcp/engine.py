@@ -231,6 +231,8 @@ def tensor_bytes(t: torch.Tensor, name: str) -> np.ndarray:
         t.is_cpu and t.layout == torch.strided and not t.requires_grad and t.is_contiguous()
         and not t.is_conj() and not t.is_neg() and t.numel() > 1  # (one element may have any stride)
     ):
+        if t.stride(-1) == 1:  # (a size-1 last dimension may have any stride)
+            return t.view(torch.uint8).numpy().reshape(-1)  # one torch op fewer than a flat view first
         return t.view(-1).view(torch.uint8).numpy()
     if t.layout != torch.strided:
         raise TypeError(

@@ -846,3 +846,33 @@ def test_extent_crcs_equal_the_merge_of_each_extent(lengths, cuts, block, seed):
         parts[i] = [(0, p[0][1], p[0][2][:-1])]
         with pytest.raises(ValueError, match="too few CRCs"):
             extent_crcs(parts, lengths, block)
+
+
+_BYTES_DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool, torch.complex64]
+
+
+@settings(max_examples=80, deadline=None)
+@given(shape=st.lists(st.integers(0, 4), max_size=4), dtype=st.sampled_from(_BYTES_DTYPES),
+       how=st.sampled_from(["plain", "transposed", "sliced", "odd_unit_stride"]))
+def test_the_byte_views_of_a_tensor_are_its_row_major_bytes(shape, dtype, how):
+    """``engine.tensor_bytes`` (a save's sources) and ``staging.copier.flat_bytes``
+    (the staging copy's): a tensor's row-major bytes, 1-D uint8, a view of its
+    memory where it is contiguous (flat_bytes: None where it is not)."""
+    from fp_dcp.engine import tensor_bytes
+    from fp_dcp.staging.copier import flat_bytes
+
+    t = torch.arange(int(np.prod(shape, dtype=np.int64)) or 0).reshape(shape).to(dtype)
+    if how == "transposed" and t.dim() >= 2:
+        t = t.transpose(0, -1)
+    elif how == "sliced" and t.dim() >= 1:
+        t = t[::2]
+    elif how == "odd_unit_stride" and t.dim() >= 1:  # a size-1 dimension's stride is anything
+        t = t.unsqueeze(0).as_strided((1, *t.shape), (999, *t.stride()))
+    want = t.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8).numpy()
+    for name, got in (("tensor_bytes", tensor_bytes(t, "t")), ("flat_bytes", flat_bytes(t))):
+        if got is None:
+            assert name == "flat_bytes" and not t.is_contiguous()
+            continue
+        assert got.dtype == np.uint8 and got.ndim == 1 and got.tobytes() == want.tobytes(), name
+        if t.is_contiguous() and t.numel() > 1:  # (tensor_bytes may copy a single element of odd stride)
+            assert got.ctypes.data == t.data_ptr(), f"{name}: a copy of a contiguous tensor"

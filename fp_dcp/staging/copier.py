@@ -48,6 +48,10 @@ def flat_bytes(t: torch.Tensor) -> np.ndarray | None:
     memcpy cannot copy it."""
     if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.layout != torch.strided:
         return None
+    if t.dim() and t.stride(-1) == 1:  # (a size-1 last dimension may have any stride)
+        return t.view(torch.uint8).numpy().reshape(-1)  # one torch op fewer than a flat view first
+    if not t.numel():  # (an empty tensor may have any strides: no view of it is flat)
+        return np.zeros(0, dtype=np.uint8)
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
