@@ -14,9 +14,12 @@ import os
 import pickle
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
@@ -649,3 +652,30 @@ def test_cuda_sync_save_chunks_checksummed_like_cpu(tmp_path, aio_no_leaks):
     out = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in sd.items()}
     dcp.load(out, storage_reader=FastPersistReader(tmp_path / "gpu"))
     assert all(torch.equal(out[k], sd[k].cpu()) for k in sd)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(0, 5000), min_size=1, max_size=30), piece=st.sampled_from([1024, 2048, 4096]),
+       block=st.sampled_from([0, 512, 1024, 3000]), threads=st.integers(2, 4))
+def test_a_copy_split_over_threads_copies_and_checksums_as_one(lens, piece, block, threads):
+    """The staging copy cut in pieces over threads: the arena's bytes and
+    each source's CRCs exactly those of one copy on one thread."""
+    from fp_dcp.staging.copier import Copier
+
+    rng = np.random.default_rng(len(lens))
+    sources = [rng.integers(0, 256, n, dtype=np.uint8) for n in lens]
+    offsets = np.cumsum([0] + [n + 7 for n in lens[:-1]]).tolist()
+    size = offsets[-1] + lens[-1] + 1
+    one, split = bytearray(size), bytearray(size)
+    c = Copier()
+    want = c._gather(one, offsets, sources, 1, block)
+    c.piece_bytes = piece  # (with ``block`` off the piece grid, neither checksums)
+    got = c._gather(split, offsets, sources, threads, block)
+    if c.copy_pool is not None:
+        c.copy_pool.shutdown(wait=True)
+    assert split == one
+    if want is None or piece % (block or 1):
+        return
+    assert got is not None and len(got) == len(want)
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)

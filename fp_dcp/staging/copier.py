@@ -145,36 +145,38 @@ class Copier:
                 return None
             crcs, first = got
             return [crcs[a:b] for a, b in zip(first[:-1].tolist(), first[1:].tolist())]
-        groups: list[tuple[list[int], list[np.ndarray], list[tuple[int, int]]]] = [([], [], []) for _ in range(k)]
-        loads = [0] * k
-        for si, (off, b) in enumerate(zip(offsets, sources)):
-            for lo in range(0, len(b), piece_max):
-                g = loads.index(min(loads))
-                piece = b[lo : lo + piece_max]
-                groups[g][0].append(off + lo)
-                groups[g][1].append(piece)
-                groups[g][2].append((si, lo))
-                loads[g] += len(piece)
+        # the sources cut in pieces of at most piece_max (on the checksum grid),
+        # in order; each thread copies a run of them of about total / k bytes
+        lens = np.fromiter(map(len, sources), dtype=np.int64, count=len(sources))
+        counts = -(-lens // piece_max)  # an empty source has no piece
+        src = np.repeat(np.arange(len(sources)), counts)
+        lo = (np.arange(len(src)) - np.repeat(np.cumsum(counts) - counts, counts)) * piece_max
+        n = np.minimum(lens[src] - lo, piece_max)
+        dst = np.asarray(offsets, dtype=np.int64)[src] + lo
+        ends = np.cumsum(n)
+        cuts = [0, *np.searchsorted(ends, ends[-1] * np.arange(1, k) // k, side="right").tolist(), len(n)]
+        whole = (lo == 0) & (n == lens[src])  # a source in one piece: passed as it is
+        pieces = [sources[i] if w else sources[i][a:a + m]
+                  for i, w, a, m in zip(src.tolist(), whole.tolist(), lo.tolist(), n.tolist())]
+        groups = [(dst[a:b], pieces[a:b]) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
         if self.copy_pool is None or self.copy_pool._max_workers < k - 1:
             if self.copy_pool is not None:
                 self.copy_pool.shutdown(wait=True)
             self.copy_pool = concurrent.futures.ThreadPoolExecutor(k - 1, thread_name_prefix="fp_dcp-copy")
-        futs = [
-            self.copy_pool.submit(_native.copy_gather, buf, np.asarray(o, dtype=np.int64), b, block)
-            for o, b, _ in groups[1:]
-        ]
+        futs = [self.copy_pool.submit(_native.copy_gather, buf, o, b, block) for o, b in groups[1:]]
         results = []
         try:
-            results.append(_native.copy_gather(buf, np.asarray(groups[0][0], dtype=np.int64), groups[0][1], block))
+            results.append(_native.copy_gather(buf, groups[0][0], groups[0][1], block))
         finally:
             results += [f.result() for f in futs]
         if not block:
             return None
-        out = [np.zeros(max(1, -(-len(b) // block)), dtype=np.uint32) for b in sources]
-        for (_, _, where), (crcs, first) in zip(groups, results):
-            for (si, lo), a, b in zip(where, first[:-1].tolist(), first[1:].tolist()):
-                out[si][lo // block : lo // block + b - a] = crcs[a:b]
-        return out
+        # the pieces' CRCs in piece order are the sources' in source order (the
+        # pieces cut on the checksum grid); an empty source's is one 0
+        crcs = np.concatenate([c for c, _ in results])
+        at = np.cumsum(-(-lens // block))
+        return [crcs[b - m:b] if m else np.zeros(1, dtype=np.uint32)
+                for b, m in zip(at.tolist(), (-(-lens // block)).tolist())]
 
     def _stream(self, buf: Any, layout: Layout, leaves, events: dict, spill: Any) -> None:
         """Tensors past the limit: copy a slot, write it while the next slot is
