@@ -19,7 +19,7 @@ import torch
 from fp_dcp import _exit, _native, pinned, tuning
 from fp_dcp.options import FastPersistOptions, parse_size
 
-__all__ = ["IOSession", "EngineSet", "tensor_bytes", "PinnedBuffer", "device_max_request_bytes",
+__all__ = ["IOSession", "EngineSet", "tensor_bytes", "contiguous_bytes", "PinnedBuffer", "device_max_request_bytes",
            "device_iops_limits", "large_read_shape", "read_shape", "write_shape", "release_bounce_buffers"]
 
 # The reader's engine of large requests: one request as large as the device
@@ -222,6 +222,16 @@ def large_read_shape(max_request: int | None, alignment: int) -> tuple[int, int]
     return block, max(4, LARGE_IN_FLIGHT_BYTES // block)
 
 
+def contiguous_bytes(t: torch.Tensor) -> np.ndarray:
+    """A 1-D uint8 numpy view of the bytes of a contiguous, strided CPU tensor
+    that is neither conjugated nor negated (the caller checks that)."""
+    if t.dim() and t.stride(-1) == 1:  # (a size-1 last dimension may have any stride)
+        return t.view(torch.uint8).numpy().reshape(-1)  # one torch op fewer than a flat view first
+    if not t.numel():  # (an empty tensor may have any strides: no view of it is flat)
+        return np.zeros(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
 def tensor_bytes(t: torch.Tensor, name: str) -> np.ndarray:
     """A 1-D uint8 numpy view of a CPU tensor's row-major bytes (no copy when
     ``t`` is contiguous; a contiguous copy otherwise)."""
@@ -231,9 +241,7 @@ def tensor_bytes(t: torch.Tensor, name: str) -> np.ndarray:
         t.is_cpu and t.layout == torch.strided and not t.requires_grad and t.is_contiguous()
         and not t.is_conj() and not t.is_neg() and t.numel() > 1  # (one element may have any stride)
     ):
-        if t.stride(-1) == 1:  # (a size-1 last dimension may have any stride)
-            return t.view(torch.uint8).numpy().reshape(-1)  # one torch op fewer than a flat view first
-        return t.view(-1).view(torch.uint8).numpy()
+        return contiguous_bytes(t)
     if t.layout != torch.strided:
         raise TypeError(
             f"{name}: fp_dcp stores strided tensors only, not {t.layout}; "

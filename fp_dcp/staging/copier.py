@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fp_dcp import _native
+from fp_dcp.engine import contiguous_bytes
 from fp_dcp.staging.layout import ARENA, SPILL, Layout, chunk_windows
 
 __all__ = ["Copier", "eager_copy_threads", "MAX_COPY_THREADS", "COPY_PIECE_BYTES"]
@@ -48,11 +49,7 @@ def flat_bytes(t: torch.Tensor) -> np.ndarray | None:
     memcpy cannot copy it."""
     if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.layout != torch.strided:
         return None
-    if t.dim() and t.stride(-1) == 1:  # (a size-1 last dimension may have any stride)
-        return t.view(torch.uint8).numpy().reshape(-1)  # one torch op fewer than a flat view first
-    if not t.numel():  # (an empty tensor may have any strides: no view of it is flat)
-        return np.zeros(0, dtype=np.uint8)
-    return t.reshape(-1).view(torch.uint8).numpy()
+    return contiguous_bytes(t)
 
 
 class Copier:
