@@ -135,8 +135,8 @@ class Copier:
         piece_max = self.piece_bytes
         if block and piece_max % block:
             block = 0  # pieces must cut sources on the checksum grid
-        total = sum(len(b) for b in sources)
-        if k <= 1 or total < 2 * piece_max:
+        lens = np.fromiter(map(len, sources), dtype=np.int64, count=len(sources))
+        if k <= 1 or int(lens.sum()) < 2 * piece_max:
             got = _native.copy_gather(buf, np.asarray(offsets, dtype=np.int64), sources, checksum_block=block)
             if not block:
                 return None
@@ -144,7 +144,6 @@ class Copier:
             return [crcs[a:b] for a, b in zip(first[:-1].tolist(), first[1:].tolist())]
         # the sources cut in pieces of at most piece_max (on the checksum grid),
         # in order; each thread copies a run of them of about total / k bytes
-        lens = np.fromiter(map(len, sources), dtype=np.int64, count=len(sources))
         counts = -(-lens // piece_max)  # an empty source has no piece
         src = np.repeat(np.arange(len(sources)), counts)
         lo = (np.arange(len(src)) - np.repeat(np.cumsum(counts) - counts, counts)) * piece_max
@@ -171,9 +170,9 @@ class Copier:
         # the pieces' CRCs in piece order are the sources' in source order (the
         # pieces cut on the checksum grid); an empty source's is one 0
         crcs = np.concatenate([c for c, _ in results])
-        at = np.cumsum(-(-lens // block))
+        blocks = -(-lens // block)
         return [crcs[b - m:b] if m else np.zeros(1, dtype=np.uint32)
-                for b, m in zip(at.tolist(), (-(-lens // block)).tolist())]
+                for b, m in zip(np.cumsum(blocks).tolist(), blocks.tolist())]
 
     def _stream(self, buf: Any, layout: Layout, leaves, events: dict, spill: Any) -> None:
         """Tensors past the limit: copy a slot, write it while the next slot is
