@@ -84,11 +84,13 @@ def release_kept_pools():
         (<AlignedBuffer>b)._free()
 
 
-cdef inline bint _through_slot(const char *ptr, int64_t ln, int64_t off, int64_t bs, int64_t align) noexcept:
+cdef inline bint _through_slot(const char *ptr, int64_t ln, int64_t off, int64_t bs, int64_t align,
+                               int64_t mem_align) noexcept:
     """Whether a piece goes (in part) through a bounce buffer: one shorter
-    than a block, or whose memory, offset or length is not aligned
-    (fpio_pipeline.c's direct_body takes the aligned rest in place)."""
-    return ln > 0 and (ln < bs or ln % align != 0 or off % align != 0 or <uintptr_t>ptr % <uintptr_t>align != 0)
+    than a block, or whose offset or length is not aligned, or whose memory is
+    not ``mem_align``-aligned (fpio_pipeline.c's direct_body takes the aligned
+    rest in place)."""
+    return ln > 0 and (ln < bs or ln % align != 0 or off % align != 0 or <uintptr_t>ptr % <uintptr_t>mem_align != 0)
 
 
 cdef class Engine:
@@ -103,6 +105,7 @@ cdef class Engine:
     cdef readonly int read_queue_depth
     cdef readonly Py_ssize_t read_block_size
     cdef readonly Py_ssize_t alignment
+    cdef readonly Py_ssize_t memory_alignment
     cdef AlignedBuffer _pool
     cdef char **_slots
     cdef bint _busy
@@ -117,7 +120,7 @@ cdef class Engine:
 
     def __init__(self, str kind="auto", *, int queue_depth=DEFAULT_QUEUE_DEPTH,
                  Py_ssize_t block_size=DEFAULT_BLOCK_SIZE, read_queue_depth=None,
-                 read_block_size=None, Py_ssize_t alignment=4096, int threads=4):
+                 read_block_size=None, Py_ssize_t alignment=4096, memory_alignment=None, int threads=4):
         global _n_engines
         if self._slots != NULL:
             raise RuntimeError("Engine.__init__ called twice")
@@ -127,6 +130,10 @@ cdef class Engine:
                              + ", ".join(repr(k) for k in ENGINES))
         if alignment < 512 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= 512, got {alignment}")
+        mem_align = alignment if memory_alignment is None else int(memory_alignment)
+        if mem_align < 1 or mem_align & (mem_align - 1) or mem_align > alignment:
+            raise ValueError(f"memory_alignment must be a power of two in [1, alignment={alignment}], "
+                             f"got {memory_alignment}")
         rqd = queue_depth if read_queue_depth is None else int(read_queue_depth)
         rbs = block_size if read_block_size is None else int(read_block_size)
         for name, qd in (("queue_depth", queue_depth), ("read_queue_depth", rqd)):
@@ -143,6 +150,7 @@ cdef class Engine:
         self.read_queue_depth = rqd
         self.read_block_size = rbs
         self.alignment = alignment
+        self.memory_alignment = mem_align
 
         cdef int qd_max = max(queue_depth, rqd)
         cdef Py_ssize_t slot_size = max(block_size, rbs)
@@ -181,12 +189,12 @@ cdef class Engine:
         self._counted = True
         _n_engines += 1
 
-    cdef void _settle_pool(self, fpio_piece *pieces, Py_ssize_t n, int64_t bs, int64_t align):
+    cdef void _settle_pool(self, fpio_piece *pieces, Py_ssize_t n, int64_t bs, int64_t align, int64_t mem_align):
         """In a call (busy): fault the pool in and lock it when a piece goes
         through a slot (_through_slot)."""
         cdef Py_ssize_t i
         for i in range(n):
-            if _through_slot(pieces[i].ptr, pieces[i].len, pieces[i].off, bs, align):
+            if _through_slot(pieces[i].ptr, pieces[i].len, pieces[i].off, bs, align, mem_align):
                 self._settle_now(True)
                 return
 
@@ -198,7 +206,7 @@ cdef class Engine:
         PyObject_GetBuffer(source, &view, PyBUF_SIMPLE)
         try:
             return view.len > 0 and not _through_slot(<char *>view.buf, view.len, file_offset,
-                                                      self.block_size, self.alignment)
+                                                      self.block_size, self.alignment, self.memory_alignment)
         finally:
             PyBuffer_Release(&view)
 
@@ -296,7 +304,7 @@ cdef class Engine:
         state = "closed" if self._e == NULL else "open"
         return (f"<Engine {self.kind} {state} qd={self.queue_depth} block={self.block_size} "
                 f"read_qd={self.read_queue_depth} read_block={self.read_block_size} "
-                f"alignment={self.alignment}>")
+                f"alignment={self.alignment} memory_alignment={self.memory_alignment}>")
 
     @property
     def closed(self):
@@ -426,6 +434,7 @@ cdef class Engine:
         cdef int64_t bs = self.block_size if write else self.read_block_size
         cdef int qd = self.queue_depth if write else self.read_queue_depth
         cdef int64_t align = self.alignment
+        cdef int64_t mem_align = self.memory_alignment
         cdef int rc
         cdef int64_t crc_block = 0
         cdef fpio_crc crc
@@ -519,14 +528,14 @@ cdef class Engine:
                 crc.first = &crc_first[0]
                 crc.out = &crc_out[0] if crc_first[n] > 0 else NULL
             if not self._pool_settled:
-                self._settle_pool(pieces, n, bs, align)
+                self._settle_pool(pieces, n, bs, align, mem_align)
             if on_start is not None:
                 on_start()
             with nogil:
                 if write:
-                    rc = fpio_write(self._e, cfds, nfiles, pieces, n, bs, qd, align, sync, crcp, res)
+                    rc = fpio_write(self._e, cfds, nfiles, pieces, n, bs, qd, align, mem_align, sync, crcp, res)
                 else:
-                    rc = fpio_read(self._e, cfds, nfiles, pieces, n, bs, qd, align, gap, crcp, res)
+                    rc = fpio_read(self._e, cfds, nfiles, pieces, n, bs, qd, align, mem_align, gap, crcp, res)
             if rc != 0:
                 self._failed = True
                 raise _pipeline_error(res, paths, self.kind)

@@ -92,12 +92,12 @@ typedef struct {
 
 /* Pipelines (call without the GIL). Pieces sorted by (file, off); for writes
  * they do not overlap. block_size: multiple of align, <= slot_size;
- * qd <= qd_max. Return 0 or -1 (details in *res). */
+ * qd <= qd_max; mem_align (what O_DIRECT asks of memory) divides align. Return 0 or -1 (details in *res). */
 int fpio_write(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
-               int64_t npieces, int64_t block_size, int qd, int64_t align, int sync,
+               int64_t npieces, int64_t block_size, int qd, int64_t align, int64_t mem_align, int sync,
                const fpio_crc *crc, fpio_result *res);
 int fpio_read(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
-              int64_t npieces, int64_t block_size, int qd, int64_t align, int64_t gap,
+              int64_t npieces, int64_t block_size, int qd, int64_t align, int64_t mem_align, int64_t gap,
               const fpio_crc *crc, fpio_result *res);
 
 /* CRC-32C (Castagnoli; the SSE4.2 instruction where the CPU has it, else

@@ -34,6 +34,7 @@ typedef struct {
     int write;
     const int *fds;
     int64_t A, B, gap;
+    int64_t M;                /* the memory alignment of a request (divides A) */
     int qd;
     int inflight;
     fpio_req *free_reqs;
@@ -414,12 +415,13 @@ static int add_seg(pctx *c, char *dst, int64_t woff, int64_t len, int64_t piece,
     return 0;
 }
 
-/* Pieces whose memory and offset are aligned and that span at least a block
- * go straight between the caller's memory and the file, block by block;
+/* Pieces whose memory is aligned to M and whose offset to A, and that span at
+ * least a block, go straight between the caller's memory and the file, block
+ * by block (each request's memory stays M-aligned: A is a multiple of M);
  * returns the number of bytes so handled (a multiple of A). */
 static int64_t direct_body(pctx *c, const fpio_piece *p, int64_t i)
 {
-    if (p->len < c->B || (uintptr_t)p->ptr % (uintptr_t)c->A || p->off % c->A)
+    if (p->len < c->B || (uintptr_t)p->ptr % (uintptr_t)c->M || p->off % c->A)
         return 0;
     if (flush_window(c) < 0)
         return -1;
@@ -539,7 +541,7 @@ static int presize(pctx *c, int nfiles, const fpio_piece *pieces, int64_t npiece
 }
 
 static int run(fpio_engine *e, int write, const int *fds, int nfiles, const fpio_piece *pieces,
-               int64_t npieces, int64_t bs, int qd, int64_t align, int64_t gap, int sync,
+               int64_t npieces, int64_t bs, int qd, int64_t align, int64_t mem_align, int64_t gap, int sync,
                const fpio_crc *crc, fpio_result *res)
 {
     double t0 = now_s();
@@ -551,14 +553,15 @@ static int run(fpio_engine *e, int write, const int *fds, int nfiles, const fpio
         res->op = "engine unusable after an earlier failure to reap its requests";
         return -1;
     }
-    if (qd < 1 || qd > e->qd_max || bs < align || bs > e->slot_size || bs % align) {
+    if (qd < 1 || qd > e->qd_max || bs < align || bs > e->slot_size || bs % align
+        || mem_align < 1 || align % mem_align) {
         res->err = EINVAL;
         res->op = "engine parameters";
         return -1;
     }
     int free_slots[e->nslots];
     pctx c = {
-        .e = e, .write = write, .fds = fds, .A = align, .B = bs, .gap = gap, .qd = qd,
+        .e = e, .write = write, .fds = fds, .A = align, .M = mem_align, .B = bs, .gap = gap, .qd = qd,
         .free_slots = free_slots, .nfree_slots = e->nslots, .res = res, .cur = -1, .wfile = -1,
         .crc = crc, .pieces = pieces, .cp_idx = -1,
     };
@@ -638,16 +641,16 @@ static int run(fpio_engine *e, int write, const int *fds, int nfiles, const fpio
 }
 
 int fpio_write(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
-               int64_t npieces, int64_t block_size, int qd, int64_t align, int sync,
+               int64_t npieces, int64_t block_size, int qd, int64_t align, int64_t mem_align, int sync,
                const fpio_crc *crc, fpio_result *res)
 {
-    return run(e, 1, fds, nfiles, pieces, npieces, block_size, qd, align, 0, sync, crc, res);
+    return run(e, 1, fds, nfiles, pieces, npieces, block_size, qd, align, mem_align, 0, sync, crc, res);
 }
 
 int fpio_read(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
-              int64_t npieces, int64_t block_size, int qd, int64_t align, int64_t gap,
+              int64_t npieces, int64_t block_size, int qd, int64_t align, int64_t mem_align, int64_t gap,
               const fpio_crc *crc, fpio_result *res)
 {
-    return run(e, 0, fds, nfiles, pieces, npieces, block_size, qd, align, gap, 0, crc, res);
+    return run(e, 0, fds, nfiles, pieces, npieces, block_size, qd, align, mem_align, gap, 0, crc, res);
 }
 

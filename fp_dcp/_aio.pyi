@@ -100,10 +100,12 @@ class Engine:
     read_queue_depth: int
     read_block_size: int
     alignment: int
+    memory_alignment: int
 
     def __init__(self, kind: Literal["auto", "aio", "uring", "threads"] = "auto", *,
                  queue_depth: int = 8, block_size: int = 4 << 20, read_queue_depth: int | None = None,
-                 read_block_size: int | None = None, alignment: int = 4096, threads: int = 4) -> None: ...
+                 read_block_size: int | None = None, alignment: int = 4096, memory_alignment: int | None = None,
+                 threads: int = 4) -> None: ...
     @property
     def closed(self) -> bool: ...
     @property

@@ -319,7 +319,7 @@ class IOSession:
         self.directory = directory
         self.dev = os.stat(directory).st_dev
         if options.alignment_bytes is not None:
-            self.alignment = options.alignment_bytes
+            self.alignment = self.memory_alignment = options.alignment_bytes
         else:
             # The file system's direct-I/O minimum, raised to its preferred block
             # size so that no request straddles a physical block (no device RMW).
@@ -330,6 +330,11 @@ class IOSession:
                     raise
                 probed = (4096, 4096)  # a read-only directory: the safe default
             self.alignment = max(*probed, os.statvfs(directory).f_bsize)
+            # What O_DIRECT asks of memory alone: a tensor that torch placed 64
+            # bytes past a page goes straight to and from the device where the
+            # device takes such addresses (NVMe: 4), through the bounce buffers
+            # where it does not (512 on many virtual disks).
+            self.memory_alignment = min(probed[0], self.alignment)
         try:
             supported = _native.direct_io_supported(directory)
         except OSError as e:
@@ -350,7 +355,7 @@ class IOSession:
         if kind == "auto" and not self.direct:
             # Kernel AIO on a buffered fd blocks in io_submit; threads overlap.
             kind = "threads"
-        kwargs = {"alignment": self.alignment}
+        kwargs = {"alignment": self.alignment, "memory_alignment": self.memory_alignment}
         # options that leave the engine's shape open take the write shape of
         # the device's tuning record (fp-dcp tune) where there is one, else
         # write_shape's rule; the read shape is long_run_shape's

@@ -614,6 +614,53 @@ def test_read_overlapping_ranges(kind, tmp_path, sizes, ranges, gap, seed):
             d.release()
 
 
+def test_memory_alignment_below_the_offsets(kind, tmp_path):
+    """An engine whose memory alignment is what the file system asks of
+    O_DIRECT memory (statx) moves a piece at an offset aligned to the
+    engine's alignment straight from and to memory that is aligned only to
+    that (not to a page): the same bytes on disk, the same checksums and the
+    same bytes read back as through the bounce buffers, which an engine with
+    the default (memory aligned as the offsets) takes for the same memory."""
+    mem = _native.probe_alignment(str(tmp_path))[0]
+    if mem >= A:
+        pytest.skip(f"this file system asks O_DIRECT memory to be aligned to {mem}: no address below a page")
+    rng = np.random.default_rng(11)
+    lengths = [3 * B + 100, B, 2 * B + A]
+    offsets = [0, 4 * B, 6 * B]
+    holders = [_native.AlignedBuffer(n + A, A) for n in lengths]
+    sources = [np.frombuffer(h, np.uint8)[mem:mem + n] for h, n in zip(holders, lengths)]
+    for s in sources:
+        s[:] = random_bytes(rng, len(s))
+    assert all(s.ctypes.data % A == mem for s in sources)
+    layout = [(0, o) for o in offsets]
+    got = {}
+    for name, m in (("in place", mem), ("bounced", None)):
+        path = str(tmp_path / name)
+        with small_engine(kind, memory_alignment=m) as eng:
+            assert eng.memory_alignment == (A if m is None else mem)
+            assert [eng.writes_in_place(s, o) for s, o in zip(sources, offsets)] == [False, m is not None, m is not None]
+            ws = write_files(eng, [path], layout, sources, checksums=B)
+            body = sum(n - n % A for n in lengths) if m is not None else 0
+            assert ws["zero_copy_bytes"] == body
+            holders += [_native.AlignedBuffer(n + A, A) for n in lengths]
+            dests = [np.frombuffer(h, np.uint8)[mem:mem + n] for h, n in zip(holders[-len(lengths):], lengths)]
+            rs = read_files(eng, [path], layout, dests, checksums=B)
+            assert rs["direct_bytes"] == body
+        assert all(np.array_equal(d, s) for d, s in zip(dests, sources))
+        assert rs["crc32c"].tolist() == ws["crc32c"].tolist()
+        got[name] = (open(path, "rb").read(), ws["crc32c"].tolist())
+    assert got["in place"] == got["bounced"]
+    del sources, dests, s
+    for holder in holders:
+        holder.close()
+
+
+@pytest.mark.parametrize("bad", [0, 3, 2 * A, -A])
+def test_memory_alignment_is_checked(bad):
+    with pytest.raises(ValueError, match="memory_alignment must be a power of two"):
+        _native.Engine(alignment=A, memory_alignment=bad)
+
+
 @pytest.mark.parametrize("direct", [None, False])
 def test_default_sizes_many_pieces(kind, tmp_path, direct):
     """The default engine geometry, thousands of small packed tensors around

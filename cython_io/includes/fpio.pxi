@@ -43,10 +43,10 @@ cdef extern from "fpio.h" nogil:
         const uint8_t *skip
 
     int fpio_write(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
-                   int64_t npieces, int64_t block_size, int qd, int64_t align, int sync,
+                   int64_t npieces, int64_t block_size, int qd, int64_t align, int64_t mem_align, int sync,
                    const fpio_crc *crc, fpio_result *res)
     int fpio_read(fpio_engine *e, const int *fds, int nfiles, const fpio_piece *pieces,
-                  int64_t npieces, int64_t block_size, int qd, int64_t align, int64_t gap,
+                  int64_t npieces, int64_t block_size, int qd, int64_t align, int64_t mem_align, int64_t gap,
                   const fpio_crc *crc, fpio_result *res)
     uint32_t fpio_crc32c(uint32_t crc, const void *buf, size_t len)
     uint32_t fpio_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t len)
