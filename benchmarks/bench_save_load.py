@@ -221,6 +221,7 @@ def _child(spec: dict) -> dict:
         if kind == "fp_dcp":
             w = Writer(str(path), options=Options(engine=engine)) if engine else Writer(str(path))
             dcp.save(sd, storage_writer=w, **plan.get("save", {}))
+            extra["zero_copy_bytes"] = w.last_stats.get("zero_copy_bytes", 0)  # written straight from the tensors
         elif kind == "stock":
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path),
                                                              thread_count=spec["threads"]))
@@ -256,6 +257,7 @@ def _child(spec: dict) -> dict:
             extra["checksum_bytes"] = r.last_stats.get("checksum_bytes", 0)
             extra["checksum_verified_bytes"] = r.last_stats.get("checksum_verified_bytes", 0)
             extra["bytes_read"] = r.last_stats.get("bytes_read", 0)
+            extra["direct_bytes"] = r.last_stats.get("direct_bytes", 0)  # read straight into the tensors
             # the reader's own share of the clock (the rest is DCP's planning
             # and the first load's set-up in a fresh process)
             extra["reader_seconds"] = r.last_stats.get("seconds")
@@ -350,6 +352,12 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
         for n in filter(None, args.read_threads.split(",")):
             cs.append({"name": f"fp_dcp[read_threads={int(n)}]", "kind": "fp_dcp", "engine": None,
                        "read_threads": int(n), "role": "fp_dcp_engine"})
+    if "fp_dcp_thp" in want and fp_ok:
+        # the same writer and reader, the state dict allocated by torch with
+        # THP_MEM_ALLOC_ENABLE=1: tensors of 2 MiB and more start on a page
+        # (and sit on huge pages), so they go straight to and from the device
+        cs.append({"name": "fp_dcp[thp]", "kind": "fp_dcp", "engine": None, "role": "fp_dcp_engine",
+                   "env": {"THP_MEM_ALLOC_ENABLE": "1"}})
     if "stock" in want:
         cs.append({"name": "stock", "kind": "stock", "threads": 1, "role": "stock"})
         if args.stock_threads and args.stock_threads != 1:
@@ -449,7 +457,7 @@ def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: boo
 
     def one(c: dict, op: str, base: dict, rnd: int) -> dict:
         cold = C.drop_caches()[0] if can_drop else False
-        r = C.run_child(SCRIPT, {**base, "op": op}, timeout_s=args.child_timeout)
+        r = C.run_child(SCRIPT, {**base, "op": op}, timeout_s=args.child_timeout, extra_env=c.get("env"))
         r["cold"] = cold if op == "load" else None
         if r.get("ok") and r.get("seconds"):
             r["gbps"] = r["bytes"] / r["seconds"] / 1e9
@@ -470,7 +478,7 @@ def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: boo
             # the child rebuilds the spec from (mix, size, seed): a full spec of
             # thousands of tensors would exceed the kernel's 128 KiB argv string limit
             extra = dict(path=str(path), mix=mix, size_bytes=args.size_bytes, seed=args.seed, bytes=nbytes)
-            base = {**{k: v for k, v in c.items() if k not in ("name", "role")}, **extra}
+            base = {**{k: v for k, v in c.items() if k not in ("name", "role", "env")}, **extra}
             ours = c["kind"] == "fp_dcp"
             raw = [_raw_write_beside(path, nbytes)] if ours else []
             saved = one(c, "save", base, rnd)
@@ -688,11 +696,12 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="rounds; contenders alternate within a round")
     p.add_argument("--contenders", default="fp_dcp,stock,torch_checkpointing,torch.save,raw",
                    help="comma list from: fp_dcp, stock, torch_checkpointing, torch.save, raw, dcp_floor, "
-                        "dcp_floor_fp "
+                        "dcp_floor_fp, fp_dcp_thp "
                         "(torch_checkpointing: pip install -e '.[bench]'; skipped with a message if missing; "
                         "dcp_floor: dcp.save/dcp.load through a storage that moves no bytes, DCP's own "
                         "time, which gives the best ratio to raw any storage can reach here; dcp_floor_fp: the "
-                        "same with fp_dcp's planners)")
+                        "same with fp_dcp's planners; fp_dcp_thp: fp_dcp with the state dict allocated "
+                        "under THP_MEM_ALLOC_ENABLE=1, torch's page-aligned huge-page allocation)")
     p.add_argument("--planners", choices=("dcp", "fp"), default="dcp",
                    help="the planners of the fp_dcp contenders: dcp (DCP's default planners, what a job "
                         "gets without planner=) or fp (FastPersistSavePlanner / FastPersistLoadPlanner)")
@@ -729,10 +738,10 @@ def parse_args(argv=None):
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     bad = set(args.contenders.split(",")) - {"fp_dcp", "stock", "torch_checkpointing", "torch.save", "raw",
-                                             "dcp_floor", "dcp_floor_fp"}
+                                             "dcp_floor", "dcp_floor_fp", "fp_dcp_thp"}
     if bad:
         p.error(f"unknown contenders {sorted(bad)}: choose from fp_dcp, stock, torch_checkpointing, "
-                f"torch.save, raw, dcp_floor, dcp_floor_fp")
+                f"torch.save, raw, dcp_floor, dcp_floor_fp, fp_dcp_thp")
     C.check_profiles(p, args.profiles)
     return args
 

@@ -48,5 +48,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert steps["tests"]["returncode"] == 0 and "collected" in steps["tests"]["summary"]
     assert not steps["tests"]["summary"].startswith("0/")
     assert steps["disk"]["hugebuf"]["bytes"] > 0
+    cpu = steps["disk"]["cpu_tensor_in_place"]
+    assert cpu["bit_exact"] and cpu["bytes"] == 64 << 20
+    past = cpu["source_past_page"]  # in place where the file system takes the tensor's address
+    assert cpu["zero_copy_bytes"] == (cpu["bytes"] if past % cpu["memory_alignment"] == 0 else 0)
     assert "fp_dcp save" in r.stdout and "lazy async #1 staged" in r.stdout  # the table
     assert work.is_dir() and not any(work.iterdir())  # the run's own checkpoints removed, nothing else
