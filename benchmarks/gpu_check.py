@@ -717,8 +717,8 @@ def main(argv: list[str] | None = None) -> int:
             if device == "cuda":
                 torch.cuda.empty_cache()
         report.step("disk", lambda: disk_pass(work, int(args.disk_gib * GiB)), need_s=20)
-        report.step("cpu_tensor_in_place", lambda: cpu_tensor_in_place(work, max(64 * MiB, int(args.disk_gib * GiB) // 4)),
-                    need_s=20)
+        cpu_bytes = max(64 * MiB, int(args.disk_gib * GiB) // 4)
+        report.step("cpu_tensor_in_place", lambda: cpu_tensor_in_place(work, cpu_bytes), need_s=20)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         report.save()
