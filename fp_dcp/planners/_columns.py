@@ -419,23 +419,25 @@ def _metadata(a: _All, order: np.ndarray, by_name: np.ndarray, per_name: np.ndar
     seen = np.argsort(by_name[first_at[named]], kind="stable")
     is_t = a.tensor[firsts]
     t_firsts = firsts[is_t]
-    sizes = a.tsize[a.tidx(t_firsts)].tolist()
-    nds = a.ndims[t_firsts].tolist()
-    ranks = a.rank[t_firsts].tolist()
-    local = (t_firsts - a.base[a.rank[t_firsts]]).tolist()
-    groups: dict[int, Any] = {}
-    pos = j = 0
-    for name, tensor in zip(names_in_order.tolist(), is_t.tolist()):
-        if not tensor:
-            groups[name] = BytesStorageMetadata()
-            continue
-        count = int(per_name[name])
-        c = a.cols[ranks[j]]
-        groups[name] = TensorStorageMetadata(properties=c.table[int(c.props[local[j]])],
-                                             size=torch.Size(sizes[j][:nds[j]]),
-                                             chunks=chunks[pos:pos + count].tolist())
-        pos += count
-        j += 1
+    size_of = torch.Size
+    sizes = [size_of(s[:n]) for s, n in zip(a.tsize[a.tidx(t_firsts)].tolist(), a.ndims[t_firsts].tolist())]
+    # each tensor's properties: its first item's entry in its rank's table
+    t_ranks = a.rank[t_firsts]
+    tables = [c.table for c in a.cols]
+    table_base = np.cumsum([len(t) for t in tables]) - [len(t) for t in tables]
+    every = list(itertools.chain.from_iterable(tables))
+    props = list(map(every.__getitem__, (table_base[t_ranks] + a.column("props")[t_firsts]).tolist()))
+    # each tensor's chunks: consecutive in ``chunks``, per_name of them
+    flat = chunks.tolist()
+    counts = per_name[names_in_order[is_t]]
+    if (counts == 1).all():
+        grouped = list(map(list, zip(flat)))
+    else:
+        ends = np.cumsum(counts).tolist()
+        grouped = [flat[e - n:e] for e, n in zip(ends, counts.tolist())]
+    made = iter(map(TensorStorageMetadata, props, sizes, grouped))
+    groups = {name: next(made) if tensor else BytesStorageMetadata()
+              for name, tensor in zip(names_in_order.tolist(), is_t.tolist())}
     md = {a.names[name]: groups[name] for name in names_in_order[seen].tolist()}
     return Metadata(md)
 
