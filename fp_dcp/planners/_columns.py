@@ -123,12 +123,17 @@ class _All:
             got = self._more[name] = np.concatenate([getattr(c, name) for c in self.cols])
         return got
 
+    def properties(self, rows: np.ndarray) -> tuple[list, np.ndarray]:
+        """(every plan's ``TensorProperties`` table, concatenated; the tensor
+        items ``rows``' positions in it)."""
+        lens = np.array([len(c.table) for c in self.cols], dtype=np.int64)
+        table = list(itertools.chain.from_iterable(c.table for c in self.cols))
+        return table, (np.cumsum(lens) - lens)[self.rank[rows]] + self.column("props")[rows]
+
     def itemsize(self, rows: np.ndarray) -> np.ndarray:
         """The element size of the tensor items ``rows``."""
-        sizes = [np.array([p.dtype.itemsize for p in c.table] or [0], dtype=np.int64) for c in self.cols]
-        base = np.cumsum([len(s) for s in sizes]) - np.array([len(s) for s in sizes])
-        every = np.concatenate(sizes)
-        return every[base[self.rank[rows]] + self.column("props")[rows].clip(0)]
+        table, at = self.properties(rows)
+        return np.array([p.dtype.itemsize for p in table], dtype=np.int64)[at]
 
 
 def _code(columns: list[np.ndarray], n: int) -> tuple[np.ndarray, int] | None:
@@ -421,12 +426,8 @@ def _metadata(a: _All, order: np.ndarray, by_name: np.ndarray, per_name: np.ndar
     t_firsts = firsts[is_t]
     size_of = torch.Size
     sizes = [size_of(s[:n]) for s, n in zip(a.tsize[a.tidx(t_firsts)].tolist(), a.ndims[t_firsts].tolist())]
-    # each tensor's properties: its first item's entry in its rank's table
-    t_ranks = a.rank[t_firsts]
-    tables = [c.table for c in a.cols]
-    table_base = np.cumsum([len(t) for t in tables]) - [len(t) for t in tables]
-    every = list(itertools.chain.from_iterable(tables))
-    props = list(map(every.__getitem__, (table_base[t_ranks] + a.column("props")[t_firsts]).tolist()))
+    table, at = a.properties(t_firsts)  # each tensor's: its first item's
+    props = list(map(table.__getitem__, at.tolist()))
     # each tensor's chunks: consecutive in ``chunks``, per_name of them
     flat = chunks.tolist()
     counts = per_name[names_in_order[is_t]]
