@@ -285,7 +285,9 @@ def _planners(kind: str) -> dict:
     return {"save": {"planner": FastPersistSavePlanner()}, "load": {"planner": FastPersistLoadPlanner()}}
 
 
-def _load_checked(sd: Any, path: Path, reader_kind: str, device: str, drop: bool) -> dict:
+def _load_checked(sd: Any, path: Path, reader_kind: str, device: str, drop: bool, options: Any = None) -> dict:
+    """dcp.load of the checkpoint at ``path`` into zeros like ``sd``, timed
+    and compared with ``sd``; ``options``: the fp_dcp reader's."""
     import torch.distributed.checkpoint as dcp
 
     target = zeros_like(sd)
@@ -293,7 +295,7 @@ def _load_checked(sd: Any, path: Path, reader_kind: str, device: str, drop: bool
     if reader_kind.startswith("fp_dcp"):
         from fp_dcp import FastPersistReader
 
-        reader = FastPersistReader(path)
+        reader = FastPersistReader(path, options=options) if options is not None else FastPersistReader(path)
     else:
         reader = dcp.FileSystemReader(path)
     sync(device)
@@ -301,10 +303,12 @@ def _load_checked(sd: Any, path: Path, reader_kind: str, device: str, drop: bool
     dcp.load(target, storage_reader=reader, **_planners(reader_kind)["load"])
     sync(device)
     seconds = time.perf_counter() - t0
+    out: dict[str, Any] = {"seconds": seconds, "cold": cold}
     if hasattr(reader, "close"):
+        out["direct_bytes"] = reader.last_stats.get("direct_bytes", 0)  # read straight into the tensors
         reader.close()
     bad = mismatches(sd, target)
-    return {"seconds": seconds, "cold": cold, "bit_exact": not bad, "mismatches": bad}
+    return {**out, "bit_exact": not bad, "mismatches": bad}
 
 
 def _drop_caches() -> bool:
@@ -478,14 +482,12 @@ def cpu_tensor_in_place(work: Path, nbytes_: int) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from fp_dcp import FastPersistOptions, FastPersistReader, FastPersistWriter, _native
+    from fp_dcp import FastPersistOptions, FastPersistWriter, _native
 
     mem, off = _native.probe_alignment(str(work))
     sd = {"t": torch.randint(-(1 << 31), 1 << 31, (nbytes_ // 4,), dtype=torch.int32)}
-    target = {"t": torch.zeros_like(sd["t"])}
     out: dict[str, Any] = {"memory_alignment": mem, "offset_alignment": off, "bytes": nbytes_,
-                           "source_past_page": sd["t"].data_ptr() % 4096,
-                           "target_past_page": target["t"].data_ptr() % 4096}
+                           "source_past_page": sd["t"].data_ptr() % 4096}
     bounced = FastPersistOptions(alignment_bytes=max(mem, off, os.statvfs(work).f_bsize))
     for mode, options in (("default", FastPersistOptions()), ("bounced", bounced)):
         path = work / f"cpu_tensor_{mode}"
@@ -494,17 +496,10 @@ def cpu_tensor_in_place(work: Path, nbytes_: int) -> dict:
             dcp.save(sd, storage_writer=w)
             save_s = time.perf_counter() - t0
             zc = w.last_stats["zero_copy_bytes"]
-        target["t"].zero_()
-        cold = _drop_caches()
-        with FastPersistReader(path, options=options) as r:
-            t0 = time.perf_counter()
-            dcp.load(target, storage_reader=r)
-            load_s = time.perf_counter() - t0
-            direct = r.last_stats["direct_bytes"]
+        load = _load_checked(sd, path, "fp_dcp", "cpu", True, options)
         shutil.rmtree(path, ignore_errors=True)
-        out[mode] = {"save_s": save_s, "load_s": load_s, "cold": cold, "zero_copy_bytes": zc,
-                     "direct_bytes": direct, "bit_exact": torch.equal(sd["t"], target["t"])}
-        if zc == 0 and direct == 0:
+        out[mode] = {"save_s": save_s, "load_s": load.pop("seconds"), "zero_copy_bytes": zc, **load}
+        if zc == 0 and load["direct_bytes"] == 0:
             break  # nothing went in place: the second way is the same
     return out
 
