@@ -334,7 +334,7 @@ class IOSession:
             # bytes past a page goes straight to and from the device where the
             # device takes such addresses (NVMe: 4), through the bounce buffers
             # where it does not (512 on many virtual disks).
-            self.memory_alignment = min(probed[0], self.alignment)
+            self.memory_alignment = probed[0]  # (at most self.alignment, the max above)
         try:
             supported = _native.direct_io_supported(directory)
         except OSError as e:
