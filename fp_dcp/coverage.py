@@ -6,11 +6,12 @@ zeros).  :func:`fp_dcp.format.check_chunks_cover` raises the named error.
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
 
-__all__ = ["uncovered", "all_covered", "overlap"]
+__all__ = ["uncovered", "all_covered", "overlap", "separated"]
 
 
 def uncovered(size: Sequence[int], chunks: Sequence[tuple[Sequence[int], Sequence[int]]]) -> str | None:
@@ -26,30 +27,103 @@ def uncovered(size: Sequence[int], chunks: Sequence[tuple[Sequence[int], Sequenc
 
 
 def overlap(chunks: Sequence[tuple[Sequence[int], Sequence[int]]]) -> bool:
-    """Whether two of the (in-bounds) chunks share an element."""
+    """Whether two of the (in-bounds) chunks share an element.
+
+    Without comparing every pair (a tensor sharded over a thousand ranks has
+    a thousand chunks, and every rank of a restart decodes every tensor's):
+    chunks that one dimension orders (FSDP's shards, each ending before the
+    next starts) are disjoint; so are chunks on a grid (on each dimension
+    the distinct intervals are disjoint: a 2-d mesh's shards, even or not)
+    unless two of them take the same interval on every dimension.  Other
+    layouts are swept along the first dimension, each chunk compared with
+    the later ones that start before it ends there."""
     if len(chunks) < 2:
         return False
     starts = np.array([list(o) for o, _ in chunks], dtype=np.int64).reshape(len(chunks), -1)
     ends = starts + np.array([list(n) for _, n in chunks], dtype=np.int64).reshape(len(chunks), -1)
     keep = (ends > starts).all(axis=1)  # an empty chunk holds nothing
     starts, ends = starts[keep], ends[keep]
-    for i in range(len(starts) - 1):  # chunk i against every later one, all dimensions at once
-        if ((starts[i] < ends[i + 1:]) & (starts[i + 1:] < ends[i])).all(axis=1).any():
+    n, ndim = starts.shape
+    if n < 2:
+        return False
+    if ndim == 0:
+        return True  # two chunks of a 0-d tensor both hold its one element
+    if separated(np.zeros(n, dtype=np.int64), list(starts.T), list(ends.T), np.ones(1, dtype=bool))[0]:
+        return False
+    ids = np.empty((n, ndim), dtype=np.int64)
+    for d in range(ndim):
+        intervals, which = np.unique(np.stack([starts[:, d], ends[:, d]], axis=1), axis=0, return_inverse=True)
+        if (intervals[:-1, 1] > intervals[1:, 0]).any():
+            break  # two distinct intervals overlap on this dimension: not a grid
+        ids[:, d] = which.reshape(-1)
+    else:
+        return len(np.unique(ids, axis=0)) < n
+    order = np.lexsort(starts.T[::-1])  # by the first dimension, then the others
+    starts, ends = starts[order], ends[order]
+    for i in range(n - 1):
+        k = int(np.searchsorted(starts[i + 1:, 0], ends[i, 0], side="left"))  # start before chunk i ends
+        if k and ((starts[i] < ends[i + 1:i + 1 + k]) & (starts[i + 1:i + 1 + k] < ends[i])).all(axis=1).any():
             return True
     return False
 
 
 def all_covered(sizes: list[list[int]], offs: list[list[int]], lens: list[list[int]], counts: list[int]) -> bool:
     """:func:`uncovered` is None for every tensor (shape ``sizes[t]``, its
-    ``counts[t]`` chunks next in ``offs``/``lens``)."""
+    ``counts[t]`` chunks next in ``offs``/``lens``).  The tensors one
+    dimension orders the chunks of are told apart for all tensors of a rank
+    (number of dimensions) at once; only the others are checked one by one."""
     totals = list(map(math.prod, sizes))
     volumes = list(map(math.prod, lens))
     if all(count == 1 for count in counts):
         return volumes == totals
+    by_ndim: dict[int, list[tuple[int, int]]] = {}  # (first chunk, chunks) of each tensor of several
     at = 0
-    for total, count in zip(totals, counts):
-        chunk = slice(at, at + count)
-        at += count
-        if sum(volumes[chunk]) != total or (count > 1 and overlap(list(zip(offs[chunk], lens[chunk])))):
+    for total, count, size in zip(totals, counts, sizes):
+        if sum(volumes[at:at + count]) != total:
             return False
-    return True
+        if count > 1:
+            by_ndim.setdefault(len(size), []).append((at, count))
+        at += count
+    left: list[tuple[int, int]] = []
+    for ndim, group in by_ndim.items():
+        if ndim == 0:
+            left.extend(group)
+            continue
+        rows = list(chain.from_iterable(range(a, a + n) for a, n in group))
+        starts = np.array([offs[i] for i in rows], dtype=np.int64).reshape(-1, ndim)
+        ends = starts + np.array([lens[i] for i in rows], dtype=np.int64).reshape(-1, ndim)
+        kid = np.repeat(np.arange(len(group)), [n for _, n in group])
+        done = separated(kid, list(starts.T), list(ends.T), np.ones(len(group), dtype=bool))
+        left.extend(g for g, ok in zip(group, done.tolist()) if not ok)
+    return not any(overlap(list(zip(offs[a:a + n], lens[a:a + n]))) for a, n in left)
+
+
+def _disjoint_in_order(kid: np.ndarray, start: np.ndarray, end: np.ndarray, n_keys: int) -> np.ndarray:
+    """Per key: whether its chunks, in the given order, each end before the
+    next starts (along one dimension)."""
+    bad = (kid[1:] == kid[:-1]) & (start[1:] < end[:-1])
+    clash = np.zeros(n_keys, dtype=bool)
+    clash[kid[1:][bad]] = True
+    return ~clash
+
+
+def separated(kid: np.ndarray, off: list[np.ndarray], end: list[np.ndarray], multi: np.ndarray) -> np.ndarray:
+    """Per key: whether some dimension separates its chunks (sorted along
+    it, each ends before the next starts), so that no two can overlap.
+    ``off``, ``end``: a column per dimension.  The chunks' own order is
+    tried first (a tensor's shards are usually saved in order); only the
+    keys it does not settle are sorted."""
+    n_keys = len(multi)
+    done = ~multi
+    for o, e in zip(off, end):
+        if done.all():
+            return done
+        done |= _disjoint_in_order(kid, o, e, n_keys)
+    for o, e in zip(off, end):
+        if done.all():
+            break
+        rows = np.flatnonzero(~done[kid])
+        k, o_r, e_r = kid[rows], o[rows], e[rows]
+        order = np.lexsort((o_r, k))
+        done |= _disjoint_in_order(k[order], o_r[order], e_r[order], n_keys)
+    return done

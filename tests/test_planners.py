@@ -292,6 +292,29 @@ def test_validation_finds_an_overlap_only_a_sweep_sees():
         assert any("overlapping" in e and "g" in e for e in errors)
 
 
+def test_validation_of_a_grid_runs_no_sweep(monkeypatch):
+    """A 2-D mesh's uneven grid of chunks (no single dimension separates
+    them) is found disjoint without DCP's sweep, which compares each chunk
+    with every other of its band (a whole row of the mesh), from the
+    Metadata and from the gathered columns alike."""
+    import torch.distributed.checkpoint.default_planner as dp
+
+    size = (5, 7)
+    cells = [((r, c), (nr, nc)) for r, nr in ((0, 3), (3, 2)) for c, nc in ((0, 4), (4, 3))]
+    plans = [SavePlan([_shard("g", o, n, size)]) for o, n in cells]
+    gp, md = _global.global_plan(plans)
+    assert not _global._errors(_validate_global_plan(gp, md))
+    assert _global._suspects(md, len(plans)) == (False, ["g"])  # the columns alone cannot tell
+
+    def sweep(*args, **kwargs):
+        raise AssertionError("DCP's sweep ran")
+
+    monkeypatch.setattr(dp, "_validate_global_plan", sweep)
+    assert _global.validate(gp, md) == []
+    ours = FastPersistSavePlanner(flatten_state_dict=False)._create_global_plan(_gathered(plans))
+    assert repr(ours) == repr((gp, md))
+
+
 def test_a_state_dict_with_some_nested_values_is_flattened_key_by_key_as_dcp_does():
     """Plain values are kept as they are and only the nested ones are walked
     by DCP's flatten_state_dict, one key at a time: the same flat dict (same

@@ -447,7 +447,7 @@ def suspects(state: Any, n_plans: int) -> tuple[bool, list[str]]:
     """(whether validation certainly finds an error, keys whose chunks need
     DCP's overlap sweep), from the columns :func:`plan` returned: the
     checks of :func:`fp_dcp.planners._global.validate`."""
-    from fp_dcp.planners._global import _separated
+    from fp_dcp.coverage import separated
 
     a, first, per_name, (tp, offs, lens, names) = state  # tensor items, grouped by key, each in plan order
     counts = per_name[names]
@@ -483,5 +483,5 @@ def suspects(state: Any, n_plans: int) -> tuple[bool, list[str]]:
         return False, []
     if row_nd is not None:  # a missing dimension separates nothing
         ends = [np.where(row_nd > d, e, 1) for d, e in enumerate(ends)]
-    sep = _separated(np.repeat(names, counts), offs, ends, multi)
+    sep = separated(np.repeat(names, counts), offs, ends, multi)
     return False, [a.names[k] for k in np.flatnonzero(multi & ~sep).tolist()]

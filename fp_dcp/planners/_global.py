@@ -10,10 +10,12 @@ it, without its per-item overheads.
   ``Metadata`` (the same chunk objects, in the same order) and the same
   index hints.
 * :func:`validate` = ``_validate_global_plan``: bounds, overlaps and volumes
-  checked over numpy columns of every chunk at once; only where that cannot
-  decide (chunks not separable along one dimension) DCP's own sweep runs for
-  that tensor, and where anything is wrong DCP's own validation runs on the
-  whole plan, so the errors and their text are DCP's.
+  checked over numpy columns of every chunk at once; where that cannot
+  decide (chunks not separable along one dimension), per tensor by
+  :func:`fp_dcp.coverage.overlap`, and DCP's own sweep runs for a tensor
+  only where that finds an overlap (or a chunk is empty); where anything
+  is wrong DCP's own validation runs on the whole plan, so the errors and
+  their text are DCP's.
 
 Anything unusual (an item without tensor data, a repeated key) is handed to
 DCP's own function, which raises its own error.
@@ -30,6 +32,7 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from fp_dcp import coverage
 from fp_dcp.planners import _compact, _items
 
 __all__ = ["dedup", "global_plan", "validate"]
@@ -184,40 +187,20 @@ def _suspects(metadata: Metadata, n_plans: int) -> tuple[bool, list[str]]:
                 return True, []
         multi = counts > 1
         if multi.any():
-            sep = _separated(kid, list(off.T), list(end.T), multi)
+            sep = coverage.separated(kid, list(off.T), list(end.T), multi)
             suspects.extend(keys[i] for i in np.flatnonzero(multi & ~sep).tolist())
     return False, suspects
 
 
-def _disjoint_in_order(kid: np.ndarray, start: np.ndarray, end: np.ndarray, n_keys: int) -> np.ndarray:
-    """Per key: whether its chunks, in the given order, each end before the
-    next starts (along one dimension)."""
-    bad = (kid[1:] == kid[:-1]) & (start[1:] < end[:-1])
-    clash = np.zeros(n_keys, dtype=bool)
-    clash[kid[1:][bad]] = True
-    return ~clash
-
-
-def _separated(kid: np.ndarray, off: list[np.ndarray], end: list[np.ndarray], multi: np.ndarray) -> np.ndarray:
-    """Per key: whether some dimension separates its chunks (sorted along
-    it, each ends before the next starts), so that no two can overlap.
-    ``off``, ``end``: a column per dimension.  The chunks' own order is
-    tried first (a tensor's shards are usually saved in order); only the
-    keys it does not settle are sorted."""
-    n_keys = len(multi)
-    done = ~multi
-    for o, e in zip(off, end):
-        if done.all():
-            return done
-        done |= _disjoint_in_order(kid, o, e, n_keys)
-    for o, e in zip(off, end):
-        if done.all():
-            break
-        rows = np.flatnonzero(~done[kid])
-        k, o_r, e_r = kid[rows], o[rows], e[rows]
-        order = np.lexsort((o_r, k))
-        done |= _disjoint_in_order(k[order], o_r[order], e_r[order], n_keys)
-    return done
+def _may_overlap(value: Any) -> bool:
+    """Whether DCP's sweep may find two of a tensor's chunks overlapping: its
+    chunks on a grid or swept without comparing every pair
+    (:func:`fp_dcp.coverage.overlap`: the sweep DCP runs compares the chunks
+    that share a band of the tensor's largest dimension, a 2-d mesh's whole
+    row of shards); an empty chunk is left to DCP's own test, which may find
+    it overlapping where it holds nothing."""
+    chunks = [(c.offsets, c.sizes) for c in value.chunks]
+    return any(0 in n for _, n in chunks) or coverage.overlap(chunks)
 
 
 def validate(all_plans: list[SavePlan], metadata: Metadata,
@@ -228,6 +211,7 @@ def validate(all_plans: list[SavePlan], metadata: Metadata,
     from torch.distributed.checkpoint.default_planner import _validate_global_plan
 
     wrong, suspects = found if found is not None else _suspects(metadata, len(all_plans))
+    suspects = [k for k in suspects if _may_overlap(metadata.state_dict_metadata[k])]
     if not wrong and suspects:
         sub = Metadata({k: metadata.state_dict_metadata[k] for k in suspects})
         wrong = bool(_errors(_validate_global_plan(all_plans, sub)))
