@@ -5,6 +5,7 @@ coordinator's global planning of a save at simulated scale.
 
     PYTHONPATH=. python tools/plan_caching_time.py --ranks 1,2,4 --tensors 9245 --saves 3
     PYTHONPATH=. python tools/plan_caching_time.py --ranks 0 --simulate 64x1000,1024x2000
+    PYTHONPATH=. python tools/plan_caching_time.py --ranks 0 --simulate 1024x2000 --planners fp --restart
     PYTHONPATH=. python tools/plan_caching_time.py --ranks 4 --saves 3 --caching off --phases
 
 Real ranks (gloo on the CPU; every rank holds the same ``--tensors`` small
@@ -28,14 +29,19 @@ local plan (the gather), ``create_global_plan`` (dedup, global plan,
 Metadata, validation), ``FastPersistWriter.prepare_global_plan`` (the
 storage's placement, from what each rank's ``prepare_local_plan`` added
 to its plan; ``--storage off``: left out, and out of the messages) and
-pickling every rank's global plan (the scatter).
+pickling every rank's global plan (the scatter).  ``--restart`` then
+encodes that save's metadata file (every item one extent) and times its
+decoding, which every rank of a restart does (``read_metadata``), beside
+``pickle.loads`` of DCP's ``.metadata`` of the same save.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
+import math
 import os
 import pickle
 import sys
@@ -242,7 +248,7 @@ def _sim_local_plans(world: int, items: int, kind: str, storage: bool = False) -
     return out
 
 
-def simulate(world: int, items: int, kind: str, storage: bool = True) -> dict:
+def simulate(world: int, items: int, kind: str, storage: bool = True, restart: bool = False) -> dict:
     from fp_dcp import FastPersistWriter
     from fp_dcp.save import plan as save_plan
 
@@ -271,10 +277,59 @@ def simulate(world: int, items: int, kind: str, storage: bool = True) -> dict:
             writer.close()
             save_plan.clear_plan_records()
             save_plan.PLACEMENTS.clear()  # each simulated save is a first one: placed, not recalled
-    return {"world": world, "items": items, "planners": kind, "gather_s": t1 - t0, "global_plan_s": t2 - t1,
-            "storage_s": t3 - t2, "scatter_s": t4 - t3, "total_s": t4 - t0, "cpu_s": c4 - c0,
-            "gathered_mb": sum(map(len, sent)) / 1e6, "scattered_mb": sum(map(len, scatter)) / 1e6,
-            "metadata_entries": len(metadata.state_dict_metadata)}
+    out = {"world": world, "items": items, "planners": kind, "gather_s": t1 - t0, "global_plan_s": t2 - t1,
+           "storage_s": t3 - t2, "scatter_s": t4 - t3, "total_s": t4 - t0, "cpu_s": c4 - c0,
+           "gathered_mb": sum(map(len, sent)) / 1e6, "scattered_mb": sum(map(len, scatter)) / 1e6,
+           "metadata_entries": len(metadata.state_dict_metadata)}
+    if restart:
+        out.update(_restart_metadata(metadata, global_plans))
+    return out
+
+
+def _restart_metadata(metadata, global_plans) -> dict:
+    """The metadata file of the simulated save (every item one extent of its
+    rank's file), as the coordinator's commit encodes it, and the time each
+    rank of a restart spends reading it back: ``fp_dcp.format``'s decoder
+    against ``pickle.loads`` of the same ``Metadata`` with the storage data
+    DCP's ``FileSystemWriter`` records (what its reader's ``read_metadata``
+    does)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from fp_dcp import format as fmt
+    from fp_dcp.gc_freeze import paused
+    from fp_dcp.save.results import Written, layout_from_results
+
+    save_id, results = "20260101T000000-0123abcd", []
+    for r, plan in enumerate(global_plans):
+        name, at, rank_results = fmt.data_file_name(save_id, r, 0), 0, []
+        for item in plan.items:
+            td = item.tensor_data
+            n = 64 if td is None else math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
+            rank_results.append(WriteResult(item.index, n, Written(((name, at, 0, n, "0" * 8),))))
+            at += -(-n // 4096) * 4096
+        if rank_results:
+            last = rank_results[0]
+            rank_results[0] = WriteResult(last.index, last.size_in_bytes,
+                                          Written(last.storage_data.extents, ((name, at),)))
+        results.append(rank_results)
+    t0 = time.perf_counter()
+    with paused():  # as the writer's commit and the reader's read_metadata run them
+        layout = layout_from_results(results, save_id, 4096)
+        blob = fmt.encode_metadata(metadata, layout, {"writer": "simulated", "torch_version": "", "created": 0.0,
+                                                      "world_size": len(results)})
+        t1 = time.perf_counter()
+        fmt.decode_metadata(blob, "simulated")
+        t2 = time.perf_counter()
+    stock = dataclasses.replace(metadata, storage_data={
+        wr.index: _StorageInfo(f"__{r}_0.distcp", wr.storage_data.extents[0][1], wr.size_in_bytes)
+        for r, rank_results in enumerate(results) for wr in rank_results})
+    stock_blob = pickle.dumps(stock)
+    t3 = time.perf_counter()
+    pickle.loads(stock_blob)
+    t4 = time.perf_counter()
+    return {"metadata_mb": len(blob) / 1e6, "metadata_encode_s": t1 - t0, "metadata_decode_s": t2 - t1,
+            "stock_metadata_mb": len(stock_blob) / 1e6, "stock_metadata_load_s": t4 - t3}
 
 
 def main() -> None:
@@ -287,6 +342,9 @@ def main() -> None:
     ap.add_argument("--caching", default="off,on", help="comma list from: off, on (DCP's plan caching)")
     ap.add_argument("--storage", default="on", choices=("on", "off"),
                     help="simulated: time FastPersistWriter.prepare_global_plan too (and send what it needs)")
+    ap.add_argument("--restart", action="store_true",
+                    help="simulated: also encode the save's metadata file and time what each rank of a restart "
+                         "spends decoding it, beside DCP's pickled .metadata of the same save")
     ap.add_argument("--phases", action="store_true",
                     help="also print the coordinator's time per planning step and between steps")
     ap.add_argument("--json", help="write the results here")
@@ -299,12 +357,17 @@ def main() -> None:
     for spec in [s for s in args.simulate.split(",") if s]:
         world, items = (int(x) for x in spec.lower().split("x"))
         for kind in kinds:
-            r = simulate(world, items, kind, args.storage == "on")
+            r = simulate(world, items, kind, args.storage == "on", args.restart)
             results["simulated"].append(r)
             print(f"simulated {world} ranks x {items} items, planners={kind:3}: coordinator "
                   f"{r['total_s']:7.2f} s, CPU {r['cpu_s']:.2f} s (gather {r['gather_s']:.2f} s of {r['gathered_mb']:.0f} MB, "
                   f"global plan {r['global_plan_s']:.2f} s, storage {r['storage_s']:.2f} s, scatter "
                   f"{r['scatter_s']:.2f} s of {r['scattered_mb']:.0f} MB)", flush=True)
+            if args.restart:
+                print(f"    its metadata file: {r['metadata_mb']:.0f} MB, encoded in {r['metadata_encode_s']:.2f} s; "
+                      f"each rank of a restart decodes it in {r['metadata_decode_s']:.2f} s (DCP's pickled "
+                      f".metadata: {r['stock_metadata_mb']:.0f} MB, loaded in {r['stock_metadata_load_s']:.2f} s)",
+                      flush=True)
             gc.collect()
     if args.json:
         with open(args.json, "w") as f:
