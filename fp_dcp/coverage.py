@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["uncovered", "all_covered", "overlap", "separated"]
+__all__ = ["uncovered", "all_covered", "all_covered_columns", "overlap", "separated"]
 
 
 def uncovered(size: Sequence[int], chunks: Sequence[tuple[Sequence[int], Sequence[int]]]) -> str | None:
@@ -96,6 +96,59 @@ def all_covered(sizes: list[list[int]], offs: list[list[int]], lens: list[list[i
         done = separated(kid, list(starts.T), list(ends.T), np.ones(len(group), dtype=bool))
         left.extend(g for g, ok in zip(group, done.tolist()) if not ok)
     return not any(overlap(list(zip(offs[a:a + n], lens[a:a + n]))) for a, n in left)
+
+
+def all_covered_columns(ndim: np.ndarray, size: np.ndarray, counts: np.ndarray, offs: np.ndarray,
+                        lens: np.ndarray) -> bool:
+    """:func:`all_covered` of tensors given as int64 columns: each tensor's
+    rank, every tensor's dimensions one after the other, each tensor's chunk
+    count, and every chunk's offsets and sizes one after the other (each as
+    many as its tensor's rank; every chunk inside its tensor: the caller
+    checked)."""
+    n = len(ndim)
+    rank = np.repeat(ndim, counts)  # each chunk's
+    owner = np.repeat(np.arange(n), counts)
+    totals = _products(size, ndim)
+    volumes = _products(lens, rank)
+    # a sum of volumes past int64 (chunks stored many times over) is seen in float first
+    rough = np.zeros(n)
+    np.add.at(rough, owner, volumes.astype(np.float64))
+    if (rough > totals * 1.000001 + 1).any():
+        return False
+    stored = np.zeros(n, dtype=np.int64)
+    np.add.at(stored, owner, volumes)
+    if (stored != totals).any():
+        return False
+    first = np.cumsum(rank) - rank  # each chunk's first value
+    left: list[int] = []
+    for k in np.unique(ndim[counts > 1]).tolist():
+        multi = (counts > 1) & (ndim == k)
+        rows = np.flatnonzero(multi[owner])
+        if k == 0:
+            left.extend(np.flatnonzero(multi).tolist())
+            continue
+        at = first[rows][:, None] + np.arange(k)
+        starts, ends = offs[at], offs[at] + lens[at]
+        done = separated(owner[rows], list(starts.T), list(ends.T), multi)
+        left.extend(np.flatnonzero(~done).tolist())
+    chunk_at = (np.cumsum(counts) - counts).tolist()
+    for t in left:
+        a, b = int(first[chunk_at[t]]), int(first[chunk_at[t]] + counts[t] * ndim[t])
+        k = int(ndim[t])
+        starts, sizes = offs[a:b].tolist(), lens[a:b].tolist()
+        chunks = [(starts[i:i + k], sizes[i:i + k]) for i in range(0, b - a, k)] if k else [((), ())] * int(counts[t])
+        if overlap(chunks):
+            return False
+    return True
+
+
+def _products(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """The product of each run of ``widths[i]`` values (1 for an empty run)."""
+    out = np.ones(len(widths), dtype=np.int64)
+    some = widths > 0
+    if some.any():
+        out[some] = np.multiply.reduceat(values, (np.cumsum(widths) - widths)[some])
+    return out
 
 
 def _disjoint_in_order(kid: np.ndarray, start: np.ndarray, end: np.ndarray, n_keys: int) -> np.ndarray:

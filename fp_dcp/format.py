@@ -1,10 +1,12 @@
 """The on-disk format (docs/FORMAT.md): file names, layout records, the metadata
-codec; pure Python, nothing unpickled.  Each metadata section has a fast column
-decoder and a reference decoder that tests compare (why this module is over
-the size limit): keep both in step."""
+codec; pure Python, nothing unpickled.  Version 3 stores the per-item sections
+as columns (one decoder); for versions 1 and 2 each has a fast column decoder
+and a reference decoder that tests compare (why this module is over the size
+limit): keep both in step."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
@@ -56,9 +58,10 @@ __all__ = [
 
 FORMAT_NAME = "fp_dcp"
 # 2: extents may carry a 5th field, the CRC-32C of each checksum block.
-# Version 1 (4-field extents, no checksums) is still read.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: the per-item sections (state_dict_metadata, extents) stored as columns.
+# Versions 1 (4-field extents, no checksums) and 2 are still read.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 CHECKSUM_ALGORITHM = "crc32c"
 # Each extent's bytes are checksummed in blocks of this size from the
 # extent's start, so that a partial read (resharding) can verify every whole
@@ -403,14 +406,22 @@ def _index_from_key(key: Any) -> MetadataIndex:
 @dataclasses.dataclass(frozen=True)
 class EncodedStructure:
     """The JSON of the metadata that depends on the structure alone (state dict
-    metadata, planner data), so a writer can encode it while its files are written."""
+    metadata, planner data), so a writer can encode it while its files are
+    written; ``version``: the format it is in; ``items`` (version 3): each
+    stored item's number, by ``(fqn, chunk offsets or None)``."""
 
     state_dict_metadata: str
     planner_data: str
+    version: int = FORMAT_VERSION
+    items: dict[tuple, int] | None = None
 
 
-def encode_structure(metadata: Metadata) -> EncodedStructure:
-    """The :class:`EncodedStructure` of ``metadata``."""
+def encode_structure(metadata: Metadata, version: int = FORMAT_VERSION) -> EncodedStructure:
+    """The :class:`EncodedStructure` of ``metadata`` in format ``version``."""
+    planner_data = _json(_enc(metadata.planner_data))
+    if version >= 3:
+        text, items = _sd_columns_doc(metadata.state_dict_metadata)
+        return EncodedStructure(text, planner_data, version, items)
     sd_md: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -425,7 +436,52 @@ def encode_structure(metadata: Metadata) -> EncodedStructure:
             sd_md[fqn] = {"type": "bytes"}
         else:
             raise TypeError(f"{fqn}: unknown storage metadata {type(md).__name__}")
-    return EncodedStructure(_json(sd_md), _json(_enc(metadata.planner_data)))
+    return EncodedStructure(_json(sd_md), planner_data, version)
+
+
+def _int64_text(values: Any) -> str:
+    """A column of integers as version 3 stores it: base64 of int64 little-endian."""
+    return base64.b64encode(np.asarray(values, dtype="<i8").tobytes()).decode("ascii")
+
+
+def _sd_columns_doc(sd: Mapping[str, Any]) -> tuple[str, dict[tuple, int]]:
+    """Version 3's ``state_dict_metadata`` (its JSON text) and each stored
+    item's number: the items in the order of the keys, a tensor's chunks in
+    its order, a bytes item one number."""
+    kinds: list[str] = []
+    dtypes: list[str] = []
+    grads: list[int] = []
+    ndims: list[int] = []
+    sizes: list[int] = []
+    counts: list[int] = []
+    offs: list[int] = []
+    lens: list[int] = []
+    items: dict[tuple, int] = {}
+    for fqn, md in sd.items():
+        if isinstance(md, TensorStorageMetadata):
+            nd = len(md.size)
+            if md.properties.requires_grad:
+                grads.append(len(dtypes))
+            kinds.append("t")
+            dtypes.append(_dtype_name(md.properties.dtype))
+            ndims.append(nd)
+            sizes.extend(md.size)
+            counts.append(len(md.chunks))
+            for c in md.chunks:
+                if len(c.offsets) != nd or len(c.sizes) != nd:
+                    raise ValueError(f"{fqn}: a chunk of {len(c.offsets)} dimensions in a tensor of {nd}")
+                offs.extend(c.offsets)
+                lens.extend(c.sizes)
+                items[(fqn, tuple(c.offsets))] = len(items)
+        elif isinstance(md, BytesStorageMetadata):
+            kinds.append("b")
+            items[(fqn, None)] = len(items)
+        else:
+            raise TypeError(f"{fqn}: unknown storage metadata {type(md).__name__}")
+    doc = {"keys": list(sd), "kinds": "".join(kinds), "dtypes": dtypes, "requires_grad": grads,
+           "ndim": _int64_text(ndims), "size": _int64_text(sizes), "chunks": _int64_text(counts),
+           "chunk_offsets": _int64_text(offs), "chunk_sizes": _int64_text(lens)}
+    return _json(doc), items
 
 
 def _json(value: Any) -> str:
@@ -433,22 +489,31 @@ def _json(value: Any) -> str:
 
 
 def encode_metadata(
-    metadata: Metadata, layout: StorageLayout, extra: dict[str, Any], structure: EncodedStructure | None = None
+    metadata: Metadata, layout: StorageLayout, extra: dict[str, Any], structure: EncodedStructure | None = None,
+    version: int = FORMAT_VERSION,
 ) -> bytes:
-    """The bytes of the metadata file: header + JSON body.  ``structure``:
-    :func:`encode_structure` of ``metadata``, made earlier (else made here)."""
-    if structure is None:
-        structure = encode_structure(metadata)
+    """The bytes of the metadata file in format ``version`` (2 or 3): header +
+    JSON body.  ``structure``: :func:`encode_structure` of ``metadata``, made
+    earlier (else made here)."""
+    if version not in (2, 3):
+        raise ValueError(f"fp_dcp writes format versions 2 and 3, not {version}")
+    if structure is None or structure.version != version:
+        structure = encode_structure(metadata, version)
     sm = metadata.storage_meta
     block = layout.checksum_block_bytes
-    extents = _extents_doc_columns(layout.extents, block) if isinstance(layout.extents, ExtentColumns) else None
-    if extents is None:
-        extents = _extents_doc(layout.extents, block)
+    extents: Any
+    if version >= 3:
+        assert structure.items is not None
+        extents = _extents_columns_doc(ExtentColumns.of(layout.extents), block, structure.items)
+    else:
+        extents = _extents_doc_columns(layout.extents, block) if isinstance(layout.extents, ExtentColumns) else None
+        if extents is None:
+            extents = _extents_doc(layout.extents, block)
     # One JSON object, its members' texts joined (the structure's are made
     # already): the same bytes json.dumps gives for the whole document.
     doc = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": version,
         **extra,
         "dcp_version": metadata.version,
         "save_id": layout.save_id,
@@ -470,7 +535,7 @@ def encode_metadata(
     body = (
         "{" + ",".join(_json(k) + ":" + (encoded[k] if v is _ENCODED else _json(v)) for k, v in doc.items()) + "}"
     ).encode()
-    return _HEADER.pack(_MAGIC, FORMAT_VERSION, zlib.crc32(body), len(body)) + body
+    return _HEADER.pack(_MAGIC, version, zlib.crc32(body), len(body)) + body
 
 
 _ENCODED = object()  # a member of the document whose text the structure holds
@@ -520,6 +585,27 @@ def _extents_doc_columns(extents: ExtentColumns, block: int | None) -> list | No
         per_item = [rows[end - n:end] for n, end in zip(counts.tolist(), ends)]
     return [[[fqn, None if offset is None else list(offset)], exts]
             for (fqn, offset), exts in zip(extents.item_keys, per_item)]
+
+
+def _extents_columns_doc(extents: ExtentColumns, block: int | None, items: dict[tuple, int]) -> dict:
+    """Version 3's ``extents``: each listed item's number and extent count,
+    the extents' fields as columns, the checksums of those that have one
+    joined, and the numbers of those that have none."""
+    try:
+        numbers = list(map(items.__getitem__, extents.item_keys))
+    except KeyError as e:
+        raise ValueError(f"{e.args[0][0]}: extents for an item the metadata does not list") from None
+    crcs = extents.crc32c
+    has = np.fromiter((c is not None for c in crcs), dtype=bool, count=len(crcs))
+    given = [c for c in crcs if c is not None]
+    if given and (block is None or not _all_type(given, str)
+                  or not np.array_equal(np.fromiter(map(len, given), np.int64, len(given)),
+                                        8 * checksum_blocks(extents.length[has], block))):
+        raise ValueError("an extent checksum does not match its length (or the layout declares no checksum block)")
+    return {"items": _int64_text(numbers), "counts": _int64_text(extents.counts), "file": _int64_text(extents.file),
+            "file_offset": _int64_text(extents.file_offset), "item_offset": _int64_text(extents.item_offset),
+            "length": _int64_text(extents.length), "crc32c": None if block is None else "".join(given),
+            **({} if block is None else {"unchecked": _int64_text(np.flatnonzero(~has))})}
 
 
 def read_header(head: bytes, path: str) -> tuple[int, int, int]:
@@ -617,7 +703,7 @@ def _extent_crc(value: Any, length: int, block: int | None, where: str) -> str:
     return value
 
 
-def _check_items_known(extents: dict[MetadataIndex, list[Extent]], sd_md: dict[str, Any]) -> None:
+def _check_items_known(extents: Mapping[MetadataIndex, list[Extent]], sd_md: dict[str, Any]) -> None:
     """Every extent list belongs to an item the metadata describes: a
     chunk of a tensor (its offset) or a bytes item (no offset)."""
     offsets: dict[str, set] = {}
@@ -639,7 +725,7 @@ def _check_items_known(extents: dict[MetadataIndex, list[Extent]], sd_md: dict[s
             )
 
 
-def _check_no_overlap(extents: dict[MetadataIndex, list[Extent]]) -> None:
+def _check_no_overlap(extents: Mapping[MetadataIndex, list[Extent]]) -> None:
     """No two extents share a byte of a file: a layout where they do was not
     written by fp_dcp (and would let one item's bytes pass for another's)."""
     spans = sorted(
@@ -664,12 +750,16 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
     raw_sd = doc["state_dict_metadata"]
     if not isinstance(raw_sd, dict):
         raise CheckpointFormatError("state_dict_metadata is not a mapping")
-    columns = _state_dict_md_columns(raw_sd)
-    if columns is None:
-        sd_md = _state_dict_md_checked(raw_sd)
-        stored = _stored_keys(sd_md)
+    item_keys: list[tuple] = []
+    if version >= 3:
+        sd_md, item_keys = _state_dict_md_v3(raw_sd)
     else:
-        sd_md, stored = columns
+        columns = _state_dict_md_columns(raw_sd)
+        if columns is None:
+            sd_md = _state_dict_md_checked(raw_sd)
+            stored = _stored_keys(sd_md)
+        else:
+            sd_md, stored = columns
 
     save_id = doc["save_id"]
     if not isinstance(save_id, str) or not _SAVE_ID.fullmatch(save_id):
@@ -687,8 +777,11 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
         files.append((name, size))
     file_sizes = [size for _, size in files]
     n_fields = (4, 5) if version >= 2 else (4,)
-    columns = _extents_columns(doc["extents"], file_sizes, block, n_fields)
-    if columns is None:
+    columns = None if version >= 3 else _extents_columns(doc["extents"], file_sizes, block, n_fields)
+    extents: Mapping[MetadataIndex, list[Extent]]
+    if version >= 3:
+        extents = _extents_v3(doc["extents"], file_sizes, block, item_keys)
+    elif columns is None:
         extents = _extents_checked(doc["extents"], file_sizes, block, n_fields)
         _check_items_known(extents, sd_md)
         _check_no_overlap(extents)
@@ -1001,3 +1094,211 @@ def _no_overlap_columns(files: np.ndarray, starts: np.ndarray, lengths: np.ndarr
     order = np.lexsort((ends, starts, files))
     files, starts, ends = files[order], starts[order], ends[order]
     return not ((files[1:] == files[:-1]) & (starts[1:] < ends[:-1])).any()
+
+
+# Version 3 stores the per-item sections as columns: one decoder, each check
+# done once over a column with numpy, and an error that names the first item
+# that fails it.
+
+
+def _int64_column(section: dict, name: str, count: int | None = None) -> np.ndarray:
+    """Column ``name`` of a version-3 section (base64 of int64 little-endian),
+    of ``count`` values where given."""
+    text = section.get(name)
+    if type(text) is not str:
+        raise CheckpointFormatError(f"column {name!r} is not a base64 string")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError:
+        raise CheckpointFormatError(f"column {name!r} is not valid base64") from None
+    if len(raw) % 8 or (count is not None and len(raw) != 8 * count):
+        raise CheckpointFormatError(
+            f"column {name!r} holds {len(raw) / 8:g} values" + ("" if count is None else f", not {count}")
+        )
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64)
+
+
+def _first(bad: np.ndarray) -> int:
+    return int(np.flatnonzero(bad)[0])
+
+
+def _exact_list(value: Any, cls: type, what: str) -> list:
+    if type(value) is not list or not _all_type(value, cls):
+        raise CheckpointFormatError(f"{what} is not a list of {cls.__name__}")
+    return value
+
+
+def _state_dict_md_v3(raw: dict) -> tuple[dict[str, Any], list[tuple]]:
+    """Version 3's ``state_dict_metadata``, and each stored item's
+    ``(fqn, chunk offsets or None)`` by number."""
+    keys = _exact_list(raw.get("keys"), str, "state_dict_metadata keys")
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
+        for k in keys:
+            if k in seen:
+                raise CheckpointFormatError(f"{k!r} is listed twice")
+            seen.add(k)
+    kinds = raw.get("kinds")
+    if type(kinds) is not str or len(kinds) != len(keys) or not set(kinds) <= {"t", "b"}:
+        raise CheckpointFormatError("state_dict_metadata kinds do not give each key 't' or 'b'")
+    names = [k for k, kind in zip(keys, kinds) if kind == "t"]
+    n = len(names)
+    dtype_names = _exact_list(raw.get("dtypes"), str, "state_dict_metadata dtypes")
+    if len(dtype_names) != n:
+        raise CheckpointFormatError(f"{len(dtype_names)} dtypes for {n} tensors")
+    dtypes = [_DTYPES.get(name) for name in dtype_names]
+    if None in dtypes:
+        t = dtypes.index(None)
+        _dtype_from_name(dtype_names[t], names[t])  # raises, naming the tensor
+    grad = np.zeros(n, dtype=bool)
+    marked = _exact_list(raw.get("requires_grad"), int, "state_dict_metadata requires_grad")
+    if marked:
+        if min(marked) < 0 or max(marked) >= n:
+            raise CheckpointFormatError(f"requires_grad names a tensor out of range (of {n})")
+        grad[marked] = True
+    ndim = _int64_column(raw, "ndim", n)
+    if ((ndim < 0) | (ndim > 64)).any():
+        raise CheckpointFormatError(f"{names[_first((ndim < 0) | (ndim > 64))]}: a rank out of range")
+    size = _int64_column(raw, "size", int(ndim.sum()))
+    counts = _int64_column(raw, "chunks", n)
+    owner = np.repeat(np.arange(n), ndim)  # each dimension's tensor
+    if (size < 0).any():
+        raise CheckpointFormatError(f"{names[int(owner[_first(size < 0)])]}: a negative dimension")
+    # every chunk of a tensor of rank r holds r offsets (a 0-d tensor: its one chunk)
+    if (counts < 0).any() or ((ndim == 0) & (counts > 1)).any():
+        raise CheckpointFormatError(f"{names[_first((counts < 0) | ((ndim == 0) & (counts > 1)))]}: "
+                                    f"a chunk count out of range")
+    offs_col = _int64_column(raw, "chunk_offsets")
+    many = (ndim > 0) & (counts > len(offs_col))
+    if many.any():
+        raise CheckpointFormatError(f"{names[_first(many)]}: more chunks than the offsets hold")
+    needed = float((counts.astype(np.float64) * ndim).sum())  # (in float: no wrapping past int64)
+    if needed != len(offs_col):
+        raise CheckpointFormatError(f"column 'chunk_offsets' holds {len(offs_col)} values, not {needed:.0f}")
+    rank = np.repeat(ndim, counts)  # each chunk's rank (as many chunks as offsets, and a 0-d tensor's one)
+    lens_col = _int64_column(raw, "chunk_sizes", len(offs_col))
+    sizes = [tuple(size[a:b].tolist()) for a, b in zip((np.cumsum(ndim) - ndim).tolist(), np.cumsum(ndim).tolist())]
+    if max(map(operator.mul, map(math.prod, sizes), [d.itemsize for d in cast("list[torch.dtype]", dtypes)]),
+           default=0) > _MAX_FILE:
+        raise CheckpointFormatError("a tensor larger than a data file can hold")
+    chunk_owner = np.repeat(np.arange(n), counts)
+    if len(offs_col):
+        first_dim = np.repeat((np.cumsum(ndim) - ndim)[chunk_owner], rank)
+        within = np.arange(len(offs_col)) - np.repeat(np.cumsum(rank) - rank, rank)
+        d = size[first_dim + within]  # the tensor's extent beside each chunk's offset
+        o, ln = offs_col, lens_col
+        bad = (o < 0) | (ln < 0) | (o > d) | (ln > d - o)
+        if bad.any():
+            t = int(chunk_owner[np.repeat(np.arange(len(rank)), rank)[_first(bad)]])
+            raise CheckpointFormatError(f"{names[t]}: a chunk outside the tensor {list(sizes[t])}")
+    offs = _split_tuples(offs_col.tolist(), rank)
+    lens = _split_tuples(lens_col.tolist(), rank)
+    count_list = counts.tolist()
+    if not coverage.all_covered_columns(ndim, size, counts, offs_col, lens_col):
+        at = 0
+        for t, c in enumerate(count_list):
+            check_chunks_cover(names[t], sizes[t], list(zip(offs[at:at + c], lens[at:at + c])))  # raises
+            at += c
+    unique: dict[tuple, torch.Size] = {}
+    for x in chain(sizes, offs, lens):
+        if x not in unique:
+            unique[x] = torch.Size(x)
+    shared = unique.__getitem__
+    chunk_md = list(map(ChunkStorageMetadata, map(shared, offs), map(shared, lens)))
+    ends = np.cumsum(counts).tolist()
+    grouped = [chunk_md[e - c:e] for c, e in zip(count_list, ends)]
+    props = list(map(TensorProperties, cast("list[torch.dtype]", dtypes), [torch.strided] * n, grad.tolist()))
+    made = iter(map(TensorStorageMetadata, props, map(shared, sizes), grouped))
+    sd_md = {fqn: next(made) if kind == "t" else BytesStorageMetadata() for fqn, kind in zip(keys, kinds)}
+    by_tensor = iter([(name, offs[e - c:e]) for name, c, e in zip(names, count_list, ends)])
+    items: list[tuple] = []
+    for fqn, kind in zip(keys, kinds):
+        if kind == "t":
+            name, chunk_offs = next(by_tensor)
+            items.extend(zip(repeat(name, len(chunk_offs)), chunk_offs))
+        else:
+            items.append((fqn, None))
+    return sd_md, items
+
+
+def _split_tuples(flat: list[int], rank: np.ndarray) -> list[tuple]:
+    """``flat`` cut into tuples of ``rank[i]`` values each."""
+    if len(rank) and (rank == rank[0]).all():
+        k = int(rank[0])
+        return list(zip(*[iter(flat)] * k)) if k else [()] * len(rank)
+    ends = np.cumsum(rank).tolist()
+    return [tuple(flat[e - r:e]) for r, e in zip(rank.tolist(), ends)]
+
+
+_HEX_TEXT = re.compile(r"[0-9a-f]*")
+
+
+def _extents_v3(raw: Any, file_sizes: list[int], block: int | None, item_keys: list[tuple]) -> ExtentColumns:
+    """Version 3's ``extents``, checked as the earlier versions' are; each
+    item's extents sorted by item offset."""
+    if type(raw) is not dict:
+        raise CheckpointFormatError("extents are not a column section")
+    numbers = _int64_column(raw, "items")
+    m = len(numbers)
+    unknown = (numbers < 0) | (numbers >= len(item_keys))
+    if unknown.any():
+        raise CheckpointFormatError(f"extents for item {int(numbers[_first(unknown)])}, which the metadata does "
+                                    f"not list (it lists {len(item_keys)})")
+    keys = list(map(item_keys.__getitem__, numbers.tolist()))
+    listed = np.bincount(numbers, minlength=len(item_keys))
+    if (listed > 1).any():
+        twice = item_keys[_first(listed > 1)]
+        raise CheckpointFormatError(f"two extent lists for {twice[0]!r} at offset {_offset_text(twice[1])}")
+    counts = _int64_column(raw, "counts", m)
+    files = _int64_column(raw, "file")
+    if ((counts < 0) | (counts > len(files))).any():
+        raise CheckpointFormatError(f"{keys[_first((counts < 0) | (counts > len(files)))][0]}: an extent count "
+                                    f"out of range")
+    total = int(counts.sum())
+    if len(files) != total:
+        raise CheckpointFormatError(f"column 'file' holds {len(files)} values, not {total}")
+    fo, io_, ln = (_int64_column(raw, name, total) for name in ("file_offset", "item_offset", "length"))
+    owner = np.repeat(np.arange(m), counts)
+    sizes = np.array(file_sizes + [0], dtype=np.int64)
+    known = (files >= 0) & (files < len(file_sizes))
+    room = sizes[np.where(known, files, len(file_sizes))] - fo
+    bad = ~(known & (fo >= 0) & (io_ >= 0) & (io_ <= _MAX_FILE) & (ln >= 0) & (ln <= room))
+    if bad.any():
+        fqn, offset = keys[int(owner[_first(bad)])]
+        raise CheckpointFormatError(f"{fqn} at offset {_offset_text(offset)}: an extent outside its data file "
+                                    f"(file {int(files[_first(bad)])} of {len(file_sizes)})")
+    crcs: list[str | None] = [None] * total
+    text = raw.get("crc32c")
+    if block is None:
+        if text is not None or "unchecked" in raw:
+            raise CheckpointFormatError("extents have checksums but the metadata declares none")
+    else:
+        unchecked = _int64_column(raw, "unchecked")
+        has = np.ones(total, dtype=bool)
+        if len(unchecked) and (unchecked.min() < 0 or unchecked.max() >= total or len(np.unique(unchecked))
+                               != len(unchecked)):
+            raise CheckpointFormatError("column 'unchecked' lists an extent out of range or twice")
+        has[unchecked] = False
+        need = 8 * checksum_blocks(ln[has], block)
+        if type(text) is not str or len(text) != int(need.sum()) or not _HEX_TEXT.fullmatch(text):
+            raise CheckpointFormatError("malformed extent checksums (8 lowercase hex digits per block of each "
+                                        "checksummed extent)")
+        cut = np.cumsum(need).tolist()
+        given: list[str | None] = [text[e - k:e] for k, e in zip(need.tolist(), cut)]
+        if len(given) == total:
+            crcs = given
+        else:
+            for at, c in zip(np.flatnonzero(has).tolist(), given):
+                crcs[at] = c
+    if (counts > 1).any():  # each item's extents sorted by item offset
+        order = np.lexsort((io_, owner))  # stable, as list.sort
+        files, fo, io_, ln = files[order], fo[order], io_[order], ln[order]
+        crcs = [crcs[k] for k in order.tolist()]
+    extents = ExtentColumns(keys, counts, files, fo, io_, ln, crcs)
+    if not _no_overlap_columns(files, fo, ln):
+        _check_no_overlap(extents)  # raises, naming the two items
+    return extents
+
+
+def _offset_text(offset: tuple | None) -> str:
+    return "None" if offset is None else str(list(offset)[:8])

@@ -178,3 +178,35 @@ def flip_byte(path, offset: int, mask: int = 0x40) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ mask]))
+
+
+def metadata_doc_v2(path) -> dict:
+    """The JSON document of the metadata of the checkpoint at ``path`` in
+    format version 2 (per-item sections), the metadata file rewritten so:
+    the tests that edit those sections item by item edit a version-2 body."""
+    import json
+    import os
+
+    from fp_dcp import format as fmt
+
+    meta = os.path.join(path, fmt.METADATA_NAME)
+    with open(meta, "rb") as f:
+        metadata, layout, extra = fmt.decode_metadata(f.read(), meta)
+    blob = fmt.encode_metadata(metadata, layout, extra, version=2)
+    with open(meta, "wb") as f:
+        f.write(blob)
+    return json.loads(blob[fmt.HEADER_SIZE:])
+
+
+def write_metadata_doc(path, doc: dict, version: int = 2) -> None:
+    """Write ``doc`` as the metadata of the checkpoint at ``path`` (header of ``version``)."""
+    import json
+    import os
+    import struct
+    import zlib
+
+    from fp_dcp import format as fmt
+
+    body = json.dumps(doc).encode()
+    with open(os.path.join(path, fmt.METADATA_NAME), "wb") as f:
+        f.write(struct.pack("<8sIIQ", b"FPDCP\x00\r\n", version, zlib.crc32(body), len(body)) + body)

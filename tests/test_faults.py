@@ -413,27 +413,46 @@ def test_fuzzed_layouts_load_exact_or_refuse(layout_ckpt, data):
 
 
 def _load_fuzzed_layout(path, sd, meta, raw, data):
+    import base64
     import json
     import struct
     import zlib
 
-    doc = json.loads(raw[24:])
+    import numpy as np
+
+    from fp_dcp import format as fmt
+
+    version = data.draw(st.sampled_from([2, 3]))  # per-item extents, or columns
+    metadata, layout, extra = fmt.decode_metadata(raw, meta)
+    doc = json.loads(fmt.encode_metadata(metadata, layout, extra, version=version)[24:])
     where = data.draw(st.sampled_from(["files", "extent"]))
+    step = st.sampled_from([-4096, -64, -1, 1, 8, 64, 4096, 1 << 20])
     if where == "files":
         i = data.draw(st.integers(0, len(doc["files"]) - 1))
         j = data.draw(st.integers(0, 1))
         doc["files"][i][j] = data.draw(st.one_of(st.integers(-5, 1 << 22), st.text(max_size=8)))
-    else:
+    elif version == 2:
         k = data.draw(st.integers(0, len(doc["extents"]) - 1))
         e = doc["extents"][k][1][0]
         j = data.draw(st.integers(0, 4))
         if j == 4:
             e[4] = data.draw(st.one_of(st.text("0123456789abcdef", min_size=8, max_size=8), st.just(e[4][::-1])))
         else:
-            e[j] = e[j] + data.draw(st.sampled_from([-4096, -64, -1, 1, 8, 64, 4096, 1 << 20]))
+            e[j] = e[j] + data.draw(step)
+    else:
+        ext = doc["extents"]
+        name = data.draw(st.sampled_from(["file", "file_offset", "item_offset", "length", "crc32c"]))
+        if name == "crc32c":
+            k = data.draw(st.integers(0, len(ext["crc32c"]) // 8 - 1))
+            block = data.draw(st.text("0123456789abcdef", min_size=8, max_size=8))
+            ext["crc32c"] = ext["crc32c"][:8 * k] + block + ext["crc32c"][8 * k + 8:]
+        else:
+            col = np.frombuffer(base64.b64decode(ext[name]), dtype="<i8").copy()
+            col[data.draw(st.integers(0, len(col) - 1))] += data.draw(step)
+            ext[name] = base64.b64encode(col.tobytes()).decode()
     body = json.dumps(doc).encode()
     with open(meta, "wb") as f:
-        f.write(raw[:8] + struct.pack("<IIQ", 2, zlib.crc32(body), len(body)) + body)
+        f.write(raw[:8] + struct.pack("<IIQ", version, zlib.crc32(body), len(body)) + body)
     target = {"a": torch.zeros(70000), "b": torch.zeros(33, dtype=torch.int16), "c": torch.zeros(300000, dtype=torch.float64)}
     faulthandler.dump_traceback_later(120, exit=True)
     r = FastPersistReader(path)

@@ -20,9 +20,7 @@ import json
 import os
 import shutil
 import signal
-import struct
 import traceback
-import zlib
 
 import numpy as np
 import pytest
@@ -39,7 +37,8 @@ from fp_dcp.checksums import ChecksumError
 from fp_dcp.tools.convert import describe, dcp_to_fp_dcp, to_torch_save
 from fp_dcp.load.objects import UnsafeObjectError
 from fp_dcp.tools.verify import verify_checkpoint as verify
-from tests._sd import FAILED, assert_sd_equal, failed_load, load, root_error, save
+from tests._sd import (FAILED, assert_sd_equal, failed_load, load, metadata_doc_v2, root_error, save,
+                       write_metadata_doc)
 from tests._canary import assert_canary as _assert_canary
 from tests._canary import canary as _canary
 
@@ -69,13 +68,11 @@ def _marker(tmp_path) -> str:
 
 
 def _doc(path) -> dict:
-    return json.loads(open(os.path.join(path, fmt.METADATA_NAME), "rb").read()[fmt.HEADER_SIZE:])
+    return metadata_doc_v2(path)  # the per-item sections these tests edit
 
 
 def _write_doc(path, doc) -> None:
-    body = json.dumps(doc).encode()
-    with open(os.path.join(path, fmt.METADATA_NAME), "wb") as f:
-        f.write(struct.pack("<8sIIQ", b"FPDCP\x00\r\n", fmt.FORMAT_VERSION, zlib.crc32(body), len(body)) + body)
+    write_metadata_doc(path, doc)
 
 
 # ------------------------------------------------------------ objects

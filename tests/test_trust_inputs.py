@@ -126,19 +126,15 @@ def test_a_real_stock_checkpoint_still_loads_through_the_bounded_unpickler(tmp_p
 
 
 def _meta_doc(path) -> dict:
-    import json
+    from tests._sd import metadata_doc_v2
 
-    return json.loads((path / fmt.METADATA_NAME).read_bytes()[fmt.HEADER_SIZE:])
+    return metadata_doc_v2(path)  # the per-item sections these tests edit
 
 
 def _write_meta_doc(path, doc) -> None:
-    import json
-    import struct
-    import zlib
+    from tests._sd import write_metadata_doc
 
-    body = json.dumps(doc).encode()
-    (path / fmt.METADATA_NAME).write_bytes(
-        struct.pack("<8sIIQ", b"FPDCP\x00\r\n", fmt.FORMAT_VERSION, zlib.crc32(body), len(body)) + body)
+    write_metadata_doc(path, doc)
 
 
 def _without_chunks(tmp_path):
@@ -169,6 +165,8 @@ def test_convert_refuses_a_tensor_claimed_with_no_chunks_instead_of_writing_zero
 
 
 def test_chunks_that_overlap_or_fall_short_are_refused(tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
     path = tmp_path / "c"
     _fp_dcp_ckpt(path)
     good = _meta_doc(path)
@@ -181,9 +179,15 @@ def test_chunks_that_overlap_or_fall_short_are_refused(tmp_path):
         doc["state_dict_metadata"]["w"]["chunks"] = chunks
         raw = doc["state_dict_metadata"]
         with pytest.raises(fmt.CheckpointFormatError, match=f"w: .*{words}"):
-            fmt._from_doc(doc, fmt.FORMAT_VERSION)
+            fmt._from_doc(doc, 2)
         assert fmt._state_dict_md_columns(raw) is None  # the fast decoder defers to the reference
-    fmt._from_doc(good, fmt.FORMAT_VERSION)  # exactly covered: accepted
+        # the same chunks in version 3's columns: the same error
+        metadata, layout, extra = fmt._from_doc(good, 2)
+        metadata.state_dict_metadata["w"].chunks = [
+            ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in chunks]
+        with pytest.raises(fmt.CheckpointFormatError, match=f"w: .*{words}"):
+            fmt.decode_metadata(fmt.encode_metadata(metadata, layout, extra, version=3), "m")
+    fmt._from_doc(good, 2)  # exactly covered: accepted
 
 
 def test_a_sharded_tensor_covered_exactly_is_accepted():
