@@ -11,7 +11,17 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["uncovered", "all_covered", "all_covered_columns", "overlap", "separated"]
+__all__ = ["uncovered", "all_covered", "all_covered_columns", "overlap", "separated", "CheckTooLarge",
+           "MAX_SWEPT_PAIRS"]
+
+# The most pairs of chunks :func:`overlap` compares in its sweep (the layouts
+# neither one dimension orders nor a grid holds); past it, it raises
+# CheckTooLarge instead of running for minutes on a crafted checkpoint.
+MAX_SWEPT_PAIRS = 1 << 26
+
+
+class CheckTooLarge(ValueError):
+    """Chunks whose overlap would take more than MAX_SWEPT_PAIRS comparisons to decide."""
 
 
 def uncovered(size: Sequence[int], chunks: Sequence[tuple[Sequence[int], Sequence[int]]]) -> str | None:
@@ -19,9 +29,12 @@ def uncovered(size: Sequence[int], chunks: Sequence[tuple[Sequence[int], Sequenc
     shape ``size``, cover it exactly; else what is wrong, in words."""
     total = math.prod(size)
     stored = sum(math.prod(n) for _, n in chunks)
-    if stored == total and not overlap(chunks):
-        return None
     if stored == total:
+        try:
+            if not overlap(chunks):
+                return None
+        except CheckTooLarge as e:
+            return f"{e}: refused rather than checked"
         return "chunks that overlap (some elements stored twice, others not at all)"
     return "no stored chunks" if not chunks else f"chunks holding {stored:,} of its {total:,} elements"
 
@@ -36,7 +49,8 @@ def overlap(chunks: Sequence[tuple[Sequence[int], Sequence[int]]]) -> bool:
     the distinct intervals are disjoint: a 2-d mesh's shards, even or not)
     unless two of them take the same interval on every dimension.  Other
     layouts are swept along the first dimension, each chunk compared with
-    the later ones that start before it ends there."""
+    the later ones that start before it ends there: :class:`CheckTooLarge`
+    where those are more than ``MAX_SWEPT_PAIRS`` pairs."""
     if len(chunks) < 2:
         return False
     starts = np.array([list(o) for o, _ in chunks], dtype=np.int64).reshape(len(chunks), -1)
@@ -60,9 +74,15 @@ def overlap(chunks: Sequence[tuple[Sequence[int], Sequence[int]]]) -> bool:
         return len(np.unique(ids, axis=0)) < n
     order = np.lexsort(starts.T[::-1])  # by the first dimension, then the others
     starts, ends = starts[order], ends[order]
-    for i in range(n - 1):
-        k = int(np.searchsorted(starts[i + 1:, 0], ends[i, 0], side="left"))  # start before chunk i ends
-        if k and ((starts[i] < ends[i + 1:i + 1 + k]) & (starts[i + 1:i + 1 + k] < ends[i])).all(axis=1).any():
+    # the chunks after each that start before it ends along the first dimension
+    later = np.searchsorted(starts[:, 0], ends[:, 0], side="left") - np.arange(1, n + 1)
+    pairs = int(later[later > 0].sum())
+    if pairs > MAX_SWEPT_PAIRS:
+        raise CheckTooLarge(f"{n:,} chunks that no dimension orders and no grid holds, {pairs:,} pairs of which "
+                            f"share a band of the first dimension (more than {MAX_SWEPT_PAIRS:,} to compare)")
+    for i in np.flatnonzero(later > 0).tolist():
+        k = int(later[i])
+        if ((starts[i] < ends[i + 1:i + 1 + k]) & (starts[i + 1:i + 1 + k] < ends[i])).all(axis=1).any():
             return True
     return False
 
@@ -95,7 +115,10 @@ def all_covered(sizes: list[list[int]], offs: list[list[int]], lens: list[list[i
         kid = np.repeat(np.arange(len(group)), [n for _, n in group])
         done = separated(kid, list(starts.T), list(ends.T), np.ones(len(group), dtype=bool))
         left.extend(g for g, ok in zip(group, done.tolist()) if not ok)
-    return not any(overlap(list(zip(offs[a:a + n], lens[a:a + n]))) for a, n in left)
+    try:
+        return not any(overlap(list(zip(offs[a:a + n], lens[a:a + n]))) for a, n in left)
+    except CheckTooLarge:
+        return False  # the caller's per-tensor check names it
 
 
 def all_covered_columns(ndim: np.ndarray, size: np.ndarray, counts: np.ndarray, offs: np.ndarray,
@@ -137,8 +160,11 @@ def all_covered_columns(ndim: np.ndarray, size: np.ndarray, counts: np.ndarray, 
         k = int(ndim[t])
         starts, sizes = offs[a:b].tolist(), lens[a:b].tolist()
         chunks = [(starts[i:i + k], sizes[i:i + k]) for i in range(0, b - a, k)] if k else [((), ())] * int(counts[t])
-        if overlap(chunks):
-            return False
+        try:
+            if overlap(chunks):
+                return False
+        except CheckTooLarge:
+            return False  # the caller's per-tensor check names it
     return True
 
 

@@ -87,3 +87,28 @@ def test_overlap_of_many_shards_takes_each_layout_whole():
     # neither ordered by one dimension nor a grid: swept, the overlap two chunks apart in the sweep's order
     assert coverage.overlap([((0, 0), (3, 1)), ((1, 1), (1, 1)), ((2, 0), (1, 1))])
     assert not coverage.overlap([((0, 0), (3, 1)), ((1, 1), (1, 1)), ((2, 1), (1, 1))])
+
+
+def _columns_and_rows(n: int) -> tuple[tuple[int, int], list]:
+    """A 2n x 2n tensor cut into n tall columns (the left half) and 2n rows of
+    the right half: disjoint, exactly covered, yet no dimension orders the
+    chunks and no grid holds them, and every column shares the first
+    dimension's band with every other chunk."""
+    cols = [((0, i), (2 * n, 1)) for i in range(n)]
+    rows = [((j, n), (1, n)) for j in range(2 * n)]
+    return (2 * n, 2 * n), cols + rows
+
+
+def test_a_sweep_past_its_budget_is_refused_not_run(monkeypatch):
+    size, chunks = _columns_and_rows(6)
+    assert not coverage.overlap(chunks) and coverage.uncovered(size, chunks) is None
+    monkeypatch.setattr(coverage, "MAX_SWEPT_PAIRS", 20)  # the sweep would compare 87 pairs
+    try:
+        coverage.overlap(chunks)
+    except coverage.CheckTooLarge as e:
+        assert "18 chunks that no dimension orders and no grid holds, 87 pairs" in str(e)
+    else:
+        raise AssertionError("the sweep ran past its budget")
+    assert "refused rather than checked" in coverage.uncovered(size, chunks)
+    offs, lens = [list(o) for o, _ in chunks], [list(n) for _, n in chunks]
+    assert not coverage.all_covered([list(size)], offs, lens, [len(chunks)])

@@ -240,3 +240,28 @@ def test_edited_columns_are_refused_or_decode_to_what_version_2_accepts(doc):
         return
     again = fmt.encode_metadata(metadata, layout, extra, version=2)
     assert _decoded(again) == _decoded(fmt.encode_metadata(metadata, layout, extra, version=3))
+
+
+def test_chunks_too_costly_to_check_are_refused_naming_the_tensor(monkeypatch):
+    """A crafted layout whose overlap only a long sweep decides: refused in
+    bounded time, naming the tensor, rather than decoded for minutes."""
+    from fp_dcp import coverage
+
+    n = 6
+    chunks = [((0, i), (2 * n, 1)) for i in range(n)] + [((j, n), (1, n)) for j in range(2 * n)]
+    props = TensorProperties(torch.float32)
+    md = Metadata({"t": TensorStorageMetadata(props, torch.Size((2 * n, 2 * n)), [
+        ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])})
+    extents, at = {}, 0
+    for o, s in chunks:
+        nbytes = s[0] * s[1] * 4
+        extents[MetadataIndex("t", torch.Size(o))] = [fmt.Extent(0, at, 0, nbytes, None)]
+        at += nbytes
+    layout = fmt.StorageLayout(_SAVE_ID, 1, [(fmt.data_file_name(_SAVE_ID, 0, 0), at)], extents, None)
+    blob = fmt.encode_metadata(md, layout, {})
+    fmt.decode_metadata(blob, "m")  # checked: disjoint
+    monkeypatch.setattr(coverage, "MAX_SWEPT_PAIRS", 20)
+    with pytest.raises(fmt.CheckpointFormatError, match="t: .*refused rather than checked"):
+        fmt.decode_metadata(blob, "m")
+    with pytest.raises(fmt.CheckpointFormatError, match="t: .*refused rather than checked"):
+        fmt.decode_metadata(fmt.encode_metadata(md, layout, {}, version=2), "m")
