@@ -6,12 +6,11 @@ zeros).  :func:`fp_dcp.format.check_chunks_cover` raises the named error.
 from __future__ import annotations
 
 import math
-from itertools import chain
 from typing import Sequence
 
 import numpy as np
 
-__all__ = ["uncovered", "all_covered", "all_covered_columns", "overlap", "separated", "CheckTooLarge",
+__all__ = ["uncovered", "all_covered", "overlap", "separated", "CheckTooLarge",
            "MAX_SWEPT_PAIRS"]
 
 # The most pairs of chunks :func:`overlap` compares in its sweep (the layouts
@@ -87,47 +86,16 @@ def overlap(chunks: Sequence[tuple[Sequence[int], Sequence[int]]]) -> bool:
     return False
 
 
-def all_covered(sizes: list[list[int]], offs: list[list[int]], lens: list[list[int]], counts: list[int]) -> bool:
-    """:func:`uncovered` is None for every tensor (shape ``sizes[t]``, its
-    ``counts[t]`` chunks next in ``offs``/``lens``).  The tensors one
-    dimension orders the chunks of are told apart for all tensors of a rank
-    (number of dimensions) at once; only the others are checked one by one."""
-    totals = list(map(math.prod, sizes))
-    volumes = list(map(math.prod, lens))
-    if all(count == 1 for count in counts):
-        return volumes == totals
-    by_ndim: dict[int, list[tuple[int, int]]] = {}  # (first chunk, chunks) of each tensor of several
-    at = 0
-    for total, count, size in zip(totals, counts, sizes):
-        if sum(volumes[at:at + count]) != total:
-            return False
-        if count > 1:
-            by_ndim.setdefault(len(size), []).append((at, count))
-        at += count
-    left: list[tuple[int, int]] = []
-    for ndim, group in by_ndim.items():
-        if ndim == 0:
-            left.extend(group)
-            continue
-        rows = list(chain.from_iterable(range(a, a + n) for a, n in group))
-        starts = np.array([offs[i] for i in rows], dtype=np.int64).reshape(-1, ndim)
-        ends = starts + np.array([lens[i] for i in rows], dtype=np.int64).reshape(-1, ndim)
-        kid = np.repeat(np.arange(len(group)), [n for _, n in group])
-        done = separated(kid, list(starts.T), list(ends.T), np.ones(len(group), dtype=bool))
-        left.extend(g for g, ok in zip(group, done.tolist()) if not ok)
-    try:
-        return not any(overlap(list(zip(offs[a:a + n], lens[a:a + n]))) for a, n in left)
-    except CheckTooLarge:
-        return False  # the caller's per-tensor check names it
-
-
-def all_covered_columns(ndim: np.ndarray, size: np.ndarray, counts: np.ndarray, offs: np.ndarray,
+def all_covered(ndim: np.ndarray, size: np.ndarray, counts: np.ndarray, offs: np.ndarray,
                         lens: np.ndarray) -> bool:
-    """:func:`all_covered` of tensors given as int64 columns: each tensor's
-    rank, every tensor's dimensions one after the other, each tensor's chunk
-    count, and every chunk's offsets and sizes one after the other (each as
-    many as its tensor's rank; every chunk inside its tensor: the caller
-    checked)."""
+    """:func:`uncovered` is None for every tensor, the tensors given as int64
+    columns: each tensor's rank, every tensor's dimensions one after the
+    other, each tensor's chunk count, and every chunk's offsets and sizes one
+    after the other (each as many as its tensor's rank; every chunk inside
+    its tensor and every tensor's element count within int64: the caller
+    checked).  The tensors one dimension orders the chunks of are told apart
+    for all tensors of a rank (number of dimensions) at once; only the others
+    are checked one by one."""
     n = len(ndim)
     rank = np.repeat(ndim, counts)  # each chunk's
     owner = np.repeat(np.arange(n), counts)

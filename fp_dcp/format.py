@@ -569,9 +569,7 @@ def _extents_doc_columns(extents: ExtentColumns, block: int | None) -> list | No
     columns = [extents.file.tolist(), extents.file_offset.tolist(), extents.item_offset.tolist(),
                extents.length.tolist()]
     if crcs and crcs[0] is not None:
-        if (block is None or not _all_type(crcs, str)
-                or not np.array_equal(np.fromiter(map(len, cast(list[str], crcs)), np.int64, len(crcs)),
-                                      8 * checksum_blocks(extents.length, block))):
+        if not _crcs_fit(crcs, extents.length, block):
             return None
         columns.append(crcs)
     elif any(c is not None for c in crcs):
@@ -598,9 +596,7 @@ def _extents_columns_doc(extents: ExtentColumns, block: int | None, items: dict[
     crcs = extents.crc32c
     has = np.fromiter((c is not None for c in crcs), dtype=bool, count=len(crcs))
     given = [c for c in crcs if c is not None]
-    if given and (block is None or not _all_type(given, str)
-                  or not np.array_equal(np.fromiter(map(len, given), np.int64, len(given)),
-                                        8 * checksum_blocks(extents.length[has], block))):
+    if given and not _crcs_fit(given, extents.length[has], block):
         raise ValueError("an extent checksum does not match its length (or the layout declares no checksum block)")
     return {"items": _int64_text(numbers), "counts": _int64_text(extents.counts), "file": _int64_text(extents.file),
             "file_offset": _int64_text(extents.file_offset), "item_offset": _int64_text(extents.item_offset),
@@ -777,20 +773,21 @@ def _from_doc(doc: Any, version: int = FORMAT_VERSION) -> tuple[Metadata, Storag
         files.append((name, size))
     file_sizes = [size for _, size in files]
     n_fields = (4, 5) if version >= 2 else (4,)
-    columns = None if version >= 3 else _extents_columns(doc["extents"], file_sizes, block, n_fields)
     extents: Mapping[MetadataIndex, list[Extent]]
     if version >= 3:
         extents = _extents_v3(doc["extents"], file_sizes, block, item_keys)
-    elif columns is None:
-        extents = _extents_checked(doc["extents"], file_sizes, block, n_fields)
-        _check_items_known(extents, sd_md)
-        _check_no_overlap(extents)
     else:
-        extents, keys, spans = columns
-        if not stored.issuperset(keys):
-            _check_items_known(extents, sd_md)  # raises, naming the item
-        if not _no_overlap_columns(*spans):
-            _check_no_overlap(extents)  # raises, naming the two items
+        columns = _extents_columns(doc["extents"], file_sizes, block, n_fields)
+        if columns is None:
+            extents = _extents_checked(doc["extents"], file_sizes, block, n_fields)
+            _check_items_known(extents, sd_md)
+            _check_no_overlap(extents)
+        else:
+            extents, keys, spans = columns
+            if not stored.issuperset(keys):
+                _check_items_known(extents, sd_md)  # raises, naming the item
+            if not _no_overlap_columns(*spans):
+                _check_no_overlap(extents)  # raises, naming the two items
     layout = StorageLayout(
         save_id=save_id,
         alignment=_alignment(doc["alignment"]),
@@ -847,6 +844,43 @@ def _int64(values: list[int]) -> np.ndarray | None:
         return np.array(values, dtype=np.int64)
     except OverflowError:
         return None
+
+
+def _outside_tensors(size: np.ndarray, ndim: np.ndarray, counts: np.ndarray, offs: np.ndarray,
+                     lens: np.ndarray) -> np.ndarray:
+    """Per value of the chunks' offsets and sizes (each chunk as many as its
+    tensor's rank ``ndim``, ``counts`` chunks per tensor, the tensors'
+    dimensions one after another in ``size``): whether it is negative or
+    reaches past its tensor's dimension."""
+    rank = np.repeat(ndim, counts)  # each chunk's
+    first = np.repeat(np.repeat(np.cumsum(ndim) - ndim, counts), rank)  # each value's tensor's first dimension
+    within = np.arange(len(offs), dtype=np.int64) - np.repeat(np.cumsum(rank) - rank, rank)
+    d = size[first + within]  # the tensor's extent beside each value
+    return (offs < 0) | (lens < 0) | (offs > d) | (lens > d - offs)
+
+
+def _size_table(tuples: Any) -> dict[tuple, torch.Size]:
+    """One ``torch.Size`` per distinct tuple (they are immutable: the decoders
+    share them, as the reference does)."""
+    unique = dict.fromkeys(tuples)
+    return dict(zip(unique, map(torch.Size, unique)))
+
+
+def _in_files(files: np.ndarray, file_offset: np.ndarray, item_offset: np.ndarray, length: np.ndarray,
+              file_sizes: list[int]) -> np.ndarray:
+    """Per extent: whether it lies inside a data file of ``file_sizes`` (and
+    its item offset in range)."""
+    sizes = np.array(file_sizes + [0], dtype=np.int64)
+    known = (files >= 0) & (files < len(file_sizes))
+    room = sizes[np.where(known, files, len(file_sizes))] - file_offset  # bytes of the file from the extent's start
+    return (known & (file_offset >= 0) & (item_offset >= 0) & (item_offset <= _MAX_FILE) & (length >= 0)
+            & (length <= room))
+
+
+def _crcs_fit(crcs: list, lengths: np.ndarray, block: int | None) -> bool:
+    """Whether ``crcs`` are strings of 8 hex digits per checksum block of each length."""
+    return block is not None and _all_type(crcs, str) and np.array_equal(
+        np.fromiter(map(len, crcs), np.int64, len(crcs)), 8 * checksum_blocks(lengths, block))
 
 
 def _state_dict_md_checked(raw_sd: dict) -> dict[str, Any]:
@@ -936,19 +970,13 @@ def _state_dict_md_columns(raw_sd: dict) -> tuple[dict[str, Any], set[tuple]] | 
     d, o, n = _int64(dims), _int64(flat_offs), _int64(flat_lens)
     if d is None or o is None or n is None:
         return None
-    first = np.repeat(np.cumsum(ndims, dtype=np.int64) - ndims, counts)  # each chunk's tensor's first dim
-    if len(o):
-        ends = np.cumsum(rank)
-        within = np.arange(len(o), dtype=np.int64) - np.repeat(ends - rank, rank)
-        d = d[np.repeat(first, rank) + within]  # the tensor's extent beside each chunk's offset
-        if not ((o >= 0) & (n >= 0) & (o <= d) & (n <= d - o)).all():
-            return None
-    if not coverage.all_covered(sizes, offs, lens, counts):
+    ndim_col, count_col = np.array(ndims, dtype=np.int64), np.array(counts, dtype=np.int64)
+    if _outside_tensors(d, ndim_col, count_col, o, n).any():
         return None
-    # torch.Size objects are immutable: one per distinct value, as the reference shares them
+    if not coverage.all_covered(ndim_col, d, count_col, o, n):
+        return None
     tuples = list(map(tuple, chain(sizes, offs, lens)))
-    unique = list(dict.fromkeys(tuples))
-    shared = list(map(dict(zip(unique, map(torch.Size, unique))).__getitem__, tuples))
+    shared = list(map(_size_table(tuples).__getitem__, tuples))
     tsizes, csizes = shared[:len(sizes)], shared[len(sizes):]
     chunk_md = list(map(ChunkStorageMetadata, csizes[:len(offs)], csizes[len(offs):]))
     if all(count == 1 for count in counts):
@@ -1046,10 +1074,7 @@ def _extents_columns(raw: Any, file_sizes: list[int], block: int | None, n_field
     F, FO, IO, LN = (_int64(c) for c in (f, fo, io_, ln))
     if F is None or FO is None or IO is None or LN is None:
         return None
-    sizes = np.array(file_sizes + [0], dtype=np.int64)
-    known = (F >= 0) & (F < len(file_sizes))
-    room = sizes[np.where(known, F, len(file_sizes))] - FO  # bytes of the file from the extent's start
-    if not (known & (FO >= 0) & (IO >= 0) & (IO <= _MAX_FILE) & (LN >= 0) & (LN <= room)).all():
+    if not _in_files(F, FO, IO, LN, file_sizes).all():
         return None
     crcs: list = [None] * len(rows)
     if 5 in widths:
@@ -1181,29 +1206,19 @@ def _state_dict_md_v3(raw: dict) -> tuple[dict[str, Any], list[tuple]]:
     if max(map(operator.mul, map(math.prod, sizes), [d.itemsize for d in cast("list[torch.dtype]", dtypes)]),
            default=0) > _MAX_FILE:
         raise CheckpointFormatError("a tensor larger than a data file can hold")
-    chunk_owner = np.repeat(np.arange(n), counts)
-    if len(offs_col):
-        first_dim = np.repeat((np.cumsum(ndim) - ndim)[chunk_owner], rank)
-        within = np.arange(len(offs_col)) - np.repeat(np.cumsum(rank) - rank, rank)
-        d = size[first_dim + within]  # the tensor's extent beside each chunk's offset
-        o, ln = offs_col, lens_col
-        bad = (o < 0) | (ln < 0) | (o > d) | (ln > d - o)
-        if bad.any():
-            t = int(chunk_owner[np.repeat(np.arange(len(rank)), rank)[_first(bad)]])
-            raise CheckpointFormatError(f"{names[t]}: a chunk outside the tensor {list(sizes[t])}")
+    bad = _outside_tensors(size, ndim, counts, offs_col, lens_col)
+    if bad.any():
+        t = int(np.repeat(np.repeat(np.arange(n), counts), rank)[_first(bad)])
+        raise CheckpointFormatError(f"{names[t]}: a chunk outside the tensor {list(sizes[t])}")
     offs = _split_tuples(offs_col.tolist(), rank)
     lens = _split_tuples(lens_col.tolist(), rank)
     count_list = counts.tolist()
-    if not coverage.all_covered_columns(ndim, size, counts, offs_col, lens_col):
+    if not coverage.all_covered(ndim, size, counts, offs_col, lens_col):
         at = 0
         for t, c in enumerate(count_list):
             check_chunks_cover(names[t], sizes[t], list(zip(offs[at:at + c], lens[at:at + c])))  # raises
             at += c
-    unique: dict[tuple, torch.Size] = {}
-    for x in chain(sizes, offs, lens):
-        if x not in unique:
-            unique[x] = torch.Size(x)
-    shared = unique.__getitem__
+    shared = _size_table(chain(sizes, offs, lens)).__getitem__
     chunk_md = list(map(ChunkStorageMetadata, map(shared, offs), map(shared, lens)))
     ends = np.cumsum(counts).tolist()
     grouped = [chunk_md[e - c:e] for c, e in zip(count_list, ends)]
@@ -1259,10 +1274,7 @@ def _extents_v3(raw: Any, file_sizes: list[int], block: int | None, item_keys: l
         raise CheckpointFormatError(f"column 'file' holds {len(files)} values, not {total}")
     fo, io_, ln = (_int64_column(raw, name, total) for name in ("file_offset", "item_offset", "length"))
     owner = np.repeat(np.arange(m), counts)
-    sizes = np.array(file_sizes + [0], dtype=np.int64)
-    known = (files >= 0) & (files < len(file_sizes))
-    room = sizes[np.where(known, files, len(file_sizes))] - fo
-    bad = ~(known & (fo >= 0) & (io_ >= 0) & (io_ <= _MAX_FILE) & (ln >= 0) & (ln <= room))
+    bad = ~_in_files(files, fo, io_, ln, file_sizes)
     if bad.any():
         fqn, offset = keys[int(owner[_first(bad)])]
         raise CheckpointFormatError(f"{fqn} at offset {_offset_text(offset)}: an extent outside its data file "

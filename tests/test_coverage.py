@@ -61,6 +61,15 @@ def _boxes(draw):
     return size, draw(st.permutations(chunks))
 
 
+def _all_covered(size, chunks) -> bool:
+    """:func:`coverage.all_covered` of one tensor, as the decoders give it: columns."""
+    def col(values):
+        return np.array(list(values), dtype=np.int64)
+
+    return coverage.all_covered(col([len(size)]), col(size), col([len(chunks)]),
+                                col(v for o, _ in chunks for v in o), col(v for _, n in chunks for v in n))
+
+
 @_SETTINGS
 @given(_boxes())
 def test_overlap_and_uncovered_agree_with_painting(case):
@@ -69,8 +78,7 @@ def test_overlap_and_uncovered_agree_with_painting(case):
     assert coverage.overlap(chunks) == bool((count > 1).any())
     exact = bool((count == 1).all())
     assert (coverage.uncovered(size, chunks) is None) == exact
-    offs, lens = [list(o) for o, _ in chunks], [list(n) for _, n in chunks]
-    assert coverage.all_covered([list(size)], offs, lens, [len(chunks)]) == exact
+    assert _all_covered(size, chunks) == exact
 
 
 def test_overlap_of_many_shards_takes_each_layout_whole():
@@ -110,5 +118,4 @@ def test_a_sweep_past_its_budget_is_refused_not_run(monkeypatch):
     else:
         raise AssertionError("the sweep ran past its budget")
     assert "refused rather than checked" in coverage.uncovered(size, chunks)
-    offs, lens = [list(o) for o, _ in chunks], [list(n) for _, n in chunks]
-    assert not coverage.all_covered([list(size)], offs, lens, [len(chunks)])
+    assert not _all_covered(size, chunks)

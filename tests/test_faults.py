@@ -415,12 +415,11 @@ def test_fuzzed_layouts_load_exact_or_refuse(layout_ckpt, data):
 def _load_fuzzed_layout(path, sd, meta, raw, data):
     import base64
     import json
-    import struct
-    import zlib
 
     import numpy as np
 
     from fp_dcp import format as fmt
+    from tests._sd import write_metadata_doc
 
     version = data.draw(st.sampled_from([2, 3]))  # per-item extents, or columns
     metadata, layout, extra = fmt.decode_metadata(raw, meta)
@@ -450,9 +449,7 @@ def _load_fuzzed_layout(path, sd, meta, raw, data):
             col = np.frombuffer(base64.b64decode(ext[name]), dtype="<i8").copy()
             col[data.draw(st.integers(0, len(col) - 1))] += data.draw(step)
             ext[name] = base64.b64encode(col.tobytes()).decode()
-    body = json.dumps(doc).encode()
-    with open(meta, "wb") as f:
-        f.write(raw[:8] + struct.pack("<IIQ", version, zlib.crc32(body), len(body)) + body)
+    write_metadata_doc(path, doc, version)
     target = {"a": torch.zeros(70000), "b": torch.zeros(33, dtype=torch.int16), "c": torch.zeros(300000, dtype=torch.float64)}
     faulthandler.dump_traceback_later(120, exit=True)
     r = FastPersistReader(path)
