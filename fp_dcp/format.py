@@ -1291,8 +1291,9 @@ def _extents_v3(raw: Any, file_sizes: list[int], block: int | None, item_keys: l
                                != len(unchecked)):
             raise CheckpointFormatError("column 'unchecked' lists an extent out of range or twice")
         has[unchecked] = False
-        need = 8 * checksum_blocks(ln[has], block)
-        if type(text) is not str or len(text) != int(need.sum()) or not _HEX_TEXT.fullmatch(text):
+        need = 8 * checksum_blocks(ln[has], block)  # (past int64 for an extent of 2^60 bytes in 1-byte blocks)
+        if (type(text) is not str or (need < 0).any() or float(need.sum(dtype=np.float64)) != len(text)
+                or not _HEX_TEXT.fullmatch(text)):
             raise CheckpointFormatError("malformed extent checksums (8 lowercase hex digits per block of each "
                                         "checksummed extent)")
         cut = np.cumsum(need).tolist()

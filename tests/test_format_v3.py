@@ -190,6 +190,7 @@ def test_a_bad_column_is_refused_naming_the_item(section, name, edit, words):
     (lambda d: d["extents"].__setitem__("crc32c", d["extents"]["crc32c"][:-1]), "malformed extent checksums"),
     (lambda d: d["extents"].__setitem__("crc32c", d["extents"]["crc32c"].upper()), "malformed extent checksums"),
     (lambda d: d.pop("checksum"), "extents have checksums but the metadata declares none"),
+    (lambda d: d.__setitem__("checksum", {"algorithm": "crc32c", "block_bytes": 1}), "malformed extent checksums"),
     (lambda d: d.__setitem__("extents", [[0]]), "extents are not a column section"),
 ])
 def test_a_bad_field_is_refused(edit, words):
@@ -265,3 +266,23 @@ def test_chunks_too_costly_to_check_are_refused_naming_the_tensor(monkeypatch):
         fmt.decode_metadata(blob, "m")
     with pytest.raises(fmt.CheckpointFormatError, match="t: .*refused rather than checked"):
         fmt.decode_metadata(fmt.encode_metadata(md, layout, {}, version=2), "m")
+
+
+def test_checksum_lengths_past_int64_are_refused():
+    """Two extents of 2^60 bytes in 1-byte checksum blocks: 8 hex digits per
+    block is 2^63 each, which wraps in int64 and sums to 0 with the other;
+    the body's checksum text, made for the remaining extents, must not pass."""
+    doc = _rich_doc()
+    doc["checksum"]["block_bytes"] = 1
+    big = 1 << 60
+    doc["files"] += [[fmt.data_file_name(_SAVE_ID, r, 0), big] for r in (2, 3)]
+    ext = doc["extents"]
+    cols = {name: _column(ext[name]) for name in ("file", "file_offset", "length")}
+    unchecked = set(_column(ext["unchecked"]))
+    for at, f in ((0, 2), (1, 3)):
+        cols["file"][at], cols["file_offset"][at], cols["length"][at] = f, 0, big
+    for name, values in cols.items():
+        ext[name] = _text(values)
+    ext["crc32c"] = "".join("0" * 8 * max(1, n) for i, n in enumerate(cols["length"])
+                            if i not in unchecked and i > 1)
+    _refused(doc, "malformed extent checksums")
