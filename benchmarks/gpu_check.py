@@ -485,7 +485,11 @@ def cpu_tensor_in_place(work: Path, nbytes_: int) -> dict:
     from fp_dcp import FastPersistOptions, FastPersistWriter, _native
 
     mem, off = _native.probe_alignment(str(work))
-    sd = {"t": torch.randint(-(1 << 31), 1 << 31, (nbytes_ // 4,), dtype=torch.int32)}
+    # 64 bytes past a page, where torch puts a large tensor (an allocation can
+    # start on a page: then the "bounced" way would go in place too)
+    buf = torch.randint(-(1 << 31), 1 << 31, ((nbytes_ + 4096) // 4,), dtype=torch.int32)
+    skip = (64 - buf.data_ptr()) % 4096 // 4
+    sd = {"t": buf[skip:skip + nbytes_ // 4]}
     out: dict[str, Any] = {"memory_alignment": mem, "offset_alignment": off, "bytes": nbytes_,
                            "source_past_page": sd["t"].data_ptr() % 4096}
     bounced = FastPersistOptions(alignment_bytes=max(mem, off, os.statvfs(work).f_bsize))
