@@ -85,19 +85,20 @@ def release_kept_pools():
 
 
 cdef inline bint _through_slot(const char *ptr, int64_t ln, int64_t off, int64_t bs, int64_t align,
-                               int64_t mem_align) noexcept:
-    """Whether a piece goes (in part) through a bounce buffer: one shorter
-    than a block, or whose offset or length is not aligned, or whose memory is
-    not ``mem_align``-aligned (fpio_pipeline.c's direct_body takes the aligned
-    rest in place)."""
-    return ln > 0 and (ln < bs or ln % align != 0 or off % align != 0 or <uintptr_t>ptr % <uintptr_t>mem_align != 0)
+                               int64_t mem_align, bint write) noexcept:
+    """Whether a piece goes (in part) through a bounce buffer: one whose
+    offset is not aligned, or whose memory is not ``mem_align``-aligned; to
+    be read, one shorter than a block or whose length is not aligned; to be
+    written, one whose length is not whole blocks (fpio_pipeline.c's
+    direct_body and write_piece take the rest in place)."""
+    return ln > 0 and ((ln % bs != 0 if write else (ln < bs or ln % align != 0))
+                       or off % align != 0 or <uintptr_t>ptr % <uintptr_t>mem_align != 0)
 
 
 cdef class Engine:
     """An I/O engine with its pool of queue_depth + 1 aligned bounce buffers,
     reused by every call, faulted in and page-locked by the first call that
-    needs one (a piece whose memory, offset or length is not aligned, or that
-    is shorter than a block). See docs/NATIVE.md."""
+    needs one (_through_slot). See docs/NATIVE.md."""
     cdef fpio_engine *_e
     cdef readonly str kind
     cdef readonly int queue_depth
@@ -189,12 +190,13 @@ cdef class Engine:
         self._counted = True
         _n_engines += 1
 
-    cdef void _settle_pool(self, fpio_piece *pieces, Py_ssize_t n, int64_t bs, int64_t align, int64_t mem_align):
+    cdef void _settle_pool(self, fpio_piece *pieces, Py_ssize_t n, int64_t bs, int64_t align, int64_t mem_align,
+                           bint write):
         """In a call (busy): fault the pool in and lock it when a piece goes
         through a slot (_through_slot)."""
         cdef Py_ssize_t i
         for i in range(n):
-            if _through_slot(pieces[i].ptr, pieces[i].len, pieces[i].off, bs, align, mem_align):
+            if _through_slot(pieces[i].ptr, pieces[i].len, pieces[i].off, bs, align, mem_align, write):
                 self._settle_now(True)
                 return
 
@@ -205,8 +207,8 @@ cdef class Engine:
         cdef Py_buffer view
         PyObject_GetBuffer(source, &view, PyBUF_SIMPLE)
         try:
-            return view.len > 0 and not _through_slot(<char *>view.buf, view.len, file_offset,
-                                                      self.block_size, self.alignment, self.memory_alignment)
+            return view.len > 0 and not _through_slot(<char *>view.buf, view.len, file_offset, self.block_size,
+                                                      self.alignment, self.memory_alignment, True)
         finally:
             PyBuffer_Release(&view)
 
@@ -528,7 +530,7 @@ cdef class Engine:
                 crc.first = &crc_first[0]
                 crc.out = &crc_out[0] if crc_first[n] > 0 else NULL
             if not self._pool_settled:
-                self._settle_pool(pieces, n, bs, align, mem_align)
+                self._settle_pool(pieces, n, bs, align, mem_align, write)
             if on_start is not None:
                 on_start()
             with nogil:

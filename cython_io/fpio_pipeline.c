@@ -415,10 +415,10 @@ static int add_seg(pctx *c, char *dst, int64_t woff, int64_t len, int64_t piece,
     return 0;
 }
 
-/* Pieces whose memory is aligned to M and whose offset to A, and that span at
- * least a block, go straight between the caller's memory and the file, block
- * by block (each request's memory stays M-aligned: A is a multiple of M);
- * returns the number of bytes so handled (a multiple of A). */
+/* A read: pieces whose memory is aligned to M and whose offset to A, and that
+ * span at least a block, go straight between the file and the caller's
+ * memory, block by block (each request's memory stays M-aligned: A is a
+ * multiple of M); returns the number of bytes so handled (a multiple of A). */
 static int64_t direct_body(pctx *c, const fpio_piece *p, int64_t i)
 {
     if (p->len < c->B || (uintptr_t)p->ptr % (uintptr_t)c->M || p->off % c->A)
@@ -430,20 +430,17 @@ static int64_t direct_body(pctx *c, const fpio_piece *p, int64_t i)
         int64_t n = body - pos < c->B ? body - pos : c->B;
         if (issue(c, p->file, p->ptr + pos, p->off + pos, n, p->off + pos + n, -1, i, pos) < 0)
             return -1;
-        if (c->write && c->crc)  /* on the source, while the request is in flight */
-            crc_part(c, i, pos, NULL, p->ptr + pos, n);
     }
     c->res->zc_bytes += body;
     return body;
 }
 
-static int write_piece(pctx *c, const fpio_piece *p, int64_t i)
+/* Copy bytes [from, to) of piece i into the bounce windows (each sent once
+ * full, or when the next bytes lie past it), checksumming them in the same pass. */
+static int copy_range(pctx *c, const fpio_piece *p, int64_t i, int64_t from, int64_t to)
 {
-    int64_t done = direct_body(c, p, i);
-    if (done < 0)
-        return -1;
-    const char *src = p->ptr + done;
-    int64_t off = p->off + done, n = p->len - done;
+    const char *src = p->ptr + from;
+    int64_t off = p->off + from, n = to - from;
     while (n > 0) {
         if (c->cur >= 0 && off >= c->ws + c->B && flush_window(c) < 0)
             return -1;
@@ -467,6 +464,46 @@ static int write_piece(pctx *c, const fpio_piece *p, int64_t i)
             return -1;
     }
     return 0;
+}
+
+/* Where a piece's blocks go straight from its memory: -1 for none, else the
+ * bytes of its head that first fill the open window, which then goes out
+ * whole. A window sent half full before the piece and a short request for
+ * its last part block would each be one more operation for the device (a
+ * disk that charges per operation counts them). The whole blocks after the
+ * head must start at memory aligned to M and at an offset aligned to A. */
+static int64_t direct_head(const pctx *c, const fpio_piece *p)
+{
+    int64_t head = 0;
+    if (c->cur >= 0 && c->wfile == p->file && p->off >= c->wend && p->off < c->ws + c->B)
+        head = c->ws + c->B - p->off;
+    if (p->len - head < c->B || (uintptr_t)(p->ptr + head) % (uintptr_t)c->M || (p->off + head) % c->A)
+        return -1;
+    return head;
+}
+
+/* A write: the piece's whole blocks straight from its memory where
+ * direct_head allows (the head and the rest through the bounce windows),
+ * else all of it through them. */
+static int write_piece(pctx *c, const fpio_piece *p, int64_t i)
+{
+    int64_t head = direct_head(c, p), done = 0;
+    if (head >= 0) {
+        /* the head fills the open window, which goes out; without one, a window
+         * open before the piece goes out as it is */
+        if (head > 0 ? copy_range(c, p, i, 0, head) : flush_window(c))
+            return -1;
+        int64_t body = align_down(p->len - head, c->B);
+        for (int64_t pos = head; pos < head + body; pos += c->B) {
+            if (issue(c, p->file, p->ptr + pos, p->off + pos, c->B, p->off + pos + c->B, -1, i, pos) < 0)
+                return -1;
+            if (c->crc)  /* on the source, while the request is in flight */
+                crc_part(c, i, pos, NULL, p->ptr + pos, c->B);
+        }
+        c->res->zc_bytes += body;
+        done = head + body;
+    }
+    return copy_range(c, p, i, done, p->len);
 }
 
 static int read_piece(pctx *c, const fpio_piece *p, int64_t i)

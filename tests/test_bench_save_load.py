@@ -253,6 +253,9 @@ def test_thp_row_allocates_its_tensors_on_pages_and_moves_them_in_place(bench, t
         assert saved["ok"] and loaded["ok"] and loaded["verified"], (saved, loaded)
         got[name] = (saved["zero_copy_bytes"], loaded["direct_bytes"], saved["bytes"])
     zc, direct, payload = got["fp_dcp[thp]"]
-    assert zc > 0.95 * payload and direct > 0.95 * payload  # all but each tensor's unaligned tail
+    # a save writes in place all but what fills the window before each tensor and its last part block
+    block, tensors = bench._io_shapes(tmp_path)["write"][0], len(bench.C.make_spec("large", nbytes, 3).tensors)
+    assert zc >= payload - 2 * block * tensors and zc > 0.5 * payload
+    assert direct > 0.95 * payload  # a load, all but each tensor's unaligned tail
     if _native.probe_alignment(str(tmp_path))[0] > 64:  # then only the tensors torch happened to align
         assert got["fp_dcp"][0] < 0.5 * payload and got["fp_dcp"][1] < 0.5 * payload
