@@ -190,6 +190,8 @@ class ExtentColumns(Mapping):
         self.file, self.file_offset, self.item_offset, self.length = file, file_offset, item_offset, length
         self.crc32c = crc32c
         self._dict: dict[MetadataIndex, list[Extent]] | None = None
+        # (EncodedStructure.item_numbers: the structure's item numbering and each item's number)
+        self.numbers: tuple[dict, np.ndarray] | None = None
 
     @classmethod
     def of(cls, extents: Mapping[MetadataIndex, list[Extent]]) -> ExtentColumns:
@@ -414,14 +416,27 @@ class EncodedStructure:
     planner_data: str
     version: int = FORMAT_VERSION
     items: dict[tuple, int] | None = None
+    # (version 3) each stored item's bytes, by number; -1: a bytes item
+    nbytes: np.ndarray | None = dataclasses.field(default=None, compare=False)
+
+    def item_numbers(self, extents: ExtentColumns) -> np.ndarray:
+        """Each of ``extents``' items' number (-1: not in the metadata),
+        looked up once per ``extents``."""
+        assert self.items is not None
+        cached = extents.numbers
+        if cached is None or cached[0] is not self.items:
+            keys = extents.item_keys
+            cached = self.items, np.fromiter(map(self.items.get, keys, repeat(-1)), np.int64, len(keys))
+            extents.numbers = cached
+        return cached[1]
 
 
 def encode_structure(metadata: Metadata, version: int = FORMAT_VERSION) -> EncodedStructure:
     """The :class:`EncodedStructure` of ``metadata`` in format ``version``."""
     planner_data = _json(_enc(metadata.planner_data))
     if version >= 3:
-        text, items = _sd_columns_doc(metadata.state_dict_metadata)
-        return EncodedStructure(text, planner_data, version, items)
+        text, items, nbytes = _sd_columns_doc(metadata.state_dict_metadata)
+        return EncodedStructure(text, planner_data, version, items, nbytes)
     sd_md: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -444,10 +459,10 @@ def _int64_text(values: Any) -> str:
     return base64.b64encode(np.asarray(values, dtype="<i8").tobytes()).decode("ascii")
 
 
-def _sd_columns_doc(sd: Mapping[str, Any]) -> tuple[str, dict[tuple, int]]:
-    """Version 3's ``state_dict_metadata`` (its JSON text) and each stored
-    item's number: the items in the order of the keys, a tensor's chunks in
-    its order, a bytes item one number."""
+def _sd_columns_doc(sd: Mapping[str, Any]) -> tuple[str, dict[tuple, int], np.ndarray]:
+    """Version 3's ``state_dict_metadata`` (its JSON text), each stored
+    item's number (the items in the order of the keys, a tensor's chunks in
+    its order, a bytes item one number) and bytes (-1: a bytes item)."""
     kinds: list[str] = []
     dtypes: list[str] = []
     grads: list[int] = []
@@ -457,9 +472,11 @@ def _sd_columns_doc(sd: Mapping[str, Any]) -> tuple[str, dict[tuple, int]]:
     offs: list[int] = []
     lens: list[int] = []
     items: dict[tuple, int] = {}
+    nbytes: list[int] = []
     for fqn, md in sd.items():
         if isinstance(md, TensorStorageMetadata):
             nd = len(md.size)
+            esize = md.properties.dtype.itemsize
             if md.properties.requires_grad:
                 grads.append(len(dtypes))
             kinds.append("t")
@@ -473,15 +490,17 @@ def _sd_columns_doc(sd: Mapping[str, Any]) -> tuple[str, dict[tuple, int]]:
                 offs.extend(c.offsets)
                 lens.extend(c.sizes)
                 items[(fqn, tuple(c.offsets))] = len(items)
+                nbytes.append(math.prod(c.sizes) * esize)
         elif isinstance(md, BytesStorageMetadata):
             kinds.append("b")
             items[(fqn, None)] = len(items)
+            nbytes.append(-1)
         else:
             raise TypeError(f"{fqn}: unknown storage metadata {type(md).__name__}")
     doc = {"keys": list(sd), "kinds": "".join(kinds), "dtypes": dtypes, "requires_grad": grads,
            "ndim": _int64_text(ndims), "size": _int64_text(sizes), "chunks": _int64_text(counts),
            "chunk_offsets": _int64_text(offs), "chunk_sizes": _int64_text(lens)}
-    return _json(doc), items
+    return _json(doc), items, np.array(nbytes, dtype=np.int64)
 
 
 def _json(value: Any) -> str:
@@ -503,8 +522,7 @@ def encode_metadata(
     block = layout.checksum_block_bytes
     extents: Any
     if version >= 3:
-        assert structure.items is not None
-        extents = _extents_columns_doc(ExtentColumns.of(layout.extents), block, structure.items)
+        extents = _extents_columns_doc(ExtentColumns.of(layout.extents), block, structure)
     else:
         extents = _extents_doc_columns(layout.extents, block) if isinstance(layout.extents, ExtentColumns) else None
         if extents is None:
@@ -585,14 +603,14 @@ def _extents_doc_columns(extents: ExtentColumns, block: int | None) -> list | No
             for (fqn, offset), exts in zip(extents.item_keys, per_item)]
 
 
-def _extents_columns_doc(extents: ExtentColumns, block: int | None, items: dict[tuple, int]) -> dict:
+def _extents_columns_doc(extents: ExtentColumns, block: int | None, structure: EncodedStructure) -> dict:
     """Version 3's ``extents``: each listed item's number and extent count,
     the extents' fields as columns, the checksums of those that have one
     joined, and the numbers of those that have none."""
-    try:
-        numbers = list(map(items.__getitem__, extents.item_keys))
-    except KeyError as e:
-        raise ValueError(f"{e.args[0][0]}: extents for an item the metadata does not list") from None
+    numbers = structure.item_numbers(extents)
+    unknown = np.flatnonzero(numbers < 0)
+    if len(unknown):
+        raise ValueError(f"{extents.item_keys[unknown[0]][0]}: extents for an item the metadata does not list")
     crcs = extents.crc32c
     has = np.fromiter((c is not None for c in crcs), dtype=bool, count=len(crcs))
     given = [c for c in crcs if c is not None]

@@ -78,8 +78,12 @@ def test_simulated_coordinator_plans_with_both_planners_and_the_storage():
     for kind in ("dcp", "fp"):
         assert runs[kind, True]["gathered_mb"] > runs[kind, False]["gathered_mb"]
         assert runs[kind, True]["scattered_mb"] > runs[kind, False]["scattered_mb"]
-    # --restart: the save's metadata file encoded, decoded as a restarting rank does (it raises on a
-    # layout that misses or repeats a byte), and DCP's pickled .metadata of the same save beside it
+    # --restart: the save's commit (every rank's results gathered, the layout checked to tile every
+    # item, the metadata file encoded), decoded as a restarting rank does (it raises on a layout that
+    # misses or repeats a byte), and DCP's results and pickled .metadata of the same save beside it
     restart = tool.simulate(4, 10, "fp", True, restart=True)
     assert restart["metadata_mb"] > 0 and restart["stock_metadata_mb"] > 0
-    assert restart["metadata_decode_s"] > 0 and restart["stock_metadata_load_s"] > 0
+    assert restart["results_mb"] > 0 and restart["stock_results_mb"] > 0
+    for key in ("structure_encode_s", "results_gather_s", "commit_s", "metadata_decode_s", "stock_results_gather_s",
+                "stock_commit_s", "stock_metadata_load_s"):
+        assert restart[key] > 0, key

@@ -232,23 +232,64 @@ def test_write_results_one_per_item_in_order_with_each_file_size_on_its_first_it
     result of the first item with bytes in it, the devices' statistics added."""
     from types import SimpleNamespace
 
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
     from fp_dcp.save.execute import _results
     from fp_dcp.save.results import Written
 
-    items = [SimpleNamespace(index=f"i{k}") for k in range(4)]
+    items = [SimpleNamespace(index=MetadataIndex(f"i{k}", None if k == 3 else (k, 0), k)) for k in range(4)]
     dev0 = ([(2, "a.fpd", 0, 0, 8, "x"), (0, "a.fpd", 64, 0, 4, "y")], [("a.fpd", 4096)], {"bytes": 12, "requests": 1},
             "aio", True)
     dev1 = ([(3, "/d/b.fpd", 0, 0, 5, None), (2, "/d/b.fpd", 64, 8, 8, "z")], [("/d/b.fpd", 8192)],
             {"bytes": 13, "requests": 2}, "aio", True)
     stats = {"engine": None, "direct_io": None, "bytes": 0, "requests": 0}
     results = _results(items, [dev0, dev1], stats)
-    assert [r.index for r in results] == ["i0", "i2", "i3"]
+    assert [r.index for r in results] == [items[k].index for k in (0, 2, 3)]
+    assert [r.index.index for r in results] == [0, 2, 3]  # the hints too
     assert [r.size_in_bytes for r in results] == [4, 16, 5]
     assert all(isinstance(r.storage_data, Written) for r in results)
     assert results[1].storage_data.extents == (("a.fpd", 0, 0, 8, "x"), ("/d/b.fpd", 64, 8, 8, "z"))
     # a.fpd's first item is i0, b.fpd's is i2 (item 2 precedes item 3)
     assert [r.storage_data.file_sizes for r in results] == [(("a.fpd", 4096),), (("/d/b.fpd", 8192),), ()]
     assert (stats["bytes"], stats["requests"], stats["engine"]) == (25, 3, "aio")
+    # sent to the coordinator as columns: the same results come back
+    back = pickle.loads(pickle.dumps(results))
+    assert type(back) is type(results) and len(back) == 3 and list(back) == list(results)
+
+
+def test_results_sent_as_columns_make_the_layout_the_reference_makes_from_them():
+    """Every rank's RankResults, pickled as DCP's gather does, give the
+    coordinator the layout (columns) that the reference makes from their
+    WriteResults one by one; an item two ranks wrote parts of takes the
+    reference."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from fp_dcp import format as fmt
+    from fp_dcp.save.results import RankResults, _extent_lists, layout_from_results
+
+    crc = "0a0b0c0d"
+    a, b, c = (MetadataIndex("a", (0,)), MetadataIndex("b", (0, 4), 7), MetadataIndex("obj"))
+    rank0 = RankResults.of_rows([a, b, c], [
+        (1, "f1", 64, 8, 4, crc), (0, "f0", 0, 0, 8, crc), (1, "f0", 4096, 0, 8, None), (2, "f1", 0, 0, 5, crc),
+    ], {"f0": 4096, "f1": 8192})
+    rank1 = RankResults.of_rows([MetadataIndex("c", (2,))], [(0, "f2", 0, 0, 3, crc)], {"f2": 4096})
+    split = RankResults.of_rows([MetadataIndex("c", (2,))], [(0, "f3", 0, 3, 2, crc)], {"f3": 4096})
+    assert [r.index for r in rank0] == [a, b, c] and rank0[1].storage_data.extents == (
+        ("f1", 64, 8, 4, crc), ("f0", 4096, 0, 8, None))  # in the order written
+    assert [r.storage_data.file_sizes for r in rank0] == [(("f0", 4096),), (("f1", 8192),), ()]
+    for ranks, columns in (([rank0, rank1], True), ([rank0, rank1, split], False)):
+        sent = [pickle.loads(pickle.dumps(r)) for r in ranks]
+        layout = layout_from_results(sent, "sid", 4096)
+        files: dict[str, int] = {}
+        flat = [wr for r in ranks for wr in r]
+        want = _extent_lists([wr.index for wr in flat], [wr.storage_data for wr in flat], files)
+        assert isinstance(layout.extents, fmt.ExtentColumns) is columns
+        assert dict(layout.extents) == want and list(layout.extents) == list(want)
+        assert [name for name, _ in layout.files] == list(files)
+        assert layout.files[:3] == [("f0", 4096), ("f1", 8192), ("f2", 4096)]
+        assert layout.checksum_block_bytes == fmt.CHECKSUM_BLOCK_BYTES
+        assert layout_from_results([list(r) for r in sent], "sid", 4096).extents == layout.extents  # as lists too
+    assert [e.item_offset for e in layout.extents[b]] == [0, 8]  # sorted
 
 
 def test_the_layout_is_made_as_columns_equal_to_the_item_by_item_reference():
@@ -310,19 +351,30 @@ def test_columns_encode_and_check_as_the_reference_does(tmp_path, checksums, aio
     assert isinstance(layout.extents, fmt.ExtentColumns)
     as_lists = dataclasses.replace(layout, extents=dict(layout.extents))
     assert fmt.encode_metadata(md, layout, extra) == fmt.encode_metadata(md, as_lists, extra) == blob
-    check_layout_covers(md, layout)
-    ext = layout.extents
-    gap = fmt.ExtentColumns(ext.item_keys, ext.counts, ext.file, ext.file_offset, ext.item_offset,
-                            ext.length - (ext.item_keys.index(("t3", (0,))) == np.arange(len(ext.length))),
-                            ext.crc32c)
-    with pytest.raises(RuntimeError, match=r"refusing to commit it: t3: the stored extents hold"):
-        check_layout_covers(md, dataclasses.replace(layout, extents=gap))
-    keep = [k != ("t5", (0,)) for k in ext.item_keys]
-    missing = fmt.ExtentColumns([k for k, y in zip(ext.item_keys, keep) if y], ext.counts[keep], ext.file[keep],
-                                ext.file_offset[keep], ext.item_offset[keep], ext.length[keep],
-                                [c for c, y in zip(ext.crc32c, keep) if y])
-    with pytest.raises(RuntimeError, match=r"wrote no bytes for \('t5', \(0,\)\)"):
-        check_layout_covers(md, dataclasses.replace(layout, extents=missing))
+    # the check from the metadata alone, and from its encoded structure (item numbers and sizes)
+    for structure in (None, fmt.encode_structure(md)):
+        check_layout_covers(md, layout, structure)
+        ext = layout.extents
+        gap = fmt.ExtentColumns(ext.item_keys, ext.counts, ext.file, ext.file_offset, ext.item_offset,
+                                ext.length - (ext.item_keys.index(("t3", (0,))) == np.arange(len(ext.length))),
+                                ext.crc32c)
+        with pytest.raises(RuntimeError, match=r"refusing to commit it: t3: the stored extents hold"):
+            check_layout_covers(md, dataclasses.replace(layout, extents=gap), structure)
+        keep = [k != ("t5", (0,)) for k in ext.item_keys]
+        missing = fmt.ExtentColumns([k for k, y in zip(ext.item_keys, keep) if y], ext.counts[keep],
+                                    ext.file[keep], ext.file_offset[keep], ext.item_offset[keep], ext.length[keep],
+                                    [c for c, y in zip(ext.crc32c, keep) if y])
+        with pytest.raises(RuntimeError, match=r"wrote no bytes for \('t5', \(0,\)\)"):
+            check_layout_covers(md, dataclasses.replace(layout, extents=missing), structure)
+        # t4 listed twice (its size both times) in place of t5: as many items as the metadata's, not each once
+        assert (ext.counts == 1).all()
+        at4, at5 = ext.item_keys.index(("t4", (0,))), ext.item_keys.index(("t5", (0,)))
+        length = ext.length.copy()
+        length[at5] = length[at4]
+        twice = fmt.ExtentColumns([("t4", (0,)) if k == ("t5", (0,)) else k for k in ext.item_keys], ext.counts,
+                                  ext.file, ext.file_offset, ext.item_offset, length, ext.crc32c)
+        with pytest.raises(RuntimeError, match=r"wrote no bytes for \('t5', \(0,\)\)"):
+            check_layout_covers(md, dataclasses.replace(layout, extents=twice), structure)
 
 
 def _small_state_dict(n: int = 40) -> dict:

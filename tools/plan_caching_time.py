@@ -30,9 +30,10 @@ Metadata, validation), ``FastPersistWriter.prepare_global_plan`` (the
 storage's placement, from what each rank's ``prepare_local_plan`` added
 to its plan; ``--storage off``: left out, and out of the messages) and
 pickling every rank's global plan (the scatter).  ``--restart`` then
-encodes that save's metadata file (every item one extent) and times its
-decoding, which every rank of a restart does (``read_metadata``), beside
-``pickle.loads`` of DCP's ``.metadata`` of the same save.
+times that save's commit (every rank's write results gathered, the layout,
+the metadata file's bytes) and its metadata's decoding, which every rank of
+a restart does (``read_metadata``), beside DCP's ``FileSystemWriter``
+results and ``.metadata`` of the same save.
 """
 
 from __future__ import annotations
@@ -287,49 +288,61 @@ def simulate(world: int, items: int, kind: str, storage: bool = True, restart: b
 
 
 def _restart_metadata(metadata, global_plans) -> dict:
-    """The metadata file of the simulated save (every item one extent of its
-    rank's file), as the coordinator's commit encodes it, and the time each
-    rank of a restart spends reading it back: ``fp_dcp.format``'s decoder
-    against ``pickle.loads`` of the same ``Metadata`` with the storage data
-    DCP's ``FileSystemWriter`` records (what its reader's ``read_metadata``
-    does)."""
+    """The commit of the simulated save (every item one extent of its
+    rank's file) and the time each rank of a restart spends reading its
+    metadata back, beside DCP's ``FileSystemWriter`` / reader on the same
+    save.  The commit: every rank's write results gathered on the
+    coordinator (the unpickling is timed; DCP gathers them with
+    ``gather_object``), then fp_dcp's layout, its check and the metadata
+    file's bytes (the part of the file that depends on the structure alone
+    is encoded while the coordinator's own data is written: timed apart),
+    against DCP's results of ``WriteResult`` + ``_StorageInfo`` per item and
+    ``pickle.dumps`` of its ``.metadata``.  The restart: ``fp_dcp.format``'s
+    decoder against ``pickle.loads`` of that ``.metadata``."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.storage import WriteResult
 
     from fp_dcp import format as fmt
     from fp_dcp.gc_freeze import paused
-    from fp_dcp.save.results import Written, layout_from_results
+    from fp_dcp.save.results import RankResults, check_layout_covers, layout_from_results
 
-    save_id, results = "20260101T000000-0123abcd", []
+    save_id, sent, stock_sent = "20260101T000000-0123abcd", [], []
     for r, plan in enumerate(global_plans):
-        name, at, rank_results = fmt.data_file_name(save_id, r, 0), 0, []
-        for item in plan.items:
+        name, at, rows, stock = fmt.data_file_name(save_id, r, 0), 0, [], []
+        for li, item in enumerate(plan.items):
             td = item.tensor_data
             n = 64 if td is None else math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
-            rank_results.append(WriteResult(item.index, n, Written(((name, at, 0, n, "0" * 8),))))
+            rows.append((li, name, at, 0, n, "0" * 8))
+            stock.append(WriteResult(item.index, n, _StorageInfo(f"__{r}_0.distcp", at, n)))
             at += -(-n // 4096) * 4096
-        if rank_results:
-            last = rank_results[0]
-            rank_results[0] = WriteResult(last.index, last.size_in_bytes,
-                                          Written(last.storage_data.extents, ((name, at),)))
-        results.append(rank_results)
-    t0 = time.perf_counter()
+        # each rank's results as write_data returns them, pickled as DCP's gather does
+        sent.append(pickle.dumps(RankResults.of_rows([i.index for i in plan.items], rows, {name: at})))
+        stock_sent.append(pickle.dumps(stock))
     with paused():  # as the writer's commit and the reader's read_metadata run them
-        layout = layout_from_results(results, save_id, 4096)
-        blob = fmt.encode_metadata(metadata, layout, {"writer": "simulated", "torch_version": "", "created": 0.0,
-                                                      "world_size": len(results)})
+        t0 = time.perf_counter()
+        structure = fmt.encode_structure(metadata)
         t1 = time.perf_counter()
-        fmt.decode_metadata(blob, "simulated")
+        results = [pickle.loads(b) for b in sent]
         t2 = time.perf_counter()
-    stock = dataclasses.replace(metadata, storage_data={
-        wr.index: _StorageInfo(f"__{r}_0.distcp", wr.storage_data.extents[0][1], wr.size_in_bytes)
-        for r, rank_results in enumerate(results) for wr in rank_results})
+        layout = layout_from_results(results, save_id, 4096)
+        check_layout_covers(metadata, layout, structure)
+        blob = fmt.encode_metadata(metadata, layout, {"writer": "simulated", "torch_version": "", "created": 0.0,
+                                                      "world_size": len(results)}, structure)
+        t3 = time.perf_counter()
+        fmt.decode_metadata(blob, "simulated")
+        t4 = time.perf_counter()
+    stock_results = [pickle.loads(b) for b in stock_sent]
+    t5 = time.perf_counter()
+    stock = dataclasses.replace(metadata, storage_data={wr.index: wr.storage_data for rr in stock_results for wr in rr})
     stock_blob = pickle.dumps(stock)
-    t3 = time.perf_counter()
+    t6 = time.perf_counter()
     pickle.loads(stock_blob)
-    t4 = time.perf_counter()
-    return {"metadata_mb": len(blob) / 1e6, "metadata_encode_s": t1 - t0, "metadata_decode_s": t2 - t1,
-            "stock_metadata_mb": len(stock_blob) / 1e6, "stock_metadata_load_s": t4 - t3}
+    t7 = time.perf_counter()
+    return {"metadata_mb": len(blob) / 1e6, "structure_encode_s": t1 - t0, "results_gather_s": t2 - t1,
+            "results_mb": sum(map(len, sent)) / 1e6, "commit_s": t3 - t2, "metadata_decode_s": t4 - t3,
+            "stock_results_gather_s": t5 - t4, "stock_results_mb": sum(map(len, stock_sent)) / 1e6,
+            "stock_commit_s": t6 - t5, "stock_metadata_mb": len(stock_blob) / 1e6,
+            "stock_metadata_load_s": t7 - t6}
 
 
 def main() -> None:
@@ -364,10 +377,13 @@ def main() -> None:
                   f"global plan {r['global_plan_s']:.2f} s, storage {r['storage_s']:.2f} s, scatter "
                   f"{r['scatter_s']:.2f} s of {r['scattered_mb']:.0f} MB)", flush=True)
             if args.restart:
-                print(f"    its metadata file: {r['metadata_mb']:.0f} MB, encoded in {r['metadata_encode_s']:.2f} s; "
-                      f"each rank of a restart decodes it in {r['metadata_decode_s']:.2f} s (DCP's pickled "
-                      f".metadata: {r['stock_metadata_mb']:.0f} MB, loaded in {r['stock_metadata_load_s']:.2f} s)",
-                      flush=True)
+                print(f"    its commit: write results gathered in {r['results_gather_s']:.2f} s "
+                      f"({r['results_mb']:.0f} MB), layout and metadata file ({r['metadata_mb']:.0f} MB) in "
+                      f"{r['commit_s']:.2f} s, after {r['structure_encode_s']:.2f} s while writing; DCP's: "
+                      f"{r['stock_results_gather_s']:.2f} s ({r['stock_results_mb']:.0f} MB), pickled .metadata "
+                      f"({r['stock_metadata_mb']:.0f} MB) in {r['stock_commit_s']:.2f} s\n"
+                      f"    each rank of a restart decodes the metadata in {r['metadata_decode_s']:.2f} s "
+                      f"(DCP's .metadata: loaded in {r['stock_metadata_load_s']:.2f} s)", flush=True)
             gc.collect()
     if args.json:
         with open(args.json, "w") as f:

@@ -15,7 +15,6 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
 
 from fp_dcp import _native
 from fp_dcp import format as fmt
@@ -28,7 +27,7 @@ from fp_dcp.save.commit import sync_directory
 from fp_dcp.save.device_copy import write_cuda
 from fp_dcp.save.layout import align_up, place_extents
 from fp_dcp.save.plan import Assignment, expected_nbytes, item_name
-from fp_dcp.save.results import Written, add_stats
+from fp_dcp.save.results import RankResults, add_stats
 from fp_dcp.staging.crc_registry import any_staged_checksums, forget_staged_checksums, staged_checksums
 
 __all__ = ["write_rank"]
@@ -44,8 +43,8 @@ def write_rank(
     tag_devices: bool,
     options: FastPersistOptions,
     while_writing: Callable[[], None] | None = None,
-    with_results: Callable[[list[WriteResult]], None] | None = None,
-) -> tuple[list[WriteResult], dict[str, Any]]:
+    with_results: Callable[[RankResults], None] | None = None,
+) -> tuple[RankResults, dict[str, Any]]:
     """Write rank ``assignment.rank``'s pieces of ``items`` (resolved by
     ``resolve_data``) into ``dirs`` (by device), each through
     ``session_for(directory)``.  ``while_writing()`` runs (on a thread that
@@ -110,7 +109,7 @@ def write_rank(
 
     used: set[int] = set()  # arenas whose staging checksums this save used
     unsynced: dict[int, list[tuple[int, str]]] = {d: [] for d in devices}  # device -> its open host files
-    early: list[list[WriteResult]] = []  # the results, made while the last batch is written
+    early: list[RankResults] = []  # the results, made while the last batch is written
 
     def results_early(done: tuple) -> None:
         with paused():  # one result per item, no cyclic garbage
@@ -178,34 +177,14 @@ def write_rank(
     return results, stats
 
 
-def _results(items: list[WriteItem], done: list[tuple], stats: dict[str, Any]) -> list[WriteResult]:
+def _results(items: list[WriteItem], done: list[tuple], stats: dict[str, Any]) -> RankResults:
     """DCP's write results, one per item written, in item order, from each
     device's extents; adds each device's statistics to ``stats``."""
     _device_stats(done, stats)
-    per_item: dict[int, list[tuple[str, int, int, int, str | None]]] = {}
-    first_item: dict[str, int] = {}  # file -> the first item with bytes in it
-    size_of: dict[str, int] = {}
-    for extents, file_sizes, _, _, _ in done:
-        size_of.update(file_sizes)
-        for li, fname, fo, io_, n, crc in extents:
-            exts = per_item.get(li)
-            if exts is None:
-                per_item[li] = [(fname, fo, io_, n, crc)]
-            else:
-                exts.append((fname, fo, io_, n, crc))
-            if first_item.get(fname, li) >= li:
-                first_item[fname] = li
-    sizes_on: dict[int, list[tuple[str, int]]] = {}
-    for fname, size in size_of.items():  # each file's size travels with one result
-        sizes_on.setdefault(first_item[fname], []).append((fname, size))
-    return [
-        WriteResult(
-            index=items[li].index,
-            size_in_bytes=sum(e[3] for e in exts),
-            storage_data=Written(extents=tuple(exts), file_sizes=tuple(sizes_on.get(li, ()))),
-        )
-        for li, exts in sorted(per_item.items())
-    ]
+    sizes: dict[str, int] = {}
+    for _, file_sizes, _, _, _ in done:
+        sizes.update(file_sizes)
+    return RankResults.of_rows([item.index for item in items], [e for extents, *_ in done for e in extents], sizes)
 
 
 def _device_stats(done: list[tuple], stats: dict[str, Any]) -> None:

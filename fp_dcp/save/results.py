@@ -1,15 +1,17 @@
-"""What each rank reports of its write (:class:`Written`), and the
-coordinator's merge into the storage layout (:func:`layout_from_results`),
-checked to store every item's bytes exactly once.
+"""What each rank reports of its write (:class:`RankResults`: one
+:class:`Written` per item, sent as columns), and the coordinator's merge
+into the storage layout (:func:`layout_from_results`), checked to store
+every item's bytes exactly once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
-from itertools import chain
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from itertools import chain, groupby
+from operator import itemgetter
+from typing import Any, overload
 
 import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -18,7 +20,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from fp_dcp import format as fmt
 from fp_dcp.save.layout import check_extents_cover
 
-__all__ = ["Written", "add_stats", "layout_from_results", "check_layout_covers"]
+__all__ = ["Written", "RankResults", "add_stats", "layout_from_results", "check_layout_covers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +33,87 @@ class Written:
     file_sizes: tuple[tuple[str, int], ...] = ()
 
 
+class RankResults(Sequence):
+    """A rank's write results: DCP's ``WriteResult`` for each item written, in
+    item order, each with its :class:`Written` (made on first look), held and
+    sent to the coordinator as columns.  DCP gathers every rank's results on
+    the coordinator, where an object per item is slow to unpickle at scale;
+    these columns are a few arrays per rank, and :func:`layout_from_results`
+    reads them as they are (``tools/plan_caching_time.py --restart`` times
+    both gathers).
+
+    ``keys``: each item's :func:`~fp_dcp.format.item_key`; ``hints``: its
+    ``MetadataIndex.index``; ``counts``: its number of extents; the extents'
+    ``file`` (a number into ``names``), ``file_offset``, ``item_offset``,
+    ``length`` and ``crc32c``, item after item; ``file_sizes``: this rank's
+    files and their sizes on disk."""
+
+    __slots__ = ("keys", "hints", "counts", "names", "file", "file_offset", "item_offset", "length", "crc32c",
+                 "file_sizes", "_made")
+
+    def __init__(self, keys: list[tuple], hints: list[int | None], counts: np.ndarray, names: list[str],
+                 file: np.ndarray, file_offset: np.ndarray, item_offset: np.ndarray, length: np.ndarray,
+                 crc32c: list[str | None], file_sizes: tuple[tuple[str, int], ...]) -> None:
+        self.keys, self.hints, self.counts, self.names = keys, hints, counts, names
+        self.file, self.file_offset, self.item_offset, self.length = file, file_offset, item_offset, length
+        self.crc32c, self.file_sizes = crc32c, file_sizes
+        self._made: list[WriteResult] | None = None
+
+    @classmethod
+    def of_rows(cls, indexes: list[MetadataIndex], rows: list[tuple], file_sizes: Mapping[str, int]) -> RankResults:
+        """From extent rows ``(item, file name, file offset, item offset,
+        length, crc32c)``, ``item`` a position in ``indexes``: one result per
+        item with rows, in item order, its extents in the order of the rows."""
+        rows = sorted(rows, key=itemgetter(0))  # (stable)
+        counts = [(li, len(list(group))) for li, group in groupby(rows, key=itemgetter(0))]
+        index = [indexes[li] for li, _ in counts]
+        names: dict[str, int] = {}
+        file = np.fromiter((names.setdefault(r[1], len(names)) for r in rows), np.int64, len(rows))
+        fo, io_, ln = (np.fromiter(map(itemgetter(k), rows), np.int64, len(rows)) for k in (2, 3, 4))
+        return cls(list(map(fmt.item_key, index)), [i.index for i in index],
+                   np.fromiter(map(itemgetter(1), counts), np.int64, len(counts)), list(names), file, fo, io_, ln,
+                   list(map(itemgetter(5), rows)), tuple(file_sizes.items()))
+
+    def __reduce__(self) -> tuple:
+        return (RankResults, (self.keys, self.hints, self.counts, self.names, self.file, self.file_offset,
+                              self.item_offset, self.length, self.crc32c, self.file_sizes))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, i: int) -> WriteResult: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[WriteResult]: ...
+
+    def __getitem__(self, i: int | slice) -> WriteResult | list[WriteResult]:
+        return self._results()[i]
+
+    def __iter__(self) -> Iterator[WriteResult]:
+        return iter(self._results())
+
+    def _results(self) -> list[WriteResult]:
+        """The ``WriteResult`` of each item (made once), each file's size on
+        the result of the first item with bytes in it."""
+        if self._made is not None:
+            return self._made
+        names = [self.names[f] for f in self.file.tolist()]
+        rows = list(zip(names, self.file_offset.tolist(), self.item_offset.tolist(), self.length.tolist(),
+                        self.crc32c))
+        sizes = dict(self.file_sizes)
+        out = []
+        at = 0
+        for (fqn, offset), hint, n in zip(self.keys, self.hints, self.counts.tolist()):
+            extents = tuple(rows[at:at + n])
+            first = tuple((name, sizes.pop(name)) for name in dict.fromkeys(e[0] for e in extents) if name in sizes)
+            out.append(WriteResult(index=MetadataIndex(fqn, offset, hint), size_in_bytes=sum(e[3] for e in extents),
+                                   storage_data=Written(extents, first)))
+            at += n
+        self._made = out
+        return out
+
+
 def add_stats(stats: dict[str, Any], s: dict[str, Any]) -> None:
     """Add an engine call's statistics ``s`` to a rank's ``stats``."""
     stats["bytes"] += s.get("bytes", 0)
@@ -40,24 +123,34 @@ def add_stats(stats: dict[str, Any], s: dict[str, Any]) -> None:
         stats["staged_checksum_bytes"] = stats.get("staged_checksum_bytes", 0) + s["staged_checksum_bytes"]
 
 
-def layout_from_results(results: list[list[WriteResult]], save_id: str, alignment: int) -> fmt.StorageLayout:
+def layout_from_results(results: Sequence[Sequence[WriteResult]], save_id: str,
+                        alignment: int) -> fmt.StorageLayout:
     """The storage layout of a save from every rank's write results: its
     extents as columns (:class:`~fp_dcp.format.ExtentColumns`) where each
     item was written by one rank, else item by item."""
-    indexes = [wr.index for rank_results in results for wr in rank_results]
-    written = [wr.storage_data for rank_results in results for wr in rank_results]
-    bad = next((i for i, w in zip(indexes, written) if not isinstance(w, Written)), None)
-    if bad is not None:
-        raise RuntimeError(f"{bad.fqn}: write result without an fp_dcp record")
     files: dict[str, int] = {}
     sizes: dict[str, int] = {}
-    for w in written:
-        for fname, size in w.file_sizes:
-            sizes[fname] = size
-    extents: Mapping[MetadataIndex, list[fmt.Extent]] | None = _extent_columns(indexes, written, files)
+    extents: Mapping[MetadataIndex, list[fmt.Extent]] | None = None
+    if all(isinstance(r, RankResults) for r in results):  # as write_data sends them
+        ranks: list[RankResults] = list(results)  # type: ignore[arg-type]
+        for r in ranks:
+            sizes.update(r.file_sizes)
+        extents = _rank_columns(ranks, files)
+        crcs: Any = chain.from_iterable(r.crc32c for r in ranks)
     if extents is None:
         files.clear()
-        extents = _extent_lists(indexes, written, files)
+        indexes = [wr.index for rank_results in results for wr in rank_results]
+        written = [wr.storage_data for rank_results in results for wr in rank_results]
+        bad = next((i for i, w in zip(indexes, written) if not isinstance(w, Written)), None)
+        if bad is not None:
+            raise RuntimeError(f"{bad.fqn}: write result without an fp_dcp record")
+        for w in written:
+            sizes.update(w.file_sizes)
+        extents = _extent_columns(indexes, written, files)
+        if extents is None:
+            files.clear()
+            extents = _extent_lists(indexes, written, files)
+        crcs = (e[4] if len(e) > 4 else None for w in written for e in w.extents)
     missing = [f for f in files if f not in sizes]
     if missing:
         raise RuntimeError(f"no size reported for data file(s) {missing}")
@@ -66,10 +159,23 @@ def layout_from_results(results: list[list[WriteResult]], save_id: str, alignmen
         alignment=alignment,
         files=[(f, sizes[f]) for f in files],
         extents=extents,
-        checksum_block_bytes=fmt.CHECKSUM_BLOCK_BYTES
-        if any(len(e) > 4 and e[4] is not None for w in written for e in w.extents)
-        else None,
+        checksum_block_bytes=fmt.CHECKSUM_BLOCK_BYTES if any(c is not None for c in crcs) else None,
     )
+
+
+def _rank_columns(ranks: list[RankResults], files: dict[str, int]) -> fmt.ExtentColumns | None:
+    """The extents of every rank's :class:`RankResults` as columns, each
+    item's sorted by item offset; numbers the files in ``files``.  None where
+    an item has results from several ranks (then the reference merges them)."""
+    keys = list(chain.from_iterable(r.keys for r in ranks))
+    if len(set(keys)) != len(keys):
+        return None
+    # each rank's file numbers -> the save's
+    f = np.concatenate([np.fromiter((files.setdefault(n, len(files)) for n in r.names), np.int64,
+                                    len(r.names))[r.file] for r in ranks]) if ranks else np.zeros(0, np.int64)
+    counts, fo, io_, ln = (np.concatenate([getattr(r, c) for r in ranks]) if ranks else np.zeros(0, np.int64)
+                           for c in ("counts", "file_offset", "item_offset", "length"))
+    return _sorted_columns(keys, counts, f, fo, io_, ln, list(chain.from_iterable(r.crc32c for r in ranks)))
 
 
 def _extent_lists(indexes: list[MetadataIndex], written: list[Written],
@@ -101,19 +207,27 @@ def _extent_columns(indexes: list[MetadataIndex], written: list[Written],
     names, fo, io_, ln, crcs = (list(c) for c in zip(*rows)) if rows else ([], [], [], [], [])
     f = np.fromiter((files.setdefault(n, len(files)) for n in names), np.int64, len(names))
     fo_, io_a, ln_ = (np.array(c, dtype=np.int64) for c in (fo, io_, ln))
-    if len(rows) > len(keys):  # each item's extents sorted by item offset (stable, as list.sort)
-        order = np.lexsort((io_a, np.repeat(np.arange(len(keys)), counts)))
-        f, fo_, io_a, ln_ = f[order], fo_[order], io_a[order], ln_[order]
+    return _sorted_columns(keys, counts, f, fo_, io_a, ln_, crcs)
+
+
+def _sorted_columns(keys: list[tuple], counts: np.ndarray, f: np.ndarray, fo: np.ndarray, io_: np.ndarray,
+                    ln: np.ndarray, crcs: list[str | None]) -> fmt.ExtentColumns:
+    """The columns with each item's extents sorted by item offset (stable, as list.sort)."""
+    if len(io_) > len(keys):
+        order = np.lexsort((io_, np.repeat(np.arange(len(keys)), counts)))
+        f, fo, io_, ln = f[order], fo[order], io_[order], ln[order]
         crcs = [crcs[k] for k in order.tolist()]
-    return fmt.ExtentColumns(keys, counts, f, fo_, io_a, ln_, crcs)
+    return fmt.ExtentColumns(keys, counts, f, fo, io_, ln, crcs)
 
 
-def check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout) -> None:
+def check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout,
+                        structure: fmt.EncodedStructure | None = None) -> None:
     """Before the commit: every stored item's extents, merged from all ranks,
     tile its bytes exactly once (a tensor's size comes from the metadata; a
     bytes item must be gap-free from 0), and every item of the metadata is
-    stored."""
-    if isinstance(layout.extents, fmt.ExtentColumns) and _covers_columns(metadata, layout.extents):
+    stored.  ``structure``: ``metadata``'s, encoded (its item numbers and
+    sizes serve the check)."""
+    if isinstance(layout.extents, fmt.ExtentColumns) and _covers_columns(metadata, layout.extents, structure):
         return
     for index, exts in layout.extents.items():
         md = metadata.state_dict_metadata.get(index.fqn)
@@ -136,23 +250,32 @@ def check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout) -> None:
                 raise RuntimeError(f"fp_dcp wrote no bytes for {key}, refusing to commit the checkpoint")
 
 
-def _covers_columns(metadata: Metadata, extents: fmt.ExtentColumns) -> bool:
+def _covers_columns(metadata: Metadata, extents: fmt.ExtentColumns,
+                    structure: fmt.EncodedStructure | None = None) -> bool:
     """:func:`check_layout_covers`' checks over the columns: True where the
     stored items are exactly the metadata's and each is tiled exactly, else
     False (then the reference decides, and names what is wrong)."""
-    want: dict[tuple, int] = {}  # item key -> its bytes (-1: a bytes item, any length)
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            esize = md.properties.dtype.itemsize
-            for c in md.chunks:
-                want[(fqn, tuple(c.offsets))] = math.prod(c.sizes) * esize
-        else:
-            want[(fqn, None)] = -1
-    if len(want) != len(extents.item_keys):
-        return False
-    nbytes = [want.get(k) for k in extents.item_keys]  # the keys are distinct: all found = the same set
-    if None in nbytes:
-        return False
+    if structure is not None and structure.nbytes is not None:
+        numbers = structure.item_numbers(extents)
+        if len(numbers) != len(structure.nbytes) or (numbers < 0).any() or (
+                np.bincount(numbers, minlength=len(numbers)) != 1).any():
+            return False  # not each item of the metadata once
+        want_n = structure.nbytes[numbers]
+    else:
+        want: dict[tuple, int] = {}  # item key -> its bytes (-1: a bytes item, any length)
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                esize = md.properties.dtype.itemsize
+                for c in md.chunks:
+                    want[(fqn, tuple(c.offsets))] = math.prod(c.sizes) * esize
+            else:
+                want[(fqn, None)] = -1
+        if len(want) != len(extents.item_keys) or len(set(extents.item_keys)) != len(want):
+            return False  # not each item of the metadata once
+        nbytes = [want.get(k) for k in extents.item_keys]
+        if None in nbytes:
+            return False
+        want_n = np.array(nbytes, dtype=np.int64)
     counts, io_, ln = extents.counts, extents.item_offset, extents.length
     if (counts == 0).any():
         return False
@@ -162,5 +285,4 @@ def _covers_columns(metadata: Metadata, extents: fmt.ExtentColumns) -> bool:
     if (io_[firsts] != 0).any() or (io_[1:][later[1:]] != (io_ + ln)[:-1][later[1:]]).any():
         return False  # a gap or an overlap
     totals = np.add.reduceat(ln, firsts) if len(ln) else np.zeros(0, dtype=np.int64)
-    want_n = np.array(nbytes, dtype=np.int64)
     return bool(((want_n == -1) | (want_n == totals)).all())

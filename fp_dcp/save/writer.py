@@ -8,6 +8,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from fp_dcp.save.plan import (
     expected_nbytes,
     keep_global_record,
 )
-from fp_dcp.save.results import check_layout_covers, layout_from_results
+from fp_dcp.save.results import RankResults, check_layout_covers, layout_from_results
 from fp_dcp.staging import AsyncStagingMixin
 
 __all__ = ["FastPersistWriter"]
@@ -170,13 +171,15 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        # (the future's value is a RankResults: a sequence of WriteResult,
+        # which DCP gathers on the coordinator and hands to finish)
         assignment = plan.storage_data
         if not isinstance(assignment, Assignment) or (assignment.pieces is None and not assignment.reuse):
             raise RuntimeError(
                 "FastPersistWriter.write_data got a plan that did not pass through its "
                 "prepare_global_plan (a custom save function?)"
             )
-        fut: Future[list[WriteResult]] = Future()
+        fut: Future[Any] = Future()
         # The pieces name this rank's own items (those of prepare_local_plan,
         # including the ones the planner's dedup removed from plan.items).
         try:
@@ -204,7 +207,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             self._gc.thaw()
         return fut
 
-    def _write(self, assignment: Assignment, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+    def _write(self, assignment: Assignment, items: list[WriteItem], planner: SavePlanner) -> RankResults:
         self._prepared = None
         # The coordinator encodes the metadata's structure while the last of
         # its data is written (the engines release the GIL; a thread of its
@@ -227,7 +230,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
             finally:
                 prepare_seconds += time.perf_counter() - t0
 
-        def prepare_commit(results: list[WriteResult]) -> None:
+        def prepare_commit(results: RankResults) -> None:
             nonlocal prepare_seconds
             assert metadata is not None
             if structure is None:
@@ -259,14 +262,17 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         return out
 
     def _layout_and_metadata(
-        self, metadata: Metadata, results: list[list[WriteResult]], structure: fmt.EncodedStructure | None = None
+        self, metadata: Metadata, results: Sequence[Sequence[WriteResult]],
+        structure: fmt.EncodedStructure | None = None
     ) -> tuple[fmt.StorageLayout, bytes]:
         """The storage layout of every rank's ``results`` (checked against
         ``metadata``) and the bytes of the metadata file (``structure``:
         ``metadata``'s, encoded already)."""
         with paused():  # thousands of objects (extents, the JSON document), no cyclic garbage
+            if structure is None:
+                structure = fmt.encode_structure(metadata)
             layout = layout_from_results(results, self.save_id, self._engine().alignment)
-            check_layout_covers(metadata, layout)
+            check_layout_covers(metadata, layout, structure)
             metadata.storage_meta = self.storage_meta()
             metadata.version = _DCP_VERSION  # as DCP's own writer records it
             blob = fmt.encode_metadata(
@@ -362,7 +368,7 @@ class _PreparedCommit:
     state_dict_metadata: Any
     planner_data: Any
     structure: fmt.EncodedStructure
-    results: list[WriteResult]  # the coordinator's own
+    results: RankResults  # the coordinator's own
     layout: fmt.StorageLayout | None
     blob: bytes | None
 
