@@ -86,11 +86,10 @@ def release_kept_pools():
 
 cdef inline bint _through_slot(const char *ptr, int64_t ln, int64_t off, int64_t bs, int64_t align,
                                int64_t mem_align, bint write) noexcept:
-    """Whether a piece goes (in part) through a bounce buffer: one whose
-    offset is not aligned, or whose memory is not ``mem_align``-aligned; to
-    be read, one shorter than a block or whose length is not aligned; to be
-    written, one whose length is not whole blocks (fpio_pipeline.c's
-    direct_body and write_piece take the rest in place)."""
+    """Whether a piece on its own goes (in part) through a bounce buffer: one
+    whose offset is not aligned, or whose memory is not ``mem_align``-aligned;
+    to be written, one that is not whole blocks; to be read, one shorter than
+    a block or whose length is not aligned (fpio_pipeline.c's move_piece)."""
     return ln > 0 and ((ln % bs != 0 if write else (ln < bs or ln % align != 0))
                        or off % align != 0 or <uintptr_t>ptr % <uintptr_t>mem_align != 0)
 

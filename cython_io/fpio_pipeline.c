@@ -415,28 +415,9 @@ static int add_seg(pctx *c, char *dst, int64_t woff, int64_t len, int64_t piece,
     return 0;
 }
 
-/* A read: pieces whose memory is aligned to M and whose offset to A, and that
- * span at least a block, go straight between the file and the caller's
- * memory, block by block (each request's memory stays M-aligned: A is a
- * multiple of M); returns the number of bytes so handled (a multiple of A). */
-static int64_t direct_body(pctx *c, const fpio_piece *p, int64_t i)
-{
-    if (p->len < c->B || (uintptr_t)p->ptr % (uintptr_t)c->M || p->off % c->A)
-        return 0;
-    if (flush_window(c) < 0)
-        return -1;
-    int64_t body = align_down(p->len, c->A);
-    for (int64_t pos = 0; pos < body; pos += c->B) {
-        int64_t n = body - pos < c->B ? body - pos : c->B;
-        if (issue(c, p->file, p->ptr + pos, p->off + pos, n, p->off + pos + n, -1, i, pos) < 0)
-            return -1;
-    }
-    c->res->zc_bytes += body;
-    return body;
-}
-
-/* Copy bytes [from, to) of piece i into the bounce windows (each sent once
- * full, or when the next bytes lie past it), checksumming them in the same pass. */
+/* A write: copy bytes [from, to) of piece i into the bounce windows (each
+ * sent once full, or when the next bytes lie past it), checksumming them in
+ * the same pass. */
 static int copy_range(pctx *c, const fpio_piece *p, int64_t i, int64_t from, int64_t to)
 {
     const char *src = p->ptr + from;
@@ -466,53 +447,14 @@ static int copy_range(pctx *c, const fpio_piece *p, int64_t i, int64_t from, int
     return 0;
 }
 
-/* Where a piece's blocks go straight from its memory: -1 for none, else the
- * bytes of its head that first fill the open window, which then goes out
- * whole. A window sent half full before the piece and a short request for
- * its last part block would each be one more operation for the device (a
- * disk that charges per operation counts them). The whole blocks after the
- * head must start at memory aligned to M and at an offset aligned to A. */
-static int64_t direct_head(const pctx *c, const fpio_piece *p)
+/* A read: bytes [from, to) of piece i come from the bounce windows (a window
+ * takes the bytes within the coalescing gap after its end, and may overlap
+ * what it holds; it is read when the next bytes lie outside it), copied out
+ * once it has landed. */
+static int gather_range(pctx *c, const fpio_piece *p, int64_t i, int64_t from, int64_t to)
 {
-    int64_t head = 0;
-    if (c->cur >= 0 && c->wfile == p->file && p->off >= c->wend && p->off < c->ws + c->B)
-        head = c->ws + c->B - p->off;
-    if (p->len - head < c->B || (uintptr_t)(p->ptr + head) % (uintptr_t)c->M || (p->off + head) % c->A)
-        return -1;
-    return head;
-}
-
-/* A write: the piece's whole blocks straight from its memory where
- * direct_head allows (the head and the rest through the bounce windows),
- * else all of it through them. */
-static int write_piece(pctx *c, const fpio_piece *p, int64_t i)
-{
-    int64_t head = direct_head(c, p), done = 0;
-    if (head >= 0) {
-        /* the head fills the open window, which goes out; without one, a window
-         * open before the piece goes out as it is */
-        if (head > 0 ? copy_range(c, p, i, 0, head) : flush_window(c))
-            return -1;
-        int64_t body = align_down(p->len - head, c->B);
-        for (int64_t pos = head; pos < head + body; pos += c->B) {
-            if (issue(c, p->file, p->ptr + pos, p->off + pos, c->B, p->off + pos + c->B, -1, i, pos) < 0)
-                return -1;
-            if (c->crc)  /* on the source, while the request is in flight */
-                crc_part(c, i, pos, NULL, p->ptr + pos, c->B);
-        }
-        c->res->zc_bytes += body;
-        done = head + body;
-    }
-    return copy_range(c, p, i, done, p->len);
-}
-
-static int read_piece(pctx *c, const fpio_piece *p, int64_t i)
-{
-    int64_t done = direct_body(c, p, i);
-    if (done < 0)
-        return -1;
-    char *dst = p->ptr + done;
-    int64_t off = p->off + done, n = p->len - done;
+    char *dst = p->ptr + from;
+    int64_t off = p->off + from, n = to - from;
     while (n > 0) {
         if (c->cur >= 0 && (off < c->ws || off >= c->ws + c->B || off > c->wend + c->gap)
             && flush_window(c) < 0)
@@ -531,6 +473,55 @@ static int read_piece(pctx *c, const fpio_piece *p, int64_t i)
         n -= k;
     }
     return 0;
+}
+
+/* Where a piece's blocks move straight from or to its memory: -1 for none,
+ * else the bytes of its head that first fill the open window (a write's, when
+ * the piece starts at or after the window's bytes; a read's, when it starts
+ * within the window and the coalescing gap), which then goes out whole: a
+ * window sent half full before the piece would be one more operation for the
+ * device (a disk that charges per operation counts them). The blocks after
+ * the head must start at memory aligned to M and at an offset aligned to A. */
+static int64_t direct_head(const pctx *c, const fpio_piece *p)
+{
+    int64_t head = 0;
+    if (c->cur >= 0 && c->wfile == p->file && p->off < c->ws + c->B
+        && (c->write ? p->off >= c->wend : p->off >= c->ws && p->off <= c->wend + c->gap))
+        head = c->ws + c->B - p->off;
+    if (p->len - head < c->B || (uintptr_t)(p->ptr + head) % (uintptr_t)c->M || (p->off + head) % c->A)
+        return -1;
+    return head;
+}
+
+/* A piece's bytes: after its head, straight from or to its memory where
+ * direct_head allows, else all of them through the bounce windows. A write
+ * sends whole blocks in place and copies its last part block into the next
+ * window, which the next pieces fill (no short request); a read reads all
+ * its aligned bytes in place, its last request short (a window of its own
+ * would cost as many requests, and a read into aligned memory, such as the
+ * reader's shared reads, needs no bounce buffer at all). */
+static int move_piece(pctx *c, const fpio_piece *p, int64_t i)
+{
+    int64_t head = direct_head(c, p), done = 0;
+    if (head >= 0) {
+        /* the head fills the open window, which goes out; without one, a
+         * window open before the piece goes out as it is */
+        if (head > 0 && (c->write ? copy_range(c, p, i, 0, head) : gather_range(c, p, i, 0, head)) < 0)
+            return -1;
+        if (flush_window(c) < 0)
+            return -1;
+        int64_t body = align_down(p->len - head, c->write ? c->B : c->A);
+        for (int64_t pos = head; pos < head + body; pos += c->B) {
+            int64_t n = head + body - pos < c->B ? head + body - pos : c->B;
+            if (issue(c, p->file, p->ptr + pos, p->off + pos, n, p->off + pos + n, -1, i, pos) < 0)
+                return -1;
+            if (c->write && c->crc)  /* on the source, while the request is in flight (a read's: once landed) */
+                crc_part(c, i, pos, NULL, p->ptr + pos, n);
+        }
+        c->res->zc_bytes += body;
+        done = head + body;
+    }
+    return c->write ? copy_range(c, p, i, done, p->len) : gather_range(c, p, i, done, p->len);
 }
 
 /* Before writing: every fd must be open for writing, and a regular file is
@@ -644,7 +635,7 @@ static int run(fpio_engine *e, int write, const int *fds, int nfiles, const fpio
         if (p->file != c.wfile && flush_window(&c) < 0)
             break;
         c.wfile = p->file;
-        if ((write ? write_piece(&c, p, i) : read_piece(&c, p, i)) < 0)
+        if (move_piece(&c, p, i) < 0)
             break;
     }
     if (!res->err)

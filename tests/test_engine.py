@@ -46,13 +46,15 @@ def random_bytes(rng, n):
     return rng.integers(0, 256, size=n, dtype=np.uint8)
 
 
-def write_requests(layout, sources, block=B, align=A, mem_align=A):
-    """(requests, bytes moved in place) of a write of ``sources`` at
-    ``layout``, by the rule docs/NATIVE.md states: the bytes go through
-    bounce windows of ``block`` bytes, each sent once full or when the next
-    bytes lie past it; a piece whose whole blocks, after the head that fills
-    the open window, start at ``mem_align``-aligned memory and an
-    ``align``-aligned offset sends those blocks from its memory."""
+def engine_requests(layout, buffers, block=B, align=A, mem_align=A, read=False, gap=0):
+    """(requests, bytes moved in place) of a write (or read) of ``buffers``
+    at ``layout``, by the rule docs/NATIVE.md states: the bytes go through
+    bounce windows of ``block`` bytes, a write's sent once full or when the
+    next bytes lie past it, a read's read when the next bytes lie outside it
+    or more than ``gap`` past its end; a piece whose blocks, after the head
+    that fills the open window, start at ``mem_align``-aligned memory and an
+    ``align``-aligned offset moves them in place: a write its whole blocks,
+    a read its aligned bytes (its last request short)."""
     requests = in_place = 0
     window = None  # (file, start, end) of the open window
 
@@ -61,40 +63,40 @@ def write_requests(layout, sources, block=B, align=A, mem_align=A):
         requests += window is not None
         window = None
 
-    def copy(f, off, n):
+    def through_windows(f, off, n):
         nonlocal window
         while n > 0:
-            if window is not None and off >= window[1] + block:
+            if window is not None and (off >= window[1] + block or (read and (
+                    off < window[1] or off > window[2] + gap))):
                 send()
             if window is None:
                 window = (f, off // align * align, off // align * align)
             k = min(window[1] + block - off, n)
-            window = (f, window[1], off + k)
+            window = (f, window[1], max(window[2], off + k) if read else off + k)
             off, n = off + k, n - k
-            if window[2] == window[1] + block:
+            if not read and window[2] == window[1] + block:
                 send()
 
-    for (f, off), src in zip(layout, sources):
-        view = memoryview(src).cast("B")
+    for (f, off), buf in zip(layout, buffers):
+        view = memoryview(buf).cast("B")
         n, address = len(view), np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
         if n == 0:
             continue
         if window is not None and window[0] != f:
             send()
         head = 0
-        if window is not None and window[2] <= off < window[1] + block:
+        if window is not None and off < window[1] + block and (
+                window[1] <= off <= window[2] + gap if read else window[2] <= off):
             head = window[1] + block - off
         done = 0
         if n - head >= block and (address + head) % mem_align == 0 and (off + head) % align == 0:
-            if head:
-                copy(f, off, head)
-            else:
-                send()
-            body = (n - head) // block * block
-            requests += body // block
+            through_windows(f, off, head)
+            send()
+            body = (n - head) // (align if read else block) * (align if read else block)
+            requests += -(-body // block)
             in_place += body
             done = head + body
-        copy(f, off + done, n - done)
+        through_windows(f, off + done, n - done)
     send()
     return requests, in_place
 
@@ -589,13 +591,20 @@ def test_write_read_round_trip(kind, tmp_path, files, seed):
         assert sum(lengths) <= ws["bytes_on_disk"] <= sum(len(e) for e in expected)
         assert ws["bytes_on_disk"] % A == 0
         # every request a whole window or whole blocks in place, but where a gap or the end cuts it
-        assert (ws["requests"], ws["zero_copy_bytes"]) == write_requests(layout, sources)
+        assert (ws["requests"], ws["zero_copy_bytes"]) == engine_requests(layout, sources)
 
         dests = [bytearray(n) for n in lengths]
         rs = read_files(eng, paths, layout, dests)
         for d, s in zip(dests, sources):
             assert bytes(d) == bytes(memoryview(s).cast("B"))
         assert rs["bytes"] == sum(lengths)
+        # read back into memory aligned as the sources were: whole blocks in place, the windows coalesced
+        aligned = [_native.AlignedBuffer(n, A) if isinstance(s, _native.AlignedBuffer) else np.empty(n + 1, np.uint8)[1:]
+                   for s, n in zip(sources, lengths)]
+        rs = read_files(eng, paths, layout, aligned, coalesce_gap=2 * A)
+        for d, s in zip(aligned, sources):
+            assert bytes(memoryview(d).cast("B")) == bytes(memoryview(s).cast("B"))
+        assert (rs["requests"], rs["direct_bytes"]) == engine_requests(layout, aligned, read=True, gap=2 * A)
         assert _native.stats()["inflight"] == 0
 
 
@@ -731,7 +740,7 @@ def test_default_sizes_many_pieces(kind, tmp_path, direct):
         for p, exp in zip(paths, expected):
             assert open(p, "rb").read() == exp
         assert eng.block_size <= 5 << 20
-        assert (ws["requests"], ws["zero_copy_bytes"]) == write_requests(layout, sources, eng.block_size)
+        assert (ws["requests"], ws["zero_copy_bytes"]) == engine_requests(layout, sources, eng.block_size)
         assert ws["zero_copy_bytes"] >= (9 << 20) + (5 << 20) - 2 * eng.block_size
         dests = [np.empty(len(memoryview(s).cast("B")) + 1, np.uint8)[1:] for s in sources]
         read_files(eng, paths, layout, dests, direct=direct)
