@@ -229,6 +229,8 @@ def contiguous_bytes(t: torch.Tensor) -> np.ndarray:
         return t.view(torch.uint8).numpy().reshape(-1)  # one torch op fewer than a flat view first
     if not t.numel():  # (an empty tensor may have any strides: no view of it is flat)
         return np.zeros(0, dtype=np.uint8)
+    if t.numel() == 1:  # (one element may have any strides: t[::2] of one keeps stride 2, and so does its flat view)
+        return t.as_strided((1,), (1,)).view(torch.uint8).numpy()
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
