@@ -87,7 +87,7 @@ def overlap(chunks: Sequence[tuple[Sequence[int], Sequence[int]]]) -> bool:
 
 
 def all_covered(ndim: np.ndarray, size: np.ndarray, counts: np.ndarray, offs: np.ndarray,
-                        lens: np.ndarray) -> bool:
+                lens: np.ndarray) -> bool:
     """:func:`uncovered` is None for every tensor, the tensors given as int64
     columns: each tensor's rank, every tensor's dimensions one after the
     other, each tensor's chunk count, and every chunk's offsets and sizes one

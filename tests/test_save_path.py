@@ -290,6 +290,18 @@ def test_results_sent_as_columns_make_the_layout_the_reference_makes_from_them()
         assert layout.checksum_block_bytes == fmt.CHECKSUM_BLOCK_BYTES
         assert layout_from_results([list(r) for r in sent], "sid", 4096).extents == layout.extents  # as lists too
     assert [e.item_offset for e in layout.extents[b]] == [0, 8]  # sorted
+    # a rank whose columns do not hold together is named, not merged
+    for field, bad, why in (("file", np.array([0, 1, 0, 5]), "outside its 2 file names"),
+                            ("file", np.array([0, 1, -1, 1]), "outside its 2 file names"),
+                            ("counts", np.array([1, 1, 1]), "do not add up to its 4 extents"),
+                            ("counts", np.array([2, 2, 0]), "or an item without one"),
+                            ("length", np.array([8, 4, 8]), "extent columns of different lengths"),
+                            ("hints", [None], "3 items, 1 hints and 3 extent counts"),
+                            ("file_offset", [0, 64, 4096, 0], "not one-dimensional int64 arrays")):
+        liar = pickle.loads(pickle.dumps(rank0))
+        setattr(liar, field, bad)
+        with pytest.raises(RuntimeError, match=rf"rank 1: write results that do not hold together \(.*{why}"):
+            layout_from_results([rank1, liar], "sid", 4096)
 
 
 def test_the_layout_is_made_as_columns_equal_to_the_item_by_item_reference():
@@ -351,8 +363,9 @@ def test_columns_encode_and_check_as_the_reference_does(tmp_path, checksums, aio
     assert isinstance(layout.extents, fmt.ExtentColumns)
     as_lists = dataclasses.replace(layout, extents=dict(layout.extents))
     assert fmt.encode_metadata(md, layout, extra) == fmt.encode_metadata(md, as_lists, extra) == blob
-    # the check from the metadata alone, and from its encoded structure (item numbers and sizes)
-    for structure in (None, fmt.encode_structure(md)):
+    # the check over the columns (a version-3 structure's item numbers and sizes) and the reference's
+    # (a version-2 structure numbers no items)
+    for structure in (fmt.encode_structure(md), fmt.encode_structure(md, version=2)):
         check_layout_covers(md, layout, structure)
         ext = layout.extents
         gap = fmt.ExtentColumns(ext.item_keys, ext.counts, ext.file, ext.file_offset, ext.item_offset,

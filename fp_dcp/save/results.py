@@ -74,6 +74,23 @@ class RankResults(Sequence):
                    np.fromiter(map(itemgetter(1), counts), np.int64, len(counts)), list(names), file, fo, io_, ln,
                    list(map(itemgetter(5), rows)), tuple(file_sizes.items()))
 
+    def inconsistency(self) -> str | None:
+        """What does not hold together in these columns (as another rank sent
+        them), or None."""
+        arrays = (self.counts, self.file, self.file_offset, self.item_offset, self.length)
+        if not all(isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype == np.int64 for a in arrays):
+            return "columns that are not one-dimensional int64 arrays"
+        if not len(self.keys) == len(self.hints) == len(self.counts):
+            return f"{len(self.keys)} items, {len(self.hints)} hints and {len(self.counts)} extent counts"
+        n = len(self.file)
+        if (self.counts < 1).any() or int(self.counts.sum()) != n:
+            return f"extent counts that do not add up to its {n} extents (or an item without one)"
+        if not len(self.file_offset) == len(self.item_offset) == len(self.length) == len(self.crc32c) == n:
+            return "extent columns of different lengths"
+        if n and (int(self.file.min()) < 0 or int(self.file.max()) >= len(self.names)):
+            return f"extents in files outside its {len(self.names)} file names"
+        return None
+
     def __reduce__(self) -> tuple:
         return (RankResults, (self.keys, self.hints, self.counts, self.names, self.file, self.file_offset,
                               self.item_offset, self.length, self.crc32c, self.file_sizes))
@@ -133,7 +150,11 @@ def layout_from_results(results: Sequence[Sequence[WriteResult]], save_id: str,
     extents: Mapping[MetadataIndex, list[fmt.Extent]] | None = None
     if all(isinstance(r, RankResults) for r in results):  # as write_data sends them
         ranks: list[RankResults] = list(results)  # type: ignore[arg-type]
-        for r in ranks:
+        for rank, r in enumerate(ranks):
+            why = r.inconsistency()
+            if why is not None:
+                raise RuntimeError(f"rank {rank}: write results that do not hold together ({why}); "
+                                   f"refusing to commit the checkpoint")
             sizes.update(r.file_sizes)
         extents = _rank_columns(ranks, files)
         crcs: Any = chain.from_iterable(r.crc32c for r in ranks)
@@ -220,14 +241,13 @@ def _sorted_columns(keys: list[tuple], counts: np.ndarray, f: np.ndarray, fo: np
     return fmt.ExtentColumns(keys, counts, f, fo, io_, ln, crcs)
 
 
-def check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout,
-                        structure: fmt.EncodedStructure | None = None) -> None:
+def check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout, structure: fmt.EncodedStructure) -> None:
     """Before the commit: every stored item's extents, merged from all ranks,
     tile its bytes exactly once (a tensor's size comes from the metadata; a
     bytes item must be gap-free from 0), and every item of the metadata is
-    stored.  ``structure``: ``metadata``'s, encoded (its item numbers and
-    sizes serve the check)."""
-    if isinstance(layout.extents, fmt.ExtentColumns) and _covers_columns(metadata, layout.extents, structure):
+    stored.  ``structure``: ``metadata``'s, encoded (:func:`~fp_dcp.format.encode_structure`;
+    in version 3 its item numbers and sizes check the columns at once)."""
+    if isinstance(layout.extents, fmt.ExtentColumns) and _covers_columns(layout.extents, structure):
         return
     for index, exts in layout.extents.items():
         md = metadata.state_dict_metadata.get(index.fqn)
@@ -250,32 +270,18 @@ def check_layout_covers(metadata: Metadata, layout: fmt.StorageLayout,
                 raise RuntimeError(f"fp_dcp wrote no bytes for {key}, refusing to commit the checkpoint")
 
 
-def _covers_columns(metadata: Metadata, extents: fmt.ExtentColumns,
-                    structure: fmt.EncodedStructure | None = None) -> bool:
+def _covers_columns(extents: fmt.ExtentColumns, structure: fmt.EncodedStructure) -> bool:
     """:func:`check_layout_covers`' checks over the columns: True where the
-    stored items are exactly the metadata's and each is tiled exactly, else
-    False (then the reference decides, and names what is wrong)."""
-    if structure is not None and structure.nbytes is not None:
-        numbers = structure.item_numbers(extents)
-        if len(numbers) != len(structure.nbytes) or (numbers < 0).any() or (
-                np.bincount(numbers, minlength=len(numbers)) != 1).any():
-            return False  # not each item of the metadata once
-        want_n = structure.nbytes[numbers]
-    else:
-        want: dict[tuple, int] = {}  # item key -> its bytes (-1: a bytes item, any length)
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                esize = md.properties.dtype.itemsize
-                for c in md.chunks:
-                    want[(fqn, tuple(c.offsets))] = math.prod(c.sizes) * esize
-            else:
-                want[(fqn, None)] = -1
-        if len(want) != len(extents.item_keys) or len(set(extents.item_keys)) != len(want):
-            return False  # not each item of the metadata once
-        nbytes = [want.get(k) for k in extents.item_keys]
-        if None in nbytes:
-            return False
-        want_n = np.array(nbytes, dtype=np.int64)
+    stored items are exactly the structure's and each is tiled exactly, else
+    False (then the reference decides, and names what is wrong; so too for a
+    version-2 structure, which numbers no items)."""
+    if structure.nbytes is None:
+        return False
+    numbers = structure.item_numbers(extents)
+    if len(numbers) != len(structure.nbytes) or (numbers < 0).any() or (
+            np.bincount(numbers, minlength=len(numbers)) != 1).any():
+        return False  # not each item of the metadata once
+    want_n = structure.nbytes[numbers]
     counts, io_, ln = extents.counts, extents.item_offset, extents.length
     if (counts == 0).any():
         return False
