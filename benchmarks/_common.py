@@ -629,7 +629,7 @@ def fio_path() -> str | None:
 
 
 def raw_device_io(op: str, path: str | Path, nbytes: int, method: str = "auto",
-                  block_size: int = 4 * MiB, iodepth: int = 16, numjobs: int = 1) -> dict:
+                  block_size: int = 4 * MiB, iodepth: int = 16, numjobs: int = 1, rewrite: bool = False) -> dict:
     """Sequential O_DIRECT ``op`` ("write" or "read") of ``nbytes`` at ``path``.
 
     ``method``: "fio" (libaio, ``numjobs`` jobs of ``iodepth`` each, every
@@ -638,6 +638,9 @@ def raw_device_io(op: str, path: str | Path, nbytes: int, method: str = "auto",
     (fio if on PATH). A write ends with fsync. Returns
     ``{"method", "bytes", "seconds", "note"}``; the read reads the file the
     write left. ``nbytes`` is rounded up to a whole number of blocks.
+    ``rewrite`` ("hugebuf" only): the write goes over the blocks of the file
+    already at ``path`` (made first, outside the clock, where there is none
+    of that size): what a recycled save writes into.
     """
     if method == "auto":
         method = "fio" if fio_path() else "python"
@@ -686,8 +689,10 @@ def raw_device_io(op: str, path: str | Path, nbytes: int, method: str = "auto",
             out["seconds"] = max(seconds, span)
             out["note"] += ", timed from the first request to the last completion across jobs"
         return out
+    if rewrite and method != "hugebuf":
+        raise ValueError(f"rewrite needs method='hugebuf', not {method!r}")
     if method == "hugebuf":
-        return _raw_hugebuf(op, path, nbytes, block_size, iodepth)
+        return _raw_hugebuf(op, path, nbytes, block_size, iodepth, rewrite and op == "write")
     if method != "python":
         raise ValueError(f"unknown raw method {method!r}: choose fio, hugebuf, python or auto")
     buf = mmap.mmap(-1, block_size)  # page aligned
@@ -744,7 +749,7 @@ def _fio_span(logs: str) -> float | None:
     return (last - first) / 1e3
 
 
-def _raw_hugebuf(op: str, path: str, nbytes: int, block_size: int, iodepth: int) -> dict:
+def _raw_hugebuf(op: str, path: str, nbytes: int, block_size: int, iodepth: int, rewrite: bool = False) -> dict:
     """Sequential O_DIRECT ``op`` of the file through fp_dcp's native engine
     (kernel AIO) into / from one page-locked buffer of 2 MiB transparent huge
     pages: no checkpoint format, no planning, just the device (the
@@ -755,9 +760,17 @@ def _raw_hugebuf(op: str, path: str, nbytes: int, block_size: int, iodepth: int)
     3.8-3.9 GB/s on the same file, cold)."""
     from fp_dcp.tools.tune import engine_pass
 
-    r = engine_pass(op, str(path), nbytes, block_size, iodepth, kind="aio")
+    if rewrite:
+        try:
+            fresh = os.stat(path).st_size != nbytes
+        except FileNotFoundError:
+            fresh = True
+        if fresh:
+            engine_pass("write", str(path), nbytes, block_size, iodepth, kind="aio")
+    r = engine_pass(op, str(path), nbytes, block_size, iodepth, kind="aio", rewrite=rewrite)
     return {"method": "hugebuf", "bytes": nbytes, "seconds": r["seconds"],
-            "note": f"fp_dcp._aio engine O_DIRECT {op} into one huge-page buffer, bs={fmt_size(block_size)} "
+            "note": f"fp_dcp._aio engine O_DIRECT {op} " + ("over an existing file's blocks from" if rewrite else "into")
+                    + f" one huge-page buffer, bs={fmt_size(block_size)} "
                     f"qd={iodepth} (no checkpoint format)" + (" + fsync" if op == "write" else "")}
 
 

@@ -181,11 +181,13 @@ def _child(spec: dict) -> dict:
     if kind == "raw":
         path.mkdir(parents=True, exist_ok=True)
         load = op != "save"
-        r = C.raw_device_io("read" if load else "write", path / "raw.bin",
-                            spec["bytes"], method=spec["method"],
-                            block_size=spec.get("read_block_size", spec["block_size"]) if load else spec["block_size"],
-                            iodepth=spec.get("read_iodepth", spec["iodepth"]) if load else spec["iodepth"],
-                            numjobs=spec.get("numjobs", 1))
+        block, depth = ((spec.get("read_block_size", spec["block_size"]), spec.get("read_iodepth", spec["iodepth"]))
+                        if load else (spec["block_size"], spec["iodepth"]))
+        if spec.get("default_shapes"):  # a default writer's and reader's, in this profile
+            block, depth = _io_shapes(path)["read" if load else "write"]
+        r = C.raw_device_io("read" if load else "write", path / "raw.bin", spec["bytes"], method=spec["method"],
+                            block_size=block, iodepth=depth, numjobs=spec.get("numjobs", 1),
+                            rewrite=bool(spec.get("rewrite")))
         return {"ok": True, "verified": None, **r}
 
     import torch
@@ -219,7 +221,8 @@ def _child(spec: dict) -> dict:
     if op == "save":
         t0 = time.perf_counter()
         if kind == "fp_dcp":
-            w = Writer(str(path), options=Options(engine=engine)) if engine else Writer(str(path))
+            w = Writer(str(path), options=Options(engine=engine) if engine else None,
+                       **({"recycle": spec["recycle_from"]} if spec.get("recycle_from") else {}))
             dcp.save(sd, storage_writer=w, **plan.get("save", {}))
             extra["zero_copy_bytes"] = w.last_stats.get("zero_copy_bytes", 0)  # written straight from the tensors
         elif kind == "stock":
@@ -358,6 +361,12 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
         # (and sit on huge pages), so they go straight to and from the device
         cs.append({"name": "fp_dcp[thp]", "kind": "fp_dcp", "engine": None, "role": "fp_dcp_engine",
                    "env": {"THP_MEM_ALLOC_ENABLE": "1"}})
+    if "fp_dcp_recycle" in want and fp_ok:
+        # the same writer recycling the checkpoint of the round before (the
+        # one rotation would delete): it writes over that checkpoint's blocks
+        # instead of new ones; compared with raw[hugebuf,rewrite]
+        cs.append({"name": "fp_dcp[recycle]", "kind": "fp_dcp", "engine": None, "role": "fp_dcp_engine",
+                   "recycle": True})
     if "stock" in want:
         cs.append({"name": "stock", "kind": "stock", "threads": 1, "role": "stock"})
         if args.stock_threads and args.stock_threads != 1:
@@ -394,6 +403,12 @@ def build_contenders(args, fp_ok: bool, raw_method: str) -> list[dict]:
         # and both directions in the writer's shape without such a limit (1M x 32)
         cs.append({"name": "raw[hugebuf,1M]", "kind": "raw", "method": "hugebuf", "role": "raw",
                    "block_size": 1 * C.MiB, "iodepth": 32, "read_block_size": 1 * C.MiB, "read_iodepth": 32})
+        if "fp_dcp_recycle" in want:
+            # a default writer's shape in this profile, over the blocks of the
+            # file the round before wrote: the raw reference of a recycled save
+            # (not of the others, which write new files)
+            cs.append({"name": "raw[hugebuf,rewrite]", "kind": "raw", "method": "hugebuf", "role": "raw_rewrite",
+                       "rewrite": True, "default_shapes": True, "block_size": 1 * C.MiB, "iodepth": 32})
     for c in cs:
         if c["kind"] == "fp_dcp":
             c["planners"] = args.planners  # every fp_dcp row, so that they compare with each other
@@ -433,19 +448,28 @@ def _io_shapes(directory: Path) -> dict[str, tuple[int, int]]:
     return {op: tuple(shape) for op, shape in builtin_shapes(str(directory)).items()}
 
 
-def _raw_write_beside(path: Path, nbytes: int) -> float:
+def _raw_write_beside(path: Path, nbytes: int, rewrite: bool = False) -> float:
     """One raw write (fp_dcp's engine from one huge-page buffer, in the shape a
     default writer sends, fsync in the clock) of ``nbytes`` into a new file
     beside ``path``, then removed: GB/s.  Taken just before and just after
     each fp_dcp save, which is compared with the two, as each load is with
-    raw reads of its files."""
+    raw reads of its files.  ``rewrite`` (a recycled save's): over the blocks
+    of the file the write before left, kept for the next (see _clean_kept)."""
     f = path.parent / f"{path.name}.raw-write"
     block, depth = _io_shapes(path.parent)["write"]
     try:
-        r = C.raw_device_io("write", f, nbytes, method="hugebuf", block_size=block, iodepth=depth)
+        r = C.raw_device_io("write", f, nbytes, method="hugebuf", block_size=block, iodepth=depth, rewrite=rewrite)
     finally:
-        f.unlink(missing_ok=True)
+        if not rewrite:
+            f.unlink(missing_ok=True)
     return r["bytes"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
+
+
+def _clean_kept(path: Path) -> None:
+    """Remove what a recycling or rewriting contender keeps from round to round."""
+    for p in (path, path.with_name(path.name + ".prev")):
+        shutil.rmtree(p, ignore_errors=True)
+    path.with_name(path.name + ".raw-write").unlink(missing_ok=True)
 
 
 def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: bool) -> dict:
@@ -474,16 +498,25 @@ def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: boo
             if c.get("loads_of"):
                 continue  # loads with the contender whose checkpoint it reads
             path = workdir / f"{mix}-{c['name'].replace('[', '_').replace(']', '').replace(',', '_')}"
-            shutil.rmtree(path, ignore_errors=True)
+            recycling = bool(c.get("recycle"))
+            if not (recycling or c.get("rewrite")):  # (those keep the round before's files to write over)
+                shutil.rmtree(path, ignore_errors=True)
             # the child rebuilds the spec from (mix, size, seed): a full spec of
             # thousands of tensors would exceed the kernel's 128 KiB argv string limit
             extra = dict(path=str(path), mix=mix, size_bytes=args.size_bytes, seed=args.seed, bytes=nbytes)
-            base = {**{k: v for k, v in c.items() if k not in ("name", "role", "env")}, **extra}
+            base = {**{k: v for k, v in c.items() if k not in ("name", "role", "env", "recycle")}, **extra}
+            if recycling:
+                prev = path.with_name(path.name + ".prev")
+                shutil.rmtree(prev, ignore_errors=True)
+                if not path.exists():  # a first checkpoint to recycle, outside the clock
+                    C.run_child(SCRIPT, {**base, "op": "save"}, timeout_s=args.child_timeout, extra_env=c.get("env"))
+                os.rename(path, prev)
+                base["recycle_from"] = str(prev)
             ours = c["kind"] == "fp_dcp"
-            raw = [_raw_write_beside(path, nbytes)] if ours else []
+            raw = [_raw_write_beside(path, nbytes, recycling)] if ours else []
             saved = one(c, "save", base, rnd)
             if ours:
-                raw.append(_raw_write_beside(path, nbytes))
+                raw.append(_raw_write_beside(path, nbytes, recycling))
                 saved["raw_around_gbps"] = raw
             if not saved.get("ok"):
                 runs[c["name"]]["load"].append({"ok": False, "error": "save failed, nothing to load"})
@@ -500,8 +533,12 @@ def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: boo
                 if paired:
                     raw.append(_raw_read_of(path))
                     r["raw_around_gbps"] = raw[-2:]
-            if not args.keep:
+            if not args.keep and not (recycling or c.get("rewrite")):
                 shutil.rmtree(path, ignore_errors=True)
+    if not args.keep:
+        for c in contenders:
+            if c.get("recycle") or c.get("rewrite"):
+                _clean_kept(workdir / f"{mix}-{c['name'].replace('[', '_').replace(']', '').replace(',', '_')}")
     return {"mix": mix, "tensors": len(sd_spec.tensors), "objects": len(sd_spec.objects),
             "payload_bytes": nbytes, "runs": runs}
 
@@ -568,6 +605,7 @@ def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
         return max(vals) if vals else (None, None)
 
     raw_w, raw_w_name = best("raw", "save")
+    rewrite_w, rewrite_w_name = best("raw_rewrite", "save")
     peer = {op: summ["torch_checkpointing"][op]["median"] if "torch_checkpointing" in summ else None
             for op in ("save", "load")}
     raw_r, raw_r_name = best("raw", "load")
@@ -594,6 +632,8 @@ def _ratios(mix: str, summ: dict, contenders: list[dict]) -> list[dict]:
                          "ratio": ratio, "target": f">= {minimum:.2f}x" if minimum else "",
                          "verdict": verdict})
 
+        if c.get("recycle"):  # it writes over existing blocks: so does its raw reference
+            add("save", "raw write over existing blocks", s["save"]["median"], rewrite_w, rewrite_w_name)
         add("save", "raw write", s["save"]["median"], raw_w, raw_w_name, SAVE_VS_RAW[mix])
         _paired(rows, c["name"], "save", s, "paired raw (a write of as many bytes, just before and after; "
                                             "median of rounds)")
@@ -696,12 +736,14 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="rounds; contenders alternate within a round")
     p.add_argument("--contenders", default="fp_dcp,stock,torch_checkpointing,torch.save,raw",
                    help="comma list from: fp_dcp, stock, torch_checkpointing, torch.save, raw, dcp_floor, "
-                        "dcp_floor_fp, fp_dcp_thp "
+                        "dcp_floor_fp, fp_dcp_thp, fp_dcp_recycle "
                         "(torch_checkpointing: pip install -e '.[bench]'; skipped with a message if missing; "
                         "dcp_floor: dcp.save/dcp.load through a storage that moves no bytes, DCP's own "
                         "time, which gives the best ratio to raw any storage can reach here; dcp_floor_fp: the "
                         "same with fp_dcp's planners; fp_dcp_thp: fp_dcp with the state dict allocated "
-                        "under THP_MEM_ALLOC_ENABLE=1, torch's page-aligned huge-page allocation)")
+                        "under THP_MEM_ALLOC_ENABLE=1, torch's page-aligned huge-page allocation; "
+                        "fp_dcp_recycle: fp_dcp recycling its checkpoint of the round before, with "
+                        "raw[hugebuf,rewrite] beside it when raw is asked for)")
     p.add_argument("--planners", choices=("dcp", "fp"), default="dcp",
                    help="the planners of the fp_dcp contenders: dcp (DCP's default planners, what a job "
                         "gets without planner=) or fp (FastPersistSavePlanner / FastPersistLoadPlanner)")
@@ -738,10 +780,10 @@ def parse_args(argv=None):
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     bad = set(args.contenders.split(",")) - {"fp_dcp", "stock", "torch_checkpointing", "torch.save", "raw",
-                                             "dcp_floor", "dcp_floor_fp", "fp_dcp_thp"}
+                                             "dcp_floor", "dcp_floor_fp", "fp_dcp_thp", "fp_dcp_recycle"}
     if bad:
         p.error(f"unknown contenders {sorted(bad)}: choose from fp_dcp, stock, torch_checkpointing, "
-                f"torch.save, raw, dcp_floor, dcp_floor_fp, fp_dcp_thp")
+                f"torch.save, raw, dcp_floor, dcp_floor_fp, fp_dcp_thp, fp_dcp_recycle")
     C.check_profiles(p, args.profiles)
     return args
 
@@ -763,7 +805,7 @@ def _run(args, bench: C.Bench, workdir: Path) -> int:
             print(f"warning: {why}")
 
     fp_ok, fp_info = False, "not requested"
-    if "fp_dcp" in args.contenders.split(","):
+    if set(args.contenders.split(",")) & {"fp_dcp", "fp_dcp_thp", "fp_dcp_recycle", "dcp_floor_fp"}:
         probe = C.run_child(SCRIPT, {"kind": "probe", "op": "probe"}, timeout_s=300)
         fp_ok = bool(probe.get("ok"))
         fp_info = (f"fp_dcp {probe.get('version')} from {probe.get('file')}" if fp_ok

@@ -355,6 +355,22 @@ class Root:
         finally:
             self._release(sfd)
 
+    def move_to(self, rel: str, dst: "Root", dst_rel: str) -> None:
+        """``renameat`` of ``rel`` beneath this root to ``dst_rel`` beneath
+        ``dst`` (a root on the same file system); a link is moved, never
+        followed."""
+        sfd, sleaf = self._parent(rel)
+        try:
+            dfd, dleaf = dst._parent(dst_rel)
+            try:
+                os.replace(sleaf, dleaf, src_dir_fd=sfd, dst_dir_fd=dfd)
+            except OSError as e:
+                raise self._error(e, rel, f"cannot move to {dst.join(dst_rel)}") from None
+            finally:
+                dst._release(dfd)
+        finally:
+            self._release(sfd)
+
     def sync(self, rel: str = ".") -> None:
         """``fsync`` directory ``rel``: its new and renamed entries reach the disk."""
         rel = _check_rel(rel)

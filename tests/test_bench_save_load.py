@@ -259,3 +259,32 @@ def test_thp_row_allocates_its_tensors_on_pages_and_moves_them_in_place(bench, t
     assert direct > 0.95 * payload  # a load, all but each tensor's unaligned tail
     if _native.probe_alignment(str(tmp_path))[0] > 64:  # then only the tensors torch happened to align
         assert got["fp_dcp"][0] < 0.5 * payload and got["fp_dcp"][1] < 0.5 * payload
+
+
+@pytest.mark.slow  # (about 25 child processes)
+def test_recycle_row_saves_over_the_round_before_and_is_compared_with_a_rewrite(bench, tmp_path):
+    """``fp_dcp[recycle]`` saves each round with ``recycle=`` its checkpoint of
+    the round before (the first made outside the clock), its loads verified;
+    ``raw[hugebuf,rewrite]`` and the paired writes go over a kept file (the
+    same inode each time); nothing is left once the mix ends, and the row's
+    raw reference is the rewrite row."""
+    args = bench.parse_args(["--contenders", "fp_dcp_recycle,raw", "--raw", "python", "--raw-bs", "1M",
+                             "--no-verify-row", "--repeat", "2", "--size", "8MiB"])
+    cs = bench.build_contenders(args, True, "python")
+    names = [c["name"] for c in cs]
+    assert "fp_dcp[recycle]" in names and "raw[hugebuf,rewrite]" in names
+    res = bench.run_mix(args, "large", cs, tmp_path, can_drop=False)
+    recycled = res["runs"]["fp_dcp[recycle]"]
+    assert all(r["ok"] for r in recycled["save"]) and all(r["verified"] for r in recycled["load"])
+    assert all(r["ok"] for r in res["runs"]["raw[hugebuf,rewrite]"]["save"])
+    assert list(tmp_path.iterdir()) == []  # the kept checkpoints and files removed at the end
+    summ = bench._summaries(res, cs)
+    rows = {r["vs"]: r for r in bench._ratios("large", summ, cs) if r["contender"] == "fp_dcp[recycle]"}
+    assert rows["raw write over existing blocks"]["baseline"] == "raw[hugebuf,rewrite]"
+
+    ck = tmp_path / "ck"
+    bench._raw_write_beside(ck, 8 << 20, rewrite=True)
+    (kept,) = tmp_path.iterdir()
+    inode = kept.stat().st_ino
+    bench._raw_write_beside(ck, 8 << 20, rewrite=True)
+    assert kept.stat().st_ino == inode and kept.stat().st_size == 8 << 20

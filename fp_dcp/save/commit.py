@@ -13,7 +13,8 @@ from typing import Iterable
 from fp_dcp import files
 from fp_dcp import format as fmt
 
-__all__ = ["SaveLock", "sync_directory", "commit_metadata", "remove_superseded", "abandon_rank_files"]
+__all__ = ["SaveLock", "sync_directory", "commit_metadata", "remove_superseded", "abandon_rank_files",
+           "remove_checkpoint_files"]
 
 
 class SaveLock:
@@ -155,3 +156,49 @@ def abandon_rank_files(data_directories: list[tuple[str, bool]], save_id: str, r
                 _remove_in(root, lambda n: n.startswith(prefix) and n.endswith(fmt.DATA_SUFFIX))
         except OSError:
             continue
+
+
+def remove_checkpoint_files(r: files.Root, name: str, path: str, layout: fmt.StorageLayout | None) -> None:
+    """Remove an uncommitted checkpoint's files (``name`` under ``r``, at
+    ``path``; ``layout``: its metadata's, None where unknown): those in its
+    own sub-directories of data directories, then fp_dcp's own names in it,
+    then the directory when empty."""
+    external: list[str] = []
+    named: set[str] = set()
+    if layout is not None:
+        try:
+            # only files proven to lie in this checkpoint's own sub-directory
+            # of a data directory (the writer's naming rule, checked here)
+            paths = fmt.data_file_paths(path, layout)  # every name confined, or it raises
+            external = [p for (f, _), p in zip(layout.files, paths) if "/" in f]
+            named = {f for f, _ in layout.files if "/" not in f}
+        except fmt.CheckpointFormatError:
+            pass
+    _remove_external(external)
+    r.remove_owned(name, lambda rel, kind: kind in ("file", "link") and _own_name(rel, named))
+
+
+def _own_name(name: str, named: set[str]) -> bool:
+    """A name fp_dcp writes in a checkpoint directory: a data file (this
+    checkpoint's or an earlier save's), the metadata, its temporaries, the lock."""
+    return (name in named or name == fmt.LOCK_NAME or name.startswith(fmt.METADATA_NAME)
+            or fmt.valid_data_file_name(name))
+
+
+def _remove_external(external: list[str]) -> None:
+    """The checkpoint's data files in its sub-directories of data directories
+    (regular files, in a sub-directory that is no link), then each such
+    sub-directory when empty."""
+    for path in external:
+        try:
+            files.lstat_data_file(path)
+            with files.Root(os.path.dirname(path), follow=False) as d:
+                d.unlink(os.path.basename(path))
+        except (OSError, fmt.CheckpointFormatError):
+            pass
+    for sub in {os.path.dirname(p) for p in external}:
+        try:
+            with files.Root(os.path.dirname(sub)) as parent:
+                parent.rmdir(os.path.basename(sub))  # only when empty; a link is not a directory
+        except OSError:
+            pass

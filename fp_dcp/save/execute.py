@@ -27,6 +27,7 @@ from fp_dcp.save.commit import sync_directory
 from fp_dcp.save.device_copy import write_cuda
 from fp_dcp.save.layout import align_up, place_extents
 from fp_dcp.save.plan import Assignment, expected_nbytes, item_name
+from fp_dcp.save.recycle import open_recycled
 from fp_dcp.save.results import RankResults, add_stats
 from fp_dcp.staging.crc_registry import any_staged_checksums, forget_staged_checksums, staged_checksums
 
@@ -109,6 +110,7 @@ def write_rank(
 
     used: set[int] = set()  # arenas whose staging checksums this save used
     unsynced: dict[int, list[tuple[int, str]]] = {d: [] for d in devices}  # device -> its open host files
+    recycled: list[tuple[int, str, int]] = []  # (fd, path, size) of the host files written over a retired file
     early: list[RankResults] = []  # the results, made while the last batch is written
 
     def results_early(done: tuple) -> None:
@@ -124,6 +126,7 @@ def write_rank(
             session_for(directory), directory, by_path, by_device[dev], sources,
             assignment.save_id, rank, dev if tag_devices else None, options, used, unsynced[dev],
             while_writing if dev == devices[0] else None, results_early if batched else None,
+            "" if by_path else assignment.recycle, recycled,
         )
 
     stats: dict[str, Any] = {"engine": None, "direct_io": None, "bytes": 0, "requests": 0,
@@ -137,6 +140,11 @@ def write_rank(
                 done = [write_device(d) for d in devices]
         finally:
             forget_staged_checksums(used)  # they belong to this save only
+        for fd, path, size in recycled:  # (its writes have ended) the retired file's bytes past this one's end
+            try:
+                os.ftruncate(fd, size)
+            except OSError as e:
+                raise OSError(e.errno, f"{e.strerror} (ftruncate of a recycled data file)", path) from None
         # Each device's files are made durable on a thread of its own (the
         # calls release the GIL) while this thread makes the results.
         syncs = concurrent.futures.ThreadPoolExecutor(max(1, len(devices)), thread_name_prefix="fp_dcp-sync")
@@ -288,6 +296,8 @@ def _write_device(
     unsynced: list[tuple[int, str]],
     while_writing: Callable[[], None] | None = None,
     results_early: Callable[[tuple], None] | None = None,
+    recycle: str = "",
+    recycled: list[tuple[int, str, int]] | None = None,
 ) -> tuple[list[tuple], list[tuple[str, int]], dict[str, Any], str, bool]:
     """One device's pieces into a file per kind in ``directory``: the host
     pieces batch by batch (each written on a thread while the next is
@@ -297,7 +307,10 @@ def _write_device(
     is resolved, while the batch before it (else it) is written.  With
     ``results_early`` and no CUDA pieces, the last batch's checksums are
     computed here while the engine writes it, and ``results_early`` gets
-    what this returns (but the statistics) before that write ends."""
+    what this returns (but the statistics) before that write ends.  ``recycle``:
+    a retired checkpoint's data file to rename and write over as the host
+    file (else a new file is made); the host file is then added to
+    ``recycled`` with its size, for the caller to cut it to once written."""
     batches, cuda = groups
     extents: list[tuple] = []  # (item, file, file_offset, item_offset, length, crc32c)
     file_sizes: list[tuple[str, int]] = []
@@ -307,6 +320,7 @@ def _write_device(
     recorded = path if by_path else name
     end = 0
     fd = -1
+    over = False  # the host file is a retired one, written over
     started = threading.Event()  # set as a batch's engine call lets the GIL go
 
     def write(batch: list, offsets: list[int], in_place: int, checksums: bool) -> list[tuple]:
@@ -328,7 +342,10 @@ def _write_device(
             for batch, is_last in batches:  # the next batch is resolved here while the one before is written
                 in_place = 0
                 if fd < 0:
-                    fd = session.engine.open(path, "w", session.direct if session.direct else False)
+                    fd = open_recycled(recycle, directory, name, bool(session.direct)) if recycle else -1
+                    over = fd >= 0
+                    if not over:
+                        fd = session.engine.open(path, "w", session.direct if session.direct else False)
                     unsynced.append((fd, path))
                     batch, in_place = _in_place_first(session.engine, batch)
                 # each batch from a multiple of the request size: a write covers
@@ -362,6 +379,8 @@ def _write_device(
                 crcs, staged_bytes = _checksums_beside(batch, sources, options, used)
                 extents += [(li, recorded, fo, io_, len(b), crc) for (li, io_, b), fo, crc in zip(batch, offsets, crcs)]
                 file_sizes.append((recorded, align_up(end, session.alignment)))
+                if over and recycled is not None:
+                    recycled.append((fd, path, file_sizes[-1][1]))
                 results_early((extents, file_sizes, {}, session.kind, session.direct))
                 pending.result()  # (its extents are those above, without checksums)
                 stats["staged_checksum_bytes"] += staged_bytes
@@ -373,6 +392,8 @@ def _write_device(
                 concurrent.futures.wait([pending])  # (a batch that failed to resolve: the write before ends first)
     if fd >= 0:
         file_sizes.append((recorded, align_up(end, session.alignment)))
+        if over and recycled is not None:
+            recycled.append((fd, path, file_sizes[-1][1]))
     if cuda:
         name = fmt.data_file_name(save_id, rank, 1, tag)
         path = os.path.join(directory, name)

@@ -71,6 +71,7 @@ class Assignment:
     plan_key: str = ""
     token: str = ""  # the rank's RankHoldings.token these pieces index
     reuse: bool = False  # DCP cached everything: write with this rank's last assignment (save_id aside)
+    recycle: str = ""  # a retired checkpoint's data file to write over instead of a new file (save.recycle)
 
 
 @dataclasses.dataclass
@@ -213,7 +214,7 @@ def assignment_items(
                 f"FastPersistWriter (the planner's cache was filled through another storage writer?); "
                 + way_out
             )
-        assignment = dataclasses.replace(last, save_id=assignment.save_id, reuse=False)
+        assignment = dataclasses.replace(last, save_id=assignment.save_id, reuse=False, recycle=assignment.recycle)
     items = _local_items.get(assignment.token)
     if items is None:
         raise RuntimeError(

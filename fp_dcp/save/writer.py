@@ -25,6 +25,7 @@ from fp_dcp.files import Root
 from fp_dcp.gc_freeze import GcFreeze, paused
 from fp_dcp.options import FastPersistOptions
 from fp_dcp.save import commit, directories, execute
+from fp_dcp.save import recycle as recycling
 from fp_dcp.save.plan import (
     Assignment,
     GlobalRecord,
@@ -52,12 +53,24 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
     and its buffers are kept); :meth:`close` (or ``with``) releases them.
     After each save :attr:`last_stats` holds this rank's engine, bytes, seconds,
     throughput and ``sync_seconds`` / ``sync_wait_seconds``; on the coordinator
-    also ``prepare_commit_seconds``, and :attr:`last_plan` describes the placement."""
+    also ``prepare_commit_seconds``, and :attr:`last_plan` describes the placement.
+
+    ``recycle``: a committed fp_dcp checkpoint directory that the next save
+    replaces (the one rotation would delete after it).  That save retires it
+    as it begins (it is no longer a checkpoint from then on, whatever
+    happens) and writes over its data files' blocks instead of allocating
+    new ones; what it does not reuse is removed once the save ends.  The
+    coordinator's ``recycle`` is the one used, for one save (then None).  A
+    checkpoint being saved into, a link, or a directory that is no committed
+    fp_dcp checkpoint is left as it is, with a warning (docs/OPTIONS.md,
+    "Recycling a retired checkpoint")."""
 
     def __init__(
         self,
         path: str | os.PathLike | None = None,
         options: FastPersistOptions | None = None,
+        *,
+        recycle: str | os.PathLike | None = None,
         **option_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -65,6 +78,9 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         base = options if options is not None else FastPersistOptions.from_env()
         self.options = base.replace(**option_kwargs) if option_kwargs else base
         self.path = None if path is None else os.fspath(path)
+        self.recycle = None if recycle is None else os.fspath(recycle)
+        if self.recycle is not None and self.path is not None:
+            recycling.check_recycle_path(self.recycle, self.path)
         self.data_dirs = directories.parse_data_dirs(self.options.data_dirs)
         a = self.options.split_alignment_bytes
         if a <= 0 or a & (a - 1):
@@ -81,6 +97,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         self._pending_record: GlobalRecord | None = None  # the coordinator's, kept by write_data if the planner caches
         self._world_size = 0  # the coordinator's, from prepare_global_plan
         self._prepared: _PreparedCommit | None = None  # the coordinator's, made by write_data for finish
+        self._retired: recycling.Retired | None = None  # the coordinator's, from prepare_global_plan to the save's end
 
     @staticmethod
     def _new_save_id() -> str:
@@ -90,7 +107,8 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
         self._lock.release()
-        self._gc.thaw()  # a save that failed part-way left it frozen
+        self._end_retired()  # a save that failed part-way
+        self._gc.thaw()  # ... left it frozen
         self._engines.settled()  # ... or its engines' early settle unwaited for
         self.save_id = self._new_save_id()
         self.last_stats = {}
@@ -162,6 +180,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         )
         if record is not None:
             self._pending_record = record
+        assignments = self._recycle_into(assignments)
         # A cached (empty) plan gets a usable stub: DCP's finish_plan then
         # hands write_data this save's assignment (this save's save_id)
         # instead of the final plan it cached from an earlier save.
@@ -306,9 +325,33 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                 commit.remove_superseded(root, self._data_directories(), files)
         finally:
             self._lock.release()
+            self._end_retired()
             self._gc.thaw()
         metadata.storage_data = layout
         self.last_stats["finish_seconds"] = time.perf_counter() - t0
+
+    def _recycle_into(self, assignments: list[Assignment]) -> list[Assignment]:
+        """Retire this save's ``recycle`` checkpoint, if any, and name one of
+        its data files in the assignment of each rank that takes one."""
+        self._end_retired()
+        old, self.recycle = self.recycle, None  # one save's
+        if old is None or self.data_dirs:  # (data directories: files of several devices, not recycled)
+            return assignments
+        self._retired = recycling.retire(old, self._directory())
+        if self._retired is None:
+            return assignments
+        written = [0 if a.pieces is None else int(a.pieces.length[a.pieces.device == 0].clip(0).sum())
+                   for a in assignments]
+        if not any(written):  # plans cached by DCP (their pieces are the ranks'): by rank
+            written = [1] * len(assignments)
+        taken = self._retired.assign(written)
+        self.last_plan["recycled_files"] = sum(1 for t in taken if t)
+        return [dataclasses.replace(a, recycle=t) if t else a for a, t in zip(assignments, taken)]
+
+    def _end_retired(self) -> None:
+        retired, self._retired = self._retired, None
+        if retired is not None:
+            retired.remove()
 
     def _directory(self) -> str:
         if self.path is None:
@@ -335,6 +378,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
         the async save in flight, if any, and the staging arena)."""
         self._close_staging()
         self._lock.release()
+        self._end_retired()
         self._gc.thaw()
         self._engines.close()
 

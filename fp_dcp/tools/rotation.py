@@ -8,10 +8,10 @@ import os
 import stat
 
 from fp_dcp import format as fmt
-from fp_dcp.files import Root, UnsafePathError, lstat_data_file, read_metadata_bytes
-from fp_dcp.save.commit import SaveLock
+from fp_dcp.files import Root, UnsafePathError, read_metadata_bytes
+from fp_dcp.save.commit import SaveLock, remove_checkpoint_files
 
-__all__ = ["keep_last", "committed_checkpoints"]
+__all__ = ["keep_last", "committed_checkpoints", "to_recycle"]
 
 
 def committed_checkpoints(root: str | os.PathLike) -> list[str]:
@@ -34,6 +34,16 @@ def _committed(r: Root) -> list[str]:
         found.append((st.st_mtime_ns, name))
     found.sort()
     return [name for _, name in found]
+
+
+def to_recycle(root: str | os.PathLike, keep: int) -> str | None:
+    """The committed checkpoint under ``root`` that the next save there should
+    recycle (``FastPersistWriter(path, recycle=...)``) so that ``keep`` remain
+    after it: the oldest, where there are ``keep`` or more; else None."""
+    if keep < 1:
+        raise ValueError(f"to_recycle needs keep >= 1, got {keep}")
+    found = committed_checkpoints(root) if os.path.isdir(root) else []
+    return found[0] if len(found) >= keep else None
 
 
 def keep_last(root: str | os.PathLike, n: int) -> list[str]:
@@ -65,46 +75,12 @@ def _remove_checkpoint(r: Root, name: str) -> bool:
         except OSError:
             return False
         try:
-            external: list[str] = []
-            named: set[str] = set()
             try:
-                _, layout, _ = fmt.decode_metadata(read_metadata_bytes(ck), ck.join(fmt.METADATA_NAME))
-                # only files proven to lie in this checkpoint's own sub-directory
-                # of a data directory (the writer's naming rule, checked here)
-                paths = fmt.data_file_paths(ck.path, layout)  # every name confined, or it raises
-                external = [p for (f, _), p in zip(layout.files, paths) if "/" in f]
-                named = {f for f, _ in layout.files if "/" not in f}
+                layout = fmt.decode_metadata(read_metadata_bytes(ck), ck.join(fmt.METADATA_NAME))[1]
             except (OSError, fmt.CheckpointFormatError):
-                pass  # damaged or crafted metadata: remove only fp_dcp's own names in the directory
+                layout = None  # damaged or crafted metadata: remove only fp_dcp's own names in the directory
             ck.unlink(fmt.METADATA_NAME)  # no longer committed: nothing will load it half removed
-            _remove_external(external)
-            r.remove_owned(name, lambda rel, kind: kind in ("file", "link") and _own_name(rel, named))
+            remove_checkpoint_files(r, name, ck.path, layout)
             return True
         finally:
             lock.release()
-
-
-def _own_name(name: str, named: set[str]) -> bool:
-    """A name fp_dcp writes in a checkpoint directory: a data file (this
-    checkpoint's or an earlier save's), the metadata, its temporaries, the lock."""
-    return (name in named or name == fmt.LOCK_NAME or name.startswith(fmt.METADATA_NAME)
-            or fmt.valid_data_file_name(name))
-
-
-def _remove_external(external: list[str]) -> None:
-    """The checkpoint's data files in its sub-directories of data directories
-    (regular files, in a sub-directory that is no link), then each such
-    sub-directory when empty."""
-    for path in external:
-        try:
-            lstat_data_file(path)
-            with Root(os.path.dirname(path), follow=False) as d:
-                d.unlink(os.path.basename(path))
-        except (OSError, fmt.CheckpointFormatError):
-            pass
-    for sub in {os.path.dirname(p) for p in external}:
-        try:
-            with Root(os.path.dirname(sub)) as parent:
-                parent.rmdir(os.path.basename(sub))  # only when empty; a link is not a directory
-        except OSError:
-            pass

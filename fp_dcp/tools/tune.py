@@ -41,11 +41,13 @@ class TuneError(ValueError):
 
 
 def engine_pass(op: str, path: str, nbytes: int, block_size: int, queue_depth: int, *,
-                buffer: Any = None, kind: str = "auto", direct: bool | None = True) -> dict:
+                buffer: Any = None, kind: str = "auto", direct: bool | None = True, rewrite: bool = False) -> dict:
     """A sequential ``op`` ("write": a new file, fsync in the clock; "read") of
     ``nbytes`` at ``path`` through fp_dcp's engine, to / from one aligned,
-    page-locked ``buffer`` reused for every piece.  Returns ``{"op", "bytes",
-    "seconds", "kind", "block_size", "queue_depth", "direct"}``."""
+    page-locked ``buffer`` reused for every piece.  ``rewrite``: the write
+    goes over the blocks of the existing file at ``path`` (not truncated, as
+    a recycled save writes).  Returns ``{"op", "bytes", "seconds", "kind",
+    "block_size", "queue_depth", "direct"}``."""
     if op not in ("write", "read"):
         raise ValueError(f"op must be write or read, not {op!r}")
     own = buffer is None
@@ -55,7 +57,11 @@ def engine_pass(op: str, path: str, nbytes: int, block_size: int, queue_depth: i
     span = len(buffer)
     try:
         with _native.Engine(kind, queue_depth=queue_depth, block_size=block_size) as eng:
-            fd = eng.open(path, "w" if op == "write" else "r", direct)
+            if rewrite and op == "write":
+                with files.Root(os.path.dirname(os.path.abspath(path))) as d:
+                    fd = d.open_fd(os.path.basename(path), os.O_WRONLY | (os.O_DIRECT if direct is not False else 0))
+            else:
+                fd = eng.open(path, "w" if op == "write" else "r", direct)
             try:
                 is_direct = _native.Engine.is_direct(fd)
                 if op == "read" and not is_direct:
