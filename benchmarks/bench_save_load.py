@@ -465,6 +465,11 @@ def _raw_write_beside(path: Path, nbytes: int, rewrite: bool = False) -> float:
     return r["bytes"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
 
 
+def _contender_dir(workdir: Path, mix: str, c: dict) -> Path:
+    """Where contender ``c`` saves the mix ``mix``."""
+    return workdir / f"{mix}-{c['name'].replace('[', '_').replace(']', '').replace(',', '_')}"
+
+
 def _clean_kept(path: Path) -> None:
     """Remove what a recycling or rewriting contender keeps from round to round."""
     for p in (path, path.with_name(path.name + ".prev")):
@@ -497,7 +502,7 @@ def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: boo
         for c in contenders:
             if c.get("loads_of"):
                 continue  # loads with the contender whose checkpoint it reads
-            path = workdir / f"{mix}-{c['name'].replace('[', '_').replace(']', '').replace(',', '_')}"
+            path = _contender_dir(workdir, mix, c)
             recycling = bool(c.get("recycle"))
             if not (recycling or c.get("rewrite")):  # (those keep the round before's files to write over)
                 shutil.rmtree(path, ignore_errors=True)
@@ -538,7 +543,7 @@ def run_mix(args, mix: str, contenders: list[dict], workdir: Path, can_drop: boo
     if not args.keep:
         for c in contenders:
             if c.get("recycle") or c.get("rewrite"):
-                _clean_kept(workdir / f"{mix}-{c['name'].replace('[', '_').replace(']', '').replace(',', '_')}")
+                _clean_kept(_contender_dir(workdir, mix, c))
     return {"mix": mix, "tensors": len(sd_spec.tensors), "objects": len(sd_spec.objects),
             "payload_bytes": nbytes, "runs": runs}
 

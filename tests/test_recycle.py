@@ -165,6 +165,7 @@ def _save_two_ranks(rank, world_size, old, new, recycle):
     sd = {f"r{rank}.t{i}": torch.full((5000 + 999 * i + rank,), float(rank * 100 + i)) for i in range(8)}
     w = FastPersistWriter(new, recycle=old if recycle else None)
     dcp.save(sd, storage_writer=w)
+    assert w.recycle is None
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     dcp.load(out, storage_reader=FastPersistReader(new))
     return all(torch.equal(out[k], v) for k, v in sd.items())

@@ -199,6 +199,7 @@ class FastPersistWriter(AsyncStagingMixin, StorageWriter):
                 "prepare_global_plan (a custom save function?)"
             )
         fut: Future[Any] = Future()
+        self.recycle = None  # (every rank's: the coordinator's was this save's, and is spent)
         # The pieces name this rank's own items (those of prepare_local_plan,
         # including the ones the planner's dedup removed from plan.items).
         try:
