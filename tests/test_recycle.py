@@ -19,6 +19,7 @@ from fp_dcp import format as fmt
 from fp_dcp.files import read_checkpoint_metadata
 from fp_dcp.save.commit import SaveLock
 from fp_dcp.tools.rotation import committed_checkpoints, to_recycle
+from fp_dcp.tools.verify import verify_checkpoint
 from tests._dist import run_ranks
 
 
@@ -61,6 +62,7 @@ def test_recycled_save_writes_over_the_old_file_and_round_trips(tmp_path, n_new)
     (name, st), = _data_files(new).items()
     assert st.st_ino == inode
     _load_equal(new, sd)
+    assert verify_checkpoint(new).ok  # every byte of every extent against its checksum
     # the file is cut (or grown) to the size the metadata records
     _, layout, _ = read_checkpoint_metadata(str(new))
     assert dict(layout.files)[name] == st.st_size
