@@ -173,6 +173,7 @@ def _save_two_ranks(rank, world_size, old, new, recycle):
     return all(torch.equal(out[k], v) for k, v in sd.items())
 
 
+@pytest.mark.slow  # (two processes)
 def test_every_rank_writes_over_one_retired_file(tmp_path):
     old, new = str(tmp_path / "old"), str(tmp_path / "new")
     assert all(run_ranks(2, _save_two_ranks, "", old, False))
