@@ -32,6 +32,12 @@ def check_recycle_path(recycle: str, target: str) -> None:
         )
 
 
+def _writable_over(st: os.stat_result, device: int) -> bool:
+    """Whether a retired data file (its ``lstat`` / ``fstat``) may be written
+    over by a save on ``device``: a regular file there with no other link."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_dev == device
+
+
 class Retired:
     """A checkpoint this save retired: no longer committed, locked by the
     coordinator until :meth:`remove`, with its data files in ``files``
@@ -117,7 +123,7 @@ def retire(recycle: str, target: str) -> Retired | None:
                     st = ck.lstat(f)
                 except OSError:
                     continue
-                if stat.S_ISREG(st.st_mode) and st.st_dev == device and st.st_nlink == 1:
+                if _writable_over(st, device):
                     files[f] = st.st_size
             if not files:
                 skip("none of its data files lies directly in it on the same file system as the new checkpoint")
@@ -148,8 +154,8 @@ def open_recycled(src: str, directory: str, name: str, direct: bool) -> int:
     flags = os.O_WRONLY | os.O_NONBLOCK | (os.O_DIRECT if direct else 0)
     try:
         with Root(head, follow=False) as old, Root(directory) as new:
-            st = old.lstat(leaf)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_dev != os.fstat(new.fd).st_dev:
+            device = os.fstat(new.fd).st_dev
+            if not _writable_over(old.lstat(leaf), device):
                 return -1
             old.move_to(leaf, new, name)  # (moves a link swapped in meanwhile, never follows it)
             try:
@@ -158,8 +164,7 @@ def open_recycled(src: str, directory: str, name: str, direct: bool) -> int:
                 new.unlink(name)  # what the rename brought: not a file this save can write over
                 return -1
             try:
-                now = os.fstat(fd)
-                if not stat.S_ISREG(now.st_mode) or now.st_nlink != 1:  # (linked elsewhere meanwhile)
+                if not _writable_over(os.fstat(fd), device):  # (linked elsewhere meanwhile)
                     raise OSError
                 os.set_blocking(fd, True)
             except OSError:
