@@ -203,3 +203,25 @@ def test_a_failed_recycled_save_commits_nothing_and_the_retired_one_is_removed_a
     assert not (old / fmt.METADATA_NAME).exists()  # retired as the save began: never loadable half written over
     w.close()
     assert not old.exists()
+
+
+def test_a_rank_takes_only_a_retired_checkpoints_data_file_whatever_the_plan_names(tmp_path):
+    """The file to write over comes in the coordinator's plan: a rank checks
+    it itself, so a lying peer cannot have it write over a user's file or a
+    committed checkpoint's data."""
+    from fp_dcp.save.recycle import open_recycled
+
+    new = tmp_path / "new"
+    new.mkdir()
+    user = tmp_path / "notes.txt"
+    user.write_bytes(b"mine")
+    committed = tmp_path / "committed"
+    _save(committed, _sd(1, 10))
+    (name, _), = _data_files(committed).items()
+    content = (committed / name).read_bytes()
+    target = "20260101T000000-0123abcd.r0.0.fpd"
+    assert open_recycled(str(user), str(new), target, False) == -1
+    assert open_recycled(str(committed / name), str(new), target, False) == -1
+    assert user.read_bytes() == b"mine" and (committed / name).read_bytes() == content
+    assert list(new.iterdir()) == []
+    _load_equal(committed, _sd(1, 10))

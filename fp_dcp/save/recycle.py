@@ -149,13 +149,18 @@ def open_recycled(src: str, directory: str, name: str, direct: bool) -> int:
     """Rename the retired data file ``src`` to ``name`` in ``directory`` and
     open it to be written over (O_DIRECT with ``direct``): its fd, or -1 where
     it cannot be (gone, no longer a regular file, another file system): the
-    caller then makes a new file."""
+    caller then makes a new file.  ``src`` comes from the coordinator's plan,
+    so it is checked here too: a data file's name, in a directory that is no
+    committed checkpoint (a lying peer cannot have a rank write over a file
+    that is not a retired checkpoint's)."""
     head, leaf = os.path.split(src)
+    if not fmt.valid_data_file_name(leaf) or not head:
+        return -1
     flags = os.O_WRONLY | os.O_NONBLOCK | (os.O_DIRECT if direct else 0)
     try:
         with Root(head, follow=False) as old, Root(directory) as new:
             device = os.fstat(new.fd).st_dev
-            if not _writable_over(old.lstat(leaf), device):
+            if old.exists(fmt.METADATA_NAME) or not _writable_over(old.lstat(leaf), device):
                 return -1
             old.move_to(leaf, new, name)  # (moves a link swapped in meanwhile, never follows it)
             try:
