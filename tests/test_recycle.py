@@ -219,7 +219,7 @@ def test_a_rank_takes_only_a_retired_checkpoints_data_file_whatever_the_plan_nam
     _save(committed, _sd(1, 10))
     (name, _), = _data_files(committed).items()
     content = (committed / name).read_bytes()
-    target = "20260101T000000-0123abcd.r0.0.fpd"
+    target = fmt.data_file_name(FastPersistWriter._new_save_id(), 0, 0)  # as a save names its file
     assert open_recycled(str(user), str(new), target, False) == -1
     assert open_recycled(str(committed / name), str(new), target, False) == -1
     assert user.read_bytes() == b"mine" and (committed / name).read_bytes() == content
